@@ -1,0 +1,54 @@
+"""``Bias``: add a learnable vector along the last dim."""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import BasicOperation
+
+__all__ = ["Bias"]
+
+
+class Bias(BasicOperation):
+    """``y = x + bias``.
+
+    Parameters
+    ----------
+    size : int
+        Length of ``bias`` (the input's last dim).
+    device, dtype :
+        Of the parameter; it starts at zero.
+
+    Shapes
+    ------
+    input (..., size) -> output (..., size); parameter ``bias`` (size,).
+
+    Raises
+    ------
+    ValueError
+        ``size`` is not positive, or the input's last dim is not ``size``.
+    """
+
+    def __init__(self, size: int, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        self.size = size
+        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+
+    def describe(self) -> str:
+        return f"Bias({self.size})"
+
+    def op_forward(self, ctx, input_, *, recipe=None):
+        if input_.dim() < 1 or input_.shape[-1] != self.size:
+            raise ValueError(
+                f"input must have last dim size={self.size}, got shape {tuple(input_.shape)}"
+            )
+        return input_ + self.bias.to(input_.dtype)
+
+    def op_backward(self, ctx, grad_output):
+        grad_bias = None
+        if self.bias.requires_grad:
+            grad_bias = grad_output.reshape(-1, self.size).float().sum(0).to(self.bias.dtype)
+        return grad_output, [grad_bias]

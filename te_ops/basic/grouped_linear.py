@@ -1,0 +1,397 @@
+"""``GroupedLinear``: one linear layer per group (expert) over row-split input.
+
+For group ``g`` with rows ``x_g`` (split by ``split_sizes``): ``y_g = x_g W_g^T + b_g``
+(``+ b_g * probs`` rows-wise with ``scale_bias=True``). Rows past the split-size sum are padding:
+their outputs are zero and they get zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..grouped_tensor import GroupedTensorStorage
+from ..kernels.grouped_gemm import (
+    BackendChoice,
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    select_backend,
+    stack_weights,
+)
+from ..op import BasicOperation, OperationContext
+from ..splits import GroupedSplits, make_splits
+
+__all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "probs") -> None:
+    """Check that per-row probs have shape (num_rows,), a float dtype and the input's device.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The message names ``name`` with the expected and the actual value.
+    """
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape ({num_rows},), got "
+                        f"{type(probs).__name__}")
+    if tuple(probs.shape) != (num_rows,):
+        raise ValueError(f"{name} must have shape ({num_rows},), got {tuple(probs.shape)}")
+    if not probs.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {probs.dtype}")
+    if probs.device != device:
+        raise ValueError(f"{name} must be on the input's device {device}, got {probs.device}")
+
+
+def bias_table(biases: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Shape (G + 1, N): the stacked biases and a zero row that padding rows gather."""
+    stacked = stack_weights(biases)
+    return torch.cat([stacked, stacked.new_zeros(1, stacked.shape[1])]).to(dtype)
+
+
+def add_group_bias(y: torch.Tensor, biases: list[torch.Tensor], splits: GroupedSplits,
+                   probs: torch.Tensor | None) -> torch.Tensor:
+    """``y[r] += b[group(r)]`` (times ``probs[r]`` when given); padding rows get nothing.
+
+    One gather from a (G + 1, N) table whose last row is zero, so no host sync.
+    """
+    rows = bias_table(biases, y.dtype)[splits.group_ids]
+    if probs is not None:
+        rows = rows * probs.to(y.dtype).unsqueeze(-1)
+    return y.add_(rows)
+
+
+def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
+                    probs: torch.Tensor | None) -> torch.Tensor:
+    """Per-group sum of ``dy`` rows (times ``probs`` when given): shape (G, N).
+
+    Computed as ``onehot(group)^T @ dy``: deterministic (no atomics), fp32 accumulation inside
+    the GEMM, padding rows excluded.
+    """
+    groups = torch.arange(splits.num_groups, device=dy.device)
+    onehot = (splits.group_ids.unsqueeze(0) == groups.unsqueeze(1)).to(dy.dtype)
+    if probs is not None:
+        onehot = onehot * probs.to(dy.dtype).unsqueeze(0)
+    return onehot @ dy
+
+
+@dataclass
+class GroupedLinearSaved:
+    """The one saved-context layout of :class:`GroupedLinear` (see docs/saved_context.md).
+
+    Every forward that covers a GroupedLinear (unfused or fused) writes its context with
+    :meth:`save`; every backward reads it with :meth:`load`.
+
+    Attributes
+    ----------
+    splits : GroupedSplits
+        Split sizes, offsets, per-row group ids (device tensors).
+    x : GroupedTensorStorage | None
+        The input (split grouping), or ``None`` when it is not needed (no wgrad) or is
+        recomputed by ``recompute_x``.
+    weights : list[torch.Tensor]
+        The parameters ``weight0..`` (saved by reference; no copy).
+    biases : list[torch.Tensor]
+        The parameters ``bias0..`` (empty without bias).
+    probs : torch.Tensor | None
+        Per-row scale of the bias (``scale_bias=True``).
+    backend : BackendChoice
+        The grouped GEMM backend the forward chose; backward uses the same.
+    recompute_x : callable | None
+        Returns the input when a fused forward did not save it (it recomputes it from the
+        producing op's saved context, bit-identically).
+    in_shape : tuple[int, ...]
+        Shape of the main input (leading dims are flattened into rows).
+    """
+
+    splits: GroupedSplits
+    x: GroupedTensorStorage | None
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor]
+    probs: torch.Tensor | None
+    backend: BackendChoice
+    in_shape: tuple[int, ...]
+    recompute_x: Callable[[], torch.Tensor] | None = None
+
+    def save(self, ctx: OperationContext) -> None:
+        """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
+        x_tensors: list[torch.Tensor | None] = []
+        x_storage = None
+        if self.x is not None:
+            x_tensors, x_storage = self.x.prepare_for_saving()
+        ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
+                              *self.biases, self.probs)
+        ctx.grouped_linear_layout = {
+            "num_groups": self.splits.num_groups,
+            "num_rows": self.splits.num_rows,
+            "host_sizes": self.splits.host_sizes,
+            "has_padding": self.splits.has_padding,
+            "x_storage": x_storage,
+            "num_weights": len(self.weights),
+            "num_biases": len(self.biases),
+            "backend": self.backend,
+            "recompute_x": self.recompute_x,
+            "in_shape": self.in_shape,
+        }
+
+    @classmethod
+    def load(cls, ctx: OperationContext) -> GroupedLinearSaved:
+        """Read the layout written by :meth:`save` (after the fuser restored saved tensors)."""
+        meta = ctx.grouped_linear_layout
+        rest = list(ctx.saved_tensors)
+        splits = GroupedSplits.from_tensors(
+            rest[:4], num_groups=meta["num_groups"], num_rows=meta["num_rows"],
+            host_sizes=meta["host_sizes"], has_padding=meta["has_padding"],
+        )
+        rest = rest[4:]
+        x = meta["x_storage"]
+        if x is not None:
+            rest = x.restore_from_saved(rest)
+        nw, nb = meta["num_weights"], meta["num_biases"]
+        weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
+        return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
+                   meta["recompute_x"])
+
+    def input_2d(self) -> torch.Tensor:
+        """The (rows, in_features) input, from the storage or recomputed."""
+        if self.x is not None:
+            return self.x.as_2d()
+        if self.recompute_x is None:
+            raise RuntimeError("GroupedLinear context holds no input and no way to recompute it")
+        return self.recompute_x()
+
+
+class GroupedLinear(BasicOperation):
+    """A linear layer per group: ``y_g = x_g W_g^T + b_g`` on row-split input.
+
+    Parameters
+    ----------
+    num_groups : int
+        Number of groups (experts), >= 1.
+    in_features, out_features : int
+        Per-group weight shape is (out_features, in_features).
+    bias : bool
+        Add a per-group bias ``bias{g}`` of shape (out_features,).
+    scale_bias : bool
+        Take a second extra input, per-row ``probs`` of shape (tokens,), and add
+        ``bias * probs`` instead of ``bias`` (needs ``bias=True``).
+    device, dtype :
+        Of the parameters (default: torch's defaults).
+
+    Extra inputs
+    ------------
+    split_sizes : list[int] | torch.Tensor
+        Rows per group, a host list or a 1-D integer tensor on the input's device; may sum to
+        fewer than the rows (the rest is padding), never more.
+    probs : torch.Tensor, only with ``scale_bias=True``
+        Shape (tokens,), float.
+
+    Shapes
+    ------
+    input (..., in_features) -> output (..., out_features); leading dims are flattened into
+    rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
+    ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
+    one to one. Initialization follows ``torch.nn.Linear`` (Kaiming-uniform weights, uniform
+    bias in ``±1/sqrt(in_features)``).
+
+    Raises
+    ------
+    ValueError / TypeError
+        Bad constructor arguments, an input whose last dim is not ``in_features``, bad split
+        sizes or probs (see :func:`te_ops.splits.make_splits`); messages name the argument.
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *,
+                 bias: bool = True, scale_bias: bool = False,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        for name, value in (("num_groups", num_groups), ("in_features", in_features),
+                            ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if scale_bias and not bias:
+            raise ValueError("scale_bias=True needs bias=True, got bias=False")
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype}")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.scale_bias = scale_bias
+        self.num_extra_inputs = 2 if scale_bias else 1
+        # Weights are adjacent slices of one buffer so the grouped GEMM can use them as one
+        # (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
+        weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
+                                    dtype=dtype)
+        for g in range(num_groups):
+            self.register_parameter(f"weight{g}", torch.nn.Parameter(weight_buffer[g]))
+        if bias:
+            bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
+            for g in range(num_groups):
+                self.register_parameter(f"bias{g}", torch.nn.Parameter(bias_buffer[g]))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s initialization, per group."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for w in self.weights():
+                torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            for b in self.biases():
+                torch.nn.init.uniform_(b, -bound, bound)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() give each parameter new storage: pack them into one buffer again.
+        module = super()._apply(fn, *args, **kwargs)
+        with torch.no_grad():
+            for params in (self.weights(), self.biases()):
+                if params and stack_weights(params).data_ptr() != params[0].data_ptr():
+                    buffer = torch.stack([p.data for p in params])
+                    for g, p in enumerate(params):
+                        p.data = buffer[g]
+        return module
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
+
+    def biases(self) -> list[torch.Tensor]:
+        if not self.has_bias:
+            return []
+        return [getattr(self, f"bias{g}") for g in range(self.num_groups)]
+
+    def describe(self) -> str:
+        extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
+        return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
+                f"{self.out_features}{extra})")
+
+    def unsupported_reason(self, input_: torch.Tensor) -> str | None:
+        if input_.dtype not in _SUPPORTED_DTYPES:
+            return f"input dtype {input_.dtype} is not one of {_SUPPORTED_DTYPES}"
+        return None
+
+    def dispatch_notes(self, info: Any) -> list[str]:
+        if info.dtype is None:
+            return ["grouped GEMM backend: decided at the first call"]
+        idx = info.index(self)
+        sig = info.extra_inputs[idx][0] if info.extra_inputs[idx] else None
+        device_sizes = isinstance(sig, tuple) and sig[:1] == ("tensor",)
+        try:
+            choice = select_backend(info.device, info.dtype, self.in_features,
+                                    self.out_features, device_sizes)
+        except RuntimeError as exc:
+            return [f"grouped GEMM backend: error: {exc}"]
+        safe = "graph-safe" if choice.graph_safe else "not graph-safe"
+        return [f"grouped GEMM backend: {choice.name} ({choice.reason}; {safe})"]
+
+    # ------------------------------------------------------------------ checks
+    def check_input(self, input_: torch.Tensor) -> None:
+        """Raise ValueError/TypeError when ``input_`` cannot feed this layer."""
+        if input_.dim() < 1 or input_.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input must have last dim in_features={self.in_features}, got shape "
+                f"{tuple(input_.shape)}"
+            )
+        reason = self.unsupported_reason(input_)
+        if reason:
+            raise TypeError(f"input: {reason}")
+        w = self.weight0
+        if input_.dtype != w.dtype or input_.device != w.device:
+            raise ValueError(
+                f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
+                f"{input_.dtype} on {input_.device}"
+            )
+
+    def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:
+        """Validate the input and split sizes; derive offsets and group ids on the device."""
+        self.check_input(input_)
+        rows = input_.numel() // self.in_features
+        return make_splits(split_sizes, self.num_groups, rows, input_.device)
+
+    def select_backend(self, input_: torch.Tensor, splits: GroupedSplits) -> BackendChoice:
+        return select_backend(input_.device, input_.dtype, self.in_features, self.out_features,
+                              device_split_sizes=splits.graph_safe)
+
+    # ------------------------------------------------------------------ math
+    def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
+                     probs: torch.Tensor | None) -> torch.Tensor:
+        """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero)."""
+        y = grouped_fprop(x2d, stack_weights(self.weights()), splits, backend)
+        if self.has_bias:
+            y = add_group_bias(y, self.biases(), splits, probs if self.scale_bias else None)
+        return y
+
+    def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
+                   backend: BackendChoice, probs: torch.Tensor | None, in_shape,
+                   recompute_x: Callable[[], torch.Tensor] | None = None) -> GroupedLinearSaved:
+        """Build this op's saved layout (input kept only where wgrad needs it)."""
+        need_x = any(w.requires_grad for w in self.weights()) and recompute_x is None
+        storage = None
+        if need_x and x2d is not None:
+            storage = GroupedTensorStorage(
+                self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
+                split_sizes=splits.split_sizes, base_offsets=splits.base_offsets,
+            )
+        return GroupedLinearSaved(
+            splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
+            probs=probs if self.scale_bias else None, backend=backend,
+            in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
+        )
+
+    @staticmethod
+    def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
+                      ) -> tuple[torch.Tensor | None, list[torch.Tensor | None],
+                                 torch.Tensor | None]:
+        """dgrad, parameter grads (weights then biases) and probs grad from a saved layout."""
+        splits, backend = saved.splits, saved.backend
+        weights = saved.weights
+        dgrad = None
+        if need_dgrad:
+            dgrad = grouped_dgrad(dy2d, stack_weights(weights), splits, backend)
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        if weights[0].requires_grad:
+            wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, backend)
+            grads = list(wgrad.unbind(0))
+        bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
+        grad_probs = None
+        if saved.biases:
+            if saved.biases[0].requires_grad:
+                bias_grads = list(group_bias_grad(dy2d, splits, saved.probs).unbind(0))
+            if saved.probs is not None and saved.probs.requires_grad:
+                rows = bias_table(saved.biases, dy2d.dtype)[splits.group_ids]
+                grad_probs = (rows.float() * dy2d.float()).sum(-1).to(saved.probs.dtype)
+        return dgrad, grads + bias_grads, grad_probs
+
+    # ------------------------------------------------------------------ fuser interface
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
+        ctx = basic_op_ctxs[0]
+        extra = basic_op_extra_inputs[0]
+        splits = self.prepare_splits(input_, extra[0])
+        probs = None
+        if self.scale_bias:
+            probs = extra[1]
+            check_probs(probs, splits.num_rows, input_.device)
+        backend = self.select_backend(input_, splits)
+        x2d = input_.reshape(-1, self.in_features).contiguous()
+        y = self.forward_math(x2d, splits, backend, probs)
+        if ctx.requires_grad:
+            self.make_saved(ctx, x2d, splits, backend, probs, input_.shape).save(ctx)
+        return y.view(*input_.shape[:-1], self.out_features), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        ctx = basic_op_ctxs[0]
+        saved = GroupedLinearSaved.load(ctx)
+        dy2d = grad_output.reshape(-1, self.out_features).contiguous()
+        dgrad, param_grads, grad_probs = self.backward_math(saved, dy2d, ctx.input_requires_grad)
+        if dgrad is not None:
+            dgrad = dgrad.view(saved.in_shape)
+        extra_grads = [None, grad_probs] if self.scale_bias else [None]
+        return dgrad, [param_grads], [extra_grads]

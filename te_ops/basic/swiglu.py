@@ -1,0 +1,182 @@
+"""SwiGLU and ScaledSwiGLU activations.
+
+SwiGLU (Shazeer, "GLU Variants Improve Transformer", 2020): the input's last dim is split in
+halves ``a`` (first) and ``b`` (second) and ``out = SiLU(a) * b``. This is TransformerEngine's
+convention; note that ``torch.nn.functional.glu`` gates the *other* half (``a * sigmoid(b)``).
+
+With ``glu_interleave_size=s`` the last dim is laid out in blocks of ``s``: ``a`` block, ``b``
+block, ``a`` block, ... (as TransformerEngine's ``glu_interleave_size``), which lets a
+tensor-parallel or block-quantized fc1 keep matching halves together.
+
+Math is done in float32 and the output cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..op import BasicOperation, OperationContext
+from .grouped_linear import check_probs
+
+__all__ = ["SwiGLU", "ScaledSwiGLU", "SwiGLUSaved", "swiglu_forward", "swiglu_backward"]
+
+
+def _halves(x: torch.Tensor, interleave: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if interleave is None:
+        return x.chunk(2, dim=-1)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // (2 * interleave), 2, interleave)
+    a, b = blocks.unbind(-2)
+    return a.reshape(*x.shape[:-1], -1), b.reshape(*x.shape[:-1], -1)
+
+
+def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.Tensor:
+    if interleave is None:
+        return torch.cat([da, db], dim=-1)
+    shape = (*da.shape[:-1], da.shape[-1] // interleave, 1, interleave)
+    return torch.cat([da.reshape(shape), db.reshape(shape)], dim=-2).reshape(
+        *da.shape[:-1], 2 * da.shape[-1])
+
+
+def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
+                   probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``SiLU(a) * b`` (times ``probs[..., None]``), computed in fp32, cast to ``x.dtype``.
+
+    Shapes: x (..., 2F), probs (...) -> (..., F).
+    """
+    a, b = _halves(x, interleave)
+    out = torch.nn.functional.silu(a.float()) * b.float()
+    if probs is not None:
+        out = out * probs.float().unsqueeze(-1)
+    return out.to(x.dtype)
+
+
+def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, interleave: int | None = None,
+                    probs: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
+
+    With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
+    Shapes: x (..., 2F), grad_output (..., F) -> (grad_x (..., 2F), grad_probs (...) | None).
+    """
+    a, b = _halves(x, interleave)
+    a, b = a.float(), b.float()
+    dy = grad_output.float()
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    grad_probs = None
+    if probs is not None:
+        grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
+        dy = dy * probs.float().unsqueeze(-1)
+    da = dy * b * sig * (1 + a * (1 - sig))
+    db = dy * silu
+    return _join(da, db, interleave).to(x.dtype), grad_probs
+
+
+@dataclass
+class SwiGLUSaved:
+    """The one saved-context layout of SwiGLU / ScaledSwiGLU: the input and the probs."""
+
+    x: torch.Tensor
+    probs: torch.Tensor | None
+
+    def save(self, ctx: OperationContext) -> None:
+        ctx.save_for_backward(self.x, self.probs)
+
+    @classmethod
+    def load(cls, ctx: OperationContext) -> SwiGLUSaved:
+        x, probs = ctx.saved_tensors
+        return cls(x, probs)
+
+
+class SwiGLU(BasicOperation):
+    """``SiLU(a) * b`` with ``a`` the first half of the last dim and ``b`` the second.
+
+    Parameters
+    ----------
+    glu_interleave_size : int, optional
+        Block size of an interleaved layout (see module docstring); ``None`` for halves.
+
+    Shapes
+    ------
+    input (..., 2F) -> output (..., F), same dtype (fp32 math inside).
+
+    Raises
+    ------
+    ValueError
+        The last dim is odd or not a multiple of ``2 * glu_interleave_size``.
+    """
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__()
+        if glu_interleave_size is not None and (
+            isinstance(glu_interleave_size, bool) or not isinstance(glu_interleave_size, int)
+            or glu_interleave_size < 1
+        ):
+            raise ValueError(
+                f"glu_interleave_size must be a positive int or None, got {glu_interleave_size!r}"
+            )
+        self.glu_interleave_size = glu_interleave_size
+
+    def check_input(self, input_: torch.Tensor) -> None:
+        step = 2 * (self.glu_interleave_size or 1)
+        if input_.dim() < 1 or input_.shape[-1] % step:
+            raise ValueError(
+                f"input must have a last dim divisible by {step}, got shape "
+                f"{tuple(input_.shape)}"
+            )
+        if not input_.is_floating_point():
+            raise TypeError(f"input must be floating point, got {input_.dtype}")
+
+    def describe(self) -> str:
+        il = f"glu_interleave_size={self.glu_interleave_size}" if self.glu_interleave_size else ""
+        return f"{type(self).__name__}({il})"
+
+    def op_forward(self, ctx, input_, *, recipe=None):
+        self.check_input(input_)
+        if ctx.requires_grad:
+            SwiGLUSaved(input_, None).save(ctx)
+        return swiglu_forward(input_, self.glu_interleave_size)
+
+    def op_backward(self, ctx, grad_output):
+        saved = SwiGLUSaved.load(ctx)
+        grad_input, _ = swiglu_backward(saved.x, grad_output, self.glu_interleave_size)
+        return grad_input, []
+
+    def recompute_output(self, saved: SwiGLUSaved) -> torch.Tensor:
+        """The forward output, recomputed bit-identically from the saved context."""
+        return swiglu_forward(saved.x, self.glu_interleave_size, saved.probs)
+
+
+class ScaledSwiGLU(SwiGLU):
+    """``SwiGLU(x) * probs[..., None]``; ``probs`` is an extra input with its own gradient.
+
+    Extra inputs
+    ------------
+    probs : torch.Tensor
+        Shape (tokens,) where tokens = ``input.numel() // input.shape[-1]``, float.
+
+    Raises
+    ------
+    ValueError / TypeError
+        As :class:`SwiGLU`, and ``probs`` of the wrong shape, dtype or device.
+    """
+
+    num_extra_inputs = 1
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
+        ctx = basic_op_ctxs[0]
+        (probs,) = basic_op_extra_inputs[0]
+        self.check_input(input_)
+        check_probs(probs, input_.numel() // input_.shape[-1], input_.device)
+        probs = probs.view(input_.shape[:-1])
+        if ctx.requires_grad:
+            SwiGLUSaved(input_, probs).save(ctx)
+        return swiglu_forward(input_, self.glu_interleave_size, probs), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        saved = SwiGLUSaved.load(basic_op_ctxs[0])
+        grad_input, grad_probs = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
+                                                 saved.probs)
+        return grad_input, [[]], [[grad_probs.reshape(-1)]]

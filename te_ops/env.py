@@ -1,0 +1,123 @@
+"""Every environment variable te_ops reads, declared once.
+
+Variables are read when the fuser plans (each call checks whether they changed), never at
+import. A malformed value raises :class:`ValueError` naming the variable, the accepted values
+and the value found. ``README.md`` prints the same table (``python -m te_ops.env`` renders it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["EnvVar", "ENV_VARS", "read", "snapshot", "markdown_table"]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: name, default, accepted values and meaning."""
+
+    name: str
+    default: str
+    choices: tuple[str, ...]
+    meaning: str
+
+
+_BOOL = ("0", "1")
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "TE_OPS_FUSION",
+            "1",
+            _BOOL,
+            "0 turns every registered fusion off (each op runs its unfused forward and backward).",
+        ),
+        EnvVar(
+            "TE_OPS_FUSE_GROUPED_MLP_FORWARD",
+            "1",
+            _BOOL,
+            "0 turns off the fused forward of GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.",
+        ),
+        EnvVar(
+            "TE_OPS_FUSE_GROUPED_MLP_BACKWARD",
+            "1",
+            _BOOL,
+            "0 turns off the fused backward of GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.",
+        ),
+        EnvVar(
+            "TE_OPS_GROUPED_GEMM_BACKEND",
+            "auto",
+            ("auto", "grouped_mm", "loop"),
+            "Grouped GEMM backend: auto picks torch._grouped_mm where device, dtype and "
+            "alignment allow it, else a per-group loop; a forced backend that cannot run raises "
+            "with the reason.",
+        ),
+        EnvVar(
+            "TE_OPS_GRAPH_SAFE",
+            "auto",
+            ("auto", "0", "1"),
+            "1 forces the graph-safe path (no host sync; raises with the reason where a "
+            "configuration cannot take it); 0 forbids it (device split sizes are copied to the "
+            "host and the per-group loop runs); auto takes it whenever split sizes are a device "
+            "tensor and the backend allows.",
+        ),
+        EnvVar(
+            "TE_OPS_CHECK_SPLIT_SIZES",
+            "0",
+            _BOOL,
+            "1 adds an eager, host-syncing check of device split sizes (length, sign, sum) with a "
+            "readable error; the default checks them on the device without a sync.",
+        ),
+        EnvVar(
+            "TE_OPS_EXAMPLE_PROGRESS",
+            "1",
+            _BOOL,
+            "0 hides the main job's tqdm progress bar (metrics are still printed).",
+        ),
+    )
+}
+
+
+def read(name: str) -> str:
+    """Return the current value of a declared variable (its default when unset).
+
+    Raises
+    ------
+    KeyError
+        ``name`` is not a declared te_ops variable.
+    ValueError
+        The value set is not one of the accepted values; the message names the variable.
+    """
+    var = ENV_VARS[name]
+    value = os.environ.get(name, var.default).strip().lower()
+    if value == "":
+        value = var.default
+    if value not in var.choices:
+        raise ValueError(
+            f"environment variable {name} must be one of {list(var.choices)}, got {value!r}"
+        )
+    return value
+
+
+def read_bool(name: str) -> bool:
+    """Read a 0/1 variable as a bool (raises like :func:`read`)."""
+    return read(name) == "1"
+
+
+def snapshot() -> tuple[tuple[str, str], ...]:
+    """All variables' current values, validated; used as part of the fuser's plan-cache key."""
+    return tuple((name, read(name)) for name in ENV_VARS)
+
+
+def markdown_table() -> str:
+    """The README's environment-variable table."""
+    rows = ["| variable | default | values | meaning |", "| --- | --- | --- | --- |"]
+    for v in ENV_VARS.values():
+        rows.append(f"| `{v.name}` | `{v.default}` | {', '.join(v.choices)} | {v.meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,445 @@
+"""The operation fuser: runs a list of basic ops as one ``torch.autograd.Function``.
+
+Forward walks the *forward plan* (basic ops with runs replaced by forward-fused ops); backward
+walks the *backward plan* in reverse. The two plans are made independently, so a fused forward
+can be followed by the unfused backward and the reverse: every op reads and writes its own
+saved context (see ``docs/saved_context.md``).
+
+Fusion functions are registered in three passes, applied in this order:
+
+* joint (``register_joint_fusion``): the result is used for forward *and* backward;
+* forward-only (``register_forward_fusion``) on the joint result;
+* backward-only (``register_backward_fusion``) on the joint result.
+
+A fusion function has the signature ``func(ops, *, recipe, info) -> ops``: ``ops`` is a list of
+:class:`~te_ops.op.FusibleOperation`, ``info`` a :class:`PlanInfo` describing this call's input
+(dtype, device, extra inputs) and collecting the reasons a fusion did not apply
+(``info.note(reason)``), which ``Sequential.explain()`` prints.
+
+The plan is cached and recomputed when the recipe type, which ops need grad, the environment
+toggles (``te_ops.env``) or the kind of inputs (dtype, device, split-size kind and sharing)
+change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import env
+from .op import BasicOperation, FusibleOperation, OperationContext
+
+__all__ = [
+    "OperationFuser",
+    "PlanInfo",
+    "Fusion",
+    "register_joint_fusion",
+    "register_forward_fusion",
+    "register_backward_fusion",
+    "registered_fusions",
+    "unregister_fusion",
+]
+
+FusionFunc = Callable[..., list[FusibleOperation]]
+
+
+@dataclass
+class Fusion:
+    """A registered fusion: its pass, its name, the function and the env toggle that gates it."""
+
+    kind: str  # "joint" | "forward" | "backward"
+    name: str
+    func: FusionFunc
+    env_var: str | None = None
+
+
+_FUSIONS: list[Fusion] = []
+
+
+def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None, env_var: str | None):
+    if env_var is not None and env_var not in env.ENV_VARS:
+        raise ValueError(f"env_var must be a variable declared in te_ops.env, got {env_var!r}")
+    fusion = Fusion(kind=kind, name=name or getattr(func, "__name__", repr(func)), func=func,
+                    env_var=env_var)
+    if prepend:
+        _FUSIONS.insert(0, fusion)
+    else:
+        _FUSIONS.append(fusion)
+    return fusion
+
+
+def register_joint_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
+                          env_var: str | None = None) -> Fusion:
+    """Register a fusion whose result is used for both forward and backward."""
+    return _register("joint", func, prepend, name, env_var)
+
+
+def register_forward_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
+                            env_var: str | None = None) -> Fusion:
+    """Register a forward-only fusion (``env_var``, if given, must be '1' for it to run)."""
+    return _register("forward", func, prepend, name, env_var)
+
+
+def register_backward_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
+                             env_var: str | None = None) -> Fusion:
+    """Register a backward-only fusion (``env_var``, if given, must be '1' for it to run)."""
+    return _register("backward", func, prepend, name, env_var)
+
+
+def unregister_fusion(fusion: Fusion) -> None:
+    """Remove a fusion registered earlier (used by tests)."""
+    _FUSIONS.remove(fusion)
+
+
+def registered_fusions() -> list[Fusion]:
+    """The registered fusions, in application order within each pass."""
+    return list(_FUSIONS)
+
+
+def _extra_input_signature(value: Any) -> tuple:
+    if value is None:
+        return ("none",)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device.type, value.dim())
+    if isinstance(value, (list, tuple)):
+        return ("list", len(value))
+    return (type(value).__name__,)
+
+
+def _source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:
+    """Index of the first extra input that is the same source as each one.
+
+    Tensors are the same source when they are the same object; host lists when equal.
+    """
+    classes: list[int] = []
+    for i, value in enumerate(flat_extra):
+        cls = i
+        for j in range(i):
+            other = flat_extra[j]
+            if value is other or (
+                isinstance(value, (list, tuple))
+                and isinstance(other, (list, tuple))
+                and list(value) == list(other)
+            ):
+                cls = classes[j]
+                break
+        classes.append(cls)
+    return tuple(classes)
+
+
+@dataclass
+class PlanInfo:
+    """What a fusion function may know about the call it plans for.
+
+    Attributes
+    ----------
+    dtype, device : the main input's dtype and device (``None`` when planning without input).
+    basic_ops : the fuser's basic ops, in order.
+    extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown).
+    requires_grad : per basic op, whether it takes part in backward.
+    notes : (fusion name, reason) pairs recorded by fusions that did not apply.
+    """
+
+    dtype: torch.dtype | None
+    device: torch.device | None
+    basic_ops: list[BasicOperation]
+    extra_inputs: list[tuple[Any, ...]]
+    requires_grad: list[bool]
+    notes: list[tuple[str, str]] = field(default_factory=list)
+    _current: str = ""
+
+    def index(self, op: BasicOperation) -> int:
+        """Position of a basic op in the fuser."""
+        for i, candidate in enumerate(self.basic_ops):
+            if candidate is op:
+                return i
+        raise ValueError(f"op {type(op).__name__} is not one of this fuser's basic ops")
+
+    def same_source(self, a: Any, b: Any) -> bool:
+        """Whether two extra inputs come from one source (same tensor object or equal lists)."""
+        if a is b:
+            return True
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return list(a) == list(b)
+        return False
+
+    def note(self, reason: str) -> None:
+        """Record why the running fusion did not apply somewhere (shown by ``explain()``)."""
+        self.notes.append((self._current, reason))
+
+
+@dataclass
+class _Plan:
+    forward_ops: list[tuple[FusibleOperation, list[int]]]
+    backward_ops: list[tuple[FusibleOperation, list[int]]]
+    info: PlanInfo
+
+
+def _run_pass(kind: str, ops: list[FusibleOperation], recipe: Any, info: PlanInfo,
+              enabled: bool) -> list[FusibleOperation]:
+    for fusion in _FUSIONS:
+        if fusion.kind != kind:
+            continue
+        info._current = fusion.name
+        if not enabled:
+            info.note("TE_OPS_FUSION=0 turns every fusion off")
+            continue
+        if fusion.env_var is not None and not env.read_bool(fusion.env_var):
+            info.note(f"{fusion.env_var}=0")
+            continue
+        ops = fusion.func(ops, recipe=recipe, info=info)
+    info._current = ""
+    return ops
+
+
+class OperationFuser:
+    """Runs basic ops, fused where registered fusions apply, in one autograd function.
+
+    Parameters
+    ----------
+    ops : sequence of BasicOperation
+        The ops in order. Their extra inputs follow the main input positionally when calling.
+
+    Calling
+    -------
+    ``fuser(input_, *extra_inputs)`` returns the main output, or ``(output, *extra_outputs)``
+    when any op has extra outputs.
+
+    Raises
+    ------
+    TypeError
+        ``ops`` holds something that is not a BasicOperation.
+    ValueError
+        The number of extra inputs does not match the ops' ``num_extra_inputs``.
+    """
+
+    def __init__(self, ops: Sequence[FusibleOperation]) -> None:
+        basic: list[BasicOperation] = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, FusibleOperation):
+                raise TypeError(f"ops[{i}] must be a te_ops FusibleOperation, got {type(op)}")
+            basic.extend(op.basic_ops)
+        self.basic_ops = basic
+        self.num_extra_inputs = [op.num_extra_inputs for op in basic]
+        self.num_extra_outputs = [op.num_extra_outputs for op in basic]
+        self._plan_key: Any = None
+        self._plan: _Plan | None = None
+
+    # ------------------------------------------------------------------ planning
+    def _plan_for(self, input_: torch.Tensor | None, extra_inputs: list[tuple[Any, ...]],
+                  requires_grad: list[bool], recipe: Any) -> _Plan:
+        flat_extra = [v for group in extra_inputs for v in group]
+        key = (
+            type(recipe),
+            tuple(requires_grad),
+            env.snapshot(),
+            None if input_ is None else (input_.dtype, input_.device.type),
+            tuple(_extra_input_signature(v) for v in flat_extra),
+            _source_classes(flat_extra),
+        )
+        if key == self._plan_key and self._plan is not None:
+            return self._plan
+        info = PlanInfo(
+            dtype=None if input_ is None else input_.dtype,
+            device=None if input_ is None else input_.device,
+            basic_ops=self.basic_ops,
+            extra_inputs=extra_inputs,
+            requires_grad=requires_grad,
+        )
+        enabled = env.read_bool("TE_OPS_FUSION")
+        joint = _run_pass("joint", list(self.basic_ops), recipe, info, enabled)
+        forward = _run_pass("forward", list(joint), recipe, info, enabled)
+        backward = _run_pass("backward", list(joint), recipe, info, enabled)
+        # The plan must not keep the call's tensors alive.
+        info.extra_inputs = [tuple(_extra_input_signature(v) for v in g) for g in extra_inputs]
+        plan = _Plan(self._with_indices(forward), self._with_indices(backward), info)
+        self._plan_key, self._plan = key, plan
+        return plan
+
+    def _with_indices(self, ops: list[FusibleOperation]) -> list[tuple[FusibleOperation, list[int]]]:
+        ids = {id(op): i for i, op in enumerate(self.basic_ops)}
+        out = []
+        expected = 0
+        for op in ops:
+            idx = [ids[id(b)] for b in op.basic_ops]
+            if idx != list(range(expected, expected + len(idx))):
+                raise RuntimeError(
+                    f"fusion produced ops out of order: {type(op).__name__} covers basic ops "
+                    f"{idx}, expected to start at {expected}"
+                )
+            expected += len(idx)
+            out.append((op, idx))
+        if expected != len(self.basic_ops):
+            raise RuntimeError(
+                f"fusion dropped ops: plan covers {expected} of {len(self.basic_ops)} basic ops"
+            )
+        return out
+
+    def plan(self, input_: torch.Tensor | None = None, *extra_inputs: Any,
+             recipe: Any = None) -> _Plan:
+        """The plan this fuser would use for such a call (for ``explain()``); runs nothing."""
+        if self._plan is not None and input_ is None:
+            return self._plan
+        groups = self._split_extra_inputs(extra_inputs, allow_missing=True)
+        requires_grad = [True] * len(self.basic_ops)
+        return self._plan_for(input_, groups, requires_grad, recipe)
+
+    def _split_extra_inputs(self, extra_inputs: Sequence[Any],
+                            allow_missing: bool = False) -> list[tuple[Any, ...]]:
+        total = sum(self.num_extra_inputs)
+        if len(extra_inputs) != total and not (allow_missing and not extra_inputs):
+            names = [f"{type(op).__name__}:{op.num_extra_inputs}" for op in self.basic_ops
+                     if op.num_extra_inputs]
+            raise ValueError(
+                f"extra_inputs: expected {total} extra inputs after the main input "
+                f"({', '.join(names) or 'none'}), got {len(extra_inputs)}"
+            )
+        groups: list[tuple[Any, ...]] = []
+        pos = 0
+        for n in self.num_extra_inputs:
+            groups.append(tuple(extra_inputs[pos:pos + n]) if extra_inputs else (None,) * n)
+            pos += n
+        return groups
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
+        if not isinstance(input_, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
+        groups = self._split_extra_inputs(extra_inputs)
+        params = [list(op.parameters()) for op in self.basic_ops]
+        flat_params = [p for ps in params for p in ps]
+        flat_extra = [v for g in groups for v in g]
+
+        grad_enabled = torch.is_grad_enabled()
+        needs = [
+            grad_enabled
+            and (any(p.requires_grad for p in ps)
+                 or any(isinstance(v, torch.Tensor) and v.requires_grad for v in g))
+            for ps, g in zip(params, groups)
+        ]
+        input_grad = grad_enabled and input_.requires_grad
+        first = next((i for i, n in enumerate(needs) if n), len(needs))
+        if input_grad:
+            first = 0
+        requires_grad = [i >= first for i in range(len(self.basic_ops))]
+        plan = self._plan_for(input_, groups, requires_grad, recipe)
+
+        if not any(requires_grad):
+            ctxs = [OperationContext() for _ in self.basic_ops]
+            for c in ctxs:
+                c.requires_grad = False
+                c.input_requires_grad = False
+            out, extra_out = _forward_ops(plan, ctxs, input_, groups, recipe)
+            return _pack_outputs(out, extra_out)
+
+        outputs = _FuserFunction.apply(
+            input_, self, plan, recipe, requires_grad, input_grad, len(flat_params),
+            *flat_params, *flat_extra,
+        )
+        return outputs if sum(self.num_extra_outputs) else outputs[0]
+
+
+def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
+    return (out, *extra_out) if extra_out else out
+
+
+def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
+                 groups: list[tuple[Any, ...]], recipe: Any):
+    x = input_
+    extra_out: list[torch.Tensor] = []
+    for op, idx in plan.forward_ops:
+        x, op_extra = op.fuser_forward(
+            [ctxs[i] for i in idx], x,
+            basic_op_extra_inputs=[groups[i] for i in idx], recipe=recipe,
+        )
+        for i, outs in zip(idx, op_extra):
+            if len(outs) != plan.info.basic_ops[i].num_extra_outputs:
+                raise RuntimeError(
+                    f"{type(op).__name__} returned {len(outs)} extra outputs for basic op {i}, "
+                    f"expected {plan.info.basic_ops[i].num_extra_outputs}"
+                )
+            extra_out.extend(outs)
+    return x, extra_out
+
+
+class _FuserFunction(torch.autograd.Function):
+    """One autograd node for the whole op list."""
+
+    @staticmethod
+    def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, num_params,
+                *params_and_extra):
+        groups = fuser._split_extra_inputs(params_and_extra[num_params:])
+        op_ctxs = [OperationContext() for _ in fuser.basic_ops]
+        for i, c in enumerate(op_ctxs):
+            c.requires_grad = requires_grad[i]
+            c.input_requires_grad = requires_grad[i] if i else input_grad
+        out, extra_out = _forward_ops(plan, op_ctxs, input_, groups, recipe)
+
+        to_save: list[torch.Tensor | None] = []
+        ranges = []
+        for c in op_ctxs:
+            saved = tuple(c.to_save or ())
+            ranges.append((len(to_save), len(to_save) + len(saved)))
+            to_save.extend(saved)
+            c.to_save = None
+        ctx.save_for_backward(*to_save)
+        ctx.ranges = ranges
+        ctx.op_ctxs = op_ctxs
+        ctx.plan = plan
+        ctx.fuser = fuser
+        ctx.num_params = num_params
+        ctx.extra_is_tensor = [isinstance(v, torch.Tensor) for g in groups for v in g]
+        for t in extra_out:
+            if not t.is_floating_point():
+                ctx.mark_non_differentiable(t)
+        return (out, *extra_out)
+
+    @staticmethod
+    def backward(ctx, grad_output, *grad_extra_outputs):
+        fuser: OperationFuser = ctx.fuser
+        saved = ctx.saved_tensors
+        for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
+            c.saved_tensors = saved[a:b]
+        grad_extra_groups: list[tuple] = []
+        pos = 0
+        for n in fuser.num_extra_outputs:
+            grad_extra_groups.append(tuple(grad_extra_outputs[pos:pos + n]))
+            pos += n
+
+        n_ops = len(fuser.basic_ops)
+        grad_params: list[list[torch.Tensor | None]] = [[] for _ in range(n_ops)]
+        grad_extra: list[list[torch.Tensor | None]] = [[] for _ in range(n_ops)]
+        dx = grad_output
+        for op, idx in reversed(ctx.plan.backward_ops):
+            if not any(ctx.op_ctxs[i].requires_grad for i in idx):
+                dx = None  # ops before the first one that needs grad
+                break
+            dx, op_grad_params, op_grad_extra = op.fuser_backward(
+                [ctx.op_ctxs[i] for i in idx], dx,
+                basic_op_grad_extra_outputs=[grad_extra_groups[i] for i in idx],
+            )
+            for j, i in enumerate(idx):
+                grad_params[i] = list(op_grad_params[j])
+                grad_extra[i] = list(op_grad_extra[j])
+        for c in ctx.op_ctxs:  # free activations as soon as possible
+            c.saved_tensors = ()
+
+        flat_grad_params = []
+        for i, op in enumerate(fuser.basic_ops):
+            n = sum(1 for _ in op.parameters())
+            gp = grad_params[i] or [None] * n
+            if len(gp) != n:
+                raise RuntimeError(
+                    f"{type(op).__name__} returned {len(gp)} parameter grads, expected {n}"
+                )
+            flat_grad_params.extend(gp)
+        flat_grad_extra = []
+        for i, n in enumerate(fuser.num_extra_inputs):
+            ge = grad_extra[i] or [None] * n
+            flat_grad_extra.extend(ge)
+        flat_grad_extra = [g if is_t else None
+                           for g, is_t in zip(flat_grad_extra, ctx.extra_is_tensor)]
+        return (dx, None, None, None, None, None, None, *flat_grad_params, *flat_grad_extra)

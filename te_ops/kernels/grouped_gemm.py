@@ -1,0 +1,209 @@
+"""Grouped GEMM dispatch: fprop, dgrad and wgrad of a grouped linear layer.
+
+For group ``g`` with rows ``x_g`` (m_g, K), weight ``W_g`` (N, K) and output gradient ``dy_g``:
+
+* fprop:  ``y_g  = x_g @ W_g^T``   (m_g, N)
+* dgrad:  ``dx_g = dy_g @ W_g``    (m_g, K)
+* wgrad:  ``dW_g = dy_g^T @ x_g``  (N, K)
+
+Backends
+--------
+``grouped_mm``
+    ``torch._grouped_mm`` with device offsets: one call for all groups, no host sync
+    (graph-safe). Needs a device/dtype the installed torch supports (found by a one-time probe
+    per device and dtype, which records torch's own error as the reason) and 16-byte aligned
+    rows (``in_features`` and ``out_features`` times the element size divisible by 16).
+``loop``
+    One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
+    tensor is copied to the host: a sync, so not graph-safe).
+
+Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends.
+``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
+the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import env
+from ..splits import GroupedSplits
+
+__all__ = [
+    "BackendChoice",
+    "grouped_mm_unsupported_reason",
+    "select_backend",
+    "stack_weights",
+    "grouped_fprop",
+    "grouped_dgrad",
+    "grouped_wgrad",
+]
+
+_PROBE_CACHE: dict[tuple[str, int | None, torch.dtype], str | None] = {}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The grouped GEMM backend picked for a call, and why."""
+
+    name: str  # "grouped_mm" | "loop"
+    reason: str
+    graph_safe: bool
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
+    key = (device.type, device.index, dtype)
+    if key in _PROBE_CACHE:
+        return _PROBE_CACHE[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "torch._grouped_mm was not probed before CUDA graph capture (run once eagerly)"
+    reason: str | None = None
+    try:
+        a = torch.zeros(32, 16, device=device, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        offs = torch.arange(1, 3, device=device, dtype=torch.int32) * 16
+        torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(a.t(), a[:, :16], offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        reason = f"torch._grouped_mm does not run for {dtype} on {device.type}: " + (
+            str(exc).splitlines()[0][:200]
+        )
+    _PROBE_CACHE[key] = reason
+    return reason
+
+
+def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_features: int,
+                                  out_features: int) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run this grouped linear (``None`` when it can)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    elem = torch.empty((), dtype=dtype).element_size()
+    for name, dim in (("in_features", in_features), ("out_features", out_features)):
+        if (dim * elem) % 16:
+            return (f"{name}={dim} x {elem} bytes is not a multiple of 16 bytes "
+                    "(torch._grouped_mm needs 16-byte aligned rows)")
+    return _probe_grouped_mm(device, dtype)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
+                   out_features: int, device_split_sizes: bool) -> BackendChoice:
+    """Pick the grouped GEMM backend for one grouped linear call.
+
+    Parameters
+    ----------
+    device_split_sizes : bool
+        Whether the split sizes are a device tensor (the loop backend then needs a host sync).
+
+    Raises
+    ------
+    RuntimeError
+        ``TE_OPS_GROUPED_GEMM_BACKEND`` forces ``grouped_mm`` where it cannot run, or
+        ``TE_OPS_GRAPH_SAFE=1`` forces the graph-safe path where it cannot be taken; the message
+        gives the reason.
+    """
+    forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
+    graph_safe = env.read("TE_OPS_GRAPH_SAFE")
+    reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
+    if forced == "grouped_mm":
+        if reason is not None:
+            raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
+        choice = BackendChoice("grouped_mm", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
+                               graph_safe=device_split_sizes)
+    elif forced == "loop":
+        choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
+    elif graph_safe == "0" and device_split_sizes:
+        choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
+    elif reason is None:
+        choice = BackendChoice("grouped_mm", "device, dtype and alignment allow it",
+                               graph_safe=device_split_sizes)
+    else:
+        choice = BackendChoice("loop", reason, False)
+    if graph_safe == "1" and not choice.graph_safe:
+        why = (choice.reason if device_split_sizes
+               else "split sizes are a host list (pass a device tensor)")
+        if choice.name == "loop" and device_split_sizes:
+            why = f"the loop backend copies split sizes to the host ({choice.reason})"
+        raise RuntimeError(f"TE_OPS_GRAPH_SAFE=1 but the graph-safe path is unsupported: {why}")
+    return choice
+
+
+def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The (num_groups, *shape) stacked tensor (e.g. (G, N, K) weights), without a copy when the weights are adjacent views.
+
+    :class:`~te_ops.basic.GroupedLinear` allocates its weights as consecutive slices of one
+    buffer, so this is normally a free view; otherwise (weights replaced, or on ``meta``) it
+    stacks them (a copy).
+    """
+    w0 = weights[0]
+    n = len(weights)
+    step = w0.numel() * w0.element_size()
+    if (
+        w0.device.type != "meta"
+        and all(w.is_contiguous() and w.dtype == w0.dtype and w.shape == w0.shape
+                for w in weights)
+        and all(w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights))
+        and w0.untyped_storage().nbytes() >= (w0.storage_offset() * w0.element_size() + n * step)
+    ):
+        return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
+    return torch.stack(weights)
+
+
+def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
+    if splits.has_padding is False:
+        return out
+    return out.masked_fill_(~splits.valid_rows(), 0)
+
+
+def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
+                  backend: BackendChoice) -> torch.Tensor:
+    """``y_g = x_g @ W_g^T`` for every group.
+
+    Shapes: x (M, K), weights (G, N, K) → y (M, N), same dtype as x; padding rows are zero.
+    """
+    if backend.name == "grouped_mm":
+        out = torch._grouped_mm(x, weights.transpose(-2, -1), offs=splits.offsets)
+        return _zero_padding(out, splits)
+    out = x.new_zeros(x.shape[0], weights.shape[1])
+    start = 0
+    for g, m in enumerate(splits.sizes_on_host()):
+        if m:
+            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
+        start += m
+    return out
+
+
+def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
+                  backend: BackendChoice) -> torch.Tensor:
+    """``dx_g = dy_g @ W_g`` for every group.
+
+    Shapes: dy (M, N), weights (G, N, K) → dx (M, K); padding rows are zero.
+    """
+    if backend.name == "grouped_mm":
+        out = torch._grouped_mm(dy, weights, offs=splits.offsets)
+        return _zero_padding(out, splits)
+    out = dy.new_zeros(dy.shape[0], weights.shape[2])
+    start = 0
+    for g, m in enumerate(splits.sizes_on_host()):
+        if m:
+            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
+        start += m
+    return out
+
+
+def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
+                  backend: BackendChoice) -> torch.Tensor:
+    """``dW_g = dy_g^T @ x_g`` for every group (zero for empty groups).
+
+    Shapes: x (M, K), dy (M, N) → dW (G, N, K), dtype of x. Padding rows do not contribute.
+    """
+    if backend.name == "grouped_mm":
+        return torch._grouped_mm(dy.t(), x, offs=splits.offsets)
+    out = x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
+    start = 0
+    for g, m in enumerate(splits.sizes_on_host()):
+        if m:
+            torch.mm(dy[start:start + m].t(), x[start:start + m], out=out[g])
+        start += m
+    return out

@@ -1,0 +1,179 @@
+"""The operation classes every te_ops op derives from.
+
+* :class:`BasicOperation` owns parameters and state and defines the math of one step
+  (``op_forward`` / ``op_backward``, or ``fuser_forward`` / ``fuser_backward`` when it takes extra
+  tensor inputs or gives extra outputs).
+* :class:`FusedOperation` is stateless: it stands in for a run of consecutive basic ops in the
+  forward pass, the backward pass, or both, and reads and writes the *basic ops'* contexts.
+* :class:`OperationContext` is the per-basic-op autograd context.
+
+The semantics follow TransformerEngine's ``transformer_engine.pytorch.ops`` (op_forward /
+fuser_forward split, one context per basic op, extra inputs and outputs per op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["OperationContext", "FusibleOperation", "BasicOperation", "FusedOperation"]
+
+
+class OperationContext:
+    """Autograd context of one basic op.
+
+    Attributes
+    ----------
+    requires_grad : bool
+        Whether this op takes part in the backward pass; when False the op saves nothing.
+    input_requires_grad : bool
+        Whether the op must compute the gradient of its main input (False only for the first op
+        of a fuser whose input does not require grad).
+    saved_tensors : tuple[torch.Tensor | None, ...]
+        What ``save_for_backward`` was given, available in the backward pass.
+    """
+
+    def __init__(self) -> None:
+        self.to_save: tuple[torch.Tensor | None, ...] | None = None
+        self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
+        self.requires_grad: bool = True
+        self.input_requires_grad: bool = True
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        """Register tensors to keep for the backward pass (``None`` entries are allowed)."""
+        self.to_save = tensors
+
+
+class FusibleOperation(torch.nn.Module):
+    """Base of basic and fused operations: one step the fuser can run."""
+
+    @property
+    def is_fused_op(self) -> bool:
+        raise NotImplementedError
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[Any, ...]],
+        recipe: Any = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """Forward pass over the covered basic ops.
+
+        Returns the main output and, per covered basic op, a tuple of its extra outputs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no forward implementation")
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor | None, ...]],
+    ) -> tuple[
+        torch.Tensor | None,
+        list[list[torch.Tensor | None]],
+        list[list[torch.Tensor | None]],
+    ]:
+        """Backward pass over the covered basic ops.
+
+        Returns the gradient of the main input, per covered basic op the list of parameter
+        gradients (in ``parameters()`` order) and per covered basic op the list of gradients of
+        its extra inputs (``None`` for non-differentiable ones such as split sizes).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
+
+
+class BasicOperation(FusibleOperation):
+    """One step of math with its own parameters.
+
+    Subclasses without extra inputs/outputs implement :meth:`op_forward` and
+    :meth:`op_backward`; others override :meth:`fuser_forward` / :meth:`fuser_backward`.
+    Calling a basic op directly (``op(x, *extra_inputs)``) runs it through a one-op fuser.
+    """
+
+    #: Number of extra tensor (or split-size list) inputs that follow the main input.
+    num_extra_inputs: int = 0
+    #: Number of extra tensor outputs that follow the main output.
+    num_extra_outputs: int = 0
+
+    @property
+    def is_fused_op(self) -> bool:
+        return False
+
+    @property
+    def basic_ops(self) -> list[BasicOperation]:
+        return [self]
+
+    def op_forward(
+        self, ctx: OperationContext, input_: torch.Tensor, *, recipe: Any = None
+    ) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.op_forward")
+
+    def op_backward(
+        self, ctx: OperationContext, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        raise NotImplementedError(f"{type(self).__name__}.op_backward")
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
+        if self.num_extra_inputs or self.num_extra_outputs:
+            raise NotImplementedError(
+                f"{type(self).__name__} has extra inputs/outputs and must override fuser_forward"
+            )
+        return self.op_forward(basic_op_ctxs[0], input_, recipe=recipe), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        grad_input, grad_params = self.op_backward(basic_op_ctxs[0], grad_output)
+        return grad_input, [grad_params], [[]]
+
+    def unsupported_reason(self, input_: torch.Tensor) -> str | None:
+        """Why this op cannot run on ``input_``'s dtype/device (``None`` when it can)."""
+        return None
+
+    def describe(self) -> str:
+        """One-line description for ``explain()``."""
+        return type(self).__name__
+
+    def dispatch_notes(self, info: Any) -> list[str]:
+        """Kernel-dispatch decisions for ``explain()`` (e.g. the grouped GEMM backend)."""
+        return []
+
+    def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
+        from .fuser import OperationFuser
+
+        fuser = self.__dict__.get("_standalone_fuser")
+        if fuser is None:
+            fuser = OperationFuser([self])
+            self.__dict__["_standalone_fuser"] = fuser
+        return fuser(input_, *extra_inputs)
+
+
+class FusedOperation(FusibleOperation):
+    """A stateless stand-in for consecutive basic ops.
+
+    Parameters
+    ----------
+    basic_ops : sequence of BasicOperation
+        The ops it covers, in order. They are not registered as submodules (the fused op owns no
+        state); gradients are returned to them through their contexts.
+    """
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
+        super().__init__()
+        if not basic_ops:
+            raise ValueError("basic_ops must hold at least one BasicOperation, got an empty list")
+        self.__dict__["_basic_ops"] = tuple(basic_ops)
+
+    @property
+    def is_fused_op(self) -> bool:
+        return True
+
+    @property
+    def basic_ops(self) -> list[BasicOperation]:
+        return list(self.__dict__["_basic_ops"])
+
+    def describe(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,197 @@
+"""Split sizes: validation and the device-side metadata derived from them.
+
+A grouped op splits the rows (tokens) of its input into ``num_groups`` consecutive groups of
+``split_sizes[i]`` rows. Split sizes come as a host ``list[int]`` or a 1-D integer tensor on the
+input's device. They may sum to fewer than the rows: the rows past the sum are padding (a
+fixed-capacity buffer, as in expert-parallel or CUDA-graph use).
+
+Host lists are checked at once. Device tensors are checked without a host sync
+(``torch._assert_async``, a device-side assert) unless ``TE_OPS_CHECK_SPLIT_SIZES=1`` asks for an
+eager, host-syncing check with a readable error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import env
+
+__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclass
+class GroupedSplits:
+    """Split sizes of one grouped op and what is derived from them, on the device.
+
+    Attributes
+    ----------
+    num_groups : int
+        Number of groups (experts).
+    num_rows : int
+        Rows of the grouped input (tokens, including padding rows).
+    host_sizes : list[int] | None
+        Split sizes on the host, when given as a list (``None`` for device split sizes).
+    split_sizes : torch.Tensor
+        Shape (num_groups,), int64, on the input's device.
+    offsets : torch.Tensor
+        Shape (num_groups,), int32: cumulative end row of each group (``torch._grouped_mm``'s
+        ``offs``).
+    base_offsets : torch.Tensor
+        Shape (num_groups + 1,), int64: start row of each group, then the total.
+    group_ids : torch.Tensor
+        Shape (num_rows,), int64: the group of each row; padding rows get ``num_groups``.
+    has_padding : bool | None
+        False when the host knows the sizes sum to ``num_rows``; None when unknown (device).
+    """
+
+    num_groups: int
+    num_rows: int
+    host_sizes: list[int] | None
+    split_sizes: torch.Tensor
+    offsets: torch.Tensor
+    base_offsets: torch.Tensor
+    group_ids: torch.Tensor
+    has_padding: bool | None
+
+    @property
+    def graph_safe(self) -> bool:
+        """True when the split sizes live on the device (no host sync needed to use them)."""
+        return self.host_sizes is None
+
+    def sizes_on_host(self) -> list[int]:
+        """Split sizes as a host list; copies from the device (a host sync) when needed."""
+        if self.host_sizes is not None:
+            return self.host_sizes
+        return [int(v) for v in self.split_sizes.tolist()]
+
+    def valid_rows(self) -> torch.Tensor:
+        """Shape (num_rows, 1) bool: True for rows inside a group, False for padding rows."""
+        return (self.group_ids < self.num_groups).unsqueeze(-1)
+
+    def to_tensors(self) -> list[torch.Tensor]:
+        """The device tensors, for ``save_for_backward``."""
+        return [self.split_sizes, self.offsets, self.base_offsets, self.group_ids]
+
+    @classmethod
+    def from_tensors(cls, tensors, *, num_groups: int, num_rows: int,
+                     host_sizes: list[int] | None, has_padding: bool | None) -> GroupedSplits:
+        """Rebuild from :meth:`to_tensors` output."""
+        split_sizes, offsets, base_offsets, group_ids = tensors
+        return cls(num_groups, num_rows, host_sizes, split_sizes, offsets, base_offsets,
+                   group_ids, has_padding)
+
+
+def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
+                           name: str = "split_sizes") -> None:
+    """Check kind, length, dtype and device of split sizes (no host sync).
+
+    Raises
+    ------
+    TypeError
+        Not a list/tuple of ints or an integer tensor.
+    ValueError
+        Wrong length, wrong number of dimensions, negative host entries, or wrong device.
+    """
+    if isinstance(split_sizes, torch.Tensor):
+        if split_sizes.dim() != 1:
+            raise ValueError(
+                f"{name} must be a 1-D tensor, got shape {tuple(split_sizes.shape)}"
+            )
+        if split_sizes.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must have an integer dtype, got {split_sizes.dtype}")
+        if split_sizes.numel() != num_groups:
+            raise ValueError(
+                f"{name} must have num_groups={num_groups} entries, got {split_sizes.numel()}"
+            )
+        if split_sizes.device != device:
+            raise ValueError(
+                f"{name} must be on the input's device {device}, got {split_sizes.device}"
+            )
+        return
+    if not isinstance(split_sizes, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list of ints or a 1-D integer tensor, got "
+            f"{type(split_sizes).__name__}"
+        )
+    if len(split_sizes) != num_groups:
+        raise ValueError(
+            f"{name} must have num_groups={num_groups} entries, got {len(split_sizes)}"
+        )
+    for i, v in enumerate(split_sizes):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} ({v!r})")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+
+
+def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.device,
+                name: str = "split_sizes") -> GroupedSplits:
+    """Validate split sizes and derive offsets and per-row group ids on ``device``.
+
+    Parameters
+    ----------
+    split_sizes : list[int] | torch.Tensor
+        Rows per group; a tensor must be 1-D, integer, on ``device``.
+    num_groups : int
+    num_rows : int
+        Rows of the input (``x.shape[0]``); the sizes may sum to fewer (padding rows).
+    device : torch.device
+        The input's device.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`check_split_sizes_type`; also ``ValueError`` when a host list sums past
+        ``num_rows`` (or, with ``TE_OPS_CHECK_SPLIT_SIZES=1``, a device tensor does).
+    RuntimeError
+        From the device-side assert when device split sizes are negative or sum past
+        ``num_rows`` (on CUDA this surfaces asynchronously, as a device assert).
+    """
+    check_split_sizes_type(split_sizes, num_groups, device, name)
+    if isinstance(split_sizes, torch.Tensor):
+        host_sizes = None
+        sizes = split_sizes.to(torch.int64)
+        if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
+            _check_host(sizes.tolist(), num_rows, name)
+        else:
+            total = sizes.sum()
+            torch._assert_async(
+                (total <= num_rows) & (sizes >= 0).all(),
+                f"{name} must be non-negative and sum to at most the input's rows ({num_rows})",
+            )
+        has_padding = None
+    else:
+        host_sizes = [int(v) for v in split_sizes]
+        _check_host(host_sizes, num_rows, name)
+        sizes = torch.tensor(host_sizes, dtype=torch.int64, device=device)
+        has_padding = sum(host_sizes) < num_rows
+    ends = torch.cumsum(sizes, 0)
+    base_offsets = torch.cat([ends.new_zeros(1), ends])
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)
+    group_ids = torch.searchsorted(ends, rows, right=True)
+    return GroupedSplits(
+        num_groups=num_groups,
+        num_rows=num_rows,
+        host_sizes=host_sizes,
+        split_sizes=sizes,
+        offsets=ends.to(torch.int32),
+        base_offsets=base_offsets,
+        group_ids=group_ids,
+        has_padding=has_padding,
+    )
+
+
+def _check_host(sizes: list[int], num_rows: int, name: str) -> None:
+    for i, v in enumerate(sizes):
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+    total = sum(sizes)
+    if total > num_rows:
+        raise ValueError(
+            f"{name} must sum to at most the input's rows ({num_rows}), got sum {total} "
+            f"(sizes {sizes})"
+        )
