@@ -259,7 +259,8 @@ class OperationFuser:
         self._plan_key, self._plan = key, plan
         return plan
 
-    def _with_indices(self, ops: list[FusibleOperation]) -> list[tuple[FusibleOperation, list[int]]]:
+    def _with_indices(self, ops: list[FusibleOperation]
+                      ) -> list[tuple[FusibleOperation, list[int]]]:
         ids = {id(op): i for i, op in enumerate(self.basic_ops)}
         out = []
         expected = 0

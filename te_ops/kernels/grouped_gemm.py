@@ -130,7 +130,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
 
 
 def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The (num_groups, *shape) stacked tensor (e.g. (G, N, K) weights), without a copy when the weights are adjacent views.
+    """The (num_groups, *shape) stacked tensor, e.g. (G, N, K) weights.
+
+    No copy when the tensors are adjacent slices of one buffer.
 
     :class:`~te_ops.basic.GroupedLinear` allocates its weights as consecutive slices of one
     buffer, so this is normally a free view; otherwise (weights replaced, or on ``meta``) it
