@@ -1,6 +1,6 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import env
+from . import env, fused  # importing fused registers the fusions
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .fuser import (
     OperationFuser,
@@ -27,6 +27,7 @@ __all__ = [
     "Sequential",
     "SwiGLU",
     "env",
+    "fused",
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",

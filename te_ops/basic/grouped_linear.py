@@ -165,7 +165,7 @@ class GroupedLinearSaved:
             return self.x.as_2d()
         if self.recompute_x is None:
             raise RuntimeError("GroupedLinear context holds no input and no way to recompute it")
-        return self.recompute_x()
+        return self.recompute_x().reshape(-1, self.in_shape[-1])
 
 
 class GroupedLinear(BasicOperation):
@@ -333,9 +333,9 @@ class GroupedLinear(BasicOperation):
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
                    recompute_x: Callable[[], torch.Tensor] | None = None) -> GroupedLinearSaved:
         """Build this op's saved layout (input kept only where wgrad needs it)."""
-        need_x = any(w.requires_grad for w in self.weights()) and recompute_x is None
+        need_x = any(w.requires_grad for w in self.weights())
         storage = None
-        if need_x and x2d is not None:
+        if need_x and recompute_x is None and x2d is not None:
             storage = GroupedTensorStorage(
                 self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
                 split_sizes=splits.split_sizes, base_offsets=splits.base_offsets,

@@ -39,39 +39,61 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
         *da.shape[:-1], 2 * da.shape[-1])
 
 
+def _parts(x: torch.Tensor, interleave: int | None):
+    """fp32 ``a``, ``b``, ``sigmoid(a)`` and ``SiLU(a) = a * sigmoid(a)``; every SwiGLU path
+    (forward, backward, fused recompute) derives its values from these, so they agree bitwise."""
+    a, b = _halves(x, interleave)
+    a, b = a.float(), b.float()
+    sig = torch.sigmoid(a)
+    return a, b, sig, a * sig
+
+
+def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    out = silu * b
+    if probs is not None:
+        out = out * probs.float().unsqueeze(-1)
+    return out.to(dtype)
+
+
 def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
                    probs: torch.Tensor | None = None) -> torch.Tensor:
     """``SiLU(a) * b`` (times ``probs[..., None]``), computed in fp32, cast to ``x.dtype``.
 
     Shapes: x (..., 2F), probs (...) -> (..., F).
     """
-    a, b = _halves(x, interleave)
-    out = torch.nn.functional.silu(a.float()) * b.float()
-    if probs is not None:
-        out = out * probs.float().unsqueeze(-1)
-    return out.to(x.dtype)
+    _, b, _, silu = _parts(x, interleave)
+    return _output(silu, b, probs, x.dtype)
 
 
-def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, interleave: int | None = None,
-                    probs: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor | None,
+                    interleave: int | None = None, probs: torch.Tensor | None = None,
+                    *, with_output: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
+
     Shapes: x (..., 2F), grad_output (..., F) -> (grad_x (..., 2F), grad_probs (...) | None).
+    With ``with_output=True`` it returns a callable ``finish(grad_output)`` giving those two,
+    and the forward output (bitwise equal to :func:`swiglu_forward`), computed once from the
+    same intermediates: the fused backward needs the output (fc2's wgrad input) before it has
+    ``grad_output`` (fc2's dgrad).
     """
-    a, b = _halves(x, interleave)
-    a, b = a.float(), b.float()
-    dy = grad_output.float()
-    sig = torch.sigmoid(a)
-    silu = a * sig
-    grad_probs = None
-    if probs is not None:
-        grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
-        dy = dy * probs.float().unsqueeze(-1)
-    da = dy * b * sig * (1 + a * (1 - sig))
-    db = dy * silu
-    return _join(da, db, interleave).to(x.dtype), grad_probs
+    a, b, sig, silu = _parts(x, interleave)
+
+    def finish(dy_in: torch.Tensor):
+        dy = dy_in.float()
+        grad_probs = None
+        if probs is not None:
+            grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
+            dy = dy * probs.float().unsqueeze(-1)
+        da = dy * b * sig * (1 + a * (1 - sig))
+        db = dy * silu
+        return _join(da, db, interleave).to(x.dtype), grad_probs
+
+    if with_output:
+        return finish, _output(silu, b, probs, x.dtype)
+    return finish(grad_output)
 
 
 @dataclass

@@ -1,0 +1,197 @@
+"""Fused grouped MLP: ``GroupedLinear (fc1) -> SwiGLU / ScaledSwiGLU -> GroupedLinear (fc2)``.
+
+Two fused ops, registered as a forward-only and a backward-only fusion, each usable with the
+other's unfused half because both read and write the basic ops' one saved-context layout
+(``GroupedLinearSaved``, ``SwiGLUSaved``; see docs/saved_context.md).
+
+What each saves over the unfused chain
+--------------------------------------
+Forward (:class:`ForwardGroupedMLP`):
+
+* split sizes are validated and offsets / per-row group ids computed once for both GEMMs
+  (unfused: once per GroupedLinear);
+* fc2's input (the activation output, tokens x ffn elements) is *not saved*: fc2's context
+  says to recompute it from the activation's saved input, bit-identically. Unfused saves it.
+
+Backward (:class:`BackwardGroupedMLP`):
+
+* the activation's fp32 intermediates (``sigmoid(a)``, ``SiLU(a)``) are computed once and
+  serve both fc2's wgrad input (when the forward did not save it) and the activation's
+  gradient (unfused: once in the recompute and once in the activation backward).
+
+``benchmarks/memory_report.py`` measures saved bytes and op counts of both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_probs
+from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
+from ..fuser import PlanInfo, register_backward_fusion, register_forward_fusion
+from ..op import FusedOperation, FusibleOperation
+
+__all__ = [
+    "ForwardGroupedMLP",
+    "BackwardGroupedMLP",
+    "grouped_mlp_unsupported_reason",
+    "fuse_grouped_mlp_forward",
+    "fuse_grouped_mlp_backward",
+]
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_DEVICES = ("cpu", "cuda", "meta")
+
+
+def _pattern_reason(window: list[FusibleOperation]) -> str | None:
+    if len(window) < 3:
+        return "fewer than 3 ops left after the GroupedLinear"
+    fc1, act, fc2 = window
+    if act.is_fused_op or not isinstance(act, SwiGLU):
+        return f"the op after fc1 is {type(act).__name__}, not SwiGLU / ScaledSwiGLU"
+    if fc2.is_fused_op or not isinstance(fc2, GroupedLinear):
+        return f"the op after the activation is {type(fc2).__name__}, not GroupedLinear"
+    return None
+
+
+def grouped_mlp_unsupported_reason(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear,
+                                   info: PlanInfo, *, backward: bool = False) -> str | None:
+    """Why ``fc1 -> act -> fc2`` cannot take the fused grouped MLP (``None`` when it can).
+
+    Checks: same number of groups; ``fc1.out_features == 2 * fc2.in_features``; fc1 and fc2
+    fed by the same split sizes (the same tensor object, or equal host lists); dtype in
+    fp32/bf16/fp16; device cpu/cuda/meta; for the backward, all three ops need grad.
+    """
+    if fc1.num_groups != fc2.num_groups:
+        return f"fc1 has {fc1.num_groups} groups, fc2 has {fc2.num_groups}"
+    if fc1.out_features != 2 * fc2.in_features:
+        return (f"fc1.out_features={fc1.out_features} != 2 * fc2.in_features="
+                f"{2 * fc2.in_features}")
+    if info.dtype is None:
+        return "input not known yet (planned before the first call)"
+    if info.dtype not in _FUSED_DTYPES:
+        return f"dtype {info.dtype} is not one of {list(_FUSED_DTYPES)}"
+    if info.device.type not in _FUSED_DEVICES:
+        return f"device type {info.device.type} is not one of {list(_FUSED_DEVICES)}"
+    i1, i2 = info.index(fc1), info.index(fc2)
+    s1, s2 = info.extra_inputs[i1][0], info.extra_inputs[i2][0]
+    if s1 is None or s2 is None or not info.same_source(s1, s2):
+        return "fc1 and fc2 split sizes are not the same source (pass one tensor or equal lists)"
+    if backward and not all(info.requires_grad[i] for i in range(i1, i2 + 1)):
+        return "not every op of the chain takes part in backward"
+    return None
+
+
+def _fuse(ops: list[FusibleOperation], info: PlanInfo, fused_cls: type, backward: bool
+          ) -> list[FusibleOperation]:
+    out: list[FusibleOperation] = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op.is_fused_op or not isinstance(op, GroupedLinear):
+            out.append(op)
+            i += 1
+            continue
+        window = ops[i:i + 3]
+        reason = _pattern_reason(window) or grouped_mlp_unsupported_reason(
+            *window, info, backward=backward)
+        if reason is None:
+            out.append(fused_cls(window))
+            i += 3
+            continue
+        start = info.index(op)
+        info.note(f"op {start} ({op.describe()}): {reason}")
+        out.append(op)
+        i += 1
+    return out
+
+
+def fuse_grouped_mlp_forward(ops, *, recipe: Any = None, info: PlanInfo):
+    """Forward-only fusion: replace each matching chain with :class:`ForwardGroupedMLP`."""
+    return _fuse(ops, info, ForwardGroupedMLP, backward=False)
+
+
+def fuse_grouped_mlp_backward(ops, *, recipe: Any = None, info: PlanInfo):
+    """Backward-only fusion: replace each matching chain with :class:`BackwardGroupedMLP`."""
+    return _fuse(ops, info, BackwardGroupedMLP, backward=True)
+
+
+class ForwardGroupedMLP(FusedOperation):
+    """Fused forward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring).
+
+    Shapes: input (..., H) -> output (..., H_out); extra inputs as the three basic ops take
+    them (``split_sizes[, probs]``, ``[probs]``, ``split_sizes[, probs]``).
+    """
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
+        fc1, act, fc2 = self.basic_ops
+        ctx1, ctx_act, ctx2 = basic_op_ctxs
+        ex1, ex_act, ex2 = basic_op_extra_inputs
+        splits = fc1.prepare_splits(input_, ex1[0])
+        rows = splits.num_rows
+        probs1 = ex1[1] if fc1.scale_bias else None
+        probs2 = ex2[1] if fc2.scale_bias else None
+        probs_act = ex_act[0] if isinstance(act, ScaledSwiGLU) else None
+        for name, p in (("fc1 probs", probs1), ("probs", probs_act), ("fc2 probs", probs2)):
+            if p is not None:
+                check_probs(p, rows, input_.device, name)
+
+        lead = input_.shape[:-1]
+        x2d = input_.reshape(-1, fc1.in_features).contiguous()
+        backend1 = fc1.select_backend(x2d, splits)
+        h = fc1.forward_math(x2d, splits, backend1, probs1).view(*lead, fc1.out_features)
+        act.check_input(h)
+        if probs_act is not None:
+            probs_act = probs_act.view(lead)
+        a = swiglu_forward(h, act.glu_interleave_size, probs_act)
+        backend2 = fc2.select_backend(a, splits)
+        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2)
+
+        if ctx1.requires_grad:
+            fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape).save(ctx1)
+        if ctx_act.requires_grad:
+            SwiGLUSaved(h, probs_act).save(ctx_act)
+        if ctx2.requires_grad:
+            recompute = None
+            if ctx_act.requires_grad:
+                def recompute() -> torch.Tensor:
+                    return act.recompute_output(SwiGLUSaved.load(ctx_act))
+            a2d = None if recompute else a.reshape(-1, fc2.in_features)
+            fc2.make_saved(ctx2, a2d, splits, backend2, probs2, a.shape,
+                           recompute_x=recompute).save(ctx2)
+        return y.view(*lead, fc2.out_features), [(), (), ()]
+
+
+class BackwardGroupedMLP(FusedOperation):
+    """Fused backward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring)."""
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        fc1, act, fc2 = self.basic_ops
+        ctx1, ctx_act, ctx2 = basic_op_ctxs
+        s1 = GroupedLinearSaved.load(ctx1)
+        sa = SwiGLUSaved.load(ctx_act)
+        s2 = GroupedLinearSaved.load(ctx2)
+
+        finish_act, act_out = swiglu_backward(sa.x, None, act.glu_interleave_size, sa.probs,
+                                              with_output=True)
+        if s2.x is None:  # the forward relied on recompute: reuse the intermediates
+            s2.recompute_x = lambda: act_out
+        dy2d = grad_output.reshape(-1, fc2.out_features).contiguous()
+        dgrad2, grads2, gprobs2 = GroupedLinear.backward_math(s2, dy2d, need_dgrad=True)
+        dh, gprobs_act = finish_act(dgrad2.view(s2.in_shape))
+        dh2d = dh.reshape(-1, fc1.out_features)
+        dgrad1, grads1, gprobs1 = GroupedLinear.backward_math(s1, dh2d, ctx1.input_requires_grad)
+        if dgrad1 is not None:
+            dgrad1 = dgrad1.view(s1.in_shape)
+        extra1 = [None, gprobs1] if fc1.scale_bias else [None]
+        extra_act = [gprobs_act.reshape(-1)] if isinstance(act, ScaledSwiGLU) else []
+        extra2 = [None, gprobs2] if fc2.scale_bias else [None]
+        return dgrad1, [grads1, [], grads2], [extra1, extra_act, extra2]
+
+
+register_forward_fusion(fuse_grouped_mlp_forward, name="grouped_mlp_forward",
+                        env_var="TE_OPS_FUSE_GROUPED_MLP_FORWARD")
+register_backward_fusion(fuse_grouped_mlp_backward, name="grouped_mlp_backward",
+                         env_var="TE_OPS_FUSE_GROUPED_MLP_BACKWARD")
