@@ -68,9 +68,26 @@ class GroupedSplits:
             return self.host_sizes
         return [int(v) for v in self.split_sizes.tolist()]
 
-    def valid_rows(self) -> torch.Tensor:
-        """Shape (num_rows, 1) bool: True for rows inside a group, False for padding rows."""
-        return (self.group_ids < self.num_groups).unsqueeze(-1)
+    def padding_rows(self) -> torch.Tensor:
+        """Shape (num_rows, 1) bool: True for padding rows (cached: ops sharing splits share it)."""
+        cached = self.__dict__.get("_padding_rows")
+        if cached is None:
+            cached = (self.group_ids >= self.num_groups).unsqueeze(-1)
+            self.__dict__["_padding_rows"] = cached
+        return cached
+
+    def group_onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        """Shape (num_groups, num_rows): 1 where row r is in group g (padding rows: all 0).
+
+        Cached per dtype, so ops sharing these splits build it once.
+        """
+        key = f"_onehot_{dtype}"
+        cached = self.__dict__.get(key)
+        if cached is None:
+            groups = torch.arange(self.num_groups, device=self.group_ids.device)
+            cached = (self.group_ids.unsqueeze(0) == groups.unsqueeze(1)).to(dtype)
+            self.__dict__[key] = cached
+        return cached
 
     def to_tensors(self) -> list[torch.Tensor]:
         """The device tensors, for ``save_for_backward``."""

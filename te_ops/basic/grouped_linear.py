@@ -75,8 +75,7 @@ def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
     Computed as ``onehot(group)^T @ dy``: deterministic (no atomics), fp32 accumulation inside
     the GEMM, padding rows excluded.
     """
-    groups = torch.arange(splits.num_groups, device=dy.device)
-    onehot = (splits.group_ids.unsqueeze(0) == groups.unsqueeze(1)).to(dy.dtype)
+    onehot = splits.group_onehot(dy.dtype)
     if probs is not None:
         onehot = onehot * probs.to(dy.dtype).unsqueeze(0)
     return onehot @ dy

@@ -174,10 +174,18 @@ class BackwardGroupedMLP(FusedOperation):
         sa = SwiGLUSaved.load(ctx_act)
         s2 = GroupedLinearSaved.load(ctx2)
 
-        finish_act, act_out = swiglu_backward(sa.x, None, act.glu_interleave_size, sa.probs,
-                                              with_output=True)
-        if s2.x is None:  # the forward relied on recompute: reuse the intermediates
+        # The gate guarantees fc1 and fc2 share one split-size source: share the derived
+        # tensors (padding mask, one-hot for bias grads) instead of building them twice.
+        s2.splits = s1.splits
+        if s2.x is None and s2.recompute_x is not None:
+            # The forward did not save fc2's input: compute the activation's intermediates
+            # once, for fc2's wgrad input and for the activation's gradient.
+            finish_act, act_out = swiglu_backward(sa.x, None, act.glu_interleave_size, sa.probs,
+                                                  with_output=True)
             s2.recompute_x = lambda: act_out
+        else:
+            def finish_act(dy):
+                return swiglu_backward(sa.x, dy, act.glu_interleave_size, sa.probs)
         dy2d = grad_output.reshape(-1, fc2.out_features).contiguous()
         dgrad2, grads2, gprobs2 = GroupedLinear.backward_math(s2, dy2d, need_dgrad=True)
         dh, gprobs_act = finish_act(dgrad2.view(s2.in_shape))

@@ -155,7 +155,7 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
 def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
     if splits.has_padding is False:
         return out
-    return out.masked_fill_(~splits.valid_rows(), 0)
+    return out.masked_fill_(splits.padding_rows(), 0)
 
 
 def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,

@@ -1,0 +1,154 @@
+"""Saved-activation bytes and op counts of the grouped MLP, unfused vs fused.
+
+Runs ``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` forward+backward once per
+configuration (forward fused or not x backward fused or not) and reports:
+
+* ``saved_bytes``: bytes the autograd graph keeps for backward (``save_for_backward``
+  tensors, counted once per storage, parameters excluded), measured with
+  ``torch.autograd.graph.saved_tensors_hooks``;
+* ``fwd_ops`` / ``bwd_ops``: ATen ops dispatched (each one a kernel launch on CUDA), and
+  ``*_compute_ops``: the same without pure view/metadata ops, measured with a
+  ``TorchDispatchMode``.
+
+Usage::
+
+    python benchmarks/memory_report.py [--device cpu|cuda] [--experts 8 --tokens 4096 ...]
+
+Writes one JSON line per configuration to stdout (and to ``--out`` when given) and a table to
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import te_ops
+
+_VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "as_strided", "expand", "unsqueeze",
+    "squeeze", "alias", "detach", "slice", "select", "unbind", "split", "chunk", "permute",
+    "split_with_sizes", "lift_fresh", "_to_copy_noop",
+}
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def totals(self) -> tuple[int, int]:
+        total = sum(self.ops.values())
+        compute = sum(n for name, n in self.ops.items() if name not in _VIEW_OPS)
+        return total, compute
+
+
+def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    torch.manual_seed(0)
+    block = te_ops.Sequential(
+        te_ops.GroupedLinear(args.experts, args.hidden, 2 * args.ffn, device=device, dtype=dtype),
+        te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(args.experts, args.ffn, args.hidden, device=device, dtype=dtype),
+    )
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    probs = torch.rand(args.tokens, device=device, requires_grad=True)
+    expert = torch.randint(0, args.experts, (args.tokens,), device=device)
+    split_sizes = torch.bincount(expert, minlength=args.experts)
+    return block, x, probs, split_sizes
+
+
+def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool) -> dict:
+    """One forward+backward with the given fusion toggles; returns the counts."""
+    os.environ["TE_OPS_FUSE_GROUPED_MLP_FORWARD"] = "1" if fwd_fused else "0"
+    os.environ["TE_OPS_FUSE_GROUPED_MLP_BACKWARD"] = "1" if bwd_fused else "0"
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    block, x, probs, split_sizes = _build(args, device, dtype)
+    block(x, split_sizes, probs, split_sizes).sum().backward()  # warm-up: probe, plan
+    for t in (x, probs, *block.parameters()):
+        t.grad = None  # count te_ops' ops, not autograd's gradient accumulation
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs and ptr not in (x.untyped_storage().data_ptr(),):
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    fwd, bwd = _OpCounter(), _OpCounter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fwd:
+            y = block(x, split_sizes, probs, split_sizes)
+    grad = torch.ones_like(y)
+    with bwd:
+        y.backward(grad)
+    plan = block.fusers()[0]._plan
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "experts": args.experts,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "ffn": args.ffn,
+        "forward": "+".join(type(op).__name__ for op, _ in plan.forward_ops),
+        "backward": "+".join(type(op).__name__ for op, _ in plan.backward_ops),
+        "saved_bytes": sum(seen.values()),
+        "fwd_ops": fwd.totals()[0],
+        "fwd_compute_ops": fwd.totals()[1],
+        "bwd_ops": bwd.totals()[0],
+        "bwd_compute_ops": bwd.totals()[1],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--out", default=None, help="also append JSON lines to this file")
+    args = parser.parse_args(argv)
+    saved_env = {k: os.environ.get(k) for k in
+                 ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "TE_OPS_FUSE_GROUPED_MLP_BACKWARD")}
+    rows = []
+    try:
+        for fwd_fused, bwd_fused in ((False, False), (True, False), (False, True), (True, True)):
+            rows.append(measure(args, fwd_fused, bwd_fused))
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    base = rows[0]["saved_bytes"]
+    for row in rows:
+        row["saved_vs_unfused"] = round(row["saved_bytes"] / base, 4) if base else None
+        line = json.dumps(row)
+        print(line)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    print(f"{'forward':<45} {'backward':<45} {'saved MiB':>9} {'fwd ops':>8} {'bwd ops':>8}",
+          file=sys.stderr)
+    for r in rows:
+        print(f"{r['forward']:<45} {r['backward']:<45} {r['saved_bytes'] / 2**20:9.2f} "
+              f"{r['fwd_compute_ops']:8d} {r['bwd_compute_ops']:8d}", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
