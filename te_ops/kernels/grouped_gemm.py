@@ -34,6 +34,7 @@ from ..splits import GroupedSplits
 __all__ = [
     "BackendChoice",
     "grouped_mm_unsupported_reason",
+    "grouped_mm_host_sync_reason",
     "select_backend",
     "stack_weights",
     "grouped_fprop",
@@ -87,6 +88,26 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_f
     return _probe_grouped_mm(device, dtype)
 
 
+def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` would sync with the host here (``None`` when it does not).
+
+    On CUDA, torch's native grouped kernel is bf16 on SM90 and newer; other dtypes and older
+    GPUs take a fallback that copies the offsets to the host (seen on an H200 with torch 2.11:
+    float16 and float32 calls trip ``torch.cuda.set_sync_debug_mode("error")``). CPU and meta
+    have no host/device boundary.
+    """
+    if device.type != "cuda":
+        return None
+    if dtype != torch.bfloat16:
+        return (f"torch._grouped_mm on CUDA has a native kernel for bfloat16 only; for {dtype} "
+                "it falls back to a loop that copies the offsets to the host")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return (f"torch._grouped_mm has no native kernel for SM{major}{minor} (needs SM90+); "
+                "its fallback copies the offsets to the host")
+    return None
+
+
 def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                    out_features: int, device_split_sizes: bool) -> BackendChoice:
     """Pick the grouped GEMM backend for one grouped linear call.
@@ -106,27 +127,37 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
+    sync_reason = grouped_mm_host_sync_reason(device, dtype)
+    mm_graph_safe = device_split_sizes and sync_reason is None
     if forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
         choice = BackendChoice("grouped_mm", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
-                               graph_safe=device_split_sizes)
+                               graph_safe=mm_graph_safe)
     elif forced == "loop":
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
     elif reason is None:
         choice = BackendChoice("grouped_mm", "device, dtype and alignment allow it",
-                               graph_safe=device_split_sizes)
+                               graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
     if graph_safe == "1" and not choice.graph_safe:
-        why = (choice.reason if device_split_sizes
-               else "split sizes are a host list (pass a device tensor)")
-        if choice.name == "loop" and device_split_sizes:
-            why = f"the loop backend copies split sizes to the host ({choice.reason})"
-        raise RuntimeError(f"TE_OPS_GRAPH_SAFE=1 but the graph-safe path is unsupported: {why}")
+        raise RuntimeError(
+            "TE_OPS_GRAPH_SAFE=1 but the graph-safe path is unsupported: "
+            + _graph_safe_reason(choice, device_split_sizes, sync_reason)
+        )
     return choice
+
+
+def _graph_safe_reason(choice: BackendChoice, device_split_sizes: bool,
+                       sync_reason: str | None) -> str:
+    if not device_split_sizes:
+        return "split sizes are a host list (pass a 1-D integer tensor on the device)"
+    if choice.name == "loop":
+        return f"the loop backend copies split sizes to the host ({choice.reason})"
+    return sync_reason or choice.reason
 
 
 def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
