@@ -239,6 +239,7 @@ class OperationFuser:
             None if input_ is None else (input_.dtype, input_.device.type),
             tuple(_extra_input_signature(v) for v in flat_extra),
             _source_classes(flat_extra),
+            tuple(_FUSIONS),  # (un)registering a fusion replans
         )
         if key == self._plan_key and self._plan is not None:
             return self._plan

@@ -8,7 +8,8 @@ With ``glu_interleave_size=s`` the last dim is laid out in blocks of ``s``: ``a`
 block, ``a`` block, ... (as TransformerEngine's ``glu_interleave_size``), which lets a
 tensor-parallel or block-quantized fc1 keep matching halves together.
 
-Math is done in float32 and the output cast back to the input dtype.
+Math is done in float32 (float64 for float64 inputs) and the output cast back to the input
+dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _halves(x: torch.Tensor, interleave: int | None) -> tuple[torch.Tensor, torc
         return x.chunk(2, dim=-1)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // (2 * interleave), 2, interleave)
     a, b = blocks.unbind(-2)
-    return a.reshape(*x.shape[:-1], -1), b.reshape(*x.shape[:-1], -1)
+    half = x.shape[-1] // 2  # explicit: -1 is ambiguous for an empty batch
+    return a.reshape(*x.shape[:-1], half), b.reshape(*x.shape[:-1], half)
 
 
 def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.Tensor:
@@ -43,7 +45,8 @@ def _parts(x: torch.Tensor, interleave: int | None):
     """fp32 ``a``, ``b``, ``sigmoid(a)`` and ``SiLU(a) = a * sigmoid(a)``; every SwiGLU path
     (forward, backward, fused recompute) derives its values from these, so they agree bitwise."""
     a, b = _halves(x, interleave)
-    a, b = a.float(), b.float()
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
+    a, b = a.to(compute), b.to(compute)
     sig = torch.sigmoid(a)
     return a, b, sig, a * sig
 
@@ -52,7 +55,7 @@ def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
             dtype: torch.dtype) -> torch.Tensor:
     out = silu * b
     if probs is not None:
-        out = out * probs.float().unsqueeze(-1)
+        out = out * probs.to(out.dtype).unsqueeze(-1)
     return out.to(dtype)
 
 
@@ -82,11 +85,11 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor | None,
     a, b, sig, silu = _parts(x, interleave)
 
     def finish(dy_in: torch.Tensor):
-        dy = dy_in.float()
+        dy = dy_in.to(a.dtype)
         grad_probs = None
         if probs is not None:
             grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
-            dy = dy * probs.float().unsqueeze(-1)
+            dy = dy * probs.to(a.dtype).unsqueeze(-1)
         da = dy * b * sig * (1 + a * (1 - sig))
         db = dy * silu
         return _join(da, db, interleave).to(x.dtype), grad_probs

@@ -196,6 +196,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     Shapes: x (M, K), weights (G, N, K) → y (M, N), same dtype as x; padding rows are zero.
     """
     if backend.name == "grouped_mm":
+        if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
+            return x.new_zeros(0, weights.shape[1])
         out = torch._grouped_mm(x, weights.transpose(-2, -1), offs=splits.offsets)
         return _zero_padding(out, splits)
     out = x.new_zeros(x.shape[0], weights.shape[1])
@@ -214,6 +216,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     Shapes: dy (M, N), weights (G, N, K) → dx (M, K); padding rows are zero.
     """
     if backend.name == "grouped_mm":
+        if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
+            return dy.new_zeros(0, weights.shape[2])
         out = torch._grouped_mm(dy, weights, offs=splits.offsets)
         return _zero_padding(out, splits)
     out = dy.new_zeros(dy.shape[0], weights.shape[2])
@@ -232,6 +236,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     Shapes: x (M, K), dy (M, N) → dW (G, N, K), dtype of x. Padding rows do not contribute.
     """
     if backend.name == "grouped_mm":
+        if x.shape[0] == 0:
+            return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
         return torch._grouped_mm(dy.t(), x, offs=splits.offsets)
     out = x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
     start = 0
