@@ -76,6 +76,14 @@ class GroupedSplits:
             self.__dict__["_padding_rows"] = cached
         return cached
 
+    def zero_padding(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with its padding rows set to zero (a copy; ``t`` itself when the host knows
+        there is no padding). Guards sums over rows against garbage (even NaN) in padding."""
+        if self.has_padding is False:
+            return t
+        mask = self.padding_rows()
+        return t.masked_fill(mask if t.dim() == 2 else mask.squeeze(-1), 0)
+
     def group_onehot(self, dtype: torch.dtype) -> torch.Tensor:
         """Shape (num_groups, num_rows): 1 where row r is in group g (padding rows: all 0).
 

@@ -60,11 +60,12 @@ def add_group_bias(y: torch.Tensor, biases: list[torch.Tensor], splits: GroupedS
                    probs: torch.Tensor | None) -> torch.Tensor:
     """``y[r] += b[group(r)]`` (times ``probs[r]`` when given); padding rows get nothing.
 
-    One gather from a (G + 1, N) table whose last row is zero, so no host sync.
+    One gather from a (G + 1, N) table whose last row is zero, so no host sync. Padding rows
+    of ``probs`` are ignored, whatever they hold.
     """
     rows = bias_table(biases, y.dtype)[splits.group_ids]
     if probs is not None:
-        rows = rows * probs.to(y.dtype).unsqueeze(-1)
+        rows = rows * splits.zero_padding(probs).to(y.dtype).unsqueeze(-1)
     return y.add_(rows)
 
 
@@ -73,12 +74,12 @@ def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
     """Per-group sum of ``dy`` rows (times ``probs`` when given): shape (G, N).
 
     Computed as ``onehot(group)^T @ dy``: deterministic (no atomics), fp32 accumulation inside
-    the GEMM, padding rows excluded.
+    the GEMM. Padding rows are zeroed first, so garbage there cannot leak into the sums.
     """
     onehot = splits.group_onehot(dy.dtype)
     if probs is not None:
-        onehot = onehot * probs.to(dy.dtype).unsqueeze(0)
-    return onehot @ dy
+        onehot = onehot * splits.zero_padding(probs).to(dy.dtype).unsqueeze(0)
+    return onehot @ splits.zero_padding(dy)
 
 
 @dataclass
@@ -367,6 +368,7 @@ class GroupedLinear(BasicOperation):
             if saved.probs is not None and saved.probs.requires_grad:
                 rows = bias_table(saved.biases, dy2d.dtype)[splits.group_ids]
                 grad_probs = (rows.float() * dy2d.float()).sum(-1).to(saved.probs.dtype)
+                grad_probs = splits.zero_padding(grad_probs)
         return dgrad, grads + bias_grads, grad_probs
 
     # ------------------------------------------------------------------ fuser interface
