@@ -1,0 +1,157 @@
+"""Shared helpers of the benchmarks: timing, memory, environment toggles, JSON lines."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+import torch
+
+__all__ = [
+    "env_override",
+    "time_steps",
+    "peak_memory_mib",
+    "free_memory",
+    "machine_info",
+    "JsonLines",
+]
+
+
+@contextlib.contextmanager
+def env_override(**values: str | None) -> Iterator[None]:
+    """Set (or, with ``None``, unset) environment variables for the block; restore after."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], None], device: torch.device, *, warmup: int, iters: int,
+               before: Callable[[], None] | None = None) -> list[float]:
+    """Milliseconds of each of ``iters`` timed calls of ``step`` after ``warmup`` untimed ones.
+
+    CUDA: one pair of events around each call (device time, launch gaps included);
+    CPU: ``time.perf_counter``. ``before`` runs untimed before every call (e.g. zeroing grads).
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        step()
+    _sync(device)
+    times: list[float] = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for start, end in events:
+            if before is not None:
+                before()
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(iters):
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize_times(times: list[float]) -> dict[str, float]:
+    """Median, min and 10th/90th percentiles (ms)."""
+    ordered = sorted(times)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+    return {
+        "ms_median": statistics.median(ordered),
+        "ms_min": ordered[0],
+        "ms_p10": pct(0.1),
+        "ms_p90": pct(0.9),
+    }
+
+
+def peak_memory_mib(step: Callable[[], None], device: torch.device, baseline_bytes: int,
+                    before: Callable[[], None] | None = None) -> float | None:
+    """Peak allocated memory of one call of ``step`` minus ``baseline_bytes``, in MiB (CUDA only).
+
+    Memory already allocated when the call starts (inputs, a CUDA graph's private pool) counts
+    as part of the peak, as it is live during the step.
+    """
+    if device.type != "cuda":
+        return None
+    if before is not None:
+        before()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - baseline_bytes) / 2**20
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA blocks (between peers)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "host": platform.node()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        info["capability"] = f"{major}.{minor}"
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+class JsonLines:
+    """Writes one JSON object per line to stdout and, when given, appends it to a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file: TextIO | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=False)
+        print(line, flush=True)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,434 @@
+"""Speed and memory of an MoE expert MLP, fc1 -> ScaledSwiGLU -> fc2, forward + backward.
+
+Peers, run one after another in this process on the same problem (same weights, inputs,
+skewed routing):
+
+``torch_grouped_mm``
+    plain PyTorch autograd through ``torch._grouped_mm`` with device offsets and a SwiGLU
+    written in torch ops; the baseline of ``ratio_vs_grouped_mm``.
+``torch_loop``
+    plain PyTorch: one ``F.linear`` per expert with host split sizes.
+``te_ops_unfused`` / ``te_ops_fused``
+    ``te_ops.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` with device split sizes,
+    ``TE_OPS_FUSION=0`` / ``1``.
+``te_ops_fused_graph``
+    the fused block captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
+
+Each record (one JSON line, to stdout and appended to ``--out``) holds the median time of
+``--iters`` timed forward+backward steps after ``--warmup`` (CUDA events around each step;
+gradients are set to ``None`` before each step, untimed), TFLOP/s counted the same way for
+every peer (forward = 2·T·H·2FF + 2·T·FF·H, forward+backward = 3 × forward), the peak memory of
+one step minus the parameter bytes (``max_memory_allocated`` after a reset; inputs, gradients,
+activations, workspaces and a CUDA graph's pool count), the ratio of the
+``torch_grouped_mm`` time to the peer's time (> 1: faster than the baseline) and the largest
+output difference from the baseline (bf16 rounding and the fp32 SwiGLU of te_ops differ).
+
+Routing: each token goes to one expert drawn from a Zipf(1.2)-skewed popularity over a random
+permutation of the experts (fixed seed); tokens are already sorted by expert, probs ~ U(0, 1).
+
+Usage::
+
+    python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
+    python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
+    python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    JsonLines,
+    env_override,
+    free_memory,
+    machine_info,
+    peak_memory_mib,
+    summarize_times,
+    time_steps,
+)
+
+import te_ops  # noqa: E402
+
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E8_T16384_H4096_FF14336": (8, 16384, 4096, 14336),
+    "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
+    "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
+    "E64_T256_H2048_FF768": (64, 256, 2048, 768),
+}
+QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E4_T256_H64_FF64": (4, 256, 64, 64),
+    "E16_T128_H32_FF48": (16, 128, 32, 48),
+}
+PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
+         "te_ops_fused_graph"]
+BASELINE = "torch_grouped_mm"
+
+
+# ------------------------------------------------------------------------------ the problem
+@dataclass
+class Problem:
+    """One shape's inputs, shared by every peer."""
+
+    name: str
+    experts: int
+    tokens: int
+    hidden: int
+    ffn: int
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    sizes: list[int]
+    split: torch.Tensor  # (E,) int64 on the device
+    offsets: torch.Tensor  # (E,) int32 cumulative ends on the device
+    x: torch.Tensor  # (T, H) leaf, requires grad
+    probs: torch.Tensor  # (T,) fp32 leaf, requires grad
+    dy: torch.Tensor  # (T, H)
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs: 3 x (2·T·H·2FF + 2·T·FF·H)."""
+        t, h, f = self.tokens, self.hidden, self.ffn
+        return 3.0 * (2 * t * h * 2 * f + 2 * t * f * h)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1 (E, 2FF, H) and fc2 (E, H, FF) weights, regenerated identically on each call."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed + 1)
+        e, h, f = self.experts, self.hidden, self.ffn
+        kw = {"generator": gen, "device": self.device, "dtype": self.dtype}
+        w1 = torch.randn(e, 2 * f, h, **kw).mul_(h ** -0.5)
+        w2 = torch.randn(e, h, f, **kw).mul_(f ** -0.5)
+        return w1, w2
+
+
+def skewed_sizes(experts: int, tokens: int, seed: int, alpha: float = 1.2) -> list[int]:
+    """Tokens per expert under a Zipf(alpha) popularity over a random expert order."""
+    gen = torch.Generator().manual_seed(seed)
+    popularity = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** alpha
+    popularity = popularity[torch.randperm(experts, generator=gen)]
+    picks = torch.multinomial(popularity, tokens, replacement=True, generator=gen)
+    return torch.bincount(picks, minlength=experts).tolist()
+
+
+def make_problem(name: str, shape: tuple[int, int, int, int], device: torch.device,
+                 dtype: torch.dtype, seed: int) -> Problem:
+    experts, tokens, hidden, ffn = shape
+    sizes = skewed_sizes(experts, tokens, seed)
+    split = torch.tensor(sizes, dtype=torch.int64, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype).requires_grad_()
+    probs = torch.rand(tokens, generator=gen, device=device).requires_grad_()
+    dy = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
+    return Problem(name, experts, tokens, hidden, ffn, device, dtype, seed, sizes, split,
+                   torch.cumsum(split, 0).to(torch.int32), x, probs, dy)
+
+
+# -------------------------------------------------------------------------------- the peers
+def torch_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """SiLU(first half) * second half * probs, in plain torch ops (input dtype)."""
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b * probs.unsqueeze(-1).to(h.dtype)
+
+
+class Peer:
+    """A way to run the block: ``forward(x, probs)`` and its parameters."""
+
+    name = ""
+    env: dict[str, str | None] = {}
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+
+    def parameters(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchGroupedMM(Peer):
+    name = "torch_grouped_mm"
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        w1, w2 = problem.weights()
+        self.w1 = torch.nn.Parameter(w1)
+        self.w2 = torch.nn.Parameter(w2)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.w1, self.w2]
+
+    def forward(self, x, probs):
+        offs = self.problem.offsets
+        h = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(torch_swiglu(h, probs), self.w2.transpose(-2, -1), offs=offs)
+
+
+class TorchLoop(Peer):
+    name = "torch_loop"
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        w1, w2 = problem.weights()
+        self.w1 = [torch.nn.Parameter(w.clone()) for w in w1.unbind(0)]
+        self.w2 = [torch.nn.Parameter(w.clone()) for w in w2.unbind(0)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.w1 + self.w2
+
+    def forward(self, x, probs):
+        sizes = self.problem.sizes
+        h = torch.cat([F.linear(xe, w) for xe, w in zip(x.split(sizes), self.w1)])
+        g = torch_swiglu(h, probs)
+        return torch.cat([F.linear(ge, w) for ge, w in zip(g.split(sizes), self.w2)])
+
+
+class TeOps(Peer):
+    name = "te_ops_fused"
+    env = {"TE_OPS_FUSION": "1"}
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        p = problem
+        with env_override(**self.env):
+            self.block = te_ops.Sequential(
+                te_ops.GroupedLinear(p.experts, p.hidden, 2 * p.ffn, bias=False,
+                                     device=p.device, dtype=p.dtype),
+                te_ops.ScaledSwiGLU(),
+                te_ops.GroupedLinear(p.experts, p.ffn, p.hidden, bias=False,
+                                     device=p.device, dtype=p.dtype),
+            )
+        w1, w2 = problem.weights()
+        with torch.no_grad():
+            for fc, w in ((self.block[0], w1), (self.block[2], w2)):
+                for e, param in enumerate(fc.weights()):
+                    param.copy_(w[e])
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.block.parameters())
+
+    def forward(self, x, probs):
+        split = self.problem.split
+        return self.block(x, split, probs, split)
+
+
+class TeOpsUnfused(TeOps):
+    name = "te_ops_unfused"
+    env = {"TE_OPS_FUSION": "0"}
+
+
+class TeOpsFusedGraph(TeOps):
+    name = "te_ops_fused_graph"
+    env = {"TE_OPS_FUSION": "1"}
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        from te_ops.graphs import make_graphed_callable
+
+        p = problem
+        with env_override(**self.env):
+            self.graphed = make_graphed_callable(self.block, (p.x, p.split, p.probs, p.split))
+
+    def forward(self, x, probs):
+        split = self.problem.split
+        return self.graphed(x, split, probs, split)
+
+
+PEER_CLASSES: dict[str, type[Peer]] = {
+    cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph)
+}
+
+
+def skip_reason(peer: str, problem: Problem) -> str | None:
+    """Why a peer cannot run on this device (``None`` when it can)."""
+    if peer == "te_ops_fused_graph" and problem.device.type != "cuda":
+        return "CUDA graphs need a CUDA device (running with --device cpu)"
+    if peer == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    return None
+
+
+# ------------------------------------------------------------------------------ measuring
+def measure(peer_name: str, problem: Problem, args: argparse.Namespace,
+            reference: dict[str, torch.Tensor]) -> dict:
+    """Build one peer, time it, measure its memory, compare its output; free it."""
+    peer = PEER_CLASSES[peer_name](problem)
+    try:
+        return _measure_peer(peer, problem, args, reference)
+    finally:
+        problem.x.grad = None
+        problem.probs.grad = None
+        for p in peer.parameters():
+            p.grad = None
+        del peer
+        free_memory()
+
+
+def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
+                  reference: dict[str, torch.Tensor]) -> dict:
+    params = peer.parameters()
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    x, probs, dy = problem.x, problem.probs, problem.dy
+
+    def zero_grads() -> None:
+        x.grad = None
+        probs.grad = None
+        for p in params:
+            p.grad = None
+
+    def step() -> None:
+        peer.forward(x, probs).backward(dy)
+
+    with env_override(**peer.env):
+        times = time_steps(step, problem.device, warmup=args.warmup, iters=args.iters,
+                           before=zero_grads)
+        peak = peak_memory_mib(step, problem.device, param_bytes, before=zero_grads)
+        with torch.no_grad():
+            out = peer.forward(x, probs).detach().clone()
+    stats = summarize_times(times)
+    record: dict = dict(stats)
+    record["tflops"] = problem.flops / (stats["ms_median"] * 1e-3) / 1e12
+    record["peak_mib"] = peak
+    record["param_mib"] = param_bytes / 2**20
+    if peer.name == BASELINE:
+        reference["out"] = out
+        reference["ms"] = stats["ms_median"]
+    if "out" in reference:
+        ref = reference["out"]
+        record["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+        record["ref_max_abs"] = ref.float().abs().max().item()
+    if "ms" in reference:
+        record["ratio_vs_grouped_mm"] = reference["ms"] / stats["ms_median"]
+    return record
+
+
+def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
+              args: argparse.Namespace, out: JsonLines, device: torch.device) -> None:
+    problem = make_problem(name, shape, device, torch.bfloat16, args.seed)
+    base = {
+        "bench": "grouped_mlp",
+        "shape": name,
+        "E": shape[0], "T": shape[1], "H": shape[2], "FF": shape[3],
+        "dtype": "bf16",
+        "device": device.type,
+        "routing": "zipf1.2",
+        "max_expert_tokens": max(problem.sizes),
+        "empty_experts": sum(1 for s in problem.sizes if s == 0),
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }
+    reference: dict[str, torch.Tensor] = {}
+    order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
+    for peer in order:
+        record = {**base, "peer": peer}
+        reason = skip_reason(peer, problem)
+        if reason is not None:
+            record["skipped"] = reason
+            print(f"# skip {peer} on {name}: {reason}", file=sys.stderr, flush=True)
+        else:
+            try:
+                record.update(measure(peer, problem, args, reference))
+            except Exception as exc:  # one peer failing must not stop the others
+                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                traceback.print_exc(file=sys.stderr)
+                free_memory()
+        out.write(record)
+    del problem
+    free_memory()
+
+
+# ------------------------------------------------------------------------------- summary
+def _fmt(record: dict, key: str, spec: str) -> str:
+    value = record.get(key)
+    return "-" if value is None else format(value, spec)
+
+
+def summarize(path: str) -> str:
+    """A fixed-width table of a JSON-lines file written by this script."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if rec.get("bench") == "grouped_mlp":
+                    rows.append(rec)
+    header = (f"{'shape':<26} {'peer':<20} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9} "
+              f"{'x grouped_mm':>12} {'max|diff|':>10}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            note = r.get("skipped") or r.get("error")
+            lines.append(f"{r['shape']:<26} {r['peer']:<20} {note[:60]}")
+            continue
+
+        lines.append(
+            f"{r['shape']:<26} {r['peer']:<20} {_fmt(r, 'ms_median', '9.3f'):>9} "
+            f"{_fmt(r, 'tflops', '8.1f'):>8} {_fmt(r, 'peak_mib', '9.0f'):>9} "
+            f"{_fmt(r, 'ratio_vs_grouped_mm', '12.2f'):>12} "
+            f"{_fmt(r, 'max_abs_diff', '10.3g'):>10}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape names (default: all of the chosen set): "
+                             + ", ".join([*SHAPES, *QUICK_SHAPES]))
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated peers: " + ", ".join(PEERS))
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
+    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per peer")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also append JSON lines to this file")
+    parser.add_argument("--summarize", metavar="FILE", default=None,
+                        help="print a table of a JSON-lines file and exit")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    known = {**SHAPES, **QUICK_SHAPES}
+    default = QUICK_SHAPES if args.quick else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(default)
+    unknown = [n for n in names if n not in known]
+    peers = args.peers.split(",")
+    bad_peers = [p for p in peers if p not in PEER_CLASSES]
+    if unknown or bad_peers:
+        print(f"unknown shapes {unknown} / peers {bad_peers}; shapes: {list(known)}, "
+              f"peers: {PEERS}", file=sys.stderr)
+        return 2
+    out = JsonLines(args.out)
+    out.write({"bench": "grouped_mlp_run", **machine_info(device), "device": device.type,
+               "shapes": names, "peers": peers})
+    try:
+        for name in names:
+            run_shape(name, known[name], peers, args, out, device)
+    finally:
+        out.close()
+    if args.out:
+        print(summarize(args.out), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
