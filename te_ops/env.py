@@ -55,6 +55,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "with the reason.",
         ),
         EnvVar(
+            "TE_OPS_ACTIVATION_BACKEND",
+            "auto",
+            ("auto", "torch", "triton"),
+            "SwiGLU kernels: auto takes the Triton kernels on CUDA where they apply (halves "
+            "layout, fp32/bf16/fp16, contiguous), else PyTorch ops; triton where they cannot "
+            "run raises with the reason.",
+        ),
+        EnvVar(
             "TE_OPS_GRAPH_SAFE",
             "auto",
             ("auto", "0", "1"),

@@ -347,18 +347,27 @@ class GroupedLinear(BasicOperation):
         )
 
     @staticmethod
+    @staticmethod
     def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor | None],
                                  torch.Tensor | None]:
         """dgrad, parameter grads (weights then biases) and probs grad from a saved layout."""
-        splits, backend = saved.splits, saved.backend
-        weights = saved.weights
-        dgrad = None
-        if need_dgrad:
-            dgrad = grouped_dgrad(dy2d, stack_weights(weights), splits, backend)
+        dgrad = GroupedLinear.dgrad_math(saved, dy2d) if need_dgrad else None
+        return (dgrad, *GroupedLinear.param_grads_math(saved, dy2d))
+
+    @staticmethod
+    def dgrad_math(saved: GroupedLinearSaved, dy2d: torch.Tensor) -> torch.Tensor:
+        """(rows, out) -> (rows, in): the input gradient; padding rows are zero."""
+        return grouped_dgrad(dy2d, stack_weights(saved.weights), saved.splits, saved.backend)
+
+    @staticmethod
+    def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor,
+                         ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
+        splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
         if weights[0].requires_grad:
-            wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, backend)
+            wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, saved.backend)
             grads = list(wgrad.unbind(0))
         bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
         grad_probs = None
@@ -369,7 +378,7 @@ class GroupedLinear(BasicOperation):
                 rows = bias_table(saved.biases, dy2d.dtype)[splits.group_ids]
                 grad_probs = (rows.float() * dy2d.float()).sum(-1).to(saved.probs.dtype)
                 grad_probs = splits.zero_padding(grad_probs)
-        return dgrad, grads + bias_grads, grad_probs
+        return grads + bias_grads, grad_probs
 
     # ------------------------------------------------------------------ fuser interface
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):

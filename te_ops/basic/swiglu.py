@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import swiglu_triton
 from ..op import BasicOperation, OperationContext
 from .grouped_linear import check_probs
 
@@ -63,13 +64,16 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
                    probs: torch.Tensor | None = None) -> torch.Tensor:
     """``SiLU(a) * b`` (times ``probs[..., None]``), computed in fp32, cast to ``x.dtype``.
 
-    Shapes: x (..., 2F), probs (...) -> (..., F).
+    Shapes: x (..., 2F), probs (...) -> (..., F). On CUDA this runs one Triton kernel
+    (``te_ops.kernels.swiglu_triton``) where it applies.
     """
+    if swiglu_triton.use_triton(x, interleave):
+        return swiglu_triton.swiglu_forward(x, probs)
     _, b, _, silu = _parts(x, interleave)
     return _output(silu, b, probs, x.dtype)
 
 
-def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor | None,
+def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
                     *, with_output: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
@@ -77,26 +81,26 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor | None,
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
 
     Shapes: x (..., 2F), grad_output (..., F) -> (grad_x (..., 2F), grad_probs (...) | None).
-    With ``with_output=True`` it returns a callable ``finish(grad_output)`` giving those two,
-    and the forward output (bitwise equal to :func:`swiglu_forward`), computed once from the
-    same intermediates: the fused backward needs the output (fc2's wgrad input) before it has
-    ``grad_output`` (fc2's dgrad).
+    With ``with_output=True`` a third result is the forward output, bitwise equal to
+    :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
+    grouped-MLP backward uses it as fc2's wgrad input).
     """
+    if swiglu_triton.use_triton(x, interleave):
+        grad_x, grad_probs, out = swiglu_triton.swiglu_backward(x, grad_output, probs,
+                                                                write_output=with_output)
+        return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
     a, b, sig, silu = _parts(x, interleave)
-
-    def finish(dy_in: torch.Tensor):
-        dy = dy_in.to(a.dtype)
-        grad_probs = None
-        if probs is not None:
-            grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
-            dy = dy * probs.to(a.dtype).unsqueeze(-1)
-        da = dy * b * sig * (1 + a * (1 - sig))
-        db = dy * silu
-        return _join(da, db, interleave).to(x.dtype), grad_probs
-
+    dy = grad_output.to(a.dtype)
+    grad_probs = None
+    if probs is not None:
+        grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
+        dy = dy * probs.to(a.dtype).unsqueeze(-1)
+    da = dy * b * sig * (1 + a * (1 - sig))
+    db = dy * silu
+    grad_x = _join(da, db, interleave).to(x.dtype)
     if with_output:
-        return finish, _output(silu, b, probs, x.dtype)
-    return finish(grad_output)
+        return grad_x, grad_probs, _output(silu, b, probs, x.dtype)
+    return grad_x, grad_probs
 
 
 @dataclass
@@ -153,6 +157,16 @@ class SwiGLU(BasicOperation):
             )
         if not input_.is_floating_point():
             raise TypeError(f"input must be floating point, got {input_.dtype}")
+
+    def dispatch_notes(self, info) -> list[str]:
+        if info.device is None or info.device.type != "cuda":
+            where = "unknown device" if info.device is None else info.device.type
+            return [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
+        if self.glu_interleave_size is not None:
+            return ["activation backend: torch (glu_interleave_size is set)"]
+        if swiglu_triton.triton is None:
+            return ["activation backend: torch (triton is not installed)"]
+        return ["activation backend: triton (one kernel forward, one backward)"]
 
     def describe(self) -> str:
         il = f"glu_interleave_size={self.glu_interleave_size}" if self.glu_interleave_size else ""

@@ -1,0 +1,1 @@
+"""Runnable examples; the main job is ``python -m te_ops.examples.train_moe``."""

@@ -15,9 +15,11 @@ Forward (:class:`ForwardGroupedMLP`):
 
 Backward (:class:`BackwardGroupedMLP`):
 
-* the activation's fp32 intermediates (``sigmoid(a)``, ``SiLU(a)``) are computed once and
-  serve both fc2's wgrad input (when the forward did not save it) and the activation's
-  gradient (unfused: once in the recompute and once in the activation backward).
+* fc2's dgrad runs first, then one activation-backward pass that also writes the activation
+  output (fc2's wgrad input, when the forward did not save it): the activation is read once
+  (unfused: once by the recompute and once by the activation backward; on CUDA that is one
+  Triton kernel instead of two);
+* fc1 and fc2 share one set of split tensors and their cached padding mask and one-hot matrix.
 
 ``benchmarks/memory_report.py`` measures saved bytes and op counts of both.
 """
@@ -177,18 +179,18 @@ class BackwardGroupedMLP(FusedOperation):
         # The gate guarantees fc1 and fc2 share one split-size source: share the derived
         # tensors (padding mask, one-hot for bias grads) instead of building them twice.
         s2.splits = s1.splits
-        if s2.x is None and s2.recompute_x is not None:
-            # The forward did not save fc2's input: compute the activation's intermediates
-            # once, for fc2's wgrad input and for the activation's gradient.
-            finish_act, act_out = swiglu_backward(sa.x, None, act.glu_interleave_size, sa.probs,
-                                                  with_output=True)
-            s2.recompute_x = lambda: act_out
-        else:
-            def finish_act(dy):
-                return swiglu_backward(sa.x, dy, act.glu_interleave_size, sa.probs)
         dy2d = grad_output.reshape(-1, fc2.out_features).contiguous()
-        dgrad2, grads2, gprobs2 = GroupedLinear.backward_math(s2, dy2d, need_dgrad=True)
-        dh, gprobs_act = finish_act(dgrad2.view(s2.in_shape))
+        # Order: fc2 dgrad, then ONE activation-backward pass that also yields the activation
+        # output when the forward did not save fc2's input, then fc2's weight grads with it.
+        dgrad2 = GroupedLinear.dgrad_math(s2, dy2d)
+        need_out = s2.x is None and s2.recompute_x is not None
+        act_result = swiglu_backward(sa.x, dgrad2.view(s2.in_shape), act.glu_interleave_size,
+                                     sa.probs, with_output=need_out)
+        dh, gprobs_act = act_result[0], act_result[1]
+        if need_out:
+            act_out = act_result[2]
+            s2.recompute_x = lambda: act_out
+        grads2, gprobs2 = GroupedLinear.param_grads_math(s2, dy2d)
         dh2d = dh.reshape(-1, fc1.out_features)
         dgrad1, grads1, gprobs1 = GroupedLinear.backward_math(s1, dh2d, ctx1.input_requires_grad)
         if dgrad1 is not None:

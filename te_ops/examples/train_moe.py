@@ -1,0 +1,428 @@
+"""Main job: train a small byte-level mixture-of-experts language model with te_ops experts.
+
+``python -m te_ops.examples.train_moe [--steps N ...]``
+
+The corpus is the documentation text shipped with Python (``pydoc_data.topics``), joined in
+sorted key order and encoded as UTF-8 bytes (vocabulary 256); the last 10 % is the validation
+split. The model is a decoder-only transformer: byte embedding + learned positions, ``--layers``
+blocks of (pre-norm causal self-attention, pre-norm MoE), a final norm and an LM head tied to
+the embedding. Each MoE block routes every token to its top-k experts, sorts the (token, expert)
+pairs by expert and runs all experts at once through
+
+``te_ops.Sequential(GroupedLinear(E, d, 2 * ffn), ScaledSwiGLU(), GroupedLinear(E, ffn, d))``
+
+with the per-expert token counts as a device tensor (no host sync in the MoE block).
+
+Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
+split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
+curve to ``--out-dir/loss.png``. ``TE_OPS_EXAMPLE_PROGRESS=0`` hides the progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import te_ops
+from te_ops import env
+
+__all__ = ["MoEBlock", "MoELanguageModel", "load_corpus", "unigram_cross_entropy", "main"]
+
+
+# ---------------------------------------------------------------------------------- data
+def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The byte corpus split 90/10: (train, validation), 1-D int64 tensors of byte values."""
+    from pydoc_data.topics import topics
+
+    data = "\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    cut = int(0.9 * tokens.numel())
+    return tokens[:cut], tokens[cut:]
+
+
+def unigram_cross_entropy(train: torch.Tensor, val: torch.Tensor) -> tuple[float, float]:
+    """(entropy of the training bytes, cross-entropy of the validation bytes), in nats.
+
+    The byte distribution is estimated on the training split with add-one smoothing (so bytes
+    unseen in training keep a finite cost).
+    """
+    counts = torch.bincount(train, minlength=256).double()
+    p_train = counts / counts.sum()
+    entropy = -(p_train[p_train > 0] * p_train[p_train > 0].log()).sum().item()
+    p_smooth = (counts + 1) / (counts.sum() + 256)
+    return entropy, -p_smooth.log()[val].mean().item()
+
+
+def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: inputs and next-byte targets, both (batch_size, seq_len), on the CPU."""
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
+    window = data[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+    return window[:, :-1], window[:, 1:]
+
+
+# ---------------------------------------------------------------------------------- model
+def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``torch.bincount(expert_ids, minlength=num_experts)``, without a host sync on CUDA.
+
+    CUDA's ``bincount`` reads the largest id back to the host to size its output; there the
+    same counts come from a ``scatter_add_`` into ``num_experts`` zeros instead.
+    """
+    if expert_ids.device.type == "cpu":
+        return torch.bincount(expert_ids, minlength=num_experts)
+    counts = expert_ids.new_zeros(num_experts)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
+class MoEBlock(nn.Module):
+    """Top-k routed experts; the expert MLPs run as one te_ops grouped MLP.
+
+    Shapes
+    ------
+    input (batch, seq, d_model) -> (output of the same shape, load-balancing loss ()).
+    """
+
+    def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = te_ops.Sequential(
+            te_ops.GroupedLinear(num_experts, d_model, 2 * ffn, bias=False),
+            te_ops.ScaledSwiGLU(),
+            te_ops.GroupedLinear(num_experts, ffn, d_model, bias=False),
+        )
+        self.graphed: Any = None  # a te_ops.graphs.GraphedCallable of `experts` (--cuda-graph)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)  # (T, E); softmax in at least fp32
+        probs = torch.softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        top_p, top_e = probs.topk(self.top_k, dim=-1)  # (T, k)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        expert_ids = top_e.reshape(-1)  # (T*k,): pair i belongs to token i // k
+        order = torch.argsort(expert_ids, stable=True)
+        token_of_pair = order // self.top_k
+        split_sizes = tokens_per_expert(expert_ids, self.num_experts)  # (E,) int64, on device
+        experts = self.graphed if self.graphed is not None and self.training else self.experts
+        y = experts(tokens[token_of_pair], split_sizes,
+                    top_p.reshape(-1)[order].to(x.dtype), split_sizes)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_pair, y)
+        # Switch-Transformer load balancing: E * sum_e (share of pairs on e) * (mean prob of e).
+        share = split_sizes.float() / expert_ids.numel()
+        aux = self.num_experts * (share * probs.mean(0)).sum()
+        return out.view_as(x), aux
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention followed by a pre-norm MoE block, both residual."""
+
+    def __init__(self, d_model: int, heads: int, ffn: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.moe = MoEBlock(d_model, ffn, experts, top_k)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        moe_out, aux = self.moe(self.norm2(x))
+        return x + moe_out, aux
+
+
+class MoELanguageModel(nn.Module):
+    """Byte-level decoder-only MoE transformer with a tied LM head.
+
+    Shapes
+    ------
+    input (batch, seq) int64 bytes -> (logits (batch, seq, 256), summed aux loss ()).
+    """
+
+    def __init__(self, seq_len: int, layers: int, d_model: int, heads: int, ffn: int,
+                 experts: int, top_k: int) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+        self.embed = nn.Embedding(256, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(d_model, heads, ffn, experts, top_k)
+                                    for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        aux = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, block_aux = block(x)
+            aux = aux + block_aux
+        return self.norm(x) @ self.embed.weight.t(), aux
+
+
+# ---------------------------------------------------------------------------------- training
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m te_ops.examples.train_moe",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=256, help="hidden size of each expert")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of parameters and activations (no fp32 master weights)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="fixed validation batches per periodic eval (the final eval uses the "
+                        "whole validation split)")
+    p.add_argument("--out-dir", default="runs/train_moe")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the training step in a CUDA graph (needs te_ops.graphs)")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
+                 "top_k", "ffn", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    return args
+
+
+def capture_expert_graphs(model: MoELanguageModel, args: argparse.Namespace,
+                          device: torch.device, dtype: torch.dtype) -> None:
+    """``--cuda-graph``: capture each layer's expert block (forward and backward) in CUDA graphs.
+
+    Every token goes to exactly ``top_k`` experts, so the expert block always sees
+    ``batch * seq * top_k`` rows: only the split sizes and probs change, which a graph allows.
+    Training steps replay the graphs; evaluation (other shapes, no backward) runs eagerly.
+    """
+    from te_ops.graphs import make_graphed_callable
+
+    rows = args.batch_size * args.seq_len * args.top_k
+    split_sizes = torch.full((args.experts,), rows // args.experts, device=device)
+    split_sizes[0] += rows % args.experts
+    for block in model.blocks:
+        x = torch.randn(rows, args.d_model, device=device, dtype=dtype, requires_grad=True)
+        probs = torch.rand(rows, device=device, dtype=dtype, requires_grad=True)
+        try:
+            block.moe.graphed = make_graphed_callable(block.moe.experts,
+                                                      (x, split_sizes, probs, split_sizes))
+        except (ValueError, RuntimeError) as exc:  # not graph-safe here: say why and stop
+            raise SystemExit(f"--cuda-graph: {exc}") from exc
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warmup over the first 5 % of steps, then cosine decay to 10 % of the peak."""
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(model: MoELanguageModel, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             device: torch.device) -> float:
+    """Mean next-byte cross-entropy (nats) over the given batches, weighted by tokens."""
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        logits, _ = model(x.to(device))
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
+                                 reduction="sum").item()
+        count += y.numel()
+    model.train()
+    return total / count
+
+
+def whole_split_batches(data: torch.Tensor, seq_len: int, tokens_per_batch: int = 8192
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Non-overlapping windows covering ``data``, about ``tokens_per_batch`` tokens a batch."""
+    n = (data.numel() - 1) // seq_len
+    batch_size = max(1, tokens_per_batch // seq_len)
+    x = data[: n * seq_len].view(n, seq_len)
+    y = data[1: n * seq_len + 1].view(n, seq_len)
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, n, batch_size)]
+
+
+def fusion_summary(experts: te_ops.Sequential, d_model: int, device: torch.device,
+                   dtype: torch.dtype) -> tuple[str, dict[str, list[str]]]:
+    """The first expert block's fusion plan for a training call: (text, op names per pass)."""
+    e = experts[0].num_groups
+    sample = (torch.zeros(2 * e, d_model, device=device, dtype=dtype),
+              torch.full((e,), 2, device=device), torch.ones(2 * e, device=device, dtype=dtype))
+    plan = experts.fusers()[0].plan(sample[0], sample[1], sample[2], sample[1])
+    ops = {"forward": [type(op).__name__ for op, _ in plan.forward_ops],
+           "backward": [type(op).__name__ for op, _ in plan.backward_ops]}
+    if hasattr(experts, "explain"):
+        try:
+            return experts.explain(sample[0], sample[1], sample[2], sample[1]), ops
+        except ImportError as exc:
+            note = f"(explain() is unavailable: {exc})"
+    else:
+        note = "(explain() is unavailable in this te_ops)"
+    return f"{note}\nforward ops: {ops['forward']}\nbackward ops: {ops['backward']}", ops
+
+
+def save_plot(evals: list[dict[str, float]], final_val: float, baseline: float,
+              path: Path) -> None:
+    """Loss curves (train, validation, final whole-split validation, unigram baseline), PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [e["step"] for e in evals]
+    ax.plot(steps, [e["train_loss"] for e in evals], marker="o",
+            label="train (mean since last eval)")
+    ax.plot(steps, [e["val_loss"] for e in evals], marker="o", label="validation (fixed batches)")
+    ax.plot(steps[-1:], [final_val], marker="*", markersize=12, linestyle="none",
+            label="validation (whole split)")
+    ax.axhline(baseline, linestyle="--", color="gray", label="unigram baseline")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="te_ops MoE byte LM")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train, evaluate and write ``metrics.json`` and ``loss.png``; returns the metrics."""
+    start = time.perf_counter()
+    args = parse_args(argv)
+    if args.cuda_graph and importlib.util.find_spec("te_ops.graphs") is None:
+        raise SystemExit("--cuda-graph needs the te_ops.graphs module, which this te_ops does "
+                         "not have; run without --cuda-graph.")
+    if args.cuda_graph and args.device != "cuda":
+        raise SystemExit("--cuda-graph needs --device cuda")
+    with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
+        torch.manual_seed(args.seed)
+        metrics = train_and_report(args, start)
+    return metrics
+
+
+def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
+    """The body of :func:`main` (``start``: its ``time.perf_counter()`` at entry)."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    train, val = load_corpus()
+    entropy, baseline = unigram_cross_entropy(train, val)
+    print(f"corpus: {train.numel()} train / {val.numel()} validation bytes; unigram entropy "
+          f"{entropy:.4f} nats, unigram cross-entropy on validation {baseline:.4f} nats")
+
+    model = MoELanguageModel(args.seq_len, args.layers, args.d_model, args.heads, args.ffn,
+                             args.experts, args.top_k).to(device=device, dtype=dtype)
+    if args.cuda_graph:
+        capture_expert_graphs(model, args, device, dtype)
+    print(f"model: {sum(p.numel() for p in model.parameters())} parameters, "
+          f"{args.layers} layers, {args.experts} experts, top-{args.top_k}, {device}, {dtype}")
+    eval_gen = torch.Generator().manual_seed(args.seed + 1)
+    eval_batches = [sample_batch(val, args.batch_size, args.seq_len, eval_gen)
+                    for _ in range(args.eval_batches)]
+    evals, train_time = train_loop(model, train, eval_batches, args, device, start)
+
+    final_val = evaluate(model, whole_split_batches(val, args.seq_len), device)
+    explain_text, fusions = fusion_summary(model.blocks[0].moe.experts, args.d_model, device,
+                                           dtype)
+    wall = time.perf_counter() - start
+    metrics: dict[str, Any] = {
+        "config": dict(vars(args)),
+        "evals": evals,
+        "final_val_loss": final_val,
+        "unigram_baseline": baseline,
+        "unigram_train_entropy": entropy,
+        "improvement_over_unigram": baseline - final_val,
+        "train_tokens_per_s": args.steps * args.batch_size * args.seq_len / train_time,
+        "wall_time_s": wall,
+        "fusions": fusions,
+        "versions": {"te_ops": te_ops.__version__, "torch": torch.__version__},
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    save_plot(evals, final_val, baseline, out_dir / "loss.png")
+    print("\n=== summary ===")
+    print(f"final validation loss (whole split): {final_val:.4f} nats/byte")
+    print(f"unigram baseline:                    {baseline:.4f} nats/byte "
+          f"(improvement {baseline - final_val:.4f})")
+    print(f"training throughput: {metrics['train_tokens_per_s']:.0f} tokens/s; "
+          f"wall time {wall:.1f} s")
+    print("fusions in layer 0's expert block:")
+    print(explain_text)
+    print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'loss.png'}")
+    return metrics
+
+
+def train_loop(model: MoELanguageModel, train: torch.Tensor,
+               eval_batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
+               device: torch.device, start: float) -> tuple[list[dict[str, float]], float]:
+    """AdamW training with periodic evals; returns (eval records, seconds spent training)."""
+    from tqdm.auto import tqdm
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    evals: list[dict[str, float]] = []
+    running = torch.zeros((), device=device)  # summed on the device: no sync per step
+    running_steps, train_time, interval_time = 0, 0.0, 0.0
+    progress = tqdm(range(args.steps), disable=not env.read_bool("TE_OPS_EXAMPLE_PROGRESS"),
+                    desc="train", dynamic_ncols=True)
+    for step in progress:
+        t0 = time.perf_counter()
+        x, y = (t.to(device) for t in sample_batch(train, args.batch_size, args.seq_len, gen))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        logits, aux = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        (loss + args.aux_coef * aux).backward()
+        optimizer.step()
+        running += loss.detach()
+        running_steps += 1
+        log_now = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+        train_loss = running.item() / running_steps if log_now else 0.0  # syncs
+        dt = time.perf_counter() - t0
+        train_time, interval_time = train_time + dt, interval_time + dt
+        if log_now:
+            record = {
+                "step": step + 1,
+                "train_loss": train_loss,
+                "val_loss": evaluate(model, eval_batches, device),
+                "tokens_per_s": running_steps * x.numel() / interval_time,
+                "elapsed_s": time.perf_counter() - start,
+            }
+            evals.append(record)
+            progress.set_postfix(train=f"{record['train_loss']:.3f}",
+                                 val=f"{record['val_loss']:.3f}")
+            tqdm.write(f"step {record['step']:5d}  train {record['train_loss']:.4f}  "
+                       f"val {record['val_loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
+            running.zero_()
+            running_steps, interval_time = 0, 0.0
+    progress.close()
+    return evals, train_time
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Triton kernels for (Scaled)SwiGLU on CUDA: one pass forward, one pass backward.
+
+The eager PyTorch path (``te_ops.basic.swiglu``) launches about ten elementwise kernels and
+materializes fp32 temporaries of the (tokens, 2 * ffn) activation; these kernels read ``x``
+(and ``grad_output``) once, keep fp32 values in registers and write the result once. The
+backward kernel reduces the ``probs`` gradient over each row inside one program (no atomics,
+so it is deterministic) and can also write the forward output, which the fused grouped-MLP
+backward uses as fc2's wgrad input.
+
+Math (same as the PyTorch path): ``s = sigmoid(a)``, ``SiLU(a) = a * s``,
+``out = SiLU(a) * b * p``; ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
+
+Dispatch: :func:`unsupported_reason` says why a call cannot use these kernels (not CUDA, no
+Triton, interleaved layout, dtype, non-contiguous); ``TE_OPS_ACTIVATION_BACKEND`` forces
+``torch`` or ``triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import env
+
+try:  # Triton is optional: CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["unsupported_reason", "use_triton", "swiglu_forward", "swiglu_backward"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unsupported_reason(x: torch.Tensor, interleave: int | None) -> str | None:
+    """Why the Triton SwiGLU kernels cannot take ``x`` (``None`` when they can)."""
+    if triton is None:
+        return "triton is not installed"
+    if x.device.type != "cuda":
+        return f"device type {x.device.type} is not cuda"
+    if interleave is not None:
+        return "glu_interleave_size is set (the Triton kernels handle the halves layout only)"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} is not one of {list(_DTYPES)}"
+    if not x.is_contiguous():
+        return "input is not contiguous"
+    return None
+
+
+def use_triton(x: torch.Tensor, interleave: int | None) -> bool:
+    """Whether this call runs the Triton kernels (``TE_OPS_ACTIVATION_BACKEND`` decides ties).
+
+    Raises
+    ------
+    RuntimeError
+        ``TE_OPS_ACTIVATION_BACKEND=triton`` where the kernels cannot run; gives the reason.
+    """
+    choice = env.read("TE_OPS_ACTIVATION_BACKEND")
+    if choice == "torch":
+        return False
+    reason = unsupported_reason(x, interleave)
+    if choice == "triton" and reason is not None:
+        raise RuntimeError(f"TE_OPS_ACTIVATION_BACKEND=triton cannot run: {reason}")
+    return reason is None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _core(a, b):
+        sig = 1.0 / (1.0 + tl.exp(-a))
+        return sig, a * sig
+
+    @triton.jit
+    def _fwd_kernel(x_ptr, p_ptr, out_ptr, F, HAS_P: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+        a = tl.load(x_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
+        _, silu = _core(a, b)
+        out = silu * b
+        if HAS_P:
+            out = out * tl.load(p_ptr + row).to(tl.float32)
+        tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bwd_kernel(x_ptr, dy_ptr, p_ptr, dx_ptr, dp_ptr, out_ptr, F, HAS_P: tl.constexpr,
+                    WRITE_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        p = 1.0
+        if HAS_P:
+            p = tl.load(p_ptr + row).to(tl.float32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, F, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < F
+            a = tl.load(x_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(x_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * F + cols, mask=mask, other=0.0).to(tl.float32)
+            sig, silu = _core(a, b)
+            if WRITE_OUT:
+                out = silu * b
+                if HAS_P:
+                    out = out * p
+                tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+            if HAS_P:
+                acc += silu * b * dy
+                dy = dy * p
+            da = dy * b * sig * (1 + a * (1 - sig))
+            db = dy * silu
+            tl.store(dx_ptr + row * 2 * F + cols, da.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + row * 2 * F + F + cols, db.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_P:
+            tl.store(dp_ptr + row, tl.sum(acc, axis=0).to(dp_ptr.dtype.element_ty))
+
+
+def _block(F: int) -> int:
+    return min(1024, triton.next_power_of_2(max(F, 16)))
+
+
+def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """Triton ``SiLU(a) * b (* probs)``. Shapes: x (..., 2F) contiguous, probs (...) -> (..., F)."""
+    F = x.shape[-1] // 2
+    rows = x.numel() // max(x.shape[-1], 1)
+    out = torch.empty(*x.shape[:-1], F, device=x.device, dtype=x.dtype)
+    if rows == 0 or F == 0:
+        return out
+    block = _block(F)
+    p = probs.contiguous() if probs is not None else x
+    _fwd_kernel[(rows, triton.cdiv(F, block))](x, p, out, F, HAS_P=probs is not None,
+                                               BLOCK=block)
+    return out
+
+
+def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Tensor | None,
+                    write_output: bool = False):
+    """Triton backward. Returns ``(grad_x, grad_probs | None, output | None)``.
+
+    Shapes: x (..., 2F), grad_output (..., F), probs (...); ``grad_probs`` has probs' dtype.
+    """
+    F = x.shape[-1] // 2
+    rows = x.numel() // max(x.shape[-1], 1)
+    dy = grad_output.contiguous()
+    dx = torch.empty_like(x)
+    dp = torch.empty_like(probs) if probs is not None else None
+    out = torch.empty(*x.shape[:-1], F, device=x.device, dtype=x.dtype) if write_output else None
+    if rows == 0 or F == 0:
+        if dp is not None:
+            dp.zero_()
+        return dx.zero_(), dp, out
+    p = probs.contiguous() if probs is not None else x
+    _bwd_kernel[(rows,)](x, dy, p, dx, dp if dp is not None else x, out if out is not None else x,
+                         F, HAS_P=probs is not None, WRITE_OUT=write_output, BLOCK=_block(F))
+    return dx, dp, out
