@@ -307,11 +307,20 @@ class OperationFuser:
         return groups
 
     # ------------------------------------------------------------------ running
+    def _params(self) -> list[list[torch.nn.Parameter]]:
+        """Each basic op's parameters, cached while every op's parameter dict is unchanged."""
+        key = tuple(tuple(map(id, op._parameters.values())) for op in self.basic_ops)
+        cached = self.__dict__.get("_params_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, [list(op.parameters()) for op in self.basic_ops])
+            self.__dict__["_params_cache"] = cached
+        return cached[1]
+
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         groups = self._split_extra_inputs(extra_inputs)
-        params = [list(op.parameters()) for op in self.basic_ops]
+        params = self._params()
         flat_params = [p for ps in params for p in ps]
         flat_extra = [v for g in groups for v in g]
 
@@ -430,8 +439,9 @@ class _FuserFunction(torch.autograd.Function):
             c.saved_tensors = ()
 
         flat_grad_params = []
-        for i, op in enumerate(fuser.basic_ops):
-            n = sum(1 for _ in op.parameters())
+        for i, ps in enumerate(fuser._params()):
+            op = fuser.basic_ops[i]
+            n = len(ps)
             gp = grad_params[i] or [None] * n
             if len(gp) != n:
                 raise RuntimeError(

@@ -260,13 +260,26 @@ class GroupedLinear(BasicOperation):
                         p.data = buffer[g]
         return module
 
+    def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Cached while the parameter dict holds the same objects (functional_call and
+        # re-assignment swap entries, so the identities are the key).
+        key = tuple(map(id, self._parameters.values()))
+        cached = self.__dict__.get("_param_lists_cache")
+        if cached is None or cached[0] != key:
+            weights = [self._parameters[f"weight{g}"] for g in range(self.num_groups)]
+            biases = ([self._parameters[f"bias{g}"] for g in range(self.num_groups)]
+                      if self.has_bias else [])
+            cached = (key, weights, biases)
+            self.__dict__["_param_lists_cache"] = cached
+        return cached[1], cached[2]
+
     def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
+        """``[weight0, ..., weight{G-1}]`` (a new list; the Parameters themselves)."""
+        return list(self._param_lists()[0])
 
     def biases(self) -> list[torch.Tensor]:
-        if not self.has_bias:
-            return []
-        return [getattr(self, f"bias{g}") for g in range(self.num_groups)]
+        """``[bias0, ...]``, or ``[]`` without bias."""
+        return list(self._param_lists()[1])
 
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
