@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["EnvVar", "ENV_VARS", "read", "snapshot", "markdown_table"]
+__all__ = ["EnvVar", "ENV_VARS", "read", "read_bool", "snapshot", "markdown_table"]
 
 
 @dataclass(frozen=True)
