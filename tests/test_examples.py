@@ -72,3 +72,16 @@ def test_moe_block_matches_per_token_reference() -> None:
 def test_cuda_graph_flag_needs_cuda_device() -> None:
     with pytest.raises(SystemExit, match="--cuda-graph needs"):
         train_moe.main(["--cuda-graph", "--device", "cpu"])
+
+
+def test_main_job_loss_curve_same_with_and_without_fusion(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "0")
+    fused = train_moe.main([*TINY, "--out-dir", str(tmp_path / "fused")])
+    monkeypatch.setenv("TE_OPS_FUSION", "0")
+    unfused = train_moe.main([*TINY, "--out-dir", str(tmp_path / "unfused")])
+    assert "ForwardGroupedMLP" in str(fused["fusions"])
+    assert "ForwardGroupedMLP" not in str(unfused["fusions"])
+    curve = [(e["train_loss"], e["val_loss"]) for e in fused["evals"]]
+    assert curve == [(e["train_loss"], e["val_loss"]) for e in unfused["evals"]]
+    assert fused["final_val_loss"] == unfused["final_val_loss"]
