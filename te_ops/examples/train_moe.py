@@ -21,7 +21,6 @@ curve to ``--out-dir/loss.png``. ``TE_OPS_EXAMPLE_PROGRESS=0`` hides the progres
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import time
@@ -314,9 +313,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train, evaluate and write ``metrics.json`` and ``loss.png``; returns the metrics."""
     start = time.perf_counter()
     args = parse_args(argv)
-    if args.cuda_graph and importlib.util.find_spec("te_ops.graphs") is None:
-        raise SystemExit("--cuda-graph needs the te_ops.graphs module, which this te_ops does "
-                         "not have; run without --cuda-graph.")
     if args.cuda_graph and args.device != "cuda":
         raise SystemExit("--cuda-graph needs --device cuda")
     with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
