@@ -14,6 +14,9 @@ Usage::
 
     python benchmarks/memory_report.py [--device cpu|cuda] [--experts 8 --tokens 4096 ...]
 
+The main job's expert block (defaults of ``te_ops.examples.train_moe``) is
+``--experts 4 --tokens 4096 --hidden 128 --ffn 256 --no-bias`` (4096 = 16 x 128 tokens x top-2).
+
 Writes one JSON line per configuration to stdout (and to ``--out`` when given) and a table to
 stderr.
 """
@@ -56,9 +59,11 @@ class _OpCounter(TorchDispatchMode):
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     block = te_ops.Sequential(
-        te_ops.GroupedLinear(args.experts, args.hidden, 2 * args.ffn, device=device, dtype=dtype),
+        te_ops.GroupedLinear(args.experts, args.hidden, 2 * args.ffn, bias=args.bias,
+                             device=device, dtype=dtype),
         te_ops.ScaledSwiGLU(),
-        te_ops.GroupedLinear(args.experts, args.ffn, args.hidden, device=device, dtype=dtype),
+        te_ops.GroupedLinear(args.experts, args.ffn, args.hidden, bias=args.bias, device=device,
+                             dtype=dtype),
     )
     x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
     probs = torch.rand(args.tokens, device=device, requires_grad=True)
@@ -102,6 +107,7 @@ def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool) -> dict:
         "tokens": args.tokens,
         "hidden": args.hidden,
         "ffn": args.ffn,
+        "bias": args.bias,
         "forward": "+".join(type(op).__name__ for op, _ in plan.forward_ops),
         "backward": "+".join(type(op).__name__ for op, _ in plan.backward_ops),
         "saved_bytes": sum(seen.values()),
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     args = parser.parse_args(argv)
     saved_env = {k: os.environ.get(k) for k in
