@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
@@ -402,13 +403,15 @@ class _FuserFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.fuser = fuser
         ctx.num_params = num_params
-        ctx.extra_is_tensor = [isinstance(v, torch.Tensor) for g in groups for v in g]
+        ctx.extra_shapes = [v.shape if isinstance(v, torch.Tensor) else None
+                            for g in groups for v in g]
         for t in extra_out:
             if not t.is_floating_point():
                 ctx.mark_non_differentiable(t)
         return (out, *extra_out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output, *grad_extra_outputs):
         fuser: OperationFuser = ctx.fuser
         saved = ctx.saved_tensors
@@ -452,6 +455,7 @@ class _FuserFunction(torch.autograd.Function):
         for i, n in enumerate(fuser.num_extra_inputs):
             ge = grad_extra[i] or [None] * n
             flat_grad_extra.extend(ge)
-        flat_grad_extra = [g if is_t else None
-                           for g, is_t in zip(flat_grad_extra, ctx.extra_is_tensor)]
+        # Gradients of extra tensor inputs take their input's shape (e.g. (B, S) probs).
+        flat_grad_extra = [None if shape is None or g is None else g.reshape(shape)
+                           for g, shape in zip(flat_grad_extra, ctx.extra_shapes)]
         return (dx, None, None, None, None, None, None, *flat_grad_params, *flat_grad_extra)

@@ -180,8 +180,11 @@ class Sequential(torch.nn.Module):
 
         return explain(self, *sample_inputs)
 
-    def to_dot(self) -> str:
-        """Graphviz DOT text of the op graph (see :func:`te_ops.ir.to_dot`)."""
+    def to_dot(self, *extra_inputs: Any) -> str:
+        """Graphviz DOT text of the op graph (see :func:`te_ops.ir.to_dot`).
+
+        Sample extra inputs, when given, let channels fed by the same split sizes share a node.
+        """
         from .ir import to_dot
 
-        return to_dot(self)
+        return to_dot(self, *extra_inputs)

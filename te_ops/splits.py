@@ -12,6 +12,7 @@ eager, host-syncing check with a readable error.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,11 @@ class GroupedSplits:
         """Split sizes as a host list; copies from the device (a host sync) when needed."""
         if self.host_sizes is not None:
             return self.host_sizes
+        if self.split_sizes.device.type == "meta":
+            raise RuntimeError(
+                "split_sizes on the meta device have no values to copy to the host; this path "
+                "(the per-group loop backend) is not graph-safe"
+            )
         return [int(v) for v in self.split_sizes.tolist()]
 
     def padding_rows(self) -> torch.Tensor:
@@ -147,7 +153,7 @@ def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
             f"{name} must have num_groups={num_groups} entries, got {len(split_sizes)}"
         )
     for i, v in enumerate(split_sizes):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} ({v!r})")
         if v < 0:
             raise ValueError(f"{name}[{i}] must be >= 0, got {v}")

@@ -37,6 +37,9 @@ class Bias(BasicOperation):
         self.size = size
         self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
 
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
     def describe(self) -> str:
         return f"Bias({self.size})"
 

@@ -31,23 +31,32 @@ __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs"]
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "probs") -> None:
-    """Check that per-row probs have shape (num_rows,), a float dtype and the input's device.
+def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "probs",
+                lead_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Check per-row probs and return them flattened to shape (num_rows,).
+
+    Accepted shapes: (num_rows,) or, when given, ``lead_shape`` (the input's leading dims, so
+    an (B, S, H) input may take (B, S) probs). Float dtype, on the input's device.
 
     Raises
     ------
     TypeError, ValueError
         The message names ``name`` with the expected and the actual value.
     """
+    shapes = [(num_rows,)]
+    if lead_shape is not None and tuple(lead_shape) != (num_rows,):
+        shapes.append(tuple(lead_shape))
+    expected = " or ".join(str(s) for s in shapes)
     if not isinstance(probs, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape ({num_rows},), got "
+        raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, got "
                         f"{type(probs).__name__}")
-    if tuple(probs.shape) != (num_rows,):
-        raise ValueError(f"{name} must have shape ({num_rows},), got {tuple(probs.shape)}")
+    if tuple(probs.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(probs.shape)}")
     if not probs.is_floating_point():
         raise TypeError(f"{name} must have a floating-point dtype, got {probs.dtype}")
     if probs.device != device:
         raise ValueError(f"{name} must be on the input's device {device}, got {probs.device}")
+    return probs.reshape(num_rows)
 
 
 def bias_table(biases: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -252,13 +261,28 @@ class GroupedLinear(BasicOperation):
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() give each parameter new storage: pack them into one buffer again.
         module = super()._apply(fn, *args, **kwargs)
+        self._pack_parameters()
+        return module
+
+    def __setstate__(self, state: dict) -> None:
+        # deepcopy / pickle / torch.load copy each parameter on its own: pack them again.
+        super().__setstate__(state)
+        self._pack_parameters()
+
+    def _pack_parameters(self) -> None:
+        """Make ``weight0..`` (and ``bias0..``) adjacent slices of one buffer again, keeping
+        the Parameter objects, so the grouped GEMM uses them without a copy."""
         with torch.no_grad():
-            for params in (self.weights(), self.biases()):
+            for params in self._param_lists():
                 if params and stack_weights(params).data_ptr() != params[0].data_ptr():
                     buffer = torch.stack([p.data for p in params])
                     for g, p in enumerate(params):
                         p.data = buffer[g]
-        return module
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.has_bias}, "
+                f"scale_bias={self.scale_bias}")
 
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
@@ -401,7 +425,8 @@ class GroupedLinear(BasicOperation):
         probs = None
         if self.scale_bias:
             probs = extra[1]
-            check_probs(probs, splits.num_rows, input_.device)
+            probs = check_probs(probs, splits.num_rows, input_.device,
+                                lead_shape=tuple(input_.shape[:-1]))
         backend = self.select_backend(input_, splits)
         x2d = input_.reshape(-1, self.in_features).contiguous()
         y = self.forward_math(x2d, splits, backend, probs)

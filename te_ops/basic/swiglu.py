@@ -158,6 +158,10 @@ class SwiGLU(BasicOperation):
         if not input_.is_floating_point():
             raise TypeError(f"input must be floating point, got {input_.dtype}")
 
+    def extra_repr(self) -> str:
+        return (f"glu_interleave_size={self.glu_interleave_size}"
+                if self.glu_interleave_size else "")
+
     def dispatch_notes(self, info) -> list[str]:
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
@@ -208,8 +212,8 @@ class ScaledSwiGLU(SwiGLU):
         ctx = basic_op_ctxs[0]
         (probs,) = basic_op_extra_inputs[0]
         self.check_input(input_)
-        check_probs(probs, input_.numel() // input_.shape[-1], input_.device)
-        probs = probs.view(input_.shape[:-1])
+        probs = check_probs(probs, input_.numel() // input_.shape[-1], input_.device,
+                            lead_shape=tuple(input_.shape[:-1])).view(input_.shape[:-1])
         if ctx.requires_grad:
             SwiGLUSaved(input_, probs).save(ctx)
         return swiglu_forward(input_, self.glu_interleave_size, probs), [()]

@@ -178,33 +178,37 @@ class MoELanguageModel(nn.Module):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m te_ops.examples.train_moe",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--d-model", type=int, default=128, help="model (hidden) width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (<= --experts)")
     p.add_argument("--ffn", type=int, default=256, help="hidden size of each expert")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of init and data sampling")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of parameters and activations (no fp32 master weights)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evals")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="fixed validation batches per periodic eval (the final eval uses the "
                         "whole validation split)")
-    p.add_argument("--out-dir", default="runs/train_moe")
+    p.add_argument("--out-dir", default="runs/train_moe",
+                   help="where metrics.json and loss.png go")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="capture the training step in a CUDA graph (needs te_ops.graphs)")
+                   help="capture each layer's expert block (forward and backward) in CUDA "
+                        "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
                  "top_k", "ffn", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     return args

@@ -136,11 +136,12 @@ class ForwardGroupedMLP(FusedOperation):
         probs1 = ex1[1] if fc1.scale_bias else None
         probs2 = ex2[1] if fc2.scale_bias else None
         probs_act = ex_act[0] if isinstance(act, ScaledSwiGLU) else None
-        for name, p in (("fc1 probs", probs1), ("probs", probs_act), ("fc2 probs", probs2)):
-            if p is not None:
-                check_probs(p, rows, input_.device, name)
+        lead = tuple(input_.shape[:-1])
+        probs1, probs_act, probs2 = (
+            None if p is None else check_probs(p, rows, input_.device, name, lead_shape=lead)
+            for name, p in (("fc1 probs", probs1), ("probs", probs_act), ("fc2 probs", probs2))
+        )
 
-        lead = input_.shape[:-1]
         x2d = input_.reshape(-1, fc1.in_features).contiguous()
         backend1 = fc1.select_backend(x2d, splits)
         h = fc1.forward_math(x2d, splits, backend1, probs1).view(*lead, fc1.out_features)
