@@ -10,7 +10,8 @@
 #   3. cpu_tests  python -m pytest -q -x -m "not cuda" tests   (the CPU suite, on this box)
 #   4. bench      benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
 #   5. memory     benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
-#   6. summary    one table: step results, test tallies, benchmark table
+#   6. main_job   the main job on CUDA, bf16 eager vs --cuda-graph: loss curves must agree
+#   7. summary    one table: step results, test tallies, benchmark table
 # Total worst case ~8 minutes (the timeouts below add up to 470 s plus start-up).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
@@ -74,6 +75,9 @@ step bench 170 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BEN
 
 step memory 90 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
     --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
+
+# The main job on the GPU: eager bf16 vs --cuda-graph bf16, same seed; the loss curves must agree.
+step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT"
 
 {
     echo
