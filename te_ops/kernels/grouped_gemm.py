@@ -172,14 +172,18 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     w0 = weights[0]
     n = len(weights)
     step = w0.numel() * w0.element_size()
-    if (
-        w0.device.type != "meta"
-        and all(w.is_contiguous() and w.dtype == w0.dtype and w.shape == w0.shape
-                for w in weights)
-        and all(w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights))
-        and w0.untyped_storage().nbytes() >= (w0.storage_offset() * w0.element_size() + n * step)
-    ):
-        return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
+    if w0.device.type != "meta" and w0.is_contiguous():
+        # Checked every call (parameters can be re-pointed), with C-level loops: the host cost
+        # matters at 64-128 experts.
+        start = w0.data_ptr()
+        storage = w0.untyped_storage()
+        if (
+            [w.data_ptr() for w in weights] == list(range(start, start + n * step, step))
+            and all(map(torch.Tensor.is_contiguous, weights))
+            and {(w.dtype, w.shape) for w in weights} == {(w0.dtype, w0.shape)}
+            and storage.nbytes() >= w0.storage_offset() * w0.element_size() + n * step
+        ):
+            return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
     return torch.stack(weights)
 
 
