@@ -1,6 +1,6 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import env, fused  # importing fused registers the fusions
+from . import env, fused, graphs, ir  # importing fused registers the fusions
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .fuser import (
     OperationFuser,
@@ -28,6 +28,8 @@ __all__ = [
     "SwiGLU",
     "env",
     "fused",
+    "graphs",
+    "ir",
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",
