@@ -69,7 +69,7 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E16_T128_H32_FF48": (16, 128, 32, 48),
 }
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
-         "te_ops_fused_graph"]
+         "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph"]
 BASELINE = "torch_grouped_mm"
 
 
@@ -194,23 +194,25 @@ class TorchLoop(Peer):
 class TeOps(Peer):
     name = "te_ops_fused"
     env = {"TE_OPS_FUSION": "1"}
+    single = False  # GroupedLinear(single_grouped_weight=...)
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
         p = problem
+        kw = {"bias": False, "single_grouped_weight": self.single, "device": p.device,
+              "dtype": p.dtype}
         with env_override(**self.env):
             self.block = te_ops.Sequential(
-                te_ops.GroupedLinear(p.experts, p.hidden, 2 * p.ffn, bias=False,
-                                     device=p.device, dtype=p.dtype),
+                te_ops.GroupedLinear(p.experts, p.hidden, 2 * p.ffn, **kw),
                 te_ops.ScaledSwiGLU(),
-                te_ops.GroupedLinear(p.experts, p.ffn, p.hidden, bias=False,
-                                     device=p.device, dtype=p.dtype),
+                te_ops.GroupedLinear(p.experts, p.ffn, p.hidden, **kw),
             )
         w1, w2 = problem.weights()
         with torch.no_grad():
             for fc, w in ((self.block[0], w1), (self.block[2], w2)):
-                for e, param in enumerate(fc.weights()):
-                    param.copy_(w[e])
+                params = fc.weights()
+                for e, param in enumerate(params):
+                    param.copy_(w if self.single else w[e])
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.block.parameters())
@@ -242,14 +244,25 @@ class TeOpsFusedGraph(TeOps):
         return self.graphed(x, split, probs, split)
 
 
+class TeOpsFusedSingle(TeOps):
+    name = "te_ops_fused_single"
+    single = True
+
+
+class TeOpsFusedSingleGraph(TeOpsFusedGraph):
+    name = "te_ops_fused_single_graph"
+    single = True
+
+
 PEER_CLASSES: dict[str, type[Peer]] = {
-    cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph)
+    cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph,
+                              TeOpsFusedSingle, TeOpsFusedSingleGraph)
 }
 
 
 def skip_reason(peer: str, problem: Problem) -> str | None:
     """Why a peer cannot run on this device (``None`` when it can)."""
-    if peer == "te_ops_fused_graph" and problem.device.type != "cuda":
+    if peer.endswith("_graph") and problem.device.type != "cuda":
         return "CUDA graphs need a CUDA device (running with --device cpu)"
     if peer == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"

@@ -59,20 +59,31 @@ def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "pr
     return probs.reshape(num_rows)
 
 
-def bias_table(biases: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Shape (G + 1, N): the stacked biases and a zero row that padding rows gather."""
-    stacked = stack_weights(biases)
-    return torch.cat([stacked, stacked.new_zeros(1, stacked.shape[1])]).to(dtype)
+def stacked(params: list[torch.Tensor], single: bool) -> torch.Tensor:
+    """The parameters as one (G, ...) tensor: the single grouped parameter itself, or the
+    per-group parameters stacked (a free view when they are adjacent, see ``stack_weights``)."""
+    return params[0] if single else stack_weights(params)
 
 
-def add_group_bias(y: torch.Tensor, biases: list[torch.Tensor], splits: GroupedSplits,
+def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
+    """Split a (G, ...) gradient the way the parameters are held (one tensor, or per group)."""
+    return [grad] if single else list(grad.unbind(0))
+
+
+def bias_table(stacked_bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Shape (G + 1, N): the (G, N) biases and a zero row that padding rows gather."""
+    zero = stacked_bias.new_zeros(1, stacked_bias.shape[1])
+    return torch.cat([stacked_bias, zero]).to(dtype)
+
+
+def add_group_bias(y: torch.Tensor, stacked_bias: torch.Tensor, splits: GroupedSplits,
                    probs: torch.Tensor | None) -> torch.Tensor:
     """``y[r] += b[group(r)]`` (times ``probs[r]`` when given); padding rows get nothing.
 
     One gather from a (G + 1, N) table whose last row is zero, so no host sync. Padding rows
     of ``probs`` are ignored, whatever they hold.
     """
-    rows = bias_table(biases, y.dtype)[splits.group_ids]
+    rows = bias_table(stacked_bias, y.dtype)[splits.group_ids]
     if probs is not None:
         rows = rows * splits.zero_padding(probs).to(y.dtype).unsqueeze(-1)
     return y.add_(rows)
@@ -106,9 +117,10 @@ class GroupedLinearSaved:
         The input (split grouping), or ``None`` when it is not needed (no wgrad) or is
         recomputed by ``recompute_x``.
     weights : list[torch.Tensor]
-        The parameters ``weight0..`` (saved by reference; no copy).
+        The parameters ``weight0..`` (saved by reference; no copy), or ``[weight]`` with
+        ``single_grouped_weight``.
     biases : list[torch.Tensor]
-        The parameters ``bias0..`` (empty without bias).
+        The parameters ``bias0..`` (or ``[bias]``; empty without bias).
     probs : torch.Tensor | None
         Per-row scale of the bias (``scale_bias=True``).
     backend : BackendChoice
@@ -128,6 +140,7 @@ class GroupedLinearSaved:
     backend: BackendChoice
     in_shape: tuple[int, ...]
     recompute_x: Callable[[], torch.Tensor] | None = None
+    single: bool = False
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -148,6 +161,7 @@ class GroupedLinearSaved:
             "backend": self.backend,
             "recompute_x": self.recompute_x,
             "in_shape": self.in_shape,
+            "single": self.single,
         }
 
     @classmethod
@@ -166,7 +180,7 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
-                   meta["recompute_x"])
+                   meta["recompute_x"], meta["single"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -191,6 +205,11 @@ class GroupedLinear(BasicOperation):
     scale_bias : bool
         Take a second extra input, per-row ``probs`` of shape (tokens,), and add
         ``bias * probs`` instead of ``bias`` (needs ``bias=True``).
+    single_grouped_weight : bool
+        Hold all groups in one parameter ``weight`` of shape (num_groups, out_features,
+        in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
+        ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
+        per step with many experts (two parameters instead of 2 x num_groups).
     device, dtype :
         Of the parameters (default: torch's defaults).
 
@@ -219,6 +238,7 @@ class GroupedLinear(BasicOperation):
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
+                 single_grouped_weight: bool = False,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -236,26 +256,33 @@ class GroupedLinear(BasicOperation):
         self.out_features = out_features
         self.has_bias = bias
         self.scale_bias = scale_bias
+        self.single_grouped_weight = bool(single_grouped_weight)
         self.num_extra_inputs = 2 if scale_bias else 1
-        # Weights are adjacent slices of one buffer so the grouped GEMM can use them as one
-        # (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
+        # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
+        # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
                                     dtype=dtype)
-        for g in range(num_groups):
-            self.register_parameter(f"weight{g}", torch.nn.Parameter(weight_buffer[g]))
-        if bias:
-            bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
+        bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
+        if self.single_grouped_weight:
+            self.weight = torch.nn.Parameter(weight_buffer)
+            if bias:
+                self.bias = torch.nn.Parameter(bias_buffer)
+        else:
             for g in range(num_groups):
-                self.register_parameter(f"bias{g}", torch.nn.Parameter(bias_buffer[g]))
+                self.register_parameter(f"weight{g}", torch.nn.Parameter(weight_buffer[g]))
+            if bias:
+                for g in range(num_groups):
+                    self.register_parameter(f"bias{g}", torch.nn.Parameter(bias_buffer[g]))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialization, per group."""
         bound = 1.0 / math.sqrt(self.in_features)
+        weights, biases = self._param_lists()
         with torch.no_grad():
-            for w in self.weights():
+            for w in stacked(weights, self.single_grouped_weight).unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            for b in self.biases():
+            for b in biases:
                 torch.nn.init.uniform_(b, -bound, bound)
 
     def _apply(self, fn, *args, **kwargs):
@@ -272,6 +299,8 @@ class GroupedLinear(BasicOperation):
     def _pack_parameters(self) -> None:
         """Make ``weight0..`` (and ``bias0..``) adjacent slices of one buffer again, keeping
         the Parameter objects, so the grouped GEMM uses them without a copy."""
+        if self.single_grouped_weight:
+            return
         with torch.no_grad():
             for params in self._param_lists():
                 if params and stack_weights(params).data_ptr() != params[0].data_ptr():
@@ -282,7 +311,7 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.has_bias}, "
-                f"scale_bias={self.scale_bias}")
+                f"scale_bias={self.scale_bias}, single_grouped_weight={self.single_grouped_weight}")
 
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
@@ -290,23 +319,27 @@ class GroupedLinear(BasicOperation):
         key = tuple(map(id, self._parameters.values()))
         cached = self.__dict__.get("_param_lists_cache")
         if cached is None or cached[0] != key:
-            weights = [self._parameters[f"weight{g}"] for g in range(self.num_groups)]
-            biases = ([self._parameters[f"bias{g}"] for g in range(self.num_groups)]
-                      if self.has_bias else [])
+            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
+                [f"weight{g}" for g in range(self.num_groups)],
+                [f"bias{g}" for g in range(self.num_groups)])
+            weights = [self._parameters[n] for n in names[0]]
+            biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
             cached = (key, weights, biases)
             self.__dict__["_param_lists_cache"] = cached
         return cached[1], cached[2]
 
     def weights(self) -> list[torch.Tensor]:
-        """``[weight0, ..., weight{G-1}]`` (a new list; the Parameters themselves)."""
+        """The weight Parameters: ``[weight0, ..., weight{G-1}]``, or ``[weight]`` (shape
+        (G, out, in)) with ``single_grouped_weight`` (a new list)."""
         return list(self._param_lists()[0])
 
     def biases(self) -> list[torch.Tensor]:
-        """``[bias0, ...]``, or ``[]`` without bias."""
+        """The bias Parameters: ``[bias0, ...]`` or ``[bias]``; ``[]`` without bias."""
         return list(self._param_lists()[1])
 
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
+        extra += ", single weight" if self.single_grouped_weight else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
                 f"{self.out_features}{extra})")
 
@@ -340,7 +373,7 @@ class GroupedLinear(BasicOperation):
         reason = self.unsupported_reason(input_)
         if reason:
             raise TypeError(f"input: {reason}")
-        w = self.weight0
+        w = self._param_lists()[0][0]
         if input_.dtype != w.dtype or input_.device != w.device:
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
@@ -361,9 +394,12 @@ class GroupedLinear(BasicOperation):
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None) -> torch.Tensor:
         """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero)."""
-        y = grouped_fprop(x2d, stack_weights(self.weights()), splits, backend)
+        weights, biases = self._param_lists()
+        single = self.single_grouped_weight
+        y = grouped_fprop(x2d, stacked(weights, single), splits, backend)
         if self.has_bias:
-            y = add_group_bias(y, self.biases(), splits, probs if self.scale_bias else None)
+            y = add_group_bias(y, stacked(biases, single), splits,
+                               probs if self.scale_bias else None)
         return y
 
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
@@ -381,6 +417,7 @@ class GroupedLinear(BasicOperation):
             splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
+            single=self.single_grouped_weight,
         )
 
     @staticmethod
@@ -395,7 +432,8 @@ class GroupedLinear(BasicOperation):
     @staticmethod
     def dgrad_math(saved: GroupedLinearSaved, dy2d: torch.Tensor) -> torch.Tensor:
         """(rows, out) -> (rows, in): the input gradient; padding rows are zero."""
-        return grouped_dgrad(dy2d, stack_weights(saved.weights), saved.splits, saved.backend)
+        weights = stacked(saved.weights, saved.single)
+        return grouped_dgrad(dy2d, weights, saved.splits, saved.backend)
 
     @staticmethod
     def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor,
@@ -405,14 +443,15 @@ class GroupedLinear(BasicOperation):
         grads: list[torch.Tensor | None] = [None] * len(weights)
         if weights[0].requires_grad:
             wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, saved.backend)
-            grads = list(wgrad.unbind(0))
+            grads = per_param(wgrad, saved.single)
         bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
         grad_probs = None
         if saved.biases:
             if saved.biases[0].requires_grad:
-                bias_grads = list(group_bias_grad(dy2d, splits, saved.probs).unbind(0))
+                bias_grads = per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single)
             if saved.probs is not None and saved.probs.requires_grad:
-                rows = bias_table(saved.biases, dy2d.dtype)[splits.group_ids]
+                table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
+                rows = table[splits.group_ids]
                 grad_probs = (rows.float() * dy2d.float()).sum(-1).to(saved.probs.dtype)
                 grad_probs = splits.zero_padding(grad_probs)
         return grads + bias_grads, grad_probs
