@@ -69,7 +69,8 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E16_T128_H32_FF48": (16, 128, 32, 48),
 }
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
-         "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph"]
+         "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
+         "te_ops_fused_single_graph_noclone"]
 BASELINE = "torch_grouped_mm"
 
 
@@ -230,6 +231,7 @@ class TeOpsUnfused(TeOps):
 class TeOpsFusedGraph(TeOps):
     name = "te_ops_fused_graph"
     env = {"TE_OPS_FUSION": "1"}
+    clone_param_grads = True  # .grad is reset to None every iteration here, so False is safe
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
@@ -237,7 +239,8 @@ class TeOpsFusedGraph(TeOps):
 
         p = problem
         with env_override(**self.env):
-            self.graphed = make_graphed_callable(self.block, (p.x, p.split, p.probs, p.split))
+            self.graphed = make_graphed_callable(self.block, (p.x, p.split, p.probs, p.split),
+                                                 clone_param_grads=self.clone_param_grads)
 
     def forward(self, x, probs):
         split = self.problem.split
@@ -254,9 +257,15 @@ class TeOpsFusedSingleGraph(TeOpsFusedGraph):
     single = True
 
 
+class TeOpsFusedSingleGraphNoClone(TeOpsFusedSingleGraph):
+    name = "te_ops_fused_single_graph_noclone"
+    clone_param_grads = False
+
+
 PEER_CLASSES: dict[str, type[Peer]] = {
     cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph,
-                              TeOpsFusedSingle, TeOpsFusedSingleGraph)
+                              TeOpsFusedSingle, TeOpsFusedSingleGraph,
+                              TeOpsFusedSingleGraphNoClone)
 }
 
 

@@ -260,7 +260,8 @@ class GraphedCallable:
     """
 
     def __init__(self, module: torch.nn.Module, static_inputs: tuple[torch.Tensor, ...],
-                 arg_map: list[int], params: tuple[torch.nn.Parameter, ...], graphed) -> None:
+                 arg_map: list[int], params: tuple[torch.nn.Parameter, ...], graphed,
+                 clone_param_grads: bool = True) -> None:
         self.module = module
         self.static_inputs = static_inputs
         self._arg_map = arg_map
@@ -268,6 +269,7 @@ class GraphedCallable:
         self._all_params = tuple(module.parameters())
         self._param_ptrs = tuple(p.data_ptr() for p in self._all_params)
         self._graphed = graphed
+        self.clone_param_grads = clone_param_grads
 
     def _check_inputs(self, inputs: tuple[Any, ...]) -> None:
         grad_enabled = torch.is_grad_enabled()
@@ -332,7 +334,10 @@ class GraphedCallable:
         unique = [inputs[i] for i, first in enumerate(self._arg_map) if first == i]
         params: Sequence[torch.Tensor] = self._params
         if torch.is_grad_enabled():
-            unique, params = self._guard(unique, params)
+            if self.clone_param_grads:
+                unique, params = self._guard(unique, params)
+            else:
+                unique, _ = self._guard(unique, ())
         return self._graphed(*unique, *params)
 
     @staticmethod
@@ -353,7 +358,8 @@ class GraphedCallable:
 
 def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch.Tensor], *,
                           num_warmup_iters: int = 3, pool: Any = None,
-                          check_sync: bool = True) -> GraphedCallable:
+                          check_sync: bool = True,
+                          clone_param_grads: bool = True) -> GraphedCallable:
     """Capture ``module``'s forward and backward in CUDA graphs; return a replaying callable.
 
     Builds on :func:`torch.cuda.make_graphed_callables` (side-stream warm-up, static buffers,
@@ -383,6 +389,15 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
         A memory-pool handle (``torch.cuda.graph_pool_handle()``) to share with other graphs.
     check_sync : bool
         Run the eager sync check of step 2.
+    clone_param_grads : bool
+        True (default): a parameter whose ``.grad`` is ``None`` gets a copy of the graph's
+        static gradient buffer, so gradients keep PyTorch's usual lifetime (accumulation over
+        micro-batches is right; pytorch/pytorch#181723). False skips that copy (one read and
+        write of every weight gradient per step, measurable for large experts): ``.grad`` then
+        *is* the static buffer and the next replay overwrites it, which is only right when
+        every step's gradients are consumed (optimizer step, all-reduce) before the next
+        replay and ``.grad`` is reset to ``None`` in between (no accumulation).
+        TransformerEngine's ``make_graphed_callables`` offers the same trade-off.
 
     Returns
     -------
@@ -467,7 +482,8 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
     graphed = torch.cuda.make_graphed_callables(
         call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
     )
-    return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed)
+    return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed,
+                           clone_param_grads)
 
 
 def _unique_index(arg_map: list[int], i: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import reference as ref
 import torch
@@ -136,3 +138,29 @@ def test_cuda_graph_replay_matches_eager():
         for a, b in zip(graphed_block.parameters(), eager_block.parameters()):
             assert torch.equal(a.grad, b.grad)
         assert (y_graph[sum(routing):] == 0).all()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_without_grad_clone_hands_out_the_static_buffer():
+    from te_ops.graphs import make_graphed_callable
+
+    dev, T = torch.device("cuda"), 128
+    kw = {"single_grouped_weight": True, "device": dev, "dtype": torch.bfloat16}
+    torch.manual_seed(1)
+    block = te_ops.Sequential(te_ops.GroupedLinear(4, 64, 128, **kw), te_ops.ScaledSwiGLU(),
+                              te_ops.GroupedLinear(4, 64, 64, **kw))
+    twin = copy.deepcopy(block)
+    x = torch.randn(T, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device=dev, requires_grad=True)
+    sizes = torch.tensor([32, 0, 64, 32], device=dev)
+    graphed = make_graphed_callable(block, (x, sizes, probs, sizes), clone_param_grads=False)
+    ptrs = []
+    for _ in range(2):
+        for p in (*block.parameters(), *twin.parameters()):
+            p.grad = None
+        graphed(x, sizes, probs, sizes).sum().backward()
+        twin(x, sizes, probs, sizes).sum().backward()
+        for a, b in zip(block.parameters(), twin.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        ptrs.append([p.grad.data_ptr() for p in block.parameters()])
+    assert ptrs[0] == ptrs[1]  # the same static buffers, step after step
