@@ -26,7 +26,6 @@ import torch
 
 from . import env
 from .basic.grouped_linear import GroupedLinear
-from .basic.swiglu import ScaledSwiGLU
 from .kernels.grouped_gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
@@ -36,11 +35,7 @@ __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCal
 
 # ---------------------------------------------------------------------------------- the gate
 def _extra_input_names(op: BasicOperation) -> list[str]:
-    if isinstance(op, GroupedLinear):
-        return ["split_sizes", "probs"][: op.num_extra_inputs]
-    if isinstance(op, ScaledSwiGLU):
-        return ["probs"]
-    return [f"extra input {j}" for j in range(op.num_extra_inputs)]
+    return [name or f"extra input {j}" for j, name in enumerate(op.extra_input_names())]
 
 
 def _basic_ops_with_index(module: torch.nn.Module) -> list[tuple[int, BasicOperation]]:

@@ -105,29 +105,11 @@ def _layout(module: Any) -> tuple[list[_Step], list[OperationFuser]]:
 
 
 def extra_input_names(op: torch.nn.Module) -> list[str | None]:
-    """Names of an op's extra inputs, ``None`` where the op does not name one.
-
-    An op may declare them itself (an ``extra_input_names`` attribute: a list of strings, or a
-    method returning one); otherwise GroupedLinear takes ``split_sizes`` (and ``probs`` with
-    ``scale_bias``) and ScaledSwiGLU takes ``probs``.
-    """
+    """Names of an op's extra inputs (:meth:`BasicOperation.extra_input_names`), ``None``
+    where the op does not name one; ``[]`` for modules without extra inputs."""
     n = int(getattr(op, "num_extra_inputs", 0) or 0)
-    declared = getattr(op, "extra_input_names", None)
-    if callable(declared):
-        declared = declared()
-    names: list[str | None]
-    if isinstance(declared, (list, tuple)):
-        names = [str(v) for v in declared]
-    else:
-        from .basic import GroupedLinear, ScaledSwiGLU
-
-        if isinstance(op, GroupedLinear):
-            names = ["split_sizes", "probs"] if op.scale_bias else ["split_sizes"]
-        elif isinstance(op, ScaledSwiGLU):
-            names = ["probs"]
-        else:
-            names = []
-    return (names + [None] * n)[:n]
+    declared = op.extra_input_names() if isinstance(op, BasicOperation) else []
+    return (list(declared) + [None] * n)[:n]
 
 
 def _describe(module: torch.nn.Module) -> str:

@@ -129,6 +129,11 @@ class BasicOperation(FusibleOperation):
         grad_input, grad_params = self.op_backward(basic_op_ctxs[0], grad_output)
         return grad_input, [grad_params], [[]]
 
+    def extra_input_names(self) -> list[str | None]:
+        """What each extra input is (e.g. ``"split_sizes"``), ``None`` where unnamed; used in
+        ``explain()``, the op graph and the graph-safety gate's messages."""
+        return [None] * self.num_extra_inputs
+
     def unsupported_reason(self, input_: torch.Tensor) -> str | None:
         """Why this op cannot run on ``input_``'s dtype/device (``None`` when it can)."""
         return None

@@ -337,6 +337,9 @@ class GroupedLinear(BasicOperation):
         """The bias Parameters: ``[bias0, ...]`` or ``[bias]``; ``[]`` without bias."""
         return list(self._param_lists()[1])
 
+    def extra_input_names(self) -> list[str | None]:
+        return ["split_sizes", "probs"][: self.num_extra_inputs]
+
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
         extra += ", single weight" if self.single_grouped_weight else ""

@@ -208,6 +208,9 @@ class ScaledSwiGLU(SwiGLU):
 
     num_extra_inputs = 1
 
+    def extra_input_names(self) -> list[str | None]:
+        return ["probs"]
+
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
         ctx = basic_op_ctxs[0]
         (probs,) = basic_op_extra_inputs[0]
