@@ -75,8 +75,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "TE_OPS_CHECK_SPLIT_SIZES",
             "0",
             _BOOL,
-            "1 adds an eager, host-syncing check of device split sizes (length, sign, sum) with a "
-            "readable error; the default checks them on the device without a sync.",
+            "1 replaces the device-side assert on device split sizes with an eager, "
+            "host-syncing check (sign, sum) that raises a readable ValueError; the default "
+            "checks them on the device without a sync.",
         ),
         EnvVar(
             "TE_OPS_EXAMPLE_PROGRESS",

@@ -110,23 +110,21 @@ def _extra_input_signature(value: Any) -> tuple:
     return (type(value).__name__,)
 
 
-def _source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:
-    """Index of the first extra input that is the same source as each one.
+def same_source(a: Any, b: Any) -> bool:
+    """Whether two extra inputs come from one source: the same tensor object, or equal host
+    lists (two tensors with equal values are *not* one source: telling would need a sync)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return False
 
-    Tensors are the same source when they are the same object; host lists when equal.
-    """
+
+def _source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:
+    """Index of the first extra input that is the same source as each one."""
     classes: list[int] = []
     for i, value in enumerate(flat_extra):
-        cls = i
-        for j in range(i):
-            other = flat_extra[j]
-            if value is other or (
-                isinstance(value, (list, tuple))
-                and isinstance(other, (list, tuple))
-                and list(value) == list(other)
-            ):
-                cls = classes[j]
-                break
+        cls = next((classes[j] for j in range(i) if same_source(value, flat_extra[j])), i)
         classes.append(cls)
     return tuple(classes)
 
@@ -160,12 +158,8 @@ class PlanInfo:
         raise ValueError(f"op {type(op).__name__} is not one of this fuser's basic ops")
 
     def same_source(self, a: Any, b: Any) -> bool:
-        """Whether two extra inputs come from one source (same tensor object or equal lists)."""
-        if a is b:
-            return True
-        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-            return list(a) == list(b)
-        return False
+        """Whether two extra inputs come from one source (see :func:`same_source`)."""
+        return same_source(a, b)
 
     def note(self, reason: str) -> None:
         """Record why the running fusion did not apply somewhere (shown by ``explain()``)."""
@@ -223,6 +217,14 @@ class OperationFuser:
             if not isinstance(op, FusibleOperation):
                 raise TypeError(f"ops[{i}] must be a te_ops FusibleOperation, got {type(op)}")
             basic.extend(op.basic_ops)
+        for i, op in enumerate(basic):
+            first = next(j for j, other in enumerate(basic) if other is op)
+            if first != i:
+                raise ValueError(
+                    f"ops: basic op {i} ({type(op).__name__}) is the same object as op {first}; "
+                    "one fuser runs each op instance once (te_ops.Sequential puts a repeated "
+                    "op in a fuser of its own)"
+                )
         self.basic_ops = basic
         self.num_extra_inputs = [op.num_extra_inputs for op in basic]
         self.num_extra_outputs = [op.num_extra_outputs for op in basic]

@@ -120,6 +120,10 @@ class Sequential(torch.nn.Module):
         run: list[FusibleOperation] = []
         for m in self._items():
             if isinstance(m, FusibleOperation):
+                in_run = {id(b) for op in run for b in op.basic_ops}
+                if run and any(id(b) in in_run for b in m.basic_ops):
+                    groups.append(OperationFuser(run))  # a repeated op starts a new fuser
+                    run = []
                 run.append(m)
                 continue
             if run:

@@ -86,3 +86,62 @@ def test_meta_loop_backend_says_why(monkeypatch):
     lin = te_ops.GroupedLinear(2, 16, 16, device="meta")
     with pytest.raises(RuntimeError, match="meta device have no values"):
         lin(torch.empty(8, 16, device="meta"), torch.empty(2, dtype=torch.int64, device="meta"))
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_freezing_one_expert_keeps_the_others_gradients(monkeypatch, frozen, fusion):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 32), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(3, 16, 16))
+    fc1 = blk[0]
+    fc1.weights()[frozen].requires_grad_(False)
+    fc1.biases()[frozen].requires_grad_(False)
+    x, probs = torch.randn(10, 16), torch.rand(10)
+    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
+    leaves.update({f"w{g}": ref.leaf(w.detach()) for g, w in enumerate(fc1.weights())})
+    leaves.update({f"b{g}": ref.leaf(b.detach()) for g, b in enumerate(fc1.biases())})
+    fc2 = blk[2]
+
+    def fn(t):
+        return ref.grouped_mlp(
+            t["x"], [4, 1, 5], t["probs"], [t[f"w{g}"] for g in range(3)],
+            [t[f"b{g}"] for g in range(3)], [w.detach().double() for w in fc2.weights()],
+            [b.detach().double() for b in fc2.biases()])
+
+    grad = torch.randn(10, 16)
+    _, expected = ref.forward_backward(fn, leaves, grad)
+    y = blk(x, torch.tensor([4, 1, 5]), probs, torch.tensor([4, 1, 5]))
+    y.backward(grad)
+    for g in range(3):
+        w, b = fc1.weights()[g], fc1.biases()[g]
+        if g == frozen:
+            assert w.grad is None and b.grad is None
+        else:
+            ref.assert_close(w.grad, expected[f"w{g}"], torch.float32)
+            ref.assert_close(b.grad, expected[f"b{g}"], torch.float32)
+
+
+def test_one_op_instance_twice_in_a_sequential():
+    torch.manual_seed(0)
+    lin = te_ops.GroupedLinear(3, 16, 16)
+    seq = te_ops.Sequential(lin, lin)
+    assert len(seq.fusers()) == 2
+    x = torch.randn(9, 16, requires_grad=True)
+    y = seq(x, [4, 0, 5], [4, 0, 5])
+    y.backward(torch.ones_like(y))
+    x2 = x.detach().clone().requires_grad_()
+    lin2 = copy.deepcopy(lin)
+    for p in lin2.parameters():
+        p.grad = None
+    y2 = lin2(lin2(x2, [4, 0, 5]), [4, 0, 5])
+    y2.backward(torch.ones_like(y2))
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    assert torch.equal(lin.weight0.grad, lin2.weight0.grad)
+
+
+def test_fuser_rejects_a_repeated_op_instance():
+    lin = te_ops.GroupedLinear(2, 16, 16)
+    with pytest.raises(ValueError, match="basic op 1 .* is the same object as op 0"):
+        te_ops.OperationFuser([lin, lin])

@@ -70,6 +70,12 @@ def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
     return [grad] if single else list(grad.unbind(0))
 
 
+def _only_trainable(grads: list[torch.Tensor], params: list[torch.Tensor]
+                    ) -> list[torch.Tensor | None]:
+    """``None`` for the parameters that do not require grad (some experts may be frozen)."""
+    return [g if p.requires_grad else None for g, p in zip(grads, params)]
+
+
 def bias_table(stacked_bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Shape (G + 1, N): the (G, N) biases and a zero row that padding rows gather."""
     zero = stacked_bias.new_zeros(1, stacked_bias.shape[1])
@@ -424,7 +430,6 @@ class GroupedLinear(BasicOperation):
         )
 
     @staticmethod
-    @staticmethod
     def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor | None],
                                  torch.Tensor | None]:
@@ -444,14 +449,16 @@ class GroupedLinear(BasicOperation):
         """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
         splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
-        if weights[0].requires_grad:
+        if any(w.requires_grad for w in weights):
             wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, saved.backend)
-            grads = per_param(wgrad, saved.single)
+            grads = _only_trainable(per_param(wgrad, saved.single), weights)
         bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
         grad_probs = None
         if saved.biases:
-            if saved.biases[0].requires_grad:
-                bias_grads = per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single)
+            if any(b.requires_grad for b in saved.biases):
+                bias_grads = _only_trainable(
+                    per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
+                    saved.biases)
             if saved.probs is not None and saved.probs.requires_grad:
                 table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
                 rows = table[splits.group_ids]

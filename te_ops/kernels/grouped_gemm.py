@@ -91,20 +91,24 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_f
 def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``torch._grouped_mm`` would sync with the host here (``None`` when it does not).
 
-    On CUDA, torch's native grouped kernel is bf16 on SM90 and newer; other dtypes and older
-    GPUs take a fallback that copies the offsets to the host (seen on an H200 with torch 2.11:
-    float16 and float32 calls trip ``torch.cuda.set_sync_debug_mode("error")``). CPU and meta
-    have no host/device boundary.
+    On CUDA, torch's native grouped kernel covers bf16 on SM90 (Hopper) and SM100 (datacenter
+    Blackwell) only (``_grouped_mm_cuda``'s fast path); other dtypes, other GPUs (SM80, SM110,
+    SM120) and ROCm take a fallback that copies the offsets to the host (seen on an H200 with
+    torch 2.11: float16 and float32 calls trip ``torch.cuda.set_sync_debug_mode("error")``).
+    CPU and meta have no host/device boundary.
     """
     if device.type != "cuda":
         return None
     if dtype != torch.bfloat16:
         return (f"torch._grouped_mm on CUDA has a native kernel for bfloat16 only; for {dtype} "
                 "it falls back to a loop that copies the offsets to the host")
+    if torch.version.hip:
+        return ("torch._grouped_mm on ROCm may take a fallback that copies the offsets to the "
+                "host; not treated as graph-safe")
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return (f"torch._grouped_mm has no native kernel for SM{major}{minor} (needs SM90+); "
-                "its fallback copies the offsets to the host")
+    if major not in (9, 10):
+        return (f"torch._grouped_mm has a native kernel for SM90 and SM100 only, not "
+                f"SM{major}{minor}; its fallback copies the offsets to the host")
     return None
 
 
