@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 
 import torch
+from common import env_override
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ops
@@ -74,8 +74,12 @@ def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
 
 def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool) -> dict:
     """One forward+backward with the given fusion toggles; returns the counts."""
-    os.environ["TE_OPS_FUSE_GROUPED_MLP_FORWARD"] = "1" if fwd_fused else "0"
-    os.environ["TE_OPS_FUSE_GROUPED_MLP_BACKWARD"] = "1" if bwd_fused else "0"
+    with env_override(TE_OPS_FUSE_GROUPED_MLP_FORWARD="1" if fwd_fused else "0",
+                      TE_OPS_FUSE_GROUPED_MLP_BACKWARD="1" if bwd_fused else "0"):
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     block, x, probs, split_sizes = _build(args, device, dtype)
@@ -129,18 +133,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     args = parser.parse_args(argv)
-    saved_env = {k: os.environ.get(k) for k in
-                 ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "TE_OPS_FUSE_GROUPED_MLP_BACKWARD")}
-    rows = []
-    try:
-        for fwd_fused, bwd_fused in ((False, False), (True, False), (False, True), (True, True)):
-            rows.append(measure(args, fwd_fused, bwd_fused))
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    rows = [measure(args, fwd_fused, bwd_fused)
+            for fwd_fused, bwd_fused in ((False, False), (True, False), (False, True),
+                                         (True, True))]
     base = rows[0]["saved_bytes"]
     for row in rows:
         row["saved_vs_unfused"] = round(row["saved_bytes"] / base, 4) if base else None
