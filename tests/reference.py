@@ -42,6 +42,16 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 
 
+#: Edge cases shared by the test files: name -> (num_groups, rows, split sizes).
+EDGE_CASES = {
+    "padding": (3, 10, [3, 0, 5]),
+    "no_padding": (3, 9, [4, 2, 3]),
+    "zero_token_groups": (4, 6, [0, 6, 0, 0]),
+    "one_group": (1, 7, [7]),
+    "empty_batch": (3, 0, [0, 0, 0]),
+}
+
+
 def leaf(t: torch.Tensor) -> torch.Tensor:
     """A float64 leaf copy of ``t`` that requires grad (the reference's input)."""
     return t.detach().to(torch.float64).requires_grad_(True)

@@ -17,14 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["loop", "grouped_mm"]
 KINDS = ["list", "tensor"]
 
-#: name -> (num_groups, rows, split sizes)
-CASES = {
-    "padding": (3, 10, [3, 0, 5]),
-    "no_padding": (3, 9, [4, 2, 3]),
-    "zero_token_groups": (4, 6, [0, 6, 0, 0]),
-    "one_group": (1, 7, [7]),
-    "empty_batch": (3, 0, [0, 0, 0]),
-}
+CASES = ref.EDGE_CASES
 
 K, N = 16, 32  # in/out features: 16-byte aligned for fp32/bf16/fp16 (grouped_mm can run)
 
