@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
@@ -379,6 +378,33 @@ def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor
     return x, extra_out
 
 
+DOUBLE_BACKWARD_ERROR = (
+    "te_ops does not compute higher-order gradients: a gradient taken with "
+    "create_graph=True through a te_ops block cannot be differentiated again (the fused and "
+    "unfused backward passes are not themselves differentiable). Compute the gradient "
+    "penalty with a plain PyTorch implementation of the block instead."
+)
+
+
+def _refuse_double_backward(grads: tuple) -> tuple:
+    """Gradients for a backward under ``create_graph=True``: the same values, but marked as
+    requiring grad through a node that raises :data:`DOUBLE_BACKWARD_ERROR` when
+    differentiated, so a second-order gradient is never silently zero (a detached first-order
+    gradient would make it so)."""
+    positions = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+    if not positions:
+        return grads
+    marked = [grads[i].detach().requires_grad_(grads[i].is_floating_point())
+              for i in positions]
+    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked))
+    wrapped = err(*marked)
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    out = list(grads)
+    for i, g in zip(positions, wrapped):
+        out[i] = g
+    return tuple(out)
+
+
 class _FuserFunction(torch.autograd.Function):
     """One autograd node for the whole op list."""
 
@@ -413,8 +439,14 @@ class _FuserFunction(torch.autograd.Function):
         return (out, *extra_out)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output, *grad_extra_outputs):
+    def backward(ctx, *grad_outputs):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _FuserFunction._backward(ctx, *grad_outputs)
+        return _refuse_double_backward(grads) if create_graph else grads
+
+    @staticmethod
+    def _backward(ctx, grad_output, *grad_extra_outputs):
         fuser: OperationFuser = ctx.fuser
         saved = ctx.saved_tensors
         for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
