@@ -41,6 +41,8 @@ __all__ = [
     "register_backward_fusion",
     "registered_fusions",
     "unregister_fusion",
+    "fusible_as",
+    "match_window",
 ]
 
 FusionFunc = Callable[..., list[FusibleOperation]]
@@ -97,6 +99,70 @@ def unregister_fusion(fusion: Fusion) -> None:
 def registered_fusions() -> list[Fusion]:
     """The registered fusions, in application order within each pass."""
     return list(_FUSIONS)
+
+
+def fusible_as(op: FusibleOperation, classes: type | tuple[type, ...]) -> str | None:
+    """Whether a fusion written for ``classes`` may take ``op``: ``None`` when it may, else why
+    not (a string for ``info.note``).
+
+    A fusion reproduces the math of the exact classes it was written for, so it takes ``op``
+    when ``type(op)`` is one of ``classes``, or when ``type(op)`` declares in its own class body
+    ``fuses_as = C`` for one of them (:attr:`te_ops.op.BasicOperation.fuses_as`). A fused op is
+    never taken again.
+    """
+    classes = classes if isinstance(classes, tuple) else (classes,)
+    names = " / ".join(c.__name__ for c in classes)
+    kind = type(op)
+    if op.is_fused_op:
+        return f"{kind.__name__} is already a fused op, not {names}"
+    if kind in classes or kind.__dict__.get("fuses_as") in classes:
+        return None
+    base = next((c for c in classes if isinstance(op, c)), None)
+    if base is not None:
+        return (f"{kind.__name__} is a subclass of {base.__name__} that does not declare "
+                f"fuses_as = {base.__name__} (its math may differ from what the fusion "
+                "computes)")
+    return f"{kind.__name__}, not {names}"
+
+
+def match_window(ops: Sequence[FusibleOperation], start: int,
+                 pattern: Sequence[tuple[str, type | tuple[type, ...]]]
+                 ) -> tuple[list[FusibleOperation] | None, str | None]:
+    """Match ``pattern`` against ``ops[start:start + len(pattern)]``.
+
+    Parameters
+    ----------
+    ops : the op list a fusion function receives.
+    start : where the window starts.
+    pattern : one ``(role, classes)`` pair per op, e.g.
+        ``[("fc1", GroupedLinear), ("the activation", (SwiGLU, ScaledSwiGLU)), ...]``;
+        each op is checked with :func:`fusible_as`.
+
+    Returns
+    -------
+    (window, None)
+        The matched ops.
+    (None, reason)
+        The first op matches but a later one does not (or is a subclass that does not
+        declare ``fuses_as``): ``reason`` says which and why, for ``info.note``.
+    (None, None)
+        Nothing worth a note: the first op is not of the pattern's first class, or the list
+        ends before the pattern does.
+    """
+    window = list(ops[start:start + len(pattern)])
+    first_reason = fusible_as(window[0], pattern[0][1]) if window else "empty"
+    if first_reason is not None:
+        subclass = window and "subclass" in first_reason
+        return None, (f"{pattern[0][0]}: {first_reason}" if subclass else None)
+    if len(window) < len(pattern):
+        return None, None
+    for k in range(1, len(pattern)):
+        reason = fusible_as(window[k], pattern[k][1])
+        if reason is not None:
+            if reason.startswith(f"{type(window[k]).__name__}, not"):
+                return None, f"the op after {pattern[k - 1][0]} is {reason}"
+            return None, f"{pattern[k][0]}: {reason}"
+    return window, None
 
 
 def _extra_input_signature(value: Any) -> tuple:

@@ -14,7 +14,7 @@ fuser_forward split, one context per basic op, extra inputs and outputs per op).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -99,6 +99,12 @@ class BasicOperation(FusibleOperation):
     num_extra_inputs: int = 0
     #: Number of extra tensor outputs that follow the main output.
     num_extra_outputs: int = 0
+    #: Fusions take an op only when its type is the exact class they were written for, since
+    #: a subclass may change the math. A subclass that keeps its base class's forward and
+    #: backward math (it only adds state, logging, a different init...) declares so by setting
+    #: ``fuses_as = Base`` in its own class body; the declaration is not inherited (a further
+    #: subclass must repeat it). See :func:`te_ops.fuser.fusible_as`.
+    fuses_as: ClassVar[type | None] = None
 
     @property
     def is_fused_op(self) -> bool:

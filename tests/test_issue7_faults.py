@@ -56,3 +56,86 @@ def test_create_graph_first_order_param_grads_are_right():
     for got, exp in zip(grads, expected):
         assert got.requires_grad
         ref.assert_close(got, exp, torch.float64)
+
+
+# ---------------------------------------------------------------- 2: subclasses of basic ops
+class ClampedSwiGLU(te_ops.SwiGLU):
+    """SwiGLU with the gate clamped at 1 before SiLU: different math from its base."""
+
+    def op_forward(self, ctx, input_, *, recipe=None):
+        a, b = input_.chunk(2, dim=-1)
+        a = a.clamp(max=1.0)
+        if ctx.requires_grad:
+            ctx.save_for_backward(input_)
+        return torch.nn.functional.silu(a) * b
+
+    def op_backward(self, ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            a, b = x.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(a.clamp(max=1.0)) * b
+            (dx,) = torch.autograd.grad(out, x, grad_output)
+        return dx, []
+
+
+class LoggedSwiGLU(te_ops.SwiGLU):
+    """Same math as SwiGLU; declares so."""
+
+    fuses_as = te_ops.SwiGLU
+
+
+def _fault2_block(act: te_ops.SwiGLU, dtype=torch.float32):
+    fc1 = te_ops.GroupedLinear(1, 4, 8, bias=False, dtype=dtype)
+    fc2 = te_ops.GroupedLinear(1, 4, 4, bias=False, dtype=dtype)
+    with torch.no_grad():
+        fc1.weight0.zero_()
+        fc1.weight0[0, 0] = 3.0
+        fc1.weight0[4, 0] = 1.0
+        fc2.weight0.copy_(torch.eye(4))
+    return te_ops.Sequential(fc1, act, fc2)
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subclass_with_other_math_is_not_fused(monkeypatch, fusion, dtype):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _fault2_block(ClampedSwiGLU(), dtype)
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=dtype, requires_grad=True)
+    y = blk(x, [1], [1])
+    # Right value: SiLU(min(3, 1)) * 1 = SiLU(1) = 0.7311 (the fused base SwiGLU gave 2.8577).
+    assert y[0, 0].item() == pytest.approx(0.7311, rel=ref.TOLERANCES[dtype] + 1e-4)
+    y.sum().backward()
+    # d/dx0 of SiLU(clamp(3 x0, max=1)) * x0 at x0 = 1: the clamp is active, so SiLU(1).
+    assert x.grad[0, 0].item() == pytest.approx(0.7311, rel=ref.TOLERANCES[dtype] + 1e-4)
+    plan = blk.fusers()[0].plan()
+    assert not any(op.is_fused_op for op, _ in plan.forward_ops + plan.backward_ops)
+    text = blk.explain()
+    if fusion == "1":
+        assert "ClampedSwiGLU is a subclass of SwiGLU that does not declare fuses_as" in text
+
+
+def test_subclass_that_declares_fuses_as_is_fused():
+    blk = _fault2_block(LoggedSwiGLU())
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    y = blk(x, [1], [1])
+    assert y[0, 0].item() == pytest.approx(2.8577, rel=1e-4)  # SiLU(3) * 1: base math
+    plan = blk.fusers()[0].plan()
+    assert [type(op).__name__ for op, _ in plan.forward_ops] == ["ForwardGroupedMLP"]
+
+    class Again(LoggedSwiGLU):  # the declaration is not inherited
+        pass
+
+    blk2 = _fault2_block(Again())
+    blk2(x, [1], [1])
+    plan2 = blk2.fusers()[0].plan()
+    assert not any(op.is_fused_op for op, _ in plan2.forward_ops)
+
+
+def test_grouped_linear_subclass_is_not_fused():
+    class MyLinear(te_ops.GroupedLinear):
+        pass
+
+    blk = te_ops.Sequential(MyLinear(1, 4, 8), te_ops.SwiGLU(), te_ops.GroupedLinear(1, 4, 4))
+    blk(torch.randn(2, 4, requires_grad=True), [2], [2])
+    assert "fc1: MyLinear is a subclass of GroupedLinear" in blk.explain()

@@ -32,7 +32,7 @@ import torch
 
 from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_probs
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
-from ..fuser import PlanInfo, register_backward_fusion, register_forward_fusion
+from ..fuser import PlanInfo, match_window, register_backward_fusion, register_forward_fusion
 from ..op import FusedOperation, FusibleOperation
 
 __all__ = [
@@ -47,15 +47,12 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_DEVICES = ("cpu", "cuda", "meta")
 
 
-def _pattern_reason(window: list[FusibleOperation]) -> str | None:
-    if len(window) < 3:
-        return "fewer than 3 ops left after the GroupedLinear"
-    fc1, act, fc2 = window
-    if act.is_fused_op or not isinstance(act, SwiGLU):
-        return f"the op after fc1 is {type(act).__name__}, not SwiGLU / ScaledSwiGLU"
-    if fc2.is_fused_op or not isinstance(fc2, GroupedLinear):
-        return f"the op after the activation is {type(fc2).__name__}, not GroupedLinear"
-    return None
+#: What the grouped MLP fusions match: exact types (or subclasses declaring ``fuses_as``).
+GROUPED_MLP_PATTERN = (
+    ("fc1", GroupedLinear),
+    ("the activation", (SwiGLU, ScaledSwiGLU)),
+    ("fc2", GroupedLinear),
+)
 
 
 def grouped_mlp_unsupported_reason(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear,
@@ -92,19 +89,15 @@ def _fuse(ops: list[FusibleOperation], info: PlanInfo, fused_cls: type, backward
     i = 0
     while i < len(ops):
         op = ops[i]
-        if op.is_fused_op or not isinstance(op, GroupedLinear):
-            out.append(op)
-            i += 1
-            continue
-        window = ops[i:i + 3]
-        reason = _pattern_reason(window) or grouped_mlp_unsupported_reason(
-            *window, info, backward=backward)
-        if reason is None:
-            out.append(fused_cls(window))
-            i += 3
-            continue
-        start = info.index(op)
-        info.note(f"op {start} ({op.describe()}): {reason}")
+        window, reason = match_window(ops, i, GROUPED_MLP_PATTERN)
+        if window is not None:
+            reason = grouped_mlp_unsupported_reason(*window, info, backward=backward)
+            if reason is None:
+                out.append(fused_cls(window))
+                i += 3
+                continue
+        if reason is not None:
+            info.note(f"op {info.index(op)} ({op.describe()}): {reason}")
         out.append(op)
         i += 1
     return out
