@@ -405,6 +405,8 @@ class OperationFuser:
             first = 0
         requires_grad = [i >= first for i in range(len(self.basic_ops))]
         plan = self._plan_for(input_, groups, requires_grad, recipe)
+        extra_grad = [tuple(grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
+                            for v in g) for g in groups]
 
         if not any(requires_grad):
             ctxs = [OperationContext() for _ in self.basic_ops]
@@ -415,7 +417,7 @@ class OperationFuser:
             return _pack_outputs(out, extra_out)
 
         outputs = _FuserFunction.apply(
-            input_, self, plan, recipe, requires_grad, input_grad, len(flat_params),
+            input_, self, plan, recipe, requires_grad, input_grad, extra_grad, len(flat_params),
             *flat_params, *flat_extra,
         )
         return outputs if sum(self.num_extra_outputs) else outputs[0]
@@ -475,13 +477,14 @@ class _FuserFunction(torch.autograd.Function):
     """One autograd node for the whole op list."""
 
     @staticmethod
-    def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, num_params,
-                *params_and_extra):
+    def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, extra_grad,
+                num_params, *params_and_extra):
         groups = fuser._split_extra_inputs(params_and_extra[num_params:])
         op_ctxs = [OperationContext() for _ in fuser.basic_ops]
         for i, c in enumerate(op_ctxs):
             c.requires_grad = requires_grad[i]
             c.input_requires_grad = requires_grad[i] if i else input_grad
+            c.extra_inputs_requires_grad = extra_grad[i]
         out, extra_out = _forward_ops(plan, op_ctxs, input_, groups, recipe)
 
         to_save: list[torch.Tensor | None] = []
@@ -558,4 +561,4 @@ class _FuserFunction(torch.autograd.Function):
         # Gradients of extra tensor inputs take their input's shape (e.g. (B, S) probs).
         flat_grad_extra = [None if shape is None or g is None else g.reshape(shape)
                            for g, shape in zip(flat_grad_extra, ctx.extra_shapes)]
-        return (dx, None, None, None, None, None, None, *flat_grad_params, *flat_grad_extra)
+        return (dx, *[None] * 7, *flat_grad_params, *flat_grad_extra)

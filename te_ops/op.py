@@ -33,6 +33,11 @@ class OperationContext:
         of a fuser whose input does not require grad).
     saved_tensors : tuple[torch.Tensor | None, ...]
         What ``save_for_backward`` was given, available in the backward pass.
+    extra_inputs_requires_grad : tuple[bool, ...]
+        Per extra input of this op, whether the *caller's* tensor requires grad (with grad
+        mode on). Ops must test this, not ``.requires_grad`` of a tensor they reshaped: inside
+        the fuser's autograd function grad mode is off, so a reshape (or a view of a view)
+        does not carry the flag.
     """
 
     def __init__(self) -> None:
@@ -40,6 +45,12 @@ class OperationContext:
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
         self.requires_grad: bool = True
         self.input_requires_grad: bool = True
+        self.extra_inputs_requires_grad: tuple[bool, ...] = ()
+
+    def extra_input_requires_grad(self, index: int) -> bool:
+        """Whether the caller's extra input ``index`` of this op requires grad."""
+        flags = self.extra_inputs_requires_grad
+        return index < len(flags) and flags[index]
 
     def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         """Register tensors to keep for the backward pass (``None`` entries are allowed)."""

@@ -139,3 +139,63 @@ def test_grouped_linear_subclass_is_not_fused():
     blk = te_ops.Sequential(MyLinear(1, 4, 8), te_ops.SwiGLU(), te_ops.GroupedLinear(1, 4, 4))
     blk(torch.randn(2, 4, requires_grad=True), [2], [2])
     assert "fc1: MyLinear is a subclass of GroupedLinear" in blk.explain()
+
+
+# ---------------------------------------------------------------- 3: probs that are views
+def _view_leaf(values, dtype=torch.float32):
+    """A leaf that is a view (of a base that does not require grad), as in the report."""
+    base = torch.tensor([*values, 0.0], dtype=dtype)
+    return base[:len(values)].requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scale_bias_probs_grad_when_probs_is_a_view(dtype):
+    lin = te_ops.GroupedLinear(1, 1, 1, bias=True, scale_bias=True, dtype=dtype)
+    with torch.no_grad():
+        lin.weight0.fill_(1.0)
+        lin.bias0.fill_(3.0)
+    x = torch.tensor([[2.0]], dtype=dtype)
+    probs = _view_leaf([0.5], dtype)
+    assert probs._is_view() and probs.is_leaf
+    y = lin(x, [1], probs)
+    assert y.item() == 3.5
+    y.sum().backward()
+    assert probs.grad is not None and probs.grad.tolist() == [3.0]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_probs_grad_follows_callers_tensor_whatever_its_strides(strided):
+    lin = te_ops.GroupedLinear(2, 3, 2, scale_bias=True, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    if strided:  # a non-contiguous leaf (stride 2)
+        probs = torch.rand(8, dtype=torch.float64)[::2].requires_grad_()
+    else:
+        probs = torch.rand(2, 4, dtype=torch.float64)[1].requires_grad_()
+    y = lin(x, [1, 3], probs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    p64 = ref.leaf(probs)
+    w = [ref.leaf(p) for p in lin.weights()]
+    b = [ref.leaf(p) for p in lin.biases()]
+    y_ref = ref.grouped_linear(x, w, b, [1, 3], p64)
+    (g_ref,) = torch.autograd.grad(y_ref, p64, dy)
+    ref.assert_close(probs.grad, g_ref, torch.float64, "probs.grad")
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mlp_dprobs_with_shared_view_probs(monkeypatch, fusion, dtype):
+    """probs feeds ScaledSwiGLU and fc2's scale_bias: dprobs = SiLU(1) + 3 = 3.7311."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    fc1 = te_ops.GroupedLinear(1, 1, 2, bias=False, dtype=dtype)
+    fc2 = te_ops.GroupedLinear(1, 1, 1, bias=True, scale_bias=True, dtype=dtype)
+    with torch.no_grad():
+        fc1.weight0.fill_(1.0)  # h = [1, 1]: a = 1, b = 1
+        fc2.weight0.fill_(1.0)
+        fc2.bias0.fill_(3.0)
+    blk = te_ops.Sequential(fc1, te_ops.ScaledSwiGLU(), fc2)
+    x = torch.tensor([[1.0]], dtype=dtype)
+    probs = _view_leaf([0.5], dtype)
+    y = blk(x, [1], probs, [1], probs)
+    y.sum().backward()
+    assert probs.grad.item() == pytest.approx(3.7311, abs=1e-4)

@@ -136,6 +136,9 @@ class GroupedLinearSaved:
         producing op's saved context, bit-identically).
     in_shape : tuple[int, ...]
         Shape of the main input (leading dims are flattened into rows).
+    probs_requires_grad : bool
+        Whether the caller's ``probs`` requires grad (recorded from the caller's tensor, since
+        ``probs`` here is a reshape made with grad mode off).
     """
 
     splits: GroupedSplits
@@ -147,6 +150,7 @@ class GroupedLinearSaved:
     in_shape: tuple[int, ...]
     recompute_x: Callable[[], torch.Tensor] | None = None
     single: bool = False
+    probs_requires_grad: bool = False
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -168,6 +172,7 @@ class GroupedLinearSaved:
             "recompute_x": self.recompute_x,
             "in_shape": self.in_shape,
             "single": self.single,
+            "probs_requires_grad": self.probs_requires_grad,
         }
 
     @classmethod
@@ -186,7 +191,7 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
-                   meta["recompute_x"], meta["single"])
+                   meta["recompute_x"], meta["single"], meta["probs_requires_grad"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -427,6 +432,7 @@ class GroupedLinear(BasicOperation):
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
             single=self.single_grouped_weight,
+            probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
         )
 
     @staticmethod
@@ -459,10 +465,11 @@ class GroupedLinear(BasicOperation):
                 bias_grads = _only_trainable(
                     per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
                     saved.biases)
-            if saved.probs is not None and saved.probs.requires_grad:
+            if saved.probs is not None and saved.probs_requires_grad:
                 table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
                 rows = table[splits.group_ids]
-                grad_probs = (rows.float() * dy2d.float()).sum(-1).to(saved.probs.dtype)
+                acc = torch.promote_types(dy2d.dtype, torch.float32)  # fp64 stays fp64
+                grad_probs = (rows.to(acc) * dy2d.to(acc)).sum(-1).to(saved.probs.dtype)
                 grad_probs = splits.zero_padding(grad_probs)
         return grads + bias_grads, grad_probs
 
