@@ -355,6 +355,8 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     ValueError
         ``sample_inputs`` hold extra inputs but not as many as the ops take.
     """
+    from .sequential import HOOKS_NOTE, Sequential, has_hooks
+
     graph = build_graph(module)
     _, fusers = _layout(module)
     plans = _plans(fusers, sample_inputs)
@@ -388,6 +390,10 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     lines += ["", "fusions not applied:"]
     note_rows = []
     for k, plan in enumerate(plans):
+        if isinstance(module, Sequential) and len(fusers[k].basic_ops) == 1:
+            op = fusers[k].basic_ops[0]
+            if has_hooks(op):
+                note_rows.append([str(k), "-", f"{op.describe()} {HOOKS_NOTE}"])
         seen = set()
         for name, reason in plan.info.notes:
             if (name, reason) not in seen:

@@ -5,6 +5,13 @@ Consecutive :class:`~te_ops.op.FusibleOperation` modules are grouped into one
 returning one tensor. Extra inputs (split sizes, probs) follow the main input positionally, in
 op order: ``block(x, split_sizes, probs, split_sizes)`` for
 ``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``.
+
+Module hooks (``register_forward_pre_hook``, ``register_forward_hook``,
+``register_full_backward_hook``, ...) on an op inside the container run: an op with hooks is
+taken out of fusion and called through its own ``__call__`` (so a forward hook may replace
+the output), and ``explain()`` says so. Global module hooks
+(``torch.nn.modules.module.register_module_forward_hook``) do not change fusion and do not
+run for the ops inside a fuser.
 """
 
 from __future__ import annotations
@@ -15,9 +22,19 @@ from typing import Any
 import torch
 
 from .fuser import OperationFuser
-from .op import FusibleOperation
+from .op import BasicOperation, FusibleOperation
 
-__all__ = ["Sequential"]
+__all__ = ["Sequential", "has_hooks", "HOOKS_NOTE"]
+
+#: Why an op with hooks runs alone (shown by ``explain()``).
+HOOKS_NOTE = ("has module hooks: it runs alone, unfused, through its own __call__ so the "
+              "hooks run")
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward, forward-pre or backward hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 class Sequential(torch.nn.Module):
@@ -113,12 +130,20 @@ class Sequential(torch.nn.Module):
 
     # ------------------------------------------------------------------ fusion
     def _groups(self) -> list[OperationFuser | torch.nn.Module]:
+        items = self._items()
+        hooked = tuple(i for i, m in enumerate(items)
+                       if isinstance(m, FusibleOperation) and has_hooks(m))
         groups = self.__dict__.get("_fuser_groups")
-        if groups is not None:
+        if groups is not None and self.__dict__.get("_hooked") == hooked:
             return groups
         groups = []
         run: list[FusibleOperation] = []
-        for m in self._items():
+        for i, m in enumerate(items):
+            if i in hooked:
+                groups.extend([OperationFuser(run)] if run else [])
+                run = []
+                groups.append(self._hooked_group(i, m))
+                continue
             if isinstance(m, FusibleOperation):
                 in_run = {id(b) for op in run for b in op.basic_ops}
                 if run and any(id(b) in in_run for b in m.basic_ops):
@@ -133,7 +158,21 @@ class Sequential(torch.nn.Module):
         if run:
             groups.append(OperationFuser(run))
         self.__dict__["_fuser_groups"] = groups
+        self.__dict__["_hooked"] = hooked
         return groups
+
+    @staticmethod
+    def _hooked_group(index: int, op: FusibleOperation) -> OperationFuser:
+        """A one-op fuser for an op with hooks; the op's own ``__call__`` runs it (through
+        this fuser), so its hooks run."""
+        if not isinstance(op, BasicOperation):
+            raise TypeError(
+                f"modules[{index}] ({type(op).__name__}) is a fused op with module hooks; "
+                "a fused op has no __call__ of its own, register the hooks on its basic ops"
+            )
+        fuser = OperationFuser([op])
+        op.__dict__["_standalone_fuser"] = fuser
+        return fuser
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() make new parameters
         self.__dict__["_fuser_groups"] = None
@@ -159,7 +198,9 @@ class Sequential(torch.nn.Module):
                 x = g(x)
                 continue
             n = sum(g.num_extra_inputs)
-            out = g(x, *extra_inputs[pos:pos + n])
+            op = g.basic_ops[0]
+            call = op if len(g.basic_ops) == 1 and has_hooks(op) else g
+            out = call(x, *extra_inputs[pos:pos + n])
             pos += n
             if sum(g.num_extra_outputs):
                 x, *more = out

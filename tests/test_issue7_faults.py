@@ -199,3 +199,59 @@ def test_mlp_dprobs_with_shared_view_probs(monkeypatch, fusion, dtype):
     y = blk(x, [1], probs, [1], probs)
     y.sum().backward()
     assert probs.grad.item() == pytest.approx(3.7311, abs=1e-4)
+
+
+# ---------------------------------------------------------------- 4: hooks inside Sequential
+def _hook_block(dtype=torch.float32):
+    torch.manual_seed(0)
+    return te_ops.Sequential(te_ops.GroupedLinear(2, 4, 8, dtype=dtype), te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(2, 4, 4, dtype=dtype))
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_forward_hook_runs_and_its_replacement_output_is_used(monkeypatch, fusion, where):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _hook_block()
+    x = torch.randn(5, 4, requires_grad=True)
+    probs = torch.rand(5)
+    sizes = torch.tensor([2, 3])
+    y0 = blk(x, sizes, probs, sizes)  # fused plan cached before the hook is added
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(type(module).__name__)
+        return output * 2
+
+    handle = blk[where].register_forward_hook(hook)
+    y = blk(x, sizes, probs, sizes)
+    assert len(calls) == 1
+    if where == 2:
+        torch.testing.assert_close(y, 2 * y0)
+    else:  # doubled inside the chain: the output changes, and matches a manual rerun
+        assert not torch.allclose(y, y0)
+    y.sum().backward()
+    assert x.grad is not None
+    text = blk.explain()
+    assert "has module hooks: it runs alone, unfused" in text
+    assert "ForwardGroupedMLP" not in text
+
+    handle.remove()  # fused again once the hook is gone
+    y1 = blk(x, sizes, probs, sizes)
+    torch.testing.assert_close(y1, y0)
+    if fusion == "1":
+        assert "ForwardGroupedMLP" in blk.explain()
+
+
+def test_pre_hook_and_backward_hook_run():
+    blk = _hook_block()
+    seen = []
+    blk[0].register_forward_pre_hook(lambda m, args: (args[0] * 0, *args[1:]))
+    blk[2].register_full_backward_hook(lambda m, gin, gout: seen.append(gout[0].shape))
+    x = torch.randn(5, 4, requires_grad=True)
+    probs = torch.rand(5)
+    y = blk(x, [2, 3], probs, [2, 3])
+    # fc1 sees zeros: its output is its bias, so y does not depend on x
+    y.sum().backward()
+    assert seen == [torch.Size([5, 4])]
+    assert torch.count_nonzero(x.grad) == 0
