@@ -31,6 +31,7 @@ import torch
 
 from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
+from .splits import host_read_scope
 
 __all__ = [
     "OperationFuser",
@@ -429,6 +430,12 @@ def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
 
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
                  groups: list[tuple[Any, ...]], recipe: Any):
+    with host_read_scope():  # ops fed by one split-size tensor copy it to the host once
+        return _walk_forward(plan, ctxs, input_, groups, recipe)
+
+
+def _walk_forward(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
+                  groups: list[tuple[Any, ...]], recipe: Any):
     x = input_
     extra_out: list[torch.Tensor] = []
     for op, idx in plan.forward_ops:

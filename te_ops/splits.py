@@ -12,14 +12,33 @@ eager, host-syncing check with a readable error.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from . import env
 
-__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type"]
+__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type", "host_read_scope"]
+
+#: Host copies of device split sizes made during one fuser forward, by ``id`` of the caller's
+#: tensor (the tensor is kept alive by the call), so ops fed by one tensor read it once.
+_HOST_COPIES: contextvars.ContextVar[dict[int, list[int]] | None] = contextvars.ContextVar(
+    "te_ops_host_split_copies", default=None)
+
+
+@contextlib.contextmanager
+def host_read_scope() -> Iterator[None]:
+    """Within this scope (one fuser forward), device split sizes copied to the host by the
+    loop backend are copied once per caller's tensor, whichever op asks first."""
+    token = _HOST_COPIES.set({})
+    try:
+        yield
+    finally:
+        _HOST_COPIES.reset(token)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -47,6 +66,11 @@ class GroupedSplits:
         Shape (num_rows,), int64: the group of each row; padding rows get ``num_groups``.
     has_padding : bool | None
         False when the host knows the sizes sum to ``num_rows``; None when unknown (device).
+    host_copy : list[int] | None
+        Device split sizes once copied to the host (by the loop backend); saved with the op's
+        layout so the backward does not read them again.
+    source : torch.Tensor | None
+        The caller's device split-size tensor (for sharing one host copy per forward).
     """
 
     num_groups: int
@@ -57,6 +81,8 @@ class GroupedSplits:
     base_offsets: torch.Tensor
     group_ids: torch.Tensor
     has_padding: bool | None
+    host_copy: list[int] | None = None
+    source: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def graph_safe(self) -> bool:
@@ -64,15 +90,27 @@ class GroupedSplits:
         return self.host_sizes is None
 
     def sizes_on_host(self) -> list[int]:
-        """Split sizes as a host list; copies from the device (a host sync) when needed."""
+        """Split sizes as a host list; copies from the device (a host sync) when needed:
+        at most once per object, and once per caller's tensor within a
+        :func:`host_read_scope`."""
         if self.host_sizes is not None:
             return self.host_sizes
+        if self.host_copy is not None:
+            return self.host_copy
         if self.split_sizes.device.type == "meta":
             raise RuntimeError(
                 "split_sizes on the meta device have no values to copy to the host; this path "
                 "(the per-group loop backend) is not graph-safe"
             )
-        return [int(v) for v in self.split_sizes.tolist()]
+        shared = _HOST_COPIES.get()
+        key = id(self.source) if self.source is not None else None
+        if shared is not None and key in shared:
+            self.host_copy = shared[key]
+        else:
+            self.host_copy = [int(v) for v in self.split_sizes.tolist()]
+            if shared is not None and key is not None:
+                shared[key] = self.host_copy
+        return self.host_copy
 
     def padding_rows(self) -> torch.Tensor:
         """Shape (num_rows, 1) bool: True for padding rows (cached: ops sharing splits share it)."""
@@ -109,11 +147,12 @@ class GroupedSplits:
 
     @classmethod
     def from_tensors(cls, tensors, *, num_groups: int, num_rows: int,
-                     host_sizes: list[int] | None, has_padding: bool | None) -> GroupedSplits:
+                     host_sizes: list[int] | None, has_padding: bool | None,
+                     host_copy: list[int] | None = None) -> GroupedSplits:
         """Rebuild from :meth:`to_tensors` output."""
         split_sizes, offsets, base_offsets, group_ids = tensors
         return cls(num_groups, num_rows, host_sizes, split_sizes, offsets, base_offsets,
-                   group_ids, has_padding)
+                   group_ids, has_padding, host_copy)
 
 
 def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
@@ -213,6 +252,7 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         base_offsets=base_offsets,
         group_ids=group_ids,
         has_padding=has_padding,
+        source=split_sizes if host_sizes is None else None,
     )
 
 

@@ -255,3 +255,47 @@ def test_pre_hook_and_backward_hook_run():
     y.sum().backward()
     assert seen == [torch.Size([5, 4])]
     assert torch.count_nonzero(x.grad) == 0
+
+
+# ---------------------------------------------------------------- 5: loop backend host reads
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loop_backend_reads_device_split_sizes_once_per_block(monkeypatch, fusion, dtype):
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 6, 12, dtype=dtype), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(2, 6, 6, dtype=dtype))
+    x = torch.randn(5, 6, dtype=dtype, requires_grad=True)
+    probs = torch.rand(5, dtype=dtype, requires_grad=True)
+    sizes = torch.tensor([2, 3])
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(tuple(self.shape))
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    y = blk(x, sizes, probs, sizes)
+    y.sum().backward()
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert reads == [(2,)]  # was 6 (one per GEMM)
+
+    # Same values as the reference.
+    w1, b1 = [ref.leaf(p) for p in blk[0].weights()], [ref.leaf(p) for p in blk[0].biases()]
+    w2, b2 = [ref.leaf(p) for p in blk[2].weights()], [ref.leaf(p) for p in blk[2].biases()]
+    y_ref = ref.grouped_mlp(ref.leaf(x), [2, 3], ref.leaf(probs), w1, b1, w2, b2)
+    ref.assert_close(y, y_ref, dtype, "y")
+
+
+def test_two_split_tensors_are_read_once_each(monkeypatch):
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
+    lin1, lin2 = te_ops.GroupedLinear(2, 4, 4), te_ops.GroupedLinear(2, 4, 4)
+    blk = te_ops.Sequential(lin1, lin2)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    x = torch.randn(5, 4, requires_grad=True)
+    blk(x, torch.tensor([2, 3]), torch.tensor([4, 1])).sum().backward()
+    assert len(reads) == 2

@@ -164,6 +164,7 @@ class GroupedLinearSaved:
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
             "host_sizes": self.splits.host_sizes,
+            "host_copy": self.splits.host_copy,
             "has_padding": self.splits.has_padding,
             "x_storage": x_storage,
             "num_weights": len(self.weights),
@@ -183,6 +184,7 @@ class GroupedLinearSaved:
         splits = GroupedSplits.from_tensors(
             rest[:4], num_groups=meta["num_groups"], num_rows=meta["num_rows"],
             host_sizes=meta["host_sizes"], has_padding=meta["has_padding"],
+            host_copy=meta["host_copy"],
         )
         rest = rest[4:]
         x = meta["x_storage"]
