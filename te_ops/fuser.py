@@ -23,6 +23,7 @@ change.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,11 @@ class Fusion:
 
 
 _FUSIONS: list[Fusion] = []
+#: Bumped on every (un)registration; part of the plan-cache key.
+_REGISTRY_VERSION = [0]
+#: Plans kept per fuser (one per call kind: train / no_grad eval / dtypes ...), least recently
+#: used dropped first.
+MAX_CACHED_PLANS = 16
 
 
 def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None, env_var: str | None):
@@ -71,6 +77,7 @@ def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None, env_
         _FUSIONS.insert(0, fusion)
     else:
         _FUSIONS.append(fusion)
+    _REGISTRY_VERSION[0] += 1
     return fusion
 
 
@@ -95,6 +102,7 @@ def register_backward_fusion(func: FusionFunc, prepend: bool = False, *, name: s
 def unregister_fusion(fusion: Fusion) -> None:
     """Remove a fusion registered earlier (used by tests)."""
     _FUSIONS.remove(fusion)
+    _REGISTRY_VERSION[0] += 1
 
 
 def registered_fusions() -> list[Fusion]:
@@ -294,12 +302,15 @@ class OperationFuser:
         self.basic_ops = basic
         self.num_extra_inputs = [op.num_extra_inputs for op in basic]
         self.num_extra_outputs = [op.num_extra_outputs for op in basic]
-        self._plan_key: Any = None
-        self._plan: _Plan | None = None
+        self._plans: OrderedDict[Any, _Plan] = OrderedDict()
+        self._plan: _Plan | None = None  # the last call's plan (what explain() shows)
 
     # ------------------------------------------------------------------ planning
     def _plan_for(self, input_: torch.Tensor | None, extra_inputs: list[tuple[Any, ...]],
-                  requires_grad: list[bool], recipe: Any) -> _Plan:
+                  requires_grad: list[bool], recipe: Any, remember: bool = True) -> _Plan:
+        """The plan for such a call: from the cache (one plan per key, the
+        :data:`MAX_CACHED_PLANS` most recently used) or made now. ``remember`` makes it the
+        plan of the last call (``explain()``'s default)."""
         flat_extra = [v for group in extra_inputs for v in group]
         key = (
             type(recipe),
@@ -308,10 +319,21 @@ class OperationFuser:
             None if input_ is None else (input_.dtype, input_.device.type),
             tuple(_extra_input_signature(v) for v in flat_extra),
             _source_classes(flat_extra),
-            tuple(_FUSIONS),  # (un)registering a fusion replans
+            _REGISTRY_VERSION[0],  # (un)registering a fusion replans
         )
-        if key == self._plan_key and self._plan is not None:
-            return self._plan
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(input_, extra_inputs, requires_grad, recipe)
+            self._plans[key] = plan
+            while len(self._plans) > MAX_CACHED_PLANS:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        if remember:
+            self._plan = plan
+        return plan
+
+    def _make_plan(self, input_: torch.Tensor | None, extra_inputs: list[tuple[Any, ...]],
+                   requires_grad: list[bool], recipe: Any) -> _Plan:
         info = PlanInfo(
             dtype=None if input_ is None else input_.dtype,
             device=None if input_ is None else input_.device,
@@ -325,9 +347,7 @@ class OperationFuser:
         backward = _run_pass("backward", list(joint), recipe, info, enabled)
         # The plan must not keep the call's tensors alive.
         info.extra_inputs = [tuple(_extra_input_signature(v) for v in g) for g in extra_inputs]
-        plan = _Plan(self._with_indices(forward), self._with_indices(backward), info)
-        self._plan_key, self._plan = key, plan
-        return plan
+        return _Plan(self._with_indices(forward), self._with_indices(backward), info)
 
     def _with_indices(self, ops: list[FusibleOperation]
                       ) -> list[tuple[FusibleOperation, list[int]]]:
@@ -351,12 +371,14 @@ class OperationFuser:
 
     def plan(self, input_: torch.Tensor | None = None, *extra_inputs: Any,
              recipe: Any = None) -> _Plan:
-        """The plan this fuser would use for such a call (for ``explain()``); runs nothing."""
+        """The plan this fuser would use for such a call (for ``explain()``); runs nothing
+        and leaves the last call's plan (``explain()`` without inputs) as it is. Without an
+        input: the last call's plan, or one for unknown inputs."""
         if self._plan is not None and input_ is None:
             return self._plan
         groups = self._split_extra_inputs(extra_inputs, allow_missing=True)
         requires_grad = [True] * len(self.basic_ops)
-        return self._plan_for(input_, groups, requires_grad, recipe)
+        return self._plan_for(input_, groups, requires_grad, recipe, remember=False)
 
     def _split_extra_inputs(self, extra_inputs: Sequence[Any],
                             allow_missing: bool = False) -> list[tuple[Any, ...]]:

@@ -299,3 +299,42 @@ def test_two_split_tensors_are_read_once_each(monkeypatch):
     x = torch.randn(5, 4, requires_grad=True)
     blk(x, torch.tensor([2, 3]), torch.tensor([4, 1])).sum().backward()
     assert len(reads) == 2
+
+
+# ---------------------------------------------------------------- 7: plans kept per key
+def test_alternating_train_and_no_grad_eval_plans_twice(monkeypatch):
+    from te_ops import fuser as fuser_mod
+
+    calls = []
+    real = fuser_mod.OperationFuser._make_plan
+    monkeypatch.setattr(fuser_mod.OperationFuser, "_make_plan",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    blk = _hook_block()
+    x = torch.randn(5, 4)
+    probs = torch.rand(5)
+    sizes = torch.tensor([2, 3])
+    for _ in range(5):
+        blk(x, sizes, probs, sizes).sum().backward()
+        with torch.no_grad():
+            blk(x, sizes, probs, sizes)
+    assert len(calls) == 2  # was 10: one per call
+    # explain(sample) plans without replacing the last call's plan
+    last = blk.fusers()[0]._plan
+    assert last.info.requires_grad == [False, False, False]
+    blk.explain(x.double(), sizes, probs, sizes)
+    assert blk.fusers()[0]._plan is last
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    from te_ops import fuser as fuser_mod
+
+    monkeypatch.setattr(fuser_mod, "MAX_CACHED_PLANS", 2)
+    lin = te_ops.GroupedLinear(2, 4, 4)
+    x = torch.randn(3, 4)
+    lin(x, [1, 2])
+    with torch.no_grad():
+        lin(x, [1, 2])
+    lin(x, torch.tensor([1, 2]))
+    fuser = lin.__dict__["_standalone_fuser"]
+    assert len(fuser._plans) == 2
+    assert [p.info.requires_grad for p in fuser._plans.values()] == [[False], [True]]
