@@ -20,7 +20,7 @@ def main() -> int:
     parser.add_argument("--tol", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
-    os.environ["TE_OPS_EXAMPLE_PROGRESS"] = "0"
+    os.environ["TRAIN_MOE_PROGRESS"] = "0"
     common = ["--device", "cuda", "--dtype", "bfloat16", "--steps", str(args.steps)]
     eager = train_moe.main([*common, "--out-dir", f"{args.out}/job_eager"])
     graph = train_moe.main([*common, "--cuda-graph", "--out-dir", f"{args.out}/job_graph"])

@@ -7,10 +7,12 @@ and the value found. ``README.md`` prints the same table (``python -m te_ops.env
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["EnvVar", "ENV_VARS", "read", "read_bool", "snapshot", "markdown_table"]
+__all__ = ["EnvVar", "ENV_VARS", "read", "read_bool", "snapshot", "warn_unknown", "markdown_table"]
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "host-syncing check (sign, sum) that raises a readable ValueError; the default "
             "checks them on the device without a sync.",
         ),
-        EnvVar(
-            "TE_OPS_EXAMPLE_PROGRESS",
-            "1",
-            _BOOL,
-            "0 hides the main job's tqdm progress bar (metrics are still printed).",
-        ),
     )
 }
 
@@ -115,8 +111,29 @@ def read_bool(name: str) -> bool:
     return read(name) == "1"
 
 
+_WARNED: set[str] = set()
+
+
+def warn_unknown() -> None:
+    """Warn once per name about each set ``TE_OPS_*`` variable that te_ops does not declare
+    (a misspelling has no effect otherwise), naming the closest declared one."""
+    for name in os.environ:
+        if not name.startswith("TE_OPS_") or name in ENV_VARS or name in _WARNED:
+            continue
+        _WARNED.add(name)
+        close = difflib.get_close_matches(name, list(ENV_VARS), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.warn(
+            f"environment variable {name} is not a te_ops variable and has no effect{hint} "
+            f"(known: {', '.join(ENV_VARS)})",
+            UserWarning, stacklevel=3,
+        )
+
+
 def snapshot() -> tuple[tuple[str, str], ...]:
-    """All variables' current values, validated; used as part of the fuser's plan-cache key."""
+    """All variables' current values, validated; used as part of the fuser's plan-cache key.
+    Also warns about unknown ``TE_OPS_*`` names (:func:`warn_unknown`)."""
+    warn_unknown()
     return tuple((name, read(name)) for name in ENV_VARS)
 
 

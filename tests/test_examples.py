@@ -21,7 +21,7 @@ TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--layers", "1",
 
 def test_main_job_tiny_writes_metrics_and_is_deterministic(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "0")
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
     metrics = train_moe.main([*TINY, "--out-dir", str(tmp_path / "api")])
 
     assert [e["step"] for e in metrics["evals"]] == [3, 6]
@@ -38,7 +38,7 @@ def test_main_job_tiny_writes_metrics_and_is_deterministic(
     assert saved["config"]["steps"] == 6
 
     # Same seed, through the command line in a fresh process: the same numbers.
-    env = {**os.environ, "TE_OPS_EXAMPLE_PROGRESS": "0"}
+    env = {**os.environ, "TRAIN_MOE_PROGRESS": "0"}
     subprocess.run([sys.executable, "-m", "te_ops.examples.train_moe", *TINY,
                     "--out-dir", str(tmp_path / "cli")], check=True, env=env,
                    capture_output=True, timeout=120)
@@ -76,7 +76,7 @@ def test_cuda_graph_flag_needs_cuda_device() -> None:
 
 def test_main_job_loss_curve_same_with_and_without_fusion(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "0")
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
     fused = train_moe.main([*TINY, "--out-dir", str(tmp_path / "fused")])
     monkeypatch.setenv("TE_OPS_FUSION", "0")
     unfused = train_moe.main([*TINY, "--out-dir", str(tmp_path / "unfused")])

@@ -338,3 +338,44 @@ def test_plan_cache_is_bounded(monkeypatch):
     fuser = lin.__dict__["_standalone_fuser"]
     assert len(fuser._plans) == 2
     assert [p.info.requires_grad for p in fuser._plans.values()] == [[False], [True]]
+
+
+# ---------------------------------------------------------------- 6: env variables
+def test_example_variable_is_not_a_library_variable(monkeypatch):
+    from te_ops import env
+
+    assert "TE_OPS_EXAMPLE_PROGRESS" not in env.ENV_VARS
+    monkeypatch.setattr(env, "_WARNED", set())
+    monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "no")  # used to make every forward raise
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "no")  # the example's own: te_ops ignores it
+    lin = te_ops.GroupedLinear(1, 2, 2)
+    with pytest.warns(UserWarning, match="TE_OPS_EXAMPLE_PROGRESS is not a te_ops variable"):
+        y = lin(torch.randn(2, 2), [2])
+    assert y.shape == (2, 2)
+    text = te_ops.ir.explain(lin)
+    assert "PROGRESS" not in text and "env: defaults" in text
+
+
+def test_example_progress_variable_is_checked_by_the_example(monkeypatch):
+    from te_ops.examples import train_moe
+
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
+    assert train_moe.show_progress() is False
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "no")
+    with pytest.raises(ValueError, match="TRAIN_MOE_PROGRESS"):
+        train_moe.show_progress()
+
+
+@pytest.mark.parametrize("name,closest", [
+    ("TE_OPS_FUSE_GROUPED_MLP_FORWRD", "TE_OPS_FUSE_GROUPED_MLP_FORWARD"),
+    ("TE_OPS_FUSIONS", "TE_OPS_FUSION"),
+])
+def test_misspelled_variable_warns_with_closest_name(monkeypatch, name, closest):
+    from te_ops import env
+
+    monkeypatch.setattr(env, "_WARNED", set())
+    monkeypatch.setenv(name, "0")
+    lin = te_ops.GroupedLinear(1, 2, 2)
+    with pytest.warns(UserWarning, match=f"{name} is not a te_ops variable.*did you mean "
+                                         f"{closest}\\?"):
+        lin(torch.randn(2, 2), [2])

@@ -15,7 +15,8 @@ with the per-expert token counts as a device tensor (no host sync in the MoE blo
 
 Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
 split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
-curve to ``--out-dir/loss.png``. ``TE_OPS_EXAMPLE_PROGRESS=0`` hides the progress bar.
+curve to ``--out-dir/loss.png``. ``TRAIN_MOE_PROGRESS=0`` (this script's own variable) hides the
+progress bar.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import te_ops
-from te_ops import env
 
 __all__ = ["MoEBlock", "MoELanguageModel", "load_corpus", "unigram_cross_entropy", "main"]
 
@@ -376,6 +377,20 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     return metrics
 
 
+def show_progress() -> bool:
+    """``TRAIN_MOE_PROGRESS``: 1 (default) shows the tqdm progress bar, 0 hides it.
+
+    Raises
+    ------
+    ValueError
+        Any other value; the message names the variable.
+    """
+    value = os.environ.get("TRAIN_MOE_PROGRESS", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable TRAIN_MOE_PROGRESS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def train_loop(model: MoELanguageModel, train: torch.Tensor,
                eval_batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
                device: torch.device, start: float) -> tuple[list[dict[str, float]], float]:
@@ -387,7 +402,7 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
     evals: list[dict[str, float]] = []
     running = torch.zeros((), device=device)  # summed on the device: no sync per step
     running_steps, train_time, interval_time = 0, 0.0, 0.0
-    progress = tqdm(range(args.steps), disable=not env.read_bool("TE_OPS_EXAMPLE_PROGRESS"),
+    progress = tqdm(range(args.steps), disable=not show_progress(),
                     desc="train", dynamic_ncols=True)
     for step in progress:
         t0 = time.perf_counter()
