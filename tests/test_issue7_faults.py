@@ -379,3 +379,55 @@ def test_misspelled_variable_warns_with_closest_name(monkeypatch, name, closest)
     with pytest.warns(UserWarning, match=f"{name} is not a te_ops variable.*did you mean "
                                          f"{closest}\\?"):
         lin(torch.randn(2, 2), [2])
+
+
+# ---------------------------------------------------------------- 8: conventions
+@pytest.mark.parametrize("single", [False, True])
+def test_no_bias_attributes_are_none_and_flag_is_public(single):
+    lin = te_ops.GroupedLinear(3, 4, 5, bias=False, single_grouped_weight=single)
+    names = ["bias"] if single else ["bias0", "bias1", "bias2"]
+    for n in names:
+        assert getattr(lin, n) is None
+    assert lin.use_bias is False and lin.has_bias is False
+    assert not any("bias" in k for k in lin.state_dict())
+    y = lin(torch.randn(4, 4), [1, 2, 1])
+    assert y.shape == (4, 5)
+    with_bias = te_ops.GroupedLinear(3, 4, 5, single_grouped_weight=single)
+    assert with_bias.use_bias is True
+    # biases start at zero, as TransformerEngine's
+    assert all(torch.count_nonzero(b) == 0 for b in with_bias.biases())
+
+
+@pytest.mark.parametrize("cls", [te_ops.SwiGLU, te_ops.ScaledSwiGLU])
+def test_interleave_positional_and_zero_means_halves(cls):
+    assert cls(32).glu_interleave_size == 32
+    assert cls(0).glu_interleave_size is None
+    assert cls(glu_interleave_size=None).glu_interleave_size is None
+
+
+@pytest.mark.parametrize("src_single,dst_single", [(False, True), (True, False)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_load_state_dict_of_the_other_weight_layout(src_single, dst_single, bias):
+    torch.manual_seed(0)
+    src = te_ops.GroupedLinear(3, 4, 5, bias=bias, single_grouped_weight=src_single)
+    with torch.no_grad():
+        for b in src.biases():
+            b.normal_()
+    dst = te_ops.GroupedLinear(3, 4, 5, bias=bias, single_grouped_weight=dst_single)
+    dst.load_state_dict(src.state_dict())  # strict
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(dst(x, [2, 3, 1]), src(x, [2, 3, 1]), rtol=0, atol=0)
+    # inside a Sequential (prefixed keys), with strict=False
+    seq_src = te_ops.Sequential(src)
+    seq_dst = te_ops.Sequential(te_ops.GroupedLinear(3, 4, 5, bias=bias,
+                                                     single_grouped_weight=dst_single))
+    result = seq_dst.load_state_dict(seq_src.state_dict(), strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    torch.testing.assert_close(seq_dst(x, [2, 3, 1]), src(x, [2, 3, 1]), rtol=0, atol=0)
+
+
+def test_load_state_dict_strict_false_that_loads_nothing_warns():
+    lin = te_ops.GroupedLinear(2, 4, 4)
+    wrong = {"weight_a": torch.zeros(4, 4), "bias_b": torch.zeros(4)}
+    with pytest.warns(UserWarning, match="loaded nothing"):
+        lin.load_state_dict(wrong, strict=False)

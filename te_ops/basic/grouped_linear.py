@@ -8,6 +8,7 @@ their outputs are zero and they get zero gradients.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from ..kernels.grouped_gemm import (
 from ..op import BasicOperation, OperationContext
 from ..splits import GroupedSplits, make_splits
 
-__all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs"]
+__all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -106,6 +107,23 @@ def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
     if probs is not None:
         onehot = onehot * splits.zero_padding(probs).to(dy.dtype).unsqueeze(0)
     return onehot @ splits.zero_padding(dy)
+
+
+def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single: bool) -> None:
+    """Rewrite ``state_dict`` in place to the layout of a layer (``single`` = one ``weight``
+    (G, out, in) and ``bias`` (G, out); else ``weight{g}`` / ``bias{g}``) when it holds the
+    other layout completely and none of the target keys; anything else is left as it is."""
+    for kind in ("weight", "bias"):
+        one = prefix + kind
+        per = [f"{prefix}{kind}{g}" for g in range(num_groups)]
+        if single and one not in state_dict and all(k in state_dict for k in per):
+            state_dict[one] = torch.stack([state_dict.pop(k) for k in per])
+        elif (not single and one in state_dict and not any(k in state_dict for k in per)
+              and getattr(state_dict[one], "dim", lambda: 0)() >= 1
+              and state_dict[one].shape[0] == num_groups):
+            stacked_param = state_dict.pop(one)
+            for g, k in enumerate(per):
+                state_dict[k] = stacked_param[g]
 
 
 @dataclass
@@ -239,8 +257,11 @@ class GroupedLinear(BasicOperation):
     input (..., in_features) -> output (..., out_features); leading dims are flattened into
     rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
     ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
-    one to one. Initialization follows ``torch.nn.Linear`` (Kaiming-uniform weights, uniform
-    bias in ``±1/sqrt(in_features)``).
+    one to one; with ``bias=False`` the ``bias{g}`` attributes are ``None`` (as
+    ``torch.nn.Linear.bias``). Weights are initialized as ``torch.nn.Linear``'s
+    (Kaiming-uniform), biases to zero (as TransformerEngine's). ``load_state_dict`` also
+    accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
+    ``single_grouped_weight``).
 
     Raises
     ------
@@ -278,31 +299,55 @@ class GroupedLinear(BasicOperation):
         bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
         if self.single_grouped_weight:
             self.weight = torch.nn.Parameter(weight_buffer)
-            if bias:
-                self.bias = torch.nn.Parameter(bias_buffer)
+            self.register_parameter("bias", torch.nn.Parameter(bias_buffer) if bias else None)
         else:
             for g in range(num_groups):
                 self.register_parameter(f"weight{g}", torch.nn.Parameter(weight_buffer[g]))
-            if bias:
-                for g in range(num_groups):
-                    self.register_parameter(f"bias{g}", torch.nn.Parameter(bias_buffer[g]))
+            for g in range(num_groups):  # None without bias, as torch.nn.Linear's bias
+                self.register_parameter(f"bias{g}",
+                                        torch.nn.Parameter(bias_buffer[g]) if bias else None)
         self.reset_parameters()
 
+    @property
+    def use_bias(self) -> bool:
+        """Whether the layer adds a per-group bias (TransformerEngine's name; ``has_bias``
+        is the same flag)."""
+        return self.has_bias
+
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialization, per group."""
-        bound = 1.0 / math.sqrt(self.in_features)
+        """Weights: ``torch.nn.Linear``'s Kaiming-uniform initialization, per group; biases:
+        zero, as TransformerEngine's ops initialize them."""
         weights, biases = self._param_lists()
         with torch.no_grad():
             for w in stacked(weights, self.single_grouped_weight).unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
             for b in biases:
-                torch.nn.init.uniform_(b, -bound, bound)
+                torch.nn.init.zeros_(b)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() give each parameter new storage: pack them into one buffer again.
         module = super()._apply(fn, *args, **kwargs)
         self._pack_parameters()
         return module
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # Accept the other weight layout (as TransformerEngine does), so the
+        # single_grouped_weight flag can be flipped on existing checkpoints.
+        convert_weight_layout(state_dict, prefix, self.num_groups, self.single_grouped_weight)
+        names = [prefix + n for n, p in self._parameters.items() if p is not None]
+        # load_state_dict passes strict=True here whatever the caller asked: warn in every
+        # case (with strict=True an error follows), so strict=False never loads nothing
+        # silently.
+        if names and not any(n in state_dict for n in names):
+            ours = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]]
+            if ours:
+                warnings.warn(
+                    f"load_state_dict: GroupedLinear at {prefix or '(root)'!r} "
+                    f"loaded nothing; the checkpoint has {ours[:4]}, the layer expects "
+                    f"{names[:4]}", UserWarning, stacklevel=2)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def __setstate__(self, state: dict) -> None:
         # deepcopy / pickle / torch.load copy each parameter on its own: pack them again.

@@ -125,7 +125,8 @@ class SwiGLU(BasicOperation):
     Parameters
     ----------
     glu_interleave_size : int, optional
-        Block size of an interleaved layout (see module docstring); ``None`` for halves.
+        Block size of an interleaved layout (see module docstring); ``None`` or ``0`` for
+        halves (as TransformerEngine). May be given positionally: ``ScaledSwiGLU(32)``.
 
     Shapes
     ------
@@ -137,14 +138,17 @@ class SwiGLU(BasicOperation):
         The last dim is odd or not a multiple of ``2 * glu_interleave_size``.
     """
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+    def __init__(self, glu_interleave_size: int | None = None) -> None:
         super().__init__()
+        if glu_interleave_size == 0 and not isinstance(glu_interleave_size, bool):
+            glu_interleave_size = None  # TransformerEngine's "no interleave"
         if glu_interleave_size is not None and (
             isinstance(glu_interleave_size, bool) or not isinstance(glu_interleave_size, int)
             or glu_interleave_size < 1
         ):
             raise ValueError(
-                f"glu_interleave_size must be a positive int or None, got {glu_interleave_size!r}"
+                "glu_interleave_size must be a positive int, 0 or None, got "
+                f"{glu_interleave_size!r}"
             )
         self.glu_interleave_size = glu_interleave_size
 
