@@ -171,8 +171,11 @@ def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
             raise ValueError(
                 f"{name} must be a 1-D tensor, got shape {tuple(split_sizes.shape)}"
             )
-        if split_sizes.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must have an integer dtype, got {split_sizes.dtype}")
+        if split_sizes.dtype not in _INT_DTYPES and not split_sizes.is_floating_point():
+            raise TypeError(
+                f"{name} must have an integer dtype (or a floating dtype holding whole "
+                f"numbers, e.g. torch.histc counts), got {split_sizes.dtype}"
+            )
         if split_sizes.numel() != num_groups:
             raise ValueError(
                 f"{name} must have num_groups={num_groups} entries, got {split_sizes.numel()}"
@@ -186,6 +189,12 @@ def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
         raise TypeError(
             f"{name} must be a list of ints or a 1-D integer tensor, got "
             f"{type(split_sizes).__name__}"
+        )
+    if split_sizes and all(isinstance(v, torch.Tensor) for v in split_sizes):
+        raise TypeError(
+            f"{name} must be a list of ints or one 1-D tensor, got a {type(split_sizes).__name__}"
+            f" of {len(split_sizes)} tensors: pass one tensor (e.g. torch.stack({name})), "
+            "which keeps the sizes on the device without a host read per entry"
         )
     if len(split_sizes) != num_groups:
         raise ValueError(
@@ -205,7 +214,8 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     Parameters
     ----------
     split_sizes : list[int] | torch.Tensor
-        Rows per group; a tensor must be 1-D, integer, on ``device``.
+        Rows per group; a tensor must be 1-D, on ``device``, integer or floating holding
+        whole numbers (cast to int64 on the device; checked like integer sizes).
     num_groups : int
     num_rows : int
         Rows of the input (``x.shape[0]``); the sizes may sum to fewer (padding rows).
@@ -224,14 +234,19 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     check_split_sizes_type(split_sizes, num_groups, device, name)
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
-        sizes = split_sizes.to(torch.int64)
+        sizes = split_sizes.to(torch.int64)  # floating sizes: cast on the device
+        whole = (True if not split_sizes.is_floating_point()
+                 else (split_sizes == sizes.to(split_sizes.dtype)).all())
         if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
+            if split_sizes.is_floating_point():
+                _check_whole(split_sizes.tolist(), name)
             _check_host(sizes.tolist(), num_rows, name)
         else:
             total = sizes.sum()
             torch._assert_async(
-                (total <= num_rows) & (sizes >= 0).all(),
-                f"{name} must be non-negative and sum to at most the input's rows ({num_rows})",
+                (total <= num_rows) & (sizes >= 0).all() & whole,
+                f"{name} must be {'whole, ' if split_sizes.is_floating_point() else ''}"
+                f"non-negative and sum to at most the input's rows ({num_rows})",
             )
         has_padding = None
     else:
@@ -254,6 +269,12 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding=has_padding,
         source=split_sizes if host_sizes is None else None,
     )
+
+
+def _check_whole(sizes: list[float], name: str) -> None:
+    for i, v in enumerate(sizes):
+        if v != int(v):
+            raise ValueError(f"{name}[{i}] must be a whole number, got {v}")
 
 
 def _check_host(sizes: list[int], num_rows: int, name: str) -> None:

@@ -67,10 +67,27 @@ def test_device_split_sizes_negative_entry(lin, x, device, monkeypatch):
         lin(x, torch.tensor([3, -1, 2], device=device))
 
 
-def test_split_sizes_float_tensor(lin, x, device):
-    with pytest.raises(TypeError, match=r"split_sizes must have an integer dtype, got "
-                                        r"torch.float32"):
-        lin(x, torch.tensor([3.0, 3.0, 4.0], device=device))
+def test_split_sizes_bool_tensor(lin, x, device):
+    with pytest.raises(TypeError, match=r"split_sizes must have an integer dtype \(or a "
+                                        r"floating dtype .*\), got torch.bool"):
+        lin(x, torch.tensor([True, True, False], device=device))
+
+
+def test_split_sizes_fractional_float_tensor(lin, x, device, monkeypatch):
+    if device.type != "cuda":
+        with pytest.raises(RuntimeError, match=r"split_sizes must be whole"):
+            lin(x, torch.tensor([3.5, 2.5, 4.0], device=device))
+    monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
+    with pytest.raises(ValueError, match=r"split_sizes\[0\] must be a whole number, got 3.5"):
+        lin(x, torch.tensor([3.5, 2.5, 4.0], device=device))
+
+
+def test_split_sizes_list_of_tensors(lin, x, device):
+    sizes = [torch.tensor(3, device=device), torch.tensor(3, device=device),
+             torch.tensor(4, device=device)]
+    with pytest.raises(TypeError, match=r"split_sizes must be a list of ints or one 1-D "
+                                        r"tensor, got a list of 3 tensors: pass one tensor"):
+        lin(x, sizes)
 
 
 def test_split_sizes_2d_tensor(lin, x, device):

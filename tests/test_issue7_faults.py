@@ -431,3 +431,18 @@ def test_load_state_dict_strict_false_that_loads_nothing_warns():
     wrong = {"weight_a": torch.zeros(4, 4), "bias_b": torch.zeros(4)}
     with pytest.warns(UserWarning, match="loaded nothing"):
         lin.load_state_dict(wrong, strict=False)
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_split_sizes_as_histc_counts(monkeypatch, fusion, dtype):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _hook_block(dtype)
+    expert_ids = torch.tensor([0, 1, 1, 0, 1])
+    counts = torch.histc(expert_ids.float(), bins=2, min=0, max=1)  # float32, as torchtitan
+    x = torch.randn(5, 4, dtype=dtype)
+    order = torch.argsort(expert_ids, stable=True)
+    probs = torch.rand(5, dtype=dtype)
+    y = blk(x[order], counts, probs, counts)
+    y_int = blk(x[order], torch.tensor([2, 3]), probs, torch.tensor([2, 3]))
+    torch.testing.assert_close(y, y_int, rtol=0, atol=0)
