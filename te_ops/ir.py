@@ -67,13 +67,13 @@ def _layout(module: Any) -> tuple[list[_Step], list[OperationFuser]]:
 
     if isinstance(module, Sequential):
         keyed: list[tuple[str, torch.nn.Module]] = []
-        for i, item in enumerate(module._items()):
+        for i, item in module._modules.items():
             if isinstance(item, FusibleOperation):
                 ops = item.basic_ops
                 for j, op in enumerate(ops):
-                    keyed.append((str(i) if len(ops) == 1 else f"{i}.{j}", op))
+                    keyed.append((i if len(ops) == 1 else f"{i}.{j}", op))
             else:
-                keyed.append((str(i), item))
+                keyed.append((i, item))
         steps: list[_Step] = []
         fusers: list[OperationFuser] = []
         pos = 0

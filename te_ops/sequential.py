@@ -16,6 +16,7 @@ run for the ops inside a fuser.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,7 +45,10 @@ class Sequential(torch.nn.Module):
     ----------
     *modules : torch.nn.Module
         te_ops operations and/or plain modules, registered as submodules ``"0"``, ``"1"``, ...
-        (so ``state_dict`` keys are ``"0.weight0"`` and so on).
+        (so ``state_dict`` keys are ``"0.weight0"`` and so on); or one ``OrderedDict`` of
+        named modules, as ``torch.nn.Sequential`` takes (keys ``"fc1.weight0"``, ...).
+        As in ``torch.nn.Sequential``, ``append`` / ``extend`` name new modules by position
+        and ``insert`` / ``pop`` / ``del`` renumber all of them.
 
     Calling
     -------
@@ -59,22 +63,27 @@ class Sequential(torch.nn.Module):
         The number of extra inputs does not match what the ops take.
     """
 
-    def __init__(self, *modules: torch.nn.Module) -> None:
+    def __init__(self, *modules: torch.nn.Module | OrderedDict[str, torch.nn.Module]) -> None:
         super().__init__()
-        self.extend(modules)
+        if len(modules) == 1 and isinstance(modules[0], OrderedDict):
+            named = modules[0]
+            self._reset(named.values(), names=[str(k) for k in named])
+        else:
+            self.extend(modules)
 
     # ------------------------------------------------------------------ container protocol
     def _items(self) -> list[torch.nn.Module]:
         return list(self._modules.values())  # type: ignore[arg-type]
 
-    def _reset(self, modules: Iterable[torch.nn.Module]) -> None:
+    def _reset(self, modules: Iterable[torch.nn.Module], names: list[str] | None = None) -> None:
         modules = list(modules)
         for i, m in enumerate(modules):
             if not isinstance(m, torch.nn.Module):
                 raise TypeError(f"modules[{i}] must be a torch.nn.Module, got {type(m).__name__}")
+        names = names if names is not None else [str(i) for i in range(len(modules))]
         self._modules.clear()
-        for i, m in enumerate(modules):
-            self._modules[str(i)] = m
+        for name, m in zip(names, modules):
+            self.add_module(name, m)
         self.__dict__["_fuser_groups"] = None
 
     def __len__(self) -> int:
@@ -96,7 +105,7 @@ class Sequential(torch.nn.Module):
         if not -len(items) <= idx < len(items):
             raise IndexError(f"idx must be in [{-len(items)}, {len(items)}), got {idx}")
         items[idx] = module
-        self._reset(items)
+        self._reset(items, names=list(self._modules))
 
     def __delitem__(self, idx: int | slice) -> None:
         items = self._items()
@@ -104,11 +113,13 @@ class Sequential(torch.nn.Module):
         self._reset(items)
 
     def append(self, module: torch.nn.Module) -> Sequential:
-        self._reset([*self._items(), module])
-        return self
+        return self.extend([module])
 
     def extend(self, modules: Iterable[torch.nn.Module]) -> Sequential:
-        self._reset([*self._items(), *modules])
+        names = list(self._modules)
+        modules = list(modules)
+        names += [str(len(names) + i) for i in range(len(modules))]
+        self._reset([*self._items(), *modules], names=names)
         return self
 
     def insert(self, idx: int, module: torch.nn.Module) -> Sequential:

@@ -446,3 +446,23 @@ def test_float_split_sizes_as_histc_counts(monkeypatch, fusion, dtype):
     y = blk(x[order], counts, probs, counts)
     y_int = blk(x[order], torch.tensor([2, 3]), probs, torch.tensor([2, 3]))
     torch.testing.assert_close(y, y_int, rtol=0, atol=0)
+
+
+def test_sequential_takes_an_ordered_dict_of_named_ops():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    named = te_ops.Sequential(OrderedDict([
+        ("fc1", te_ops.GroupedLinear(2, 4, 8)), ("act", te_ops.ScaledSwiGLU()),
+        ("fc2", te_ops.GroupedLinear(2, 4, 4))]))
+    assert list(dict(named.named_children())) == ["fc1", "act", "fc2"]
+    assert "fc1.weight0" in named.state_dict() and "fc2.bias1" in named.state_dict()
+    plain = te_ops.Sequential(*[te_ops.GroupedLinear(2, 4, 8), te_ops.ScaledSwiGLU(),
+                                te_ops.GroupedLinear(2, 4, 4)])
+    plain.load_state_dict({k.replace("fc1", "0").replace("fc2", "2"): v
+                           for k, v in named.state_dict().items()})
+    x, probs, sizes = torch.randn(5, 4), torch.rand(5), torch.tensor([2, 3])
+    torch.testing.assert_close(named(x, sizes, probs, sizes), plain(x, sizes, probs, sizes))
+    assert "fc1" in named.explain() and "fc2" in named.explain()
+    named.append(te_ops.Identity())
+    assert list(dict(named.named_children())) == ["fc1", "act", "fc2", "3"]
