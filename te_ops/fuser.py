@@ -410,6 +410,7 @@ class OperationFuser:
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
+        _check_autocast(input_)
         groups = self._split_extra_inputs(extra_inputs)
         params = self._params()
         flat_params = [p for ps in params for p in ps]
@@ -444,6 +445,29 @@ class OperationFuser:
             *flat_params, *flat_extra,
         )
         return outputs if sum(self.num_extra_outputs) else outputs[0]
+
+
+def _check_autocast(input_: torch.Tensor) -> None:
+    """te_ops ops compute in their parameters' dtype; under ``torch.autocast`` to another
+    dtype they would silently not follow it, so they raise instead.
+
+    Raises
+    ------
+    RuntimeError
+        ``torch.autocast`` is on for the input's device with a dtype other than the input's;
+        the message names autocast and the fix.
+    """
+    device_type = input_.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    if input_.dtype != dtype:
+        raise RuntimeError(
+            f"te_ops ops do not follow torch.autocast: autocast to {dtype} is on for "
+            f"{device_type} but the input is {input_.dtype}. Run the te_ops block in one "
+            f"dtype instead: cast its parameters and input (e.g. block.to({dtype}) and "
+            f"x.to({dtype})), or call it inside torch.autocast({device_type!r}, enabled=False)"
+        )
 
 
 def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:

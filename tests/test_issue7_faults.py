@@ -466,3 +466,23 @@ def test_sequential_takes_an_ordered_dict_of_named_ops():
     assert "fc1" in named.explain() and "fc2" in named.explain()
     named.append(te_ops.Identity())
     assert list(dict(named.named_children())) == ["fc1", "act", "fc2", "3"]
+
+
+def test_autocast_raises_naming_autocast():
+    blk = _hook_block()
+    x, probs, sizes = torch.randn(5, 4), torch.rand(5), torch.tensor([2, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"te_ops ops do not follow torch.autocast: "
+                                               r"autocast to torch.bfloat16"):
+            blk(x, sizes, probs, sizes)
+        # the fix the message names: one dtype for block and input
+        y = blk.to(torch.bfloat16)(x.to(torch.bfloat16), sizes, probs.bfloat16(), sizes)
+    assert y.dtype == torch.bfloat16
+    with torch.autocast("cpu", enabled=False):
+        blk.float()(x, sizes, probs, sizes)
+
+
+def test_dtype_mismatch_says_which_dtype_to_cast_to():
+    lin = te_ops.GroupedLinear(1, 4, 4)
+    with pytest.raises(ValueError, match=r"x.to\(torch.float32\)"):
+        lin(torch.randn(2, 4, dtype=torch.bfloat16), [2])

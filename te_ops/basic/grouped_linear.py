@@ -438,7 +438,8 @@ class GroupedLinear(BasicOperation):
         if input_.dtype != w.dtype or input_.device != w.device:
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
-                f"{input_.dtype} on {input_.device}"
+                f"{input_.dtype} on {input_.device}: cast the input with "
+                f"x.to({w.dtype}) (or the layer with .to({input_.dtype}))"
             )
 
     def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:
