@@ -258,8 +258,9 @@ class GroupedLinear(BasicOperation):
     rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
     ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
     one to one; with ``bias=False`` the ``bias{g}`` attributes are ``None`` (as
-    ``torch.nn.Linear.bias``). Weights are initialized as ``torch.nn.Linear``'s
-    (Kaiming-uniform), biases to zero (as TransformerEngine's). ``load_state_dict`` also
+    ``torch.nn.Linear.bias``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
+    weights, uniform biases; TransformerEngine zeros biases, see :meth:`reset_parameters`
+    for why te_ops does not). ``load_state_dict`` also
     accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
     ``single_grouped_weight``).
 
@@ -315,14 +316,21 @@ class GroupedLinear(BasicOperation):
         return self.has_bias
 
     def reset_parameters(self) -> None:
-        """Weights: ``torch.nn.Linear``'s Kaiming-uniform initialization, per group; biases:
-        zero, as TransformerEngine's ops initialize them."""
+        """``torch.nn.Linear``'s initialization, per group (Kaiming-uniform weights, uniform
+        biases in ``±1/sqrt(in_features)``).
+
+        TransformerEngine's ops start biases at zero; te_ops keeps ``torch.nn.Linear``'s
+        rule instead, so a block built from te_ops starts from the same distribution as the
+        per-expert ``nn.Linear`` modules it replaces (and the tests' random biases exercise
+        the bias math). Call ``torch.nn.init.zeros_`` on ``biases()`` for TE's start.
+        """
+        bound = 1.0 / math.sqrt(self.in_features)
         weights, biases = self._param_lists()
         with torch.no_grad():
             for w in stacked(weights, self.single_grouped_weight).unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
             for b in biases:
-                torch.nn.init.zeros_(b)
+                torch.nn.init.uniform_(b, -bound, bound)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() give each parameter new storage: pack them into one buffer again.

@@ -26,6 +26,7 @@ Backward (:class:`BackwardGroupedMLP`):
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -55,6 +56,15 @@ GROUPED_MLP_PATTERN = (
 )
 
 
+#: Warned (once per plan: plans are cached) when fc1 and fc2 get two split-size tensors.
+SPLIT_COPIES_WARNING = (
+    "fc1 and fc2 of a GroupedLinear -> SwiGLU -> GroupedLinear chain got their split sizes as "
+    "two different tensor objects, so the fused grouped MLP is not used (telling whether two "
+    "device tensors hold equal values would need a host sync). If they hold the same sizes, "
+    "pass the same tensor object to both (not a .clone() or a copy)."
+)
+
+
 def grouped_mlp_unsupported_reason(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear,
                                    info: PlanInfo, *, backward: bool = False) -> str | None:
     """Why ``fc1 -> act -> fc2`` cannot take the fused grouped MLP (``None`` when it can).
@@ -77,6 +87,8 @@ def grouped_mlp_unsupported_reason(fc1: GroupedLinear, act: SwiGLU, fc2: Grouped
     i1, i2 = info.index(fc1), info.index(fc2)
     s1, s2 = info.extra_inputs[i1][0], info.extra_inputs[i2][0]
     if s1 is None or s2 is None or not info.same_source(s1, s2):
+        if isinstance(s1, torch.Tensor) and isinstance(s2, torch.Tensor) and not backward:
+            warnings.warn(SPLIT_COPIES_WARNING, UserWarning, stacklevel=2)
         return "fc1 and fc2 split sizes are not the same source (pass one tensor or equal lists)"
     if backward and not all(info.requires_grad[i] for i in range(i1, i2 + 1)):
         return "not every op of the chain takes part in backward"
