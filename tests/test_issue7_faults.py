@@ -504,3 +504,17 @@ def test_equal_split_tensors_as_two_objects_warn_once():
         warnings.simplefilter("error")
         blk(x, sizes, probs, sizes)  # the fix: no warning, fused
     assert "ForwardGroupedMLP" in blk.explain()
+
+
+def test_python_m_te_ops_env_runs_without_runtime_warning():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "te_ops.env"],
+                         cwd=root, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeWarning" not in out.stderr
+    assert out.stdout.startswith("| variable | default | values | meaning |")

@@ -143,7 +143,3 @@ def markdown_table() -> str:
     for v in ENV_VARS.values():
         rows.append(f"| `{v.name}` | `{v.default}` | {', '.join(v.choices)} | {v.meaning} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(markdown_table())
