@@ -271,7 +271,7 @@ PEER_CLASSES: dict[str, type[Peer]] = {
 
 def skip_reason(peer: str, problem: Problem) -> str | None:
     """Why a peer cannot run on this device (``None`` when it can)."""
-    if peer.endswith("_graph") and problem.device.type != "cuda":
+    if issubclass(PEER_CLASSES[peer], TeOpsFusedGraph) and problem.device.type != "cuda":
         return "CUDA graphs need a CUDA device (running with --device cpu)"
     if peer == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"

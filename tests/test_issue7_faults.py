@@ -518,3 +518,41 @@ def test_python_m_te_ops_env_runs_without_runtime_warning():
     assert out.returncode == 0, out.stderr
     assert "RuntimeWarning" not in out.stderr
     assert out.stdout.startswith("| variable | default | values | meaning |")
+
+
+# ---------------------------------------------------------------- 9: benchmarks and docs
+def test_every_graph_peer_is_skipped_on_cpu():
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grouped_mlp.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_mlp", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(path.parent))
+        del sys.modules[spec.name]
+    problem = types.SimpleNamespace(device=torch.device("cpu"))
+    graph_peers = [n for n in bench.PEER_CLASSES if "graph" in n]
+    assert "te_ops_fused_single_graph_noclone" in graph_peers
+    for name in graph_peers:
+        assert bench.skip_reason(name, problem) == ("CUDA graphs need a CUDA device (running "
+                                                    "with --device cpu)"), name
+    assert bench.skip_reason("te_ops_fused", problem) is None
+
+
+def test_docs_cite_only_files_in_the_repository():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        assert "DESIGN.md" not in text, doc.name
+        for cited in re.findall(r"`((?:benchmarks|docs|scripts|tests|te_ops)/[\w./-]+)`", text):
+            assert (root / cited).exists(), f"{doc.name} cites {cited}, not in the repository"
