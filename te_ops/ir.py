@@ -26,14 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import torch
 
 from . import env
 from .fuser import OperationFuser, _source_classes
 from .op import BasicOperation, FusibleOperation
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["build_graph", "validate", "explain", "to_dot", "extra_input_names"]
 
@@ -164,6 +166,8 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
         )
     classes = _source_classes(list(extra_inputs)) if extra_inputs else tuple(range(total))
 
+    import networkx as nx  # imported when used: `import te_ops` does not need it
+
     graph = nx.DiGraph(name=type(module).__name__)
     graph.add_node("input", kind="input")
     prev = "input"
@@ -223,6 +227,8 @@ def validate(graph: nx.DiGraph) -> None:
         without an earlier producer), the chain branches or is out of order, or an extra edge
         comes from something other than a source channel node. The message names the node.
     """
+    import networkx as nx
+
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)
         nodes = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"

@@ -556,3 +556,18 @@ def test_docs_cite_only_files_in_the_repository():
         assert "DESIGN.md" not in text, doc.name
         for cited in re.findall(r"`((?:benchmarks|docs|scripts|tests|te_ops)/[\w./-]+)`", text):
             assert (root / cited).exists(), f"{doc.name} cites {cited}, not in the repository"
+
+
+# ---------------------------------------------------------------- seams
+def test_import_te_ops_does_not_import_networkx():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, te_ops; assert 'networkx' not in sys.modules, 'networkx imported'; "
+            "te_ops.ir.build_graph(te_ops.Sequential(te_ops.SwiGLU())); "
+            "assert 'networkx' in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.returncode == 0, out.stderr
