@@ -352,7 +352,9 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     str
         An ops table (index, key, description, fuser, forward op, backward op; ``unfused`` for
         basic ops that run on their own), a ``fusions not applied`` section with the reasons
-        fusions recorded, and a ``dispatch`` section with each op's ``dispatch_notes``.
+        fusions recorded, and a ``dispatch`` section: what each op ran at its last call
+        (``dispatch_records``, the decisions saved in its layout), or with sample inputs or
+        before any call what the plan would take (``dispatch_notes``).
 
     Raises
     ------
@@ -412,8 +414,9 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     for d in steps:
         if d["fuser"] is None:
             continue
-        try:
-            notes = list(d["module"].dispatch_notes(plans[d["fuser"]].info))
+        ran = [] if sample_inputs else d["module"].dispatch_records()
+        try:  # what ran at the last call; else what the plan would take
+            notes = ran or list(d["module"].dispatch_notes(plans[d["fuser"]].info))
         except Exception as exc:  # a diagnostic report should not die on one op
             notes = [f"dispatch_notes raised {type(exc).__name__}: {exc}"]
         for j, note in enumerate(notes):

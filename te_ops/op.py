@@ -160,8 +160,17 @@ class BasicOperation(FusibleOperation):
         return type(self).__name__
 
     def dispatch_notes(self, info: Any) -> list[str]:
-        """Kernel-dispatch decisions for ``explain()`` (e.g. the grouped GEMM backend)."""
+        """Kernel-dispatch decisions this op would take for a plan (``explain(sample)``)."""
         return []
+
+    def record_dispatch(self, kind: str, decision: str) -> None:
+        """Record a kernel-dispatch decision the op just made (``kind``: e.g. ``"grouped GEMM
+        backend"``); ``explain()`` without sample inputs reports these: what ran."""
+        self.__dict__.setdefault("_dispatch_records", {})[kind] = decision
+
+    def dispatch_records(self) -> list[str]:
+        """The decisions of the last call, as ``"kind: decision"`` lines (``[]`` before)."""
+        return [f"{k}: {v}" for k, v in self.__dict__.get("_dispatch_records", {}).items()]
 
     def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
         from .fuser import OperationFuser

@@ -85,8 +85,9 @@ class GroupedSplits:
     source: torch.Tensor | None = field(default=None, repr=False)
 
     @property
-    def graph_safe(self) -> bool:
-        """True when the split sizes live on the device (no host sync needed to use them)."""
+    def on_device(self) -> bool:
+        """True when the split sizes were given as a device tensor (no host list). Whether a
+        call is graph-safe also depends on the backend: see ``BackendChoice.graph_safe``."""
         return self.host_sizes is None
 
     def sizes_on_host(self) -> list[int]:

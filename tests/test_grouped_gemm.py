@@ -35,7 +35,7 @@ def _dtype_id(dtype):
 def _kernels(x, w, dy, sizes, kind, backend_name, device):
     splits = make_splits(split_arg(sizes, kind, device), w.shape[0], x.shape[0], x.device)
     backend = select_backend(x.device, x.dtype, w.shape[2], w.shape[1],
-                             device_split_sizes=splits.graph_safe)
+                             device_split_sizes=splits.on_device)
     assert backend.name == backend_name
     return (grouped_fprop(x, w, splits, backend), grouped_dgrad(dy, w, splits, backend),
             grouped_wgrad(x, dy, splits, backend))

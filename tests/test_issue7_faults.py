@@ -571,3 +571,28 @@ def test_import_te_ops_does_not_import_networkx():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, timeout=120, env={"PYTHONPATH": str(root), "PATH": ""})
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_dispatch_decisions_are_made_once_and_reported_as_run(monkeypatch, fusion):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _hook_block()
+    x = torch.randn(5, 4, requires_grad=True)
+    probs, sizes = torch.rand(5), torch.tensor([2, 3])
+    y = blk(x, sizes, probs, sizes)
+    # Changing the toggles between forward and backward does not change the kernels: the
+    # backward reads the forward's saved choices (re-choosing here would raise on CPU).
+    monkeypatch.setenv("TE_OPS_ACTIVATION_BACKEND", "triton")
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
+    y.sum().backward()
+    monkeypatch.delenv("TE_OPS_ACTIVATION_BACKEND")
+    monkeypatch.delenv("TE_OPS_GROUPED_GEMM_BACKEND")
+    text = blk.explain()
+    from te_ops.kernels import swiglu_triton
+
+    why = swiglu_triton.unsupported_reason(torch.empty(2, 8), None)
+    assert f"activation backend: torch ({why})" in text
+    assert "grouped GEMM backend: grouped_mm" in text
+    from te_ops.splits import GroupedSplits
+
+    assert not hasattr(GroupedSplits, "graph_safe") and GroupedSplits.on_device

@@ -60,6 +60,11 @@ def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "pr
     return probs.reshape(num_rows)
 
 
+def _backend_text(choice: BackendChoice) -> str:
+    safe = "graph-safe" if choice.graph_safe else "not graph-safe"
+    return f"{choice.name} ({choice.reason}; {safe})"
+
+
 def stacked(params: list[torch.Tensor], single: bool) -> torch.Tensor:
     """The parameters as one (G, ...) tensor: the single grouped parameter itself, or the
     per-group parameters stacked (a free view when they are adjacent, see ``stack_weights``)."""
@@ -428,8 +433,7 @@ class GroupedLinear(BasicOperation):
                                     self.out_features, device_sizes)
         except RuntimeError as exc:
             return [f"grouped GEMM backend: error: {exc}"]
-        safe = "graph-safe" if choice.graph_safe else "not graph-safe"
-        return [f"grouped GEMM backend: {choice.name} ({choice.reason}; {safe})"]
+        return [f"grouped GEMM backend: {_backend_text(choice)}"]
 
     # ------------------------------------------------------------------ checks
     def check_input(self, input_: torch.Tensor) -> None:
@@ -457,8 +461,12 @@ class GroupedLinear(BasicOperation):
         return make_splits(split_sizes, self.num_groups, rows, input_.device)
 
     def select_backend(self, input_: torch.Tensor, splits: GroupedSplits) -> BackendChoice:
-        return select_backend(input_.device, input_.dtype, self.in_features, self.out_features,
-                              device_split_sizes=splits.graph_safe)
+        """Choose the grouped GEMM backend for this call, once (saved in the layout for the
+        backward, recorded for ``explain()``)."""
+        choice = select_backend(input_.device, input_.dtype, self.in_features,
+                                self.out_features, device_split_sizes=splits.on_device)
+        self.record_dispatch("grouped GEMM backend", _backend_text(choice))
+        return choice
 
     # ------------------------------------------------------------------ math
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,

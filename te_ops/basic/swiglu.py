@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import swiglu_triton
+from ..kernels.swiglu_triton import ActivationChoice
 from ..op import BasicOperation, OperationContext
 from .grouped_linear import check_probs
 
@@ -61,13 +62,16 @@ def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
 
 
 def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
-                   probs: torch.Tensor | None = None) -> torch.Tensor:
+                   probs: torch.Tensor | None = None,
+                   backend: ActivationChoice | None = None) -> torch.Tensor:
     """``SiLU(a) * b`` (times ``probs[..., None]``), computed in fp32, cast to ``x.dtype``.
 
     Shapes: x (..., 2F), probs (...) -> (..., F). On CUDA this runs one Triton kernel
-    (``te_ops.kernels.swiglu_triton``) where it applies.
+    (``te_ops.kernels.swiglu_triton``) where it applies; ``backend`` is the choice made for
+    this call (``swiglu_triton.select_backend``; chosen here when ``None``).
     """
-    if swiglu_triton.use_triton(x, interleave):
+    backend = backend or swiglu_triton.select_backend(x, interleave)
+    if backend.name == "triton":
         return swiglu_triton.swiglu_forward(x, probs)
     _, b, _, silu = _parts(x, interleave)
     return _output(silu, b, probs, x.dtype)
@@ -75,7 +79,7 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
 
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
-                    *, with_output: bool = False):
+                    *, with_output: bool = False, backend: ActivationChoice | None = None):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
@@ -83,9 +87,11 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     Shapes: x (..., 2F), grad_output (..., F) -> (grad_x (..., 2F), grad_probs (...) | None).
     With ``with_output=True`` a third result is the forward output, bitwise equal to
     :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
-    grouped-MLP backward uses it as fc2's wgrad input).
+    grouped-MLP backward uses it as fc2's wgrad input). ``backend``: the forward's choice
+    (saved in :class:`SwiGLUSaved`); chosen here when ``None``.
     """
-    if swiglu_triton.use_triton(x, interleave):
+    backend = backend or swiglu_triton.select_backend(x, interleave)
+    if backend.name == "triton":
         grad_x, grad_probs, out = swiglu_triton.swiglu_backward(x, grad_output, probs,
                                                                 write_output=with_output)
         return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
@@ -105,18 +111,21 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
 
 @dataclass
 class SwiGLUSaved:
-    """The one saved-context layout of SwiGLU / ScaledSwiGLU: the input and the probs."""
+    """The one saved-context layout of SwiGLU / ScaledSwiGLU: the input, the probs and the
+    kernels the forward chose (the backward and the recompute run the same)."""
 
     x: torch.Tensor
     probs: torch.Tensor | None
+    backend: ActivationChoice | None = None
 
     def save(self, ctx: OperationContext) -> None:
         ctx.save_for_backward(self.x, self.probs)
+        ctx.swiglu_layout = {"backend": self.backend}
 
     @classmethod
     def load(cls, ctx: OperationContext) -> SwiGLUSaved:
         x, probs = ctx.saved_tensors
-        return cls(x, probs)
+        return cls(x, probs, ctx.swiglu_layout["backend"])
 
 
 class SwiGLU(BasicOperation):
@@ -166,6 +175,13 @@ class SwiGLU(BasicOperation):
         return (f"glu_interleave_size={self.glu_interleave_size}"
                 if self.glu_interleave_size else "")
 
+    def select_backend(self, input_: torch.Tensor) -> ActivationChoice:
+        """Choose the SwiGLU kernels for this call, once (saved in the layout, recorded for
+        ``explain()``)."""
+        choice = swiglu_triton.select_backend(input_, self.glu_interleave_size)
+        self.record_dispatch("activation backend", f"{choice.name} ({choice.reason})")
+        return choice
+
     def dispatch_notes(self, info) -> list[str]:
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
@@ -182,18 +198,20 @@ class SwiGLU(BasicOperation):
 
     def op_forward(self, ctx, input_, *, recipe=None):
         self.check_input(input_)
+        backend = self.select_backend(input_)
         if ctx.requires_grad:
-            SwiGLUSaved(input_, None).save(ctx)
-        return swiglu_forward(input_, self.glu_interleave_size)
+            SwiGLUSaved(input_, None, backend).save(ctx)
+        return swiglu_forward(input_, self.glu_interleave_size, backend=backend)
 
     def op_backward(self, ctx, grad_output):
         saved = SwiGLUSaved.load(ctx)
-        grad_input, _ = swiglu_backward(saved.x, grad_output, self.glu_interleave_size)
+        grad_input, _ = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
+                                        backend=saved.backend)
         return grad_input, []
 
     def recompute_output(self, saved: SwiGLUSaved) -> torch.Tensor:
         """The forward output, recomputed bit-identically from the saved context."""
-        return swiglu_forward(saved.x, self.glu_interleave_size, saved.probs)
+        return swiglu_forward(saved.x, self.glu_interleave_size, saved.probs, saved.backend)
 
 
 class ScaledSwiGLU(SwiGLU):
@@ -221,12 +239,13 @@ class ScaledSwiGLU(SwiGLU):
         self.check_input(input_)
         probs = check_probs(probs, input_.numel() // input_.shape[-1], input_.device,
                             lead_shape=tuple(input_.shape[:-1])).view(input_.shape[:-1])
+        backend = self.select_backend(input_)
         if ctx.requires_grad:
-            SwiGLUSaved(input_, probs).save(ctx)
-        return swiglu_forward(input_, self.glu_interleave_size, probs), [()]
+            SwiGLUSaved(input_, probs, backend).save(ctx)
+        return swiglu_forward(input_, self.glu_interleave_size, probs, backend), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         saved = SwiGLUSaved.load(basic_op_ctxs[0])
         grad_input, grad_probs = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
-                                                 saved.probs)
+                                                 saved.probs, backend=saved.backend)
         return grad_input, [[]], [[grad_probs.reshape(-1)]]

@@ -153,14 +153,15 @@ class ForwardGroupedMLP(FusedOperation):
         act.check_input(h)
         if probs_act is not None:
             probs_act = probs_act.view(lead)
-        a = swiglu_forward(h, act.glu_interleave_size, probs_act)
+        backend_act = act.select_backend(h)
+        a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
         backend2 = fc2.select_backend(a, splits)
         y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2)
 
         if ctx1.requires_grad:
             fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape).save(ctx1)
         if ctx_act.requires_grad:
-            SwiGLUSaved(h, probs_act).save(ctx_act)
+            SwiGLUSaved(h, probs_act, backend_act).save(ctx_act)
         if ctx2.requires_grad:
             recompute = None
             if ctx_act.requires_grad:
@@ -191,7 +192,7 @@ class BackwardGroupedMLP(FusedOperation):
         dgrad2 = GroupedLinear.dgrad_math(s2, dy2d)
         need_out = s2.x is None and s2.recompute_x is not None
         act_result = swiglu_backward(sa.x, dgrad2.view(s2.in_shape), act.glu_interleave_size,
-                                     sa.probs, with_output=need_out)
+                                     sa.probs, with_output=need_out, backend=sa.backend)
         dh, gprobs_act = act_result[0], act_result[1]
         if need_out:
             act_out = act_result[2]

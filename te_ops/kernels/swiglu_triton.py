@@ -17,6 +17,8 @@ Triton, interleaved layout, dtype, non-contiguous); ``TE_OPS_ACTIVATION_BACKEND`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import env
@@ -28,7 +30,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["unsupported_reason", "use_triton", "swiglu_forward", "swiglu_backward"]
+__all__ = ["ActivationChoice", "select_backend", "unsupported_reason", "use_triton",
+           "swiglu_forward", "swiglu_backward"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,21 +51,37 @@ def unsupported_reason(x: torch.Tensor, interleave: int | None) -> str | None:
     return None
 
 
-def use_triton(x: torch.Tensor, interleave: int | None) -> bool:
-    """Whether this call runs the Triton kernels (``TE_OPS_ACTIVATION_BACKEND`` decides ties).
+@dataclass(frozen=True)
+class ActivationChoice:
+    """The SwiGLU kernels picked for a call, and why (saved in the op's layout, so the
+    backward runs the same kernels and ``explain()`` reports what ran)."""
+
+    name: str  # "triton" | "torch"
+    reason: str
+
+
+def select_backend(x: torch.Tensor, interleave: int | None) -> ActivationChoice:
+    """The SwiGLU kernels for this input (``TE_OPS_ACTIVATION_BACKEND`` decides ties).
 
     Raises
     ------
     RuntimeError
         ``TE_OPS_ACTIVATION_BACKEND=triton`` where the kernels cannot run; gives the reason.
     """
-    choice = env.read("TE_OPS_ACTIVATION_BACKEND")
-    if choice == "torch":
-        return False
+    forced = env.read("TE_OPS_ACTIVATION_BACKEND")
+    if forced == "torch":
+        return ActivationChoice("torch", "forced by TE_OPS_ACTIVATION_BACKEND")
     reason = unsupported_reason(x, interleave)
-    if choice == "triton" and reason is not None:
+    if forced == "triton" and reason is not None:
         raise RuntimeError(f"TE_OPS_ACTIVATION_BACKEND=triton cannot run: {reason}")
-    return reason is None
+    if reason is not None:
+        return ActivationChoice("torch", reason)
+    return ActivationChoice("triton", "one kernel forward, one backward")
+
+
+def use_triton(x: torch.Tensor, interleave: int | None) -> bool:
+    """Whether :func:`select_backend` picks the Triton kernels for this input."""
+    return select_backend(x, interleave).name == "triton"
 
 
 if triton is not None:
