@@ -32,6 +32,7 @@ import torch
 
 from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
+from .signature import CallSignature, same_source
 from .splits import host_read_scope
 
 __all__ = [
@@ -184,25 +185,6 @@ def _extra_input_signature(value: Any) -> tuple:
     return (type(value).__name__,)
 
 
-def same_source(a: Any, b: Any) -> bool:
-    """Whether two extra inputs come from one source: the same tensor object, or equal host
-    lists (two tensors with equal values are *not* one source: telling would need a sync)."""
-    if a is b:
-        return True
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return list(a) == list(b)
-    return False
-
-
-def _source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:
-    """Index of the first extra input that is the same source as each one."""
-    classes: list[int] = []
-    for i, value in enumerate(flat_extra):
-        cls = next((classes[j] for j in range(i) if same_source(value, flat_extra[j])), i)
-        classes.append(cls)
-    return tuple(classes)
-
-
 @dataclass
 class PlanInfo:
     """What a fusion function may know about the call it plans for.
@@ -300,7 +282,8 @@ class OperationFuser:
                     "op in a fuser of its own)"
                 )
         self.basic_ops = basic
-        self.num_extra_inputs = [op.num_extra_inputs for op in basic]
+        self.signature = CallSignature(basic)
+        self.num_extra_inputs = self.signature.counts
         self.num_extra_outputs = [op.num_extra_outputs for op in basic]
         self._plans: OrderedDict[Any, _Plan] = OrderedDict()
         self._plan: _Plan | None = None  # the last call's plan (what explain() shows)
@@ -318,7 +301,7 @@ class OperationFuser:
             env.snapshot(),
             None if input_ is None else (input_.dtype, input_.device.type),
             tuple(_extra_input_signature(v) for v in flat_extra),
-            _source_classes(flat_extra),
+            self.signature.source_classes(flat_extra),
             _REGISTRY_VERSION[0],  # (un)registering a fusion replans
         )
         plan = self._plans.get(key)
@@ -382,20 +365,7 @@ class OperationFuser:
 
     def _split_extra_inputs(self, extra_inputs: Sequence[Any],
                             allow_missing: bool = False) -> list[tuple[Any, ...]]:
-        total = sum(self.num_extra_inputs)
-        if len(extra_inputs) != total and not (allow_missing and not extra_inputs):
-            names = [f"{type(op).__name__}:{op.num_extra_inputs}" for op in self.basic_ops
-                     if op.num_extra_inputs]
-            raise ValueError(
-                f"extra_inputs: expected {total} extra inputs after the main input "
-                f"({', '.join(names) or 'none'}), got {len(extra_inputs)}"
-            )
-        groups: list[tuple[Any, ...]] = []
-        pos = 0
-        for n in self.num_extra_inputs:
-            groups.append(tuple(extra_inputs[pos:pos + n]) if extra_inputs else (None,) * n)
-            pos += n
-        return groups
+        return self.signature.split(extra_inputs, allow_missing=allow_missing)
 
     # ------------------------------------------------------------------ running
     def _params(self) -> list[list[torch.nn.Parameter]]:

@@ -29,15 +29,12 @@ from .basic.grouped_linear import GroupedLinear
 from .kernels.grouped_gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
+from .signature import CallSignature
 
 __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCallable"]
 
 
 # ---------------------------------------------------------------------------------- the gate
-def _extra_input_names(op: BasicOperation) -> list[str]:
-    return [name or f"extra input {j}" for j, name in enumerate(op.extra_input_names())]
-
-
 def _basic_ops_with_index(module: torch.nn.Module) -> list[tuple[int, BasicOperation]]:
     """(position in the container, basic op) in call order; non-fusible modules are skipped."""
     if isinstance(module, Sequential):
@@ -51,21 +48,6 @@ def _basic_ops_with_index(module: torch.nn.Module) -> list[tuple[int, BasicOpera
         )
     return [(i, b) for i, m in enumerate(items) if isinstance(m, FusibleOperation)
             for b in m.basic_ops]
-
-
-def _split_extra_inputs(ops: list[tuple[int, BasicOperation]], extra_inputs: Sequence[Any]
-                        ) -> list[tuple[Any, ...]]:
-    total = sum(op.num_extra_inputs for _, op in ops)
-    if len(extra_inputs) != total:
-        raise ValueError(
-            f"extra_inputs: expected {total} extra inputs after the main input, got "
-            f"{len(extra_inputs)}"
-        )
-    groups, pos = [], 0
-    for _, op in ops:
-        groups.append(tuple(extra_inputs[pos:pos + op.num_extra_inputs]))
-        pos += op.num_extra_inputs
-    return groups
 
 
 def _grouped_linear_reason(op: GroupedLinear, input_: torch.Tensor, split_sizes: Any
@@ -133,13 +115,16 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"input_ must be a torch.Tensor, got {type(input_).__name__}")
     ops = _basic_ops_with_index(module)
-    groups = _split_extra_inputs(ops, extra_inputs)
+    signature = CallSignature([op for _, op in ops])
+    groups = signature.split(extra_inputs)
     if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
         return ("TE_OPS_CHECK_SPLIT_SIZES=1 copies device split sizes to the host to check "
                 "them (a host sync); unset it to check them on the device")
+    labels = iter(signature.label(k) for k in range(signature.total))
     for (pos, op), extras in zip(ops, groups):
         where = f"op {pos} ({op.describe()})"
-        for name, value in zip(_extra_input_names(op), extras):
+        names = [next(labels) for _ in extras]
+        for name, value in zip(names, extras):
             if isinstance(value, torch.Tensor) and value.device != input_.device:
                 return f"{where}: {name} is on {value.device}, not on {input_.device}"
         if isinstance(op, GroupedLinear):
@@ -147,7 +132,7 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
             if reason is not None:
                 return f"{where}: {reason}"
         else:
-            for name, value in zip(_extra_input_names(op), extras):
+            for name, value in zip(names, extras):
                 if not isinstance(value, torch.Tensor):
                     return (f"{where}: {name} is a {type(value).__name__}, not a tensor on "
                             f"{input_.device}")

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import env
-from .fuser import OperationFuser, _source_classes
+from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
+from .signature import CallSignature
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -107,11 +108,11 @@ def _layout(module: Any) -> tuple[list[_Step], list[OperationFuser]]:
 
 
 def extra_input_names(op: torch.nn.Module) -> list[str | None]:
-    """Names of an op's extra inputs (:meth:`BasicOperation.extra_input_names`), ``None``
-    where the op does not name one; ``[]`` for modules without extra inputs."""
-    n = int(getattr(op, "num_extra_inputs", 0) or 0)
-    declared = op.extra_input_names() if isinstance(op, BasicOperation) else []
-    return (list(declared) + [None] * n)[:n]
+    """Names of an op's extra inputs (from its :class:`~te_ops.signature.CallSignature`),
+    ``None`` where the op does not name one; ``[]`` for modules without extra inputs."""
+    if not isinstance(op, BasicOperation):
+        return []
+    return CallSignature([op]).names[0]
 
 
 def _describe(module: torch.nn.Module) -> str:
@@ -157,14 +158,12 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
         ``extra_inputs`` are given but their number is not what the ops take.
     """
     steps, _ = _layout(module)
-    total = sum(int(getattr(s.module, "num_extra_inputs", 0) or 0)
-                for s in steps if s.fuser is not None)
-    if extra_inputs and len(extra_inputs) != total:
-        raise ValueError(
-            f"extra_inputs: expected {total} sample extra inputs (those following the main "
-            f"input), got {len(extra_inputs)}"
-        )
-    classes = _source_classes(list(extra_inputs)) if extra_inputs else tuple(range(total))
+    signature = CallSignature([s.module for s in steps if s.fuser is not None])
+    if extra_inputs:
+        signature.split(extra_inputs)  # raises on a wrong count
+    classes = signature.source_classes(extra_inputs)
+    per_op = iter([[sl for sl in signature.slots if sl.op == i]
+                   for i in range(len(signature.counts))])
 
     import networkx as nx  # imported when used: `import te_ops` does not need it
 
@@ -185,7 +184,7 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
         prev = node
         if not fusible:
             continue
-        for slot, name in enumerate(extra_input_names(step.module)):
+        for slot, name in ((sl.slot, sl.name) for sl in next(per_op)):
             cls = classes[k]
             if cls not in channel_node:
                 channel_node[cls] = f"extra{k}:{name}" if name else f"extra{k}"
@@ -289,7 +288,7 @@ def _plans(fusers: list[OperationFuser], sample_inputs: Sequence[Any]) -> list[A
         raise TypeError(
             f"sample_inputs[0] must be the main input tensor, got {type(input_).__name__}"
         )
-    counts = [sum(f.num_extra_inputs) for f in fusers]
+    counts = [f.signature.total for f in fusers]
     if extra and len(extra) != sum(counts):
         raise ValueError(
             f"sample_inputs: expected the main input and {sum(counts)} extra inputs, got the "

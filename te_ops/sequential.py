@@ -24,6 +24,7 @@ import torch
 
 from .fuser import OperationFuser
 from .op import BasicOperation, FusibleOperation
+from .signature import CallSignature
 
 __all__ = ["Sequential", "has_hooks", "HOOKS_NOTE"]
 
@@ -170,6 +171,8 @@ class Sequential(torch.nn.Module):
             groups.append(OperationFuser(run))
         self.__dict__["_fuser_groups"] = groups
         self.__dict__["_hooked"] = hooked
+        self.__dict__["_signature"] = CallSignature(
+            [b for g in groups if isinstance(g, OperationFuser) for b in g.basic_ops])
         return groups
 
     @staticmethod
@@ -189,30 +192,28 @@ class Sequential(torch.nn.Module):
         self.__dict__["_fuser_groups"] = None
         return super()._apply(fn, *args, **kwargs)
 
+    def signature(self) -> CallSignature:
+        """The call signature over every fuser's basic ops (built with the fusers)."""
+        self._groups()
+        return self.__dict__["_signature"]
+
     def num_extra_inputs(self) -> int:
         """How many extra inputs follow the main input when calling."""
-        return sum(sum(g.num_extra_inputs) for g in self._groups()
-                   if isinstance(g, OperationFuser))
+        return self.signature().total
 
     def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
-        expected = self.num_extra_inputs()
-        if len(extra_inputs) != expected:
-            raise ValueError(
-                f"extra_inputs: expected {expected} extra inputs after the main input, "
-                f"got {len(extra_inputs)}"
-            )
+        groups = self._groups()
+        per_op = iter(self.signature().split(extra_inputs))
         x = input_
-        pos = 0
         extra_outputs: list[torch.Tensor] = []
-        for g in self._groups():
+        for g in groups:
             if not isinstance(g, OperationFuser):
                 x = g(x)
                 continue
-            n = sum(g.num_extra_inputs)
+            extra = [v for _ in g.basic_ops for v in next(per_op)]
             op = g.basic_ops[0]
             call = op if len(g.basic_ops) == 1 and has_hooks(op) else g
-            out = call(x, *extra_inputs[pos:pos + n])
-            pos += n
+            out = call(x, *extra)
             if sum(g.num_extra_outputs):
                 x, *more = out
                 extra_outputs.extend(more)

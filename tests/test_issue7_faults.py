@@ -596,3 +596,22 @@ def test_dispatch_decisions_are_made_once_and_reported_as_run(monkeypatch, fusio
     from te_ops.splits import GroupedSplits
 
     assert not hasattr(GroupedSplits, "graph_safe") and GroupedSplits.on_device
+
+
+def test_one_call_signature_object_per_fuser_and_container():
+    from te_ops.signature import CallSignature, Slot
+
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 4, 8), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(2, 4, 4, scale_bias=True))
+    sig = blk.signature()
+    assert isinstance(sig, CallSignature) and sig.total == 4 == blk.num_extra_inputs()
+    assert sig.slots == [Slot(0, 0, 0, "split_sizes"), Slot(1, 1, 0, "probs"),
+                         Slot(2, 2, 0, "split_sizes"), Slot(3, 2, 1, "probs")]
+    sizes, probs = torch.tensor([2, 3]), torch.rand(5)
+    assert sig.source_classes([sizes, probs, sizes, probs]) == (0, 1, 0, 1)
+    assert sig.source_classes([[2, 3], probs, [2, 3], probs.clone()]) == (0, 1, 0, 3)
+    assert blk.fusers()[0].signature.counts == [1, 1, 2]
+    with pytest.raises(ValueError, match=r"extra_inputs: expected 4 extra inputs after the main "
+                                         r"input \(GroupedLinear:1, ScaledSwiGLU:1, "
+                                         r"GroupedLinear:2\), got 1"):
+        blk(torch.randn(5, 4), sizes)

@@ -1,0 +1,121 @@
+"""The call signature of a run of basic ops: which extra input feeds which op.
+
+A call is ``block(x, *extra_inputs)``; the extra inputs follow the main input in op order,
+each op taking ``num_extra_inputs`` of them (``split_sizes``, ``probs``, ...). One
+:class:`CallSignature`, computed once per fuser (and per container), answers every question
+about that layout: the per-op counts and names, where extra input ``k`` goes (op ``i``, slot
+``j``), how to split a call's extra inputs per op (with the one error message for a wrong
+count), and which inputs come from one source. The fuser, ``Sequential``, ``te_ops.graphs``
+and ``te_ops.ir`` all use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CallSignature", "Slot", "same_source", "source_classes"]
+
+
+def same_source(a: Any, b: Any) -> bool:
+    """Whether two extra inputs come from one source: the same tensor object, or equal host
+    lists (two tensors with equal values are *not* one source: telling would need a sync)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return False
+
+
+def source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:
+    """For each extra input, the index of the first one from the same source."""
+    classes: list[int] = []
+    for i, value in enumerate(flat_extra):
+        classes.append(next((classes[j] for j in range(i)
+                             if same_source(value, flat_extra[j])), i))
+    return tuple(classes)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Extra input ``position`` of a call feeds slot ``slot`` of basic op ``op``."""
+
+    position: int
+    op: int
+    slot: int
+    name: str | None
+
+
+class CallSignature:
+    """Where each extra input of a call goes, for a list of basic ops.
+
+    Parameters
+    ----------
+    ops : sequence of BasicOperation
+        The basic ops in call order.
+
+    Attributes
+    ----------
+    counts : list[int]
+        ``num_extra_inputs`` per op.
+    names : list[list[str | None]]
+        Per op, the name of each extra input (``BasicOperation.extra_input_names``; ``None``
+        where unnamed).
+    slots : list[Slot]
+        One per extra input of a call, in call order.
+    """
+
+    def __init__(self, ops: Sequence[Any]) -> None:
+        self.op_types = [type(op).__name__ for op in ops]
+        self.counts = [int(getattr(op, "num_extra_inputs", 0) or 0) for op in ops]
+        self.names: list[list[str | None]] = []
+        for op, n in zip(ops, self.counts):
+            declared = list(op.extra_input_names()) if n else []
+            self.names.append((declared + [None] * n)[:n])
+        self.slots: list[Slot] = []
+        for i, names in enumerate(self.names):
+            for j, name in enumerate(names):
+                self.slots.append(Slot(len(self.slots), i, j, name))
+
+    @property
+    def total(self) -> int:
+        """How many extra inputs follow the main input."""
+        return sum(self.counts)
+
+    def label(self, position: int) -> str:
+        """A readable name for extra input ``position``: its name or ``extra input j``."""
+        slot = self.slots[position]
+        return slot.name or f"extra input {slot.slot}"
+
+    def split(self, extra_inputs: Sequence[Any], *, allow_missing: bool = False,
+              what: str = "extra_inputs") -> list[tuple[Any, ...]]:
+        """The call's extra inputs grouped per op.
+
+        With ``allow_missing`` an empty ``extra_inputs`` gives ``None`` for every input.
+
+        Raises
+        ------
+        ValueError
+            Not as many extra inputs as the ops take; the message names ``what``, the
+            expected count per op and the count given.
+        """
+        if len(extra_inputs) != self.total and not (allow_missing and not extra_inputs):
+            per_op = [f"{t}:{n}" for t, n in zip(self.op_types, self.counts) if n]
+            raise ValueError(
+                f"{what}: expected {self.total} extra inputs after the main input "
+                f"({', '.join(per_op) or 'none'}), got {len(extra_inputs)}"
+            )
+        groups: list[tuple[Any, ...]] = []
+        pos = 0
+        for n in self.counts:
+            groups.append(tuple(extra_inputs[pos:pos + n]) if extra_inputs else (None,) * n)
+            pos += n
+        return groups
+
+    def source_classes(self, extra_inputs: Sequence[Any] | None) -> tuple[int, ...]:
+        """For each extra input, the first one from the same source (:func:`same_source`);
+        without sample inputs every input is its own source."""
+        if not extra_inputs:
+            return tuple(range(self.total))
+        return source_classes(list(extra_inputs))
