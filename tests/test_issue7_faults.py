@@ -642,3 +642,39 @@ def test_fusions_are_one_ordered_list():
 
     names = [name for _, _, name, _ in FUSIONS]
     assert [f.name for f in registered_fusions() if f.name in names] == names
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_split_metadata_is_saved_once_per_op(monkeypatch, fusion):
+    """Each GroupedLinear context saves the caller's split-size tensor once (the input's
+    storage used to save it, and base_offsets, a second time)."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    from te_ops.op import OperationContext
+
+    per_ctx = []
+    real = OperationContext.save_for_backward
+
+    def spy(self, *tensors):
+        per_ctx.append(tensors)
+        real(self, *tensors)
+
+    monkeypatch.setattr(OperationContext, "save_for_backward", spy)
+    blk = _hook_block()
+    x = torch.randn(5, 4, requires_grad=True)
+    sizes, probs = torch.tensor([2, 3]), torch.rand(5)
+    y = blk(x, sizes, probs, sizes)
+    linear_ctxs = [t for t in per_ctx if any(v is sizes for v in t)]
+    assert len(linear_ctxs) == 2  # fc1 and fc2
+    for tensors in linear_ctxs:
+        ids = [id(v) for v in tensors if v is not None]
+        assert len(ids) == len(set(ids)), "a tensor saved twice by one op"
+    y.sum().backward()  # the storage gets its split metadata back from the splits
+    w = [ref.leaf(p) for p in blk[0].weights()]
+    b = [ref.leaf(p) for p in blk[0].biases()]
+    x64 = ref.leaf(x)
+    h = ref.grouped_linear(x64, w, b, [2, 3])
+    w2 = [ref.leaf(p) for p in blk[2].weights()]
+    b2 = [ref.leaf(p) for p in blk[2].biases()]
+    y_ref = ref.grouped_linear(ref.scaled_swiglu(h, probs.double()), w2, b2, [2, 3])
+    (g_ref,) = torch.autograd.grad(y_ref.sum(), x64)
+    ref.assert_close(x.grad, g_ref, torch.float32, "dx")

@@ -180,6 +180,9 @@ class GroupedLinearSaved:
         x_tensors: list[torch.Tensor | None] = []
         x_storage = None
         if self.x is not None:
+            # The splits own the split metadata: the storage's references to it are dropped
+            # here and put back by load(), so each op saves split sizes and offsets once.
+            self.x.split_sizes = self.x.base_offsets = None
             x_tensors, x_storage = self.x.prepare_for_saving()
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
                               *self.biases, self.probs)
@@ -213,6 +216,7 @@ class GroupedLinearSaved:
         x = meta["x_storage"]
         if x is not None:
             rest = x.restore_from_saved(rest)
+            x.split_sizes, x.base_offsets = splits.split_sizes, splits.base_offsets
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
