@@ -364,9 +364,9 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     """
     from .sequential import HOOKS_NOTE, Sequential, has_hooks
 
-    graph = build_graph(module)
     _, fusers = _layout(module)
-    plans = _plans(fusers, sample_inputs)
+    plans = _plans(fusers, sample_inputs)  # checks the sample inputs
+    graph = build_graph(module, *sample_inputs[1:])
     forward = [_covering(p, "forward_ops") for p in plans]
     backward = [_covering(p, "backward_ops") for p in plans]
 
@@ -433,7 +433,7 @@ def _q(text: Any) -> str:
     return f'"{escaped}"'
 
 
-def to_dot(module: Any, *extra_inputs: Any) -> str:
+def to_dot(module: Any, *sample_inputs: Any) -> str:
     """Graphviz DOT text of the op graph.
 
     Each fuser group is a dotted cluster; inside it every op of its forward plan that is fused
@@ -444,12 +444,14 @@ def to_dot(module: Any, *extra_inputs: Any) -> str:
     Parameters
     ----------
     module : te_ops.Sequential | OperationFuser | FusibleOperation
-    *extra_inputs :
-        Optional sample extra inputs, to show shared channels (see :func:`build_graph`).
+    *sample_inputs :
+        As :func:`explain`: optional ``(input_, *extra_inputs)`` of a call to plan for
+        (nothing runs; the last call's plan is kept); the extra inputs also let channels from
+        one source share a node (see :func:`build_graph`).
     """
-    graph = build_graph(module, *extra_inputs)
     _, fusers = _layout(module)
-    plans = _plans(fusers, ())
+    plans = _plans(fusers, sample_inputs)  # checks the sample inputs
+    graph = build_graph(module, *sample_inputs[1:])
     backward = [_covering(p, "backward_ops") for p in plans]
     ops = {d["index"]: n for n, d in graph.nodes(data=True) if d.get("kind") == "op"}
     by_position = {(d["fuser"], d["position"]): n for n, d in graph.nodes(data=True)

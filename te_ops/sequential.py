@@ -237,11 +237,9 @@ class Sequential(torch.nn.Module):
 
         return explain(self, *sample_inputs)
 
-    def to_dot(self, *extra_inputs: Any) -> str:
-        """Graphviz DOT text of the op graph (see :func:`te_ops.ir.to_dot`).
-
-        Sample extra inputs, when given, let channels fed by the same split sizes share a node.
-        """
+    def to_dot(self, *sample_inputs: Any) -> str:
+        """Graphviz DOT text of the op graph (see :func:`te_ops.ir.to_dot`); takes the same
+        arguments as :meth:`explain`: optionally ``(input_, *extra_inputs)`` of a call."""
         from .ir import to_dot
 
-        return to_dot(self, *extra_inputs)
+        return to_dot(self, *sample_inputs)

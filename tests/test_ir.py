@@ -304,8 +304,8 @@ def test_to_dot_text():
 
 
 def test_to_dot_shared_channel_and_fused_cluster(identity_bias_fusion):
-    _, splits, probs = _inputs()
-    dot = to_dot(_mlp(), splits, probs, splits)
+    x, splits, probs = _inputs()
+    dot = to_dot(_mlp(), x, splits, probs, splits)
     assert '"extra0:split_sizes" -> "op2" [style=dashed' in dot
     fused = to_dot(te_ops.Sequential(te_ops.Identity(), te_ops.Bias(4), torch.nn.ReLU()))
     assert 'label="_FusedBiasPair"' in fused

@@ -678,3 +678,18 @@ def test_split_metadata_is_saved_once_per_op(monkeypatch, fusion):
     y_ref = ref.grouped_linear(ref.scaled_swiglu(h, probs.double()), w2, b2, [2, 3])
     (g_ref,) = torch.autograd.grad(y_ref.sum(), x64)
     ref.assert_close(x.grad, g_ref, torch.float32, "dx")
+
+
+def test_explain_and_to_dot_take_the_same_arguments_and_keep_the_plan():
+    blk = _hook_block()
+    x, probs, sizes = torch.randn(5, 4), torch.rand(5), torch.tensor([2, 3])
+    blk(x, sizes, probs, sizes)
+    last = blk.fusers()[0]._plan
+    with pytest.warns(UserWarning, match="two different tensor objects"):
+        text = blk.explain(x, sizes, probs, sizes.clone())
+        dot = blk.to_dot(x, sizes, probs, sizes.clone())
+    assert "fc1 and fc2 split sizes are not the same source" in text
+    assert "cluster_fuser0_fwd0" not in dot  # planned unfused for that sample
+    assert blk.fusers()[0]._plan is last  # the cached plan of the last call is kept
+    assert "cluster_fuser0_fwd0" in blk.to_dot()  # the last call's plan: fused
+    assert "fewer than 3 ops" not in te_ops.Sequential(te_ops.GroupedLinear(1, 2, 2)).explain()
