@@ -95,8 +95,8 @@ class Sequential(torch.nn.Module):
 
     def __getitem__(self, idx: int | slice) -> Any:
         items = self._items()
-        if isinstance(idx, slice):
-            return Sequential(*items[idx])
+        if isinstance(idx, slice):  # keeps the names, as torch.nn.Sequential
+            return Sequential(OrderedDict(list(self._modules.items())[idx]))
         if not -len(items) <= idx < len(items):
             raise IndexError(f"idx must be in [{-len(items)}, {len(items)}), got {idx}")
         return items[idx]

@@ -465,6 +465,7 @@ def test_sequential_takes_an_ordered_dict_of_named_ops():
     x, probs, sizes = torch.randn(5, 4), torch.rand(5), torch.tensor([2, 3])
     torch.testing.assert_close(named(x, sizes, probs, sizes), plain(x, sizes, probs, sizes))
     assert "fc1" in named.explain() and "fc2" in named.explain()
+    assert list(dict(named[1:].named_children())) == ["act", "fc2"]  # slices keep names
     named.append(te_ops.Identity())
     assert list(dict(named.named_children())) == ["fc1", "act", "fc2", "3"]
 
