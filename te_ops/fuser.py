@@ -111,6 +111,23 @@ def registered_fusions() -> list[Fusion]:
     return list(_FUSIONS)
 
 
+def _mismatch(op: FusibleOperation, classes: tuple[type, ...]) -> tuple[str, str] | None:
+    """``None`` when a fusion written for ``classes`` may take ``op``; else (kind, text) with
+    kind ``"subclass"`` (a subclass that does not declare ``fuses_as``) or ``"other"``."""
+    names = " / ".join(c.__name__ for c in classes)
+    kind = type(op)
+    if op.is_fused_op:
+        return "other", f"{kind.__name__} (already fused), not {names}"
+    if kind in classes or kind.__dict__.get("fuses_as") in classes:
+        return None
+    base = next((c for c in classes if isinstance(op, c)), None)
+    if base is not None:
+        return "subclass", (f"{kind.__name__} is a subclass of {base.__name__} that does not "
+                            f"declare fuses_as = {base.__name__} (its math may differ from "
+                            "what the fusion computes)")
+    return "other", f"{kind.__name__}, not {names}"
+
+
 def fusible_as(op: FusibleOperation, classes: type | tuple[type, ...]) -> str | None:
     """Whether a fusion written for ``classes`` may take ``op``: ``None`` when it may, else why
     not (a string for ``info.note``).
@@ -120,19 +137,8 @@ def fusible_as(op: FusibleOperation, classes: type | tuple[type, ...]) -> str | 
     ``fuses_as = C`` for one of them (:attr:`te_ops.op.BasicOperation.fuses_as`). A fused op is
     never taken again.
     """
-    classes = classes if isinstance(classes, tuple) else (classes,)
-    names = " / ".join(c.__name__ for c in classes)
-    kind = type(op)
-    if op.is_fused_op:
-        return f"{kind.__name__} is already a fused op, not {names}"
-    if kind in classes or kind.__dict__.get("fuses_as") in classes:
-        return None
-    base = next((c for c in classes if isinstance(op, c)), None)
-    if base is not None:
-        return (f"{kind.__name__} is a subclass of {base.__name__} that does not declare "
-                f"fuses_as = {base.__name__} (its math may differ from what the fusion "
-                "computes)")
-    return f"{kind.__name__}, not {names}"
+    found = _mismatch(op, classes if isinstance(classes, tuple) else (classes,))
+    return None if found is None else found[1]
 
 
 def match_window(ops: Sequence[FusibleOperation], start: int,
@@ -153,25 +159,23 @@ def match_window(ops: Sequence[FusibleOperation], start: int,
     (window, None)
         The matched ops.
     (None, reason)
-        The first op matches but a later one does not (or is a subclass that does not
-        declare ``fuses_as``): ``reason`` says which and why, for ``info.note``.
+        The first op matches (or is a subclass that does not declare ``fuses_as``) but the
+        window does not: ``reason`` says which op and why, for ``info.note``.
     (None, None)
         Nothing worth a note: the first op is not of the pattern's first class, or the list
         ends before the pattern does.
     """
     window = list(ops[start:start + len(pattern)])
-    first_reason = fusible_as(window[0], pattern[0][1]) if window else "empty"
-    if first_reason is not None:
-        subclass = window and "subclass" in first_reason
-        return None, (f"{pattern[0][0]}: {first_reason}" if subclass else None)
-    if len(window) < len(pattern):
-        return None, None
-    for k in range(1, len(pattern)):
-        reason = fusible_as(window[k], pattern[k][1])
-        if reason is not None:
-            if reason.startswith(f"{type(window[k]).__name__}, not"):
-                return None, f"the op after {pattern[k - 1][0]} is {reason}"
-            return None, f"{pattern[k][0]}: {reason}"
+    for k, (role, classes) in enumerate(pattern):
+        if k >= len(window):
+            return None, None
+        found = _mismatch(window[k], classes if isinstance(classes, tuple) else (classes,))
+        if found is None:
+            continue
+        kind, text = found
+        if kind == "subclass":
+            return None, f"{role}: {text}"
+        return None, (f"the op after {pattern[k - 1][0]} is {text}" if k else None)
     return window, None
 
 
