@@ -236,16 +236,17 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
         sizes = split_sizes.to(torch.int64)  # floating sizes: cast on the device
-        whole = (True if not split_sizes.is_floating_point()
-                 else (split_sizes == sizes.to(split_sizes.dtype)).all())
         if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)
             _check_host(sizes.tolist(), num_rows, name)
         else:
             total = sizes.sum()
+            valid = (total <= num_rows) & (sizes >= 0).all()
+            if split_sizes.is_floating_point():  # whole numbers only
+                valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
             torch._assert_async(
-                (total <= num_rows) & (sizes >= 0).all() & whole,
+                valid,
                 f"{name} must be {'whole, ' if split_sizes.is_floating_point() else ''}"
                 f"non-negative and sum to at most the input's rows ({num_rows})",
             )
