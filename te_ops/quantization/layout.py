@@ -35,6 +35,8 @@ class ColumnLayout:
         (capacity,) int64: group of each aligned row (``G`` past the last group).
     offsets : torch.Tensor
         (G,) int32: cumulative group ends in the aligned layout (the GEMM's ``offs``).
+    starts : torch.Tensor
+        (G,) int64: first aligned row of each group.
     """
 
     capacity: int
@@ -42,6 +44,7 @@ class ColumnLayout:
     dest: torch.Tensor
     group_ids: torch.Tensor
     offsets: torch.Tensor
+    starts: torch.Tensor
 
 
 def column_layout(split_sizes: torch.Tensor, base_offsets: torch.Tensor, num_rows: int,
@@ -77,4 +80,4 @@ def column_layout(split_sizes: torch.Tensor, base_offsets: torch.Tensor, num_row
     row_gid = torch.where(rows < base_offsets[-1], row_gid, torch.full_like(rows, g))
     dest = torch.where(row_gid < g, rows - base_x[row_gid] + starts_x[row_gid],
                        torch.full_like(rows, capacity))
-    return ColumnLayout(capacity, src, dest, gid, ends.to(torch.int32))
+    return ColumnLayout(capacity, src, dest, gid, ends.to(torch.int32), starts)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..grouped_tensor import GroupedTensorStorage
-from . import numerics
+from . import fp8_triton, numerics
 from .layout import column_layout
 
 __all__ = [
@@ -126,6 +126,10 @@ class Quantizer:
     def dequantize_columns_uniform(self, data, scale_inv, dtype) -> torch.Tensor:
         return self.dequantize_rows(data, scale_inv, dtype)
 
+    def quantize_columns_uniform(self, x3d) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, N, K) -> data (G, K, N) quantized along N, and its scales."""
+        return self.quantize_rows(x3d.transpose(-2, -1).contiguous())
+
     def __call__(self, x: torch.Tensor, splits: Any = None) -> QuantizedTensorStorage:
         if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"x must be a float32 or bfloat16 tensor, got "
@@ -146,7 +150,7 @@ class Quantizer:
             num, tshape = 1, (x.numel() // max(shape[-1], 1) if shape else 1, shape[-1])
         if self.columnwise:
             if x.dim() == 3 and splits is None:
-                col = self.quantize_rows(x.transpose(-2, -1).contiguous())
+                col = self.quantize_columns_uniform(x)
             elif x.dim() == 2:
                 if splits is None:
                     from ..splits import make_splits
@@ -179,13 +183,33 @@ class Float8CurrentScalingQuantizer(Quantizer):
     align = 16
 
     def quantize_rows(self, x):
+        if fp8_triton.unsupported_reason(x) is None:  # same bytes, one kernel
+            return fp8_triton.fp8_rows(x)
         return numerics.fp8_quantize_rows(x)
+
+    def quantize_columns_uniform(self, x3d):
+        if fp8_triton.unsupported_reason(x3d) is not None:
+            return super().quantize_columns_uniform(x3d)
+        g, n, k = x3d.shape
+        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=x3d.device)
+        starts = torch.arange(g, device=x3d.device, dtype=torch.int64) * n
+        sinv = fp8_triton.fp8_columns_grouped(
+            x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n),
+            torch.zeros_like(starts), k * n, n)
+        return out, sinv
 
     def dequantize_rows(self, data, scale_inv, dtype):
         return numerics.fp8_dequantize_rows(data, scale_inv, dtype)
 
     def quantize_columns_split(self, x2d, layout, splits):
         g, k = splits.num_groups, x2d.shape[1]
+        if fp8_triton.unsupported_reason(x2d) is None:
+            out = torch.zeros(k, layout.capacity, dtype=torch.uint8, device=x2d.device)
+            out = out.view(torch.float8_e4m3fn)
+            sinv = fp8_triton.fp8_columns_grouped(
+                x2d, out, splits.base_offsets[:g], splits.split_sizes, layout.starts, 0,
+                layout.capacity)
+            return out, sinv
         absx = numerics.finite_abs(x2d)
         gid = splits.group_ids.unsqueeze(1).expand(-1, k)
         amax = absx.new_zeros(g + 1, k).scatter_reduce_(0, gid, absx, "amax")
