@@ -16,7 +16,8 @@ skewed routing):
 
 ``--recipe none,fp8,mxfp8`` runs every ``te_ops_*`` peer once per recipe: ``none`` in bf16 (the
 names above), ``fp8`` under ``te_ops.autocast(recipe=Float8CurrentScaling())`` (names get
-``+fp8``), ``mxfp8`` under ``MXFP8BlockScaling`` (``+mxfp8``); such records also hold
+``+fp8``; ``fp8fast``: with ``fast_accumulate_backward=True``), ``mxfp8`` under
+``MXFP8BlockScaling`` (``+mxfp8``); such records also hold
 ``ratio_vs_bf16``, the same peer's bf16 time over its time with the recipe.
 
 Each record (one JSON line, to stdout and appended to ``--out``) holds the median time of
@@ -78,6 +79,7 @@ PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_single_graph_noclone"]
 BASELINE = "torch_grouped_mm"
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
+           "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
            "mxfp8": te_ops.recipe.MXFP8BlockScaling()}
 
 

@@ -72,7 +72,7 @@ def test_triton_quantize_bytes_equal_torch(dtype):
     rdata, rsinv = numerics.fp8_quantize_rows(x)
     assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
     assert torch.equal(sinv, rsinv)
-    splits = make_splits(torch.tensor(SIZES, device=DEV), E, T, DEV)
+    splits = make_splits(torch.tensor(SIZES, device=x.device), E, T, x.device)
     layout = column_layout(splits.split_sizes, splits.base_offsets, T, 16)
     cdata, csinv = q.quantize_columns_split(x, layout, splits)
     cpu = q.quantize_columns_split(x.cpu(), column_layout(

@@ -6,7 +6,10 @@ quantize) and write the FP8 bytes once. They produce the same bytes as the PyTor
 by ``tests/test_quantization_cuda.py``): same power-of-two scale rule (computed here from the
 amax's exponent and mantissa bits: ``floor(log2(448 / amax))`` is ``126 - e + 8`` when the
 mantissa fraction is above 0.75, else ``126 - e + 9``, with ``e`` the biased exponent), the same
-saturation and NaN / Inf handling, and the hardware's round-to-nearest-even conversion.
+saturation and NaN / Inf handling, and the hardware's round-to-nearest-even conversion. Row-wise
+rows of up to 16384 elements are read once (kept in registers), longer ones twice; the
+column-wise kernel reads twice (amax over a group's rows first) and transposes each tile in
+registers so its stores are contiguous.
 
 * :func:`fp8_rows`: along the last dim of a contiguous (rows, K) tensor.
 * :func:`fp8_columns_grouped`: per group of rows, along the rows, written transposed: the
@@ -73,21 +76,30 @@ if triton is not None:
         return s.to(tl.float8e4nv)
 
     @triton.jit
-    def _fp8_rows_kernel(x_ptr, q_ptr, sinv_ptr, K, BLOCK_K: tl.constexpr):
+    def _fp8_rows_kernel(x_ptr, q_ptr, sinv_ptr, K, BLOCK_K: tl.constexpr,
+                         ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = row * K
-        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, _finite_abs(v))
-        scale, sinv = _pow2_scale(tl.max(acc, 0))
-        tl.store(sinv_ptr + row, sinv)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)
+        if ONE_PASS:  # the whole row fits in registers: read it once
+            offs = tl.arange(0, BLOCK_K)
             mask = offs < K
             v = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            scale, sinv = _pow2_scale(tl.max(_finite_abs(v), 0))
+            tl.store(sinv_ptr + row, sinv)
             tl.store(q_ptr + base + offs, _to_e4m3(v, scale), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                v = tl.load(x_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, _finite_abs(v))
+            scale, sinv = _pow2_scale(tl.max(acc, 0))
+            tl.store(sinv_ptr + row, sinv)
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                mask = offs < K
+                v = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(q_ptr + base + offs, _to_e4m3(v, scale), mask=mask)
 
     @triton.jit
     def _fp8_cols_kernel(x_ptr, q_ptr, sinv_ptr, starts_ptr, sizes_ptr, pstarts_ptr, K,
@@ -114,9 +126,11 @@ if triton is not None:
             mask = (rows < size)[:, None] & cmask[None, :]
             v = tl.load(x_ptr + (start + rows)[:, None] * K + cols[None, :], mask=mask,
                         other=0.0).to(tl.float32)
-            q = _to_e4m3(v, scale[None, :])
-            tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * OUT_COL_STRIDE
-                     + rows[:, None], q, mask=mask)
+            # Transpose in registers (through shared memory) so each column's bytes are
+            # written as one contiguous run: coalesced stores.
+            q = _to_e4m3(tl.trans(v), scale[:, None])  # (BLOCK_C, BLOCK_R)
+            tl.store(q_ptr + out_base + cols[:, None].to(tl.int64) * OUT_COL_STRIDE
+                     + rows[None, :], q, mask=cmask[:, None] & (rows < size)[None, :])
 
     @torch.library.triton_op("te_ops::fp8_quantize_rows", mutates_args={})
     def _fp8_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +138,11 @@ if triton is not None:
         rows = x.numel() // k
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         sinv = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        block = min(4096, triton.next_power_of_2(k))
-        torch.library.wrap_triton(_fp8_rows_kernel)[(rows,)](x, q, sinv, k, BLOCK_K=block,
-                                                              num_warps=8)
+        block = triton.next_power_of_2(k)
+        one_pass = block <= 16384
+        block = block if one_pass else 4096
+        torch.library.wrap_triton(_fp8_rows_kernel)[(rows,)](
+            x, q, sinv, k, BLOCK_K=block, ONE_PASS=one_pass, num_warps=8 if block <= 8192 else 16)
         return q, sinv
 
     @torch.library.triton_op("te_ops::fp8_quantize_columns_grouped", mutates_args={"out"})
@@ -139,7 +155,7 @@ if triton is not None:
         grid = (g, triton.cdiv(k, 64))
         torch.library.wrap_triton(_fp8_cols_kernel)[grid](
             x, out, sinv, starts, sizes, pstarts, k, out_g_stride, out_col_stride,
-            BLOCK_R=64, BLOCK_C=64, num_warps=4)
+            BLOCK_R=128, BLOCK_C=64, num_warps=8)
         return sinv
 
 

@@ -115,14 +115,15 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
         return torch._scaled_grouped_mm(
             b.columnwise_data, a.columnwise_data.t(), b.columnwise_scale_inv.reshape(-1),
             a.columnwise_scale_inv.reshape(-1), offs=layout.offsets, out_dtype=dtype,
-            use_fast_accum=False)
+            use_fast_accum=bool(getattr(a.quantizer, "fast_accumulate_backward", False)))
     # fprop reads W row-wise (G, N, K); dgrad its column-wise copy (G, K, N). Both go in as
-    # the column-major (G, K_red, N_out) view the kernel wants. Fast accumulation in fprop only
-    # (as TransformerEngine: backward GEMMs accumulate in full precision).
+    # the column-major (G, K_red, N_out) view the kernel wants. Fast accumulation in fprop; in
+    # backward only with Float8CurrentScaling(fast_accumulate_backward=True).
     fprop = kind == "fprop"
     data = b.rowwise_data if fprop else b.columnwise_data
     w_scale = b.rowwise_scale_inv if fprop else b.columnwise_scale_inv
-    w, n, fast = data.transpose(-2, -1), b.shape[1] if fprop else b.shape[2], fprop
+    fast = fprop or bool(getattr(a.quantizer, "fast_accumulate_backward", False))
+    w, n = data.transpose(-2, -1), b.shape[1] if fprop else b.shape[2]
     if a.shape[0] == 0:
         return torch.zeros(0, n, dtype=dtype, device=a.rowwise_data.device)
     out = torch._scaled_grouped_mm(a.rowwise_data, w, a.rowwise_scale_inv, w_scale,

@@ -181,6 +181,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     format = "fp8"
     align = 16
+    fast_accumulate_backward = False  # set by Float8CurrentScaling
 
     def quantize_rows(self, x):
         if fp8_triton.unsupported_reason(x) is None:  # same bytes, one kernel

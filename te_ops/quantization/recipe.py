@@ -40,10 +40,22 @@ class Recipe:
 class Float8CurrentScaling(Recipe):
     """FP8 (E4M3) operands with scales from the current tensor's amax, one per row of the
     reduction axis (power-of-two fp32 scales). Forward, dgrad and wgrad each quantize along the
-    dim their GEMM reduces (docs/recipes.md)."""
+    dim their GEMM reduces (docs/recipes.md).
+
+    Parameters
+    ----------
+    fast_accumulate_backward : bool
+        Let the native dgrad and wgrad FP8 GEMMs use Hopper's fast (reduced-precision)
+        accumulation, as the forward does. Default False (as TransformerEngine: backward GEMMs
+        accumulate in full precision); True is faster (docs/recipes.md has the numbers).
+    """
+
+    fast_accumulate_backward: bool = False
 
     def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
-        return Float8CurrentScalingQuantizer(rowwise=rowwise, columnwise=columnwise)
+        q = Float8CurrentScalingQuantizer(rowwise=rowwise, columnwise=columnwise)
+        q.fast_accumulate_backward = self.fast_accumulate_backward
+        return q
 
 
 @dataclass(frozen=True)
