@@ -131,9 +131,10 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
     return _zero_padding(out, splits)
 
 
-#: Below this many tokens per expert the FP8 quantize passes cost more than the FP8 GEMM saves
-#: (measured on an H200, docs/recipes.md).
-SMALL_GEMM_DIM = 1024
+#: GEMMs whose smaller feature dim is below this were slower in FP8 than in bf16 on an H200
+#: (quantize passes and per-call host work outweigh the faster GEMM; docs/recipes.md): E8 H4096
+#: FF14336 ran 1.06-1.14x faster, E32 H7168 FF2048 0.84-0.89x, E128 H2048 FF768 0.43x.
+SMALL_GEMM_DIM = 4096
 
 
 def quantized_gemm_note(recipe: Any, device: torch.device | None, dtype: torch.dtype | None,
@@ -149,6 +150,7 @@ def quantized_gemm_note(recipe: Any, device: torch.device | None, dtype: torch.d
         return f"recipe {name}: emulated ({reason})"
     note = f"recipe {name}: FP8 GEMMs via torch._scaled_grouped_mm"
     if min(in_features, out_features) < SMALL_GEMM_DIM:
-        note += (f"; small GEMMs (min(in, out) = {min(in_features, out_features)} < "
-                 f"{SMALL_GEMM_DIM}): FP8 may be slower than bf16 (quantize passes dominate)")
+        note += (f"; small GEMM (min(in, out) = {min(in_features, out_features)} < "
+                 f"{SMALL_GEMM_DIM}): FP8 measured slower than bf16 on H200 (quantize passes "
+                 "and host work outweigh the faster GEMM; docs/recipes.md)")
     return note
