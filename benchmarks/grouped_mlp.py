@@ -14,6 +14,12 @@ skewed routing):
 ``te_ops_fused_graph``
     the fused block captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
 
+``--recipe none,fp8,mxfp8`` runs every ``te_ops_*`` peer once per recipe: ``none`` in bf16 (the
+names above), ``fp8`` under ``te_ops.autocast(recipe=Float8CurrentScaling())`` (names get
+``+fp8``; ``fp8fast``: with ``fast_accumulate_backward=True``), ``mxfp8`` under
+``MXFP8BlockScaling`` (``+mxfp8``); such records also hold
+``ratio_vs_bf16``, the same peer's bf16 time over its time with the recipe.
+
 Each record (one JSON line, to stdout and appended to ``--out``) holds the median time of
 ``--iters`` timed forward+backward steps after ``--warmup`` (CUDA events around each step;
 gradients are set to ``None`` before each step, untimed), TFLOP/s counted the same way for
@@ -72,6 +78,9 @@ PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
          "te_ops_fused_single_graph_noclone"]
 BASELINE = "torch_grouped_mm"
+RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
+           "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling()}
 
 
 # ------------------------------------------------------------------------------ the problem
@@ -144,9 +153,14 @@ class Peer:
 
     name = ""
     env: dict[str, str | None] = {}
+    recipe = None  # a te_ops recipe (te_ops peers only)
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
+
+    def autocast(self):
+        """The recipe's ``te_ops.autocast`` context (disabled without a recipe)."""
+        return te_ops.autocast(enabled=self.recipe is not None, recipe=self.recipe)
 
     def parameters(self) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -220,7 +234,8 @@ class TeOps(Peer):
 
     def forward(self, x, probs):
         split = self.problem.split
-        return self.block(x, split, probs, split)
+        with self.autocast():
+            return self.block(x, split, probs, split)
 
 
 class TeOpsUnfused(TeOps):
@@ -238,7 +253,7 @@ class TeOpsFusedGraph(TeOps):
         from te_ops.graphs import make_graphed_callable
 
         p = problem
-        with env_override(**self.env):
+        with env_override(**self.env), self.autocast():
             self.graphed = make_graphed_callable(self.block, (p.x, p.split, p.probs, p.split),
                                                  clone_param_grads=self.clone_param_grads)
 
@@ -280,9 +295,13 @@ def skip_reason(peer: str, problem: Problem) -> str | None:
 
 # ------------------------------------------------------------------------------ measuring
 def measure(peer_name: str, problem: Problem, args: argparse.Namespace,
-            reference: dict[str, torch.Tensor]) -> dict:
+            reference: dict[str, torch.Tensor], recipe: str = "none") -> dict:
     """Build one peer, time it, measure its memory, compare its output; free it."""
-    peer = PEER_CLASSES[peer_name](problem)
+    cls = PEER_CLASSES[peer_name]
+    if recipe != "none":
+        cls = type(cls.__name__ + "_" + recipe, (cls,),
+                   {"recipe": RECIPES[recipe], "name": f"{peer_name}+{recipe}"})
+    peer = cls(problem)
     try:
         return _measure_peer(peer, problem, args, reference)
     finally:
@@ -329,6 +348,11 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
         record["ref_max_abs"] = ref.float().abs().max().item()
     if "ms" in reference:
         record["ratio_vs_grouped_mm"] = reference["ms"] / stats["ms_median"]
+    base_name = peer.name.split("+")[0]
+    if peer.recipe is None:
+        reference[f"ms:{base_name}"] = stats["ms_median"]
+    elif f"ms:{base_name}" in reference:
+        record["ratio_vs_bf16"] = reference[f"ms:{base_name}"] / stats["ms_median"]
     return record
 
 
@@ -349,15 +373,18 @@ def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
     }
     reference: dict[str, torch.Tensor] = {}
     order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
-    for peer in order:
-        record = {**base, "peer": peer}
+    runs = [(peer, r) for peer in order for r in args.recipe.split(",")
+            if r == "none" or peer.startswith("te_ops")]
+    for peer, recipe in runs:
+        label = peer if recipe == "none" else f"{peer}+{recipe}"
+        record = {**base, "peer": label, "recipe": recipe}
         reason = skip_reason(peer, problem)
         if reason is not None:
             record["skipped"] = reason
-            print(f"# skip {peer} on {name}: {reason}", file=sys.stderr, flush=True)
+            print(f"# skip {label} on {name}: {reason}", file=sys.stderr, flush=True)
         else:
             try:
-                record.update(measure(peer, problem, args, reference))
+                record.update(measure(peer, problem, args, reference, recipe))
             except Exception as exc:  # one peer failing must not stop the others
                 record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 traceback.print_exc(file=sys.stderr)
@@ -383,19 +410,20 @@ def summarize(path: str) -> str:
                 rec = json.loads(line)
                 if rec.get("bench") == "grouped_mlp":
                     rows.append(rec)
-    header = (f"{'shape':<26} {'peer':<20} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9} "
-              f"{'x grouped_mm':>12} {'max|diff|':>10}")
+    header = (f"{'shape':<26} {'peer':<26} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9} "
+              f"{'x grouped_mm':>12} {'x bf16':>7} {'max|diff|':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
         if "skipped" in r or "error" in r:
             note = r.get("skipped") or r.get("error")
-            lines.append(f"{r['shape']:<26} {r['peer']:<20} {note[:60]}")
+            lines.append(f"{r['shape']:<26} {r['peer']:<26} {note[:60]}")
             continue
 
         lines.append(
-            f"{r['shape']:<26} {r['peer']:<20} {_fmt(r, 'ms_median', '9.3f'):>9} "
+            f"{r['shape']:<26} {r['peer']:<26} {_fmt(r, 'ms_median', '9.3f'):>9} "
             f"{_fmt(r, 'tflops', '8.1f'):>8} {_fmt(r, 'peak_mib', '9.0f'):>9} "
             f"{_fmt(r, 'ratio_vs_grouped_mm', '12.2f'):>12} "
+            f"{_fmt(r, 'ratio_vs_bf16', '7.2f'):>7} "
             f"{_fmt(r, 'max_abs_diff', '10.3g'):>10}"
         )
     return "\n".join(lines)
@@ -414,10 +442,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recipe", default="none",
+                        help="comma-separated recipes for the te_ops peers: "
+                             + ", ".join(RECIPES))
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     parser.add_argument("--summarize", metavar="FILE", default=None,
                         help="print a table of a JSON-lines file and exit")
     args = parser.parse_args(argv)
+    bad = [r for r in args.recipe.split(",") if r not in RECIPES]
+    if bad:
+        parser.error(f"--recipe must be a comma-separated subset of {list(RECIPES)}, got {bad}")
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
     return args

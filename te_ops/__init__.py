@@ -1,6 +1,6 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import env, fused, graphs, ir  # importing fused registers the fusions
+from . import env, fused, graphs, ir, quantization, recipe  # importing fused registers the fusions
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .fuser import (
     OperationFuser,
@@ -10,6 +10,7 @@ from .fuser import (
 )
 from .grouped_tensor import GroupedTensor, GroupedTensorStorage
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .quantization import autocast
 from .sequential import Sequential
 
 __all__ = [
@@ -26,10 +27,13 @@ __all__ = [
     "ScaledSwiGLU",
     "Sequential",
     "SwiGLU",
+    "autocast",
     "env",
     "fused",
     "graphs",
     "ir",
+    "quantization",
+    "recipe",
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",

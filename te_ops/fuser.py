@@ -32,6 +32,7 @@ import torch
 
 from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
+from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
 from .splits import host_read_scope
 
@@ -200,6 +201,7 @@ class PlanInfo:
     extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown).
     requires_grad : per basic op, whether it takes part in backward.
     notes : (fusion name, reason) pairs recorded by fusions that did not apply.
+    recipe : the low-precision recipe of the call (``None``: the parameters' precision).
     """
 
     dtype: torch.dtype | None
@@ -209,6 +211,7 @@ class PlanInfo:
     requires_grad: list[bool]
     notes: list[tuple[str, str]] = field(default_factory=list)
     _current: str = ""
+    recipe: Any = None
 
     def index(self, op: BasicOperation) -> int:
         """Position of a basic op in the fuser."""
@@ -300,7 +303,7 @@ class OperationFuser:
         plan of the last call (``explain()``'s default)."""
         flat_extra = [v for group in extra_inputs for v in group]
         key = (
-            type(recipe),
+            recipe,  # a frozen dataclass: its type and settings
             tuple(requires_grad),
             env.snapshot(),
             None if input_ is None else (input_.dtype, input_.device.type),
@@ -327,6 +330,7 @@ class OperationFuser:
             basic_ops=self.basic_ops,
             extra_inputs=extra_inputs,
             requires_grad=requires_grad,
+            recipe=recipe,
         )
         enabled = env.read_bool("TE_OPS_FUSION")
         joint = _run_pass("joint", list(self.basic_ops), recipe, info, enabled)
@@ -365,6 +369,7 @@ class OperationFuser:
             return self._plan
         groups = self._split_extra_inputs(extra_inputs, allow_missing=True)
         requires_grad = [True] * len(self.basic_ops)
+        recipe = current_recipe() if recipe is None else recipe
         return self._plan_for(input_, groups, requires_grad, recipe, remember=False)
 
     def _split_extra_inputs(self, extra_inputs: Sequence[Any],
@@ -386,6 +391,7 @@ class OperationFuser:
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         _check_autocast(input_)
         groups = self._split_extra_inputs(extra_inputs)
+        recipe = current_recipe() if recipe is None else recipe  # te_ops.autocast
         params = self._params()
         flat_params = [p for ps in params for p in ps]
         flat_extra = [v for g in groups for v in g]

@@ -25,6 +25,8 @@ from ..kernels.grouped_gemm import (
     stack_weights,
 )
 from ..op import BasicOperation, OperationContext
+from ..quantization import quantize_operand
+from ..quantization.gemm import quantized_gemm_note
 from ..splits import GroupedSplits, make_splits
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
@@ -162,6 +164,9 @@ class GroupedLinearSaved:
     probs_requires_grad : bool
         Whether the caller's ``probs`` requires grad (recorded from the caller's tensor, since
         ``probs`` here is a reshape made with grad mode off).
+    recipe : te_ops.recipe.Recipe | None
+        The low-precision recipe the forward ran with; ``x`` is then its column-wise quantized
+        copy (``QuantizedTensorStorage``) and backward quantizes ``dy`` and the weights with it.
     """
 
     splits: GroupedSplits
@@ -174,6 +179,7 @@ class GroupedLinearSaved:
     recompute_x: Callable[[], torch.Tensor] | None = None
     single: bool = False
     probs_requires_grad: bool = False
+    recipe: Any = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -200,6 +206,7 @@ class GroupedLinearSaved:
             "in_shape": self.in_shape,
             "single": self.single,
             "probs_requires_grad": self.probs_requires_grad,
+            "recipe": self.recipe,
         }
 
     @classmethod
@@ -220,7 +227,8 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
-                   meta["recompute_x"], meta["single"], meta["probs_requires_grad"])
+                   meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
+                   meta["recipe"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -229,6 +237,14 @@ class GroupedLinearSaved:
         if self.recompute_x is None:
             raise RuntimeError("GroupedLinear context holds no input and no way to recompute it")
         return self.recompute_x().reshape(-1, self.in_shape[-1])
+
+    def wgrad_input(self) -> Any:
+        """The wgrad GEMM's input operand: the saved (quantized) storage under a recipe, or the
+        recomputed input quantized column-wise, or the plain (rows, in_features) input."""
+        if self.recipe is not None and self.x is not None:
+            return self.x
+        return quantize_operand(self.recipe, "input", self.input_2d(), self.splits,
+                                columnwise=True)
 
 
 class GroupedLinear(BasicOperation):
@@ -437,7 +453,12 @@ class GroupedLinear(BasicOperation):
                                     self.out_features, device_sizes)
         except RuntimeError as exc:
             return [f"grouped GEMM backend: error: {exc}"]
-        return [f"grouped GEMM backend: {_backend_text(choice)}"]
+        notes = [f"grouped GEMM backend: {_backend_text(choice)}"]
+        recipe = getattr(info, "recipe", None)
+        if recipe is not None:
+            notes.append(quantized_gemm_note(recipe, info.device, info.dtype, self.in_features,
+                                             self.out_features, choice.name))
+        return notes
 
     # ------------------------------------------------------------------ checks
     def check_input(self, input_: torch.Tensor) -> None:
@@ -474,11 +495,14 @@ class GroupedLinear(BasicOperation):
 
     # ------------------------------------------------------------------ math
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
-                     probs: torch.Tensor | None) -> torch.Tensor:
-        """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero)."""
+                     probs: torch.Tensor | None, recipe: Any = None) -> torch.Tensor:
+        """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero).
+        With a ``recipe`` the GEMM reads its row-wise quantized x and weights."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
-        y = grouped_fprop(x2d, stacked(weights, single), splits, backend)
+        x_in = quantize_operand(recipe, "input", x2d, rowwise=True)
+        w_in = quantize_operand(recipe, "weight", stacked(weights, single), rowwise=True)
+        y = grouped_fprop(x_in, w_in, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single), splits,
                                probs if self.scale_bias else None)
@@ -486,21 +510,25 @@ class GroupedLinear(BasicOperation):
 
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
-                   recompute_x: Callable[[], torch.Tensor] | None = None) -> GroupedLinearSaved:
-        """Build this op's saved layout (input kept only where wgrad needs it)."""
+                   recompute_x: Callable[[], torch.Tensor] | None = None,
+                   recipe: Any = None) -> GroupedLinearSaved:
+        """Build this op's saved layout (input kept only where wgrad needs it; under a
+        ``recipe`` as its column-wise quantized copy, data + scale_inv)."""
         need_x = any(w.requires_grad for w in self.weights())
         storage = None
         if need_x and recompute_x is None and x2d is not None:
             storage = GroupedTensorStorage(
                 self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
                 split_sizes=splits.split_sizes, base_offsets=splits.base_offsets,
-            )
+            ) if recipe is None else quantize_operand(recipe, "input", x2d, splits,
+                                                      columnwise=True)
         return GroupedLinearSaved(
             splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
             single=self.single_grouped_weight,
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
+            recipe=recipe,
         )
 
     @staticmethod
@@ -515,7 +543,9 @@ class GroupedLinear(BasicOperation):
     def dgrad_math(saved: GroupedLinearSaved, dy2d: torch.Tensor) -> torch.Tensor:
         """(rows, out) -> (rows, in): the input gradient; padding rows are zero."""
         weights = stacked(saved.weights, saved.single)
-        return grouped_dgrad(dy2d, weights, saved.splits, saved.backend)
+        dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, rowwise=True)
+        w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True)
+        return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod
     def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor,
@@ -524,7 +554,8 @@ class GroupedLinear(BasicOperation):
         splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
         if any(w.requires_grad for w in weights):
-            wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, saved.backend)
+            dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, splits, columnwise=True)
+            wgrad = grouped_wgrad(saved.wgrad_input(), dy_in, splits, saved.backend)
             grads = _only_trainable(per_param(wgrad, saved.single), weights)
         bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
         grad_probs = None
@@ -553,9 +584,10 @@ class GroupedLinear(BasicOperation):
                                 lead_shape=tuple(input_.shape[:-1]))
         backend = self.select_backend(input_, splits)
         x2d = input_.reshape(-1, self.in_features).contiguous()
-        y = self.forward_math(x2d, splits, backend, probs)
+        y = self.forward_math(x2d, splits, backend, probs, recipe)
         if ctx.requires_grad:
-            self.make_saved(ctx, x2d, splits, backend, probs, input_.shape).save(ctx)
+            self.make_saved(ctx, x2d, splits, backend, probs, input_.shape,
+                            recipe=recipe).save(ctx)
         return y.view(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):

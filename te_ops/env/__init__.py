@@ -74,6 +74,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "tensor and the backend allows.",
         ),
         EnvVar(
+            "TE_OPS_QUANTIZED_GEMM",
+            "auto",
+            ("auto", "native", "emulate"),
+            "GEMMs under a low-precision recipe: auto runs torch._scaled_grouped_mm where it "
+            "applies (FP8 current scaling, bf16, SM90/SM100), else emulates (dequantize the same "
+            "FP8 bytes, GEMM in high precision); native where it cannot run raises with the "
+            "reason.",
+        ),
+        EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",
             "0",
             _BOOL,

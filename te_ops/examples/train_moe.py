@@ -200,6 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "whole validation split)")
     p.add_argument("--out-dir", default="runs/train_moe",
                    help="where metrics.json and loss.png go")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="none",
+                   help="low-precision recipe of the expert GEMMs (te_ops.autocast): fp8 = "
+                        "Float8CurrentScaling, mxfp8 = MXFP8BlockScaling (docs/recipes.md)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture each layer's expert block (forward and backward) in CUDA "
                         "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
@@ -213,6 +216,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     return args
+
+
+RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling,
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling}
+
+
+def recipe_context(args: argparse.Namespace):
+    """``te_ops.autocast`` with ``--recipe`` (disabled for ``none``)."""
+    cls = RECIPES[args.recipe]
+    return te_ops.autocast(enabled=cls is not None, recipe=cls() if cls else None)
 
 
 def capture_expert_graphs(model: MoELanguageModel, args: argparse.Namespace,
@@ -232,10 +245,19 @@ def capture_expert_graphs(model: MoELanguageModel, args: argparse.Namespace,
         x = torch.randn(rows, args.d_model, device=device, dtype=dtype, requires_grad=True)
         probs = torch.rand(rows, device=device, dtype=dtype, requires_grad=True)
         try:
-            block.moe.graphed = make_graphed_callable(block.moe.experts,
-                                                      (x, split_sizes, probs, split_sizes))
+            with recipe_context(args):
+                block.moe.graphed = make_graphed_callable(block.moe.experts,
+                                                          (x, split_sizes, probs,
+                                                           split_sizes))
         except (ValueError, RuntimeError) as exc:  # not graph-safe here: say why and stop
             raise SystemExit(f"--cuda-graph: {exc}") from exc
+
+
+def eval_with_recipe(model: MoELanguageModel, batches, device: torch.device,
+                     args: argparse.Namespace) -> float:
+    """:func:`evaluate` under ``--recipe``."""
+    with recipe_context(args):
+        return evaluate(model, batches, device)
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
@@ -345,9 +367,10 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
                     for _ in range(args.eval_batches)]
     evals, train_time = train_loop(model, train, eval_batches, args, device, start)
 
-    final_val = evaluate(model, whole_split_batches(val, args.seq_len), device)
-    explain_text, fusions = fusion_summary(model.blocks[0].moe.experts, args.d_model, device,
-                                           dtype)
+    with recipe_context(args):
+        final_val = evaluate(model, whole_split_batches(val, args.seq_len), device)
+        explain_text, fusions = fusion_summary(model.blocks[0].moe.experts, args.d_model,
+                                               device, dtype)
     wall = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "config": dict(vars(args)),
@@ -409,7 +432,8 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
         x, y = (t.to(device) for t in sample_batch(train, args.batch_size, args.seq_len, gen))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
-        logits, aux = model(x)
+        with recipe_context(args):
+            logits, aux = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         (loss + args.aux_coef * aux).backward()
@@ -424,7 +448,7 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
             record = {
                 "step": step + 1,
                 "train_loss": train_loss,
-                "val_loss": evaluate(model, eval_batches, device),
+                "val_loss": eval_with_recipe(model, eval_batches, device, args),
                 "tokens_per_s": running_steps * x.numel() / interval_time,
                 "elapsed_s": time.perf_counter() - start,
             }

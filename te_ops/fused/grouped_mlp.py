@@ -149,17 +149,18 @@ class ForwardGroupedMLP(FusedOperation):
 
         x2d = input_.reshape(-1, fc1.in_features).contiguous()
         backend1 = fc1.select_backend(x2d, splits)
-        h = fc1.forward_math(x2d, splits, backend1, probs1).view(*lead, fc1.out_features)
+        h = fc1.forward_math(x2d, splits, backend1, probs1, recipe).view(*lead, fc1.out_features)
         act.check_input(h)
         if probs_act is not None:
             probs_act = probs_act.view(lead)
         backend_act = act.select_backend(h)
         a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
         backend2 = fc2.select_backend(a, splits)
-        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2)
+        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2, recipe)
 
         if ctx1.requires_grad:
-            fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape).save(ctx1)
+            fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
+                           recipe=recipe).save(ctx1)
         if ctx_act.requires_grad:
             SwiGLUSaved(h, probs_act, backend_act).save(ctx_act)
         if ctx2.requires_grad:
@@ -169,7 +170,7 @@ class ForwardGroupedMLP(FusedOperation):
                     return act.recompute_output(SwiGLUSaved.load(ctx_act))
             a2d = None if recompute else a.reshape(-1, fc2.in_features)
             fc2.make_saved(ctx2, a2d, splits, backend2, probs2, a.shape,
-                           recompute_x=recompute).save(ctx2)
+                           recompute_x=recompute, recipe=recipe).save(ctx2)
         return y.view(*lead, fc2.out_features), [(), (), ()]
 
 

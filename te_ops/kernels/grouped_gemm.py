@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
+from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 
 __all__ = [
@@ -202,7 +203,11 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """``y_g = x_g @ W_g^T`` for every group.
 
     Shapes: x (M, K), weights (G, N, K) → y (M, N), same dtype as x; padding rows are zero.
+    Quantized operands (a recipe's ``QuantizedTensorStorage``) go to the scaled GEMMs of
+    ``te_ops.quantization.gemm`` (same for dgrad and wgrad).
     """
+    if is_quantized(x):
+        return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
@@ -223,6 +228,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
 
     Shapes: dy (M, N), weights (G, N, K) → dx (M, K); padding rows are zero.
     """
+    if is_quantized(dy):
+        return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
     if backend.name == "grouped_mm":
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
@@ -243,6 +250,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
 
     Shapes: x (M, K), dy (M, N) → dW (G, N, K), dtype of x. Padding rows do not contribute.
     """
+    if is_quantized(x):
+        return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])

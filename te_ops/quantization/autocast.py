@@ -1,0 +1,59 @@
+"""``te_ops.autocast``: the context manager that turns a recipe on for the ops run inside it."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .recipe import Float8CurrentScaling, Recipe
+
+__all__ = ["autocast", "current_recipe", "quantize_operand"]
+
+_RECIPE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("te_ops_recipe",
+                                                                        default=None)
+
+
+@contextmanager
+def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[None]:
+    """Run te_ops blocks with a low-precision recipe (as TransformerEngine's ``autocast``).
+
+    The fuser reads the recipe when it plans a call (it is part of the plan key); the backward
+    uses the recipe the forward ran with, wherever ``backward()`` is called.
+
+    Parameters
+    ----------
+    enabled : bool
+        False runs in the parameters' precision (and switches off an enclosing autocast).
+    recipe : Recipe, optional
+        Default :class:`~te_ops.recipe.Float8CurrentScaling`.
+
+    Raises
+    ------
+    TypeError
+        ``recipe`` is not a :class:`~te_ops.recipe.Recipe`.
+    """
+    if recipe is None:
+        recipe = Float8CurrentScaling()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a te_ops.recipe.Recipe, got {type(recipe).__name__}")
+    token = _RECIPE.set(recipe if enabled else None)
+    try:
+        yield
+    finally:
+        _RECIPE.reset(token)
+
+
+def current_recipe() -> Recipe | None:
+    """The recipe of the innermost enabled :func:`autocast`, else ``None``."""
+    return _RECIPE.get()
+
+
+def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any = None, *,
+                     rowwise: bool = False, columnwise: bool = False) -> Any:
+    """``tensor`` quantized by ``recipe``'s quantizer for ``role`` (``tensor`` itself without a
+    recipe). The ops call this and never look at the recipe's format."""
+    if recipe is None:
+        return tensor
+    return recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)(tensor, splits)

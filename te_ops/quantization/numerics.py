@@ -1,0 +1,134 @@
+"""Quantize / dequantize kernels of the low-precision recipes (PyTorch ops, on the device).
+
+Element format: OCP 8-bit floating point E4M3 (``torch.float8_e4m3fn``): max normal 448, no
+infinities, NaN = ``0x7F`` / ``0xFF``. Conversions round to nearest, ties to even (RNE), after the
+scaled value is clamped to ±448 (saturation); NaN stays NaN and ±Inf becomes NaN (E4M3 has no
+infinity, and saturating an overflow to a finite value would hide it).
+
+Two scalings
+------------
+FP8 current scaling (:func:`fp8_quantize_rows`)
+    one fp32 scale per row of the last dim, computed from the current tensor:
+    ``scale = 2 ** floor(log2(448 / amax))`` (a power of two, as torchao's FP8 rowwise MoE
+    training rounds its scales; dequantization ``q * scale_inv`` is then exact in bf16 and fp32),
+    the exponent clamped to [-126, 127] (fp32's normal powers of two).
+    ``amax`` is the largest *finite* magnitude of the row (NaN / ±Inf are left out, so they do not
+    wipe out the scale of the finite values); an all-zero row gets scale 1.
+MXFP8 (:func:`mx_quantize_rows`)
+    OCP Microscaling Formats (MX) v1.0, section 6.3: blocks of 32 consecutive elements along the
+    last dim share one E8M0 scale ``X = 2 ** (floor(log2(amax)) - 8)`` (8 = the exponent of E4M3's
+    largest normal), stored as the biased exponent byte ``e + 127`` clamped to [0, 254];
+    elements are ``RNE(clamp(v / X, ±448))``. A block holding NaN or ±Inf gets the E8M0 NaN byte
+    ``0xFF`` and NaN elements; an all-zero block gets the smallest scale (byte 0) and zeros. A last
+    partial block (last dim not a multiple of 32) is a block of its own.
+
+Everything runs as device tensor ops: no host reads, so quantizing is graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E4M3_MAX",
+    "MX_BLOCK",
+    "fp8_quantize_rows",
+    "fp8_dequantize_rows",
+    "mx_quantize_rows",
+    "mx_dequantize_rows",
+    "e8m0_to_float",
+]
+
+E4M3_MAX = 448.0
+#: log2 of E4M3's largest power of two (emax of the element format, OCP MX v1.0 table 2).
+E4M3_EMAX = 8
+MX_BLOCK = 32
+FP8 = torch.float8_e4m3fn
+
+
+def to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E4M3 with saturation; NaN and ±Inf -> NaN."""
+    finite = torch.isfinite(v)
+    v = torch.where(finite, v.clamp(-E4M3_MAX, E4M3_MAX), torch.full_like(v, float("nan")))
+    return v.to(FP8)
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    a = x.float().abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+
+
+def pow2_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2 ** floor(log2(448 / amax))``; 1 where ``amax`` is 0."""
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax)).double()  # no fp32 overflow
+    _, exp = torch.frexp(E4M3_MAX / safe)  # 448/amax = m * 2**exp, m in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(amax), (exp - 1).clamp(-126, 127))
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling along the last dim.
+
+    Shapes: x (..., K) any float dtype -> data (..., K) float8_e4m3fn, scale_inv (...,) fp32
+    (``x ≈ data * scale_inv[..., None]``).
+    """
+    amax = finite_abs(x).amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1]).float()
+    scale = pow2_scale_from_amax(amax)
+    data = to_e4m3(x.float() * scale.unsqueeze(-1))
+    return data, scale.reciprocal()
+
+
+def fp8_dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv[..., None]`` in ``dtype`` (exact for power-of-two scales)."""
+    return (data.float() * scale_inv.unsqueeze(-1)).to(dtype)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2 ** (byte - 127)``; byte 255 -> NaN."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    val = torch.ldexp(torch.ones(b.shape, dtype=torch.float32, device=b.device), b - 127)
+    return torch.where(b == 255, torch.full_like(val, float("nan")), val)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """(..., K) -> (..., ceil(K/32), 32) fp32, zero-filled past K."""
+    k = x.shape[-1]
+    nb = -(-k // MX_BLOCK)
+    pad = nb * MX_BLOCK - k
+    xf = x.float()
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    return xf.reshape(*x.shape[:-1], nb, MX_BLOCK)
+
+
+def mx_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (E4M3 elements, E8M0 scales) along the last dim, blocks of 32.
+
+    Shapes: x (..., K) -> data (..., K) float8_e4m3fn, scale (..., ceil(K / 32)) uint8 (E8M0
+    biased exponents; view as ``torch.float8_e8m0fnu`` where torch has it). Rule: OCP MX v1.0
+    section 6.3 (see the module docstring).
+    """
+    k = x.shape[-1]
+    blocks = _blocks(x)
+    bad = ~torch.isfinite(blocks).all(-1)
+    amax = blocks.abs().amax(-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1])
+    amax = torch.where(bad, torch.zeros_like(amax), amax)
+    _, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2(amax)) = e - 1
+    shared = torch.where(amax > 0, e - 1 - E4M3_EMAX, torch.full_like(e, -127)).clamp(-127, 127)
+    # v / X as two power-of-two multiplies (each factor a normal fp32 power of two): exact for
+    # every value that does not round to zero in E4M3.
+    half = torch.div(-shared, 2, rounding_mode="floor")
+    scaled = torch.ldexp(torch.ldexp(blocks, half.unsqueeze(-1)), (-shared - half).unsqueeze(-1))
+    scaled = torch.where(bad.unsqueeze(-1), torch.full_like(scaled, float("nan")), scaled)
+    data = to_e4m3(scaled.reshape(*x.shape[:-1], blocks.shape[-2] * MX_BLOCK)[..., :k])
+    byte = torch.where(bad, torch.full_like(shared, 255), shared + 127).to(torch.uint8)
+    return data, byte
+
+
+def mx_dequantize_rows(data: torch.Tensor, scale: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * 2 ** (scale - 127)`` per block of 32 along the last dim, in ``dtype``."""
+    k = data.shape[-1]
+    s = e8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)[..., :k]
+    return (data.float() * s).to(dtype)

@@ -1,0 +1,253 @@
+"""Quantizers and the quantized storage they return.
+
+A quantizer is a callable: ``q(x)`` or ``q(x, splits)`` returns a :class:`QuantizedTensorStorage`
+(a :class:`~te_ops.grouped_tensor.GroupedTensorStorage` whose data fields hold FP8 bytes):
+
+* ``rowwise_data``: ``torch.float8_e4m3fn``, the input's shape, quantized along the last dim;
+  ``rowwise_scale_inv``: fp32 (..., ) for FP8 current scaling, E8M0 bytes (``uint8``,
+  (..., ceil(K / 32))) for MXFP8;
+* ``columnwise_data``: the same values quantized along the *other* axis and stored transposed
+  (a (G, N, K) weight gives (G, K, N); a split (M, K) activation gives (K, capacity) in the
+  group-aligned layout of :mod:`te_ops.quantization.layout`, quantized per group);
+  ``columnwise_scale_inv``: FP8 (G, K) for split activations / (G, K) for weights, MXFP8
+  (..., ceil(cols / 32)) of the transposed data;
+* :meth:`QuantizedTensorStorage.dequantize` rebuilds the high-precision tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..grouped_tensor import GroupedTensorStorage
+from . import fp8_triton, numerics
+from .layout import column_layout
+
+__all__ = [
+    "Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "MXFP8Quantizer",
+    "QuantizedTensorStorage",
+]
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class QuantizedTensorStorage(GroupedTensorStorage):
+    """Quantized data + ``scale_inv`` (row-wise and/or column-wise) of one tensor.
+
+    Extra attributes: ``quantizer`` (what made it; its ``format`` is ``"fp8"`` or ``"mxfp8"``),
+    ``shape`` (the high-precision tensor's shape) and ``align`` (group alignment of the
+    column-wise layout, rows).
+    """
+
+    quantizer: Quantizer
+    shape: tuple[int, ...]
+
+    @property
+    def format(self) -> str:
+        return self.quantizer.format
+
+    def dequantize(self, dtype: torch.dtype | None = None, *, copy: str = "auto"
+                   ) -> torch.Tensor:
+        """The high-precision tensor (shape ``self.shape``, default dtype ``self.dtype``).
+
+        ``copy``: ``"rowwise"``, ``"columnwise"`` or ``"auto"`` (the row-wise copy when present,
+        else the column-wise one). The two copies round differently (other scaling axis).
+
+        Raises
+        ------
+        RuntimeError
+            The requested copy is absent.
+        """
+        dtype = dtype or self.dtype
+        q = self.quantizer
+        if copy not in ("auto", "rowwise", "columnwise"):
+            raise ValueError(f"copy must be 'auto', 'rowwise' or 'columnwise', got {copy!r}")
+        if copy == "auto":
+            copy = "rowwise" if self.rowwise_data is not None else "columnwise"
+        data = self.rowwise_data if copy == "rowwise" else self.columnwise_data
+        if data is None:
+            raise RuntimeError(f"QuantizedTensorStorage holds no {copy} data (not requested "
+                               "from the quantizer, or emptied by prepare_for_saving)")
+        if copy == "rowwise":
+            return q.dequantize_rows(self.rowwise_data, self.rowwise_scale_inv, dtype)
+        if not self.is_split:
+            t = q.dequantize_columns_uniform(self.columnwise_data, self.columnwise_scale_inv,
+                                             dtype)
+            return t.transpose(-2, -1).reshape(self.shape)
+        layout = column_layout(self.split_sizes, self.base_offsets, self.shape[0], q.align)
+        padded = q.dequantize_columns_split(self, layout, dtype)  # (capacity, K)
+        padded = torch.cat([padded, padded.new_zeros(1, padded.shape[1])])
+        return padded[layout.dest]
+
+
+class Quantizer:
+    """Base quantizer. ``rowwise`` / ``columnwise`` say which copies to make.
+
+    Call: ``q(x, splits=None)``. ``x``: fp32 or bf16, (..., K) (row-wise only), (G, N, K)
+    uniform groups (e.g. weights), or (M, K) with ``splits`` (a
+    :class:`~te_ops.splits.GroupedSplits`, for column-wise per-group copies).
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a floating tensor of dtype fp32 / bf16.
+    ValueError
+        Neither copy requested, or a column-wise copy of a tensor that is neither 3-D nor 2-D.
+    """
+
+    format = ""
+    align = 16
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = False) -> None:
+        if not (rowwise or columnwise):
+            raise ValueError("a quantizer needs rowwise=True or columnwise=True, got both False")
+        self.rowwise = bool(rowwise)
+        self.columnwise = bool(columnwise)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rowwise={self.rowwise}, columnwise={self.columnwise})"
+
+    # subclasses: along the last dim
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize_rows(self, data, scale_inv, dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def quantize_columns_split(self, x2d, layout, gid) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize_columns_split(self, storage, layout, dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize_columns_uniform(self, data, scale_inv, dtype) -> torch.Tensor:
+        return self.dequantize_rows(data, scale_inv, dtype)
+
+    def quantize_columns_uniform(self, x3d) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, N, K) -> data (G, K, N) quantized along N, and its scales."""
+        return self.quantize_rows(x3d.transpose(-2, -1).contiguous())
+
+    def __call__(self, x: torch.Tensor, splits: Any = None) -> QuantizedTensorStorage:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"x must be a float32 or bfloat16 tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        shape = tuple(x.shape)
+        row = col = (None, None)
+        if self.rowwise:
+            row = self.quantize_rows(x)
+        kw: dict[str, Any] = {}
+        if splits is not None:
+            if x.dim() != 2:
+                raise ValueError(f"x must be 2-D (rows, K) with splits, got shape {shape}")
+            num, tshape = splits.num_groups, shape
+            kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
+        elif x.dim() == 3:
+            num, tshape = shape[0], shape[1:]
+        else:
+            num, tshape = 1, (x.numel() // max(shape[-1], 1) if shape else 1, shape[-1])
+        if self.columnwise:
+            if x.dim() == 3 and splits is None:
+                col = self.quantize_columns_uniform(x)
+            elif x.dim() == 2:
+                if splits is None:
+                    from ..splits import make_splits
+                    splits = make_splits([shape[0]], 1, shape[0], x.device)
+                    kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
+                layout = column_layout(splits.split_sizes, splits.base_offsets, shape[0],
+                                       self.align)
+                col = self.quantize_columns_split(x, layout, splits)
+            else:
+                raise ValueError(f"columnwise quantization needs a 2-D or 3-D tensor, got "
+                                 f"shape {shape}")
+        out = QuantizedTensorStorage(num, tshape, x.dtype, None, rowwise_scale_inv=row[1],
+                                     columnwise_data=col[0], columnwise_scale_inv=col[1], **kw)
+        out.rowwise_data = row[0]
+        out.quantizer = self
+        out.shape = shape
+        return out
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """FP8 E4M3 with fp32 power-of-two scales from the current amax.
+
+    Row-wise: one scale per row of the last dim (``rowwise_scale_inv`` shape (...,)).
+    Column-wise: for (G, N, K) weights one scale per (g, k) over N; for split (M, K) activations
+    one scale per (group, column) over the group's rows (``columnwise_scale_inv`` (G, K)), data
+    (K, capacity) in the 16-row group-aligned layout. Rule: :mod:`te_ops.quantization.numerics`.
+    """
+
+    format = "fp8"
+    align = 16
+    fast_accumulate_backward = False  # set by Float8CurrentScaling
+
+    def quantize_rows(self, x):
+        if fp8_triton.unsupported_reason(x) is None:  # same bytes, one kernel
+            return fp8_triton.fp8_rows(x)
+        return numerics.fp8_quantize_rows(x)
+
+    def quantize_columns_uniform(self, x3d):
+        if fp8_triton.unsupported_reason(x3d) is not None:
+            return super().quantize_columns_uniform(x3d)
+        g, n, k = x3d.shape
+        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=x3d.device)
+        starts = torch.arange(g, device=x3d.device, dtype=torch.int64) * n
+        sinv = fp8_triton.fp8_columns_grouped(
+            x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n),
+            torch.zeros_like(starts), k * n, n)
+        return out, sinv
+
+    def dequantize_rows(self, data, scale_inv, dtype):
+        return numerics.fp8_dequantize_rows(data, scale_inv, dtype)
+
+    def quantize_columns_split(self, x2d, layout, splits):
+        g, k = splits.num_groups, x2d.shape[1]
+        if fp8_triton.unsupported_reason(x2d) is None:
+            out = torch.zeros(k, layout.capacity, dtype=torch.uint8, device=x2d.device)
+            out = out.view(torch.float8_e4m3fn)
+            sinv = fp8_triton.fp8_columns_grouped(
+                x2d, out, splits.base_offsets[:g], splits.split_sizes, layout.starts, 0,
+                layout.capacity)
+            return out, sinv
+        absx = numerics.finite_abs(x2d)
+        gid = splits.group_ids.unsqueeze(1).expand(-1, k)
+        amax = absx.new_zeros(g + 1, k).scatter_reduce_(0, gid, absx, "amax")
+        scale = numerics.pow2_scale_from_amax(amax)  # (G + 1, K); row G (padding) is 1
+        padded = torch.cat([x2d.float(), x2d.new_zeros(1, k, dtype=torch.float32)])[layout.src]
+        data = numerics.to_e4m3(padded * scale[layout.group_ids]).t().contiguous()
+        return data, scale[:g].reciprocal()
+
+    def dequantize_columns_split(self, storage, layout, dtype):
+        s = storage.columnwise_scale_inv
+        s = torch.cat([s, s.new_ones(1, s.shape[1])])[layout.group_ids]  # (capacity, K)
+        return (storage.columnwise_data.t().float() * s).to(dtype)
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8: E4M3 elements, E8M0 scale per 32 consecutive elements (OCP MX v1.0).
+
+    Row-wise: blocks along the last dim (``rowwise_scale_inv`` uint8 (..., ceil(K / 32))).
+    Column-wise: blocks along the other axis, data stored transposed; split activations use the
+    32-row group-aligned layout, so no block straddles two experts (groups whose row count is
+    not a multiple of 32 are zero-padded inside the quantizer).
+    """
+
+    format = "mxfp8"
+    align = numerics.MX_BLOCK
+
+    def quantize_rows(self, x):
+        return numerics.mx_quantize_rows(x)
+
+    def dequantize_rows(self, data, scale_inv, dtype):
+        return numerics.mx_dequantize_rows(data, scale_inv, dtype)
+
+    def quantize_columns_split(self, x2d, layout, splits):
+        k = x2d.shape[1]
+        padded = torch.cat([x2d, x2d.new_zeros(1, k)])[layout.src]
+        return numerics.mx_quantize_rows(padded.t().contiguous())
+
+    def dequantize_columns_split(self, storage, layout, dtype):
+        return numerics.mx_dequantize_rows(storage.columnwise_data,
+                                           storage.columnwise_scale_inv, dtype).t()
