@@ -17,7 +17,8 @@ Backends
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
 
-Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends.
+Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
+(``grouped_mm``: only those rows are written, by ``kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
 the reason.
 """
@@ -30,6 +31,7 @@ import torch
 
 from .. import env
 from ..splits import GroupedSplits
+from .padding import padding_backend, zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
@@ -194,7 +196,9 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
 def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
     if splits.has_padding is False:
         return out
-    return out.masked_fill_(splits.padding_rows(), 0)
+    # Only the rows past the device-side total are written (see kernels/padding.py).
+    mask = splits.padding_rows() if padding_backend(out) == "mask" else None
+    return zero_padding_rows_(out, splits.offsets, mask)
 
 
 def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
