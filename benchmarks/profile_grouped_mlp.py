@@ -7,7 +7,11 @@ any peer of ``benchmarks/grouped_mlp.py`` allowed), after ``--warmup`` untimed s
 * ``step_ms``: wall time per step (CUDA events around the profiled steps, or the host clock);
 * ``busy_ms``: the sum of the device time of every kernel (CPU: self time of every aten op);
 * the top kernels and the top ``aten::`` ops by self device time (CPU: self CPU time), each with
-  ms per step, calls per step and share of ``busy_ms``.
+  ms per step, calls per step and share of ``busy_ms``;
+* ``top_host``: the top ops by self host (CPU) time, share of the profiled wall time per step
+  (where the host time of a launch-bound shape goes);
+* with ``--cprofile``: the Python functions with the most own time (cProfile, unprofiled by
+  torch.profiler), ms per step.
 
 The problem is the one ``benchmarks/grouped_mlp.py`` builds (bf16, Zipf(1.2) routing, split
 sizes on the device that cover every row, so nothing is padding).
@@ -22,8 +26,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -106,13 +113,37 @@ def profile_peer(peer_name: str, problem, args: argparse.Namespace) -> dict:
             return float(e.self_cpu_time_total)
     ops = [e for e in avgs if e.key.startswith("aten::") and e.device_type == DeviceType.CPU]
     busy_us = sum(_device_us(e) for e in kernels) if cuda else sum(time_of(e) for e in ops)
-    return {
+    host = [e for e in avgs if e.device_type == DeviceType.CPU]
+    record = {
         "step_ms": step_ms,
         "profiled_step_ms": wall_ms,
         "busy_ms": busy_us / args.steps / 1e3,
         "top_kernels": _rows(kernels, _device_us, args.steps, busy_us, args.top, 110),
         "top_ops": _rows(ops, time_of, args.steps, busy_us, args.top, 60),
+        "top_host": _rows(host, lambda e: float(e.self_cpu_time_total), args.steps,
+                          wall_ms * 1e3 * args.steps, args.top, 60),
     }
+    if args.cprofile:
+        record["top_python"] = _cprofile(step, args, cuda)
+    return record
+
+
+def _cprofile(step, args: argparse.Namespace, cuda: bool) -> list[dict]:
+    """Python functions by own time over ``args.steps`` steps (cProfile)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, func), (_, ncalls, tottime, _, _) in stats.stats.items():
+        rows.append({"name": f"{os.path.basename(file)}:{line}({func})"[:70],
+                     "ms": tottime * 1e3 / args.steps, "calls": ncalls / args.steps})
+    rows.sort(key=lambda r: r["ms"], reverse=True)
+    return rows[: args.top]
 
 
 def summarize(path: str, top: int = 8) -> str:
@@ -128,13 +159,16 @@ def summarize(path: str, top: int = 8) -> str:
             out.append(f"{head}: {r['error']}")
             continue
         out.append(f"{head}: step {r['step_ms']:.3f} ms, busy {r['busy_ms']:.3f} ms")
-        for key, label in (("top_kernels", "kernel"), ("top_ops", "aten op (self)")):
-            if not r[key]:
+        for key, label in (("top_kernels", "kernel"), ("top_ops", "aten op (self)"),
+                           ("top_host", "host: op (self CPU time)"),
+                           ("top_python", "host: Python function (own time)")):
+            if not r.get(key):
                 continue
             out.append(f"  {label:<70} {'ms/step':>8} {'calls':>6} {'share':>6}")
             for row in r[key][:top]:
+                share = f"{100 * row['share']:5.1f}%" if "share" in row else f"{'-':>6}"
                 out.append(f"  {row['name'][:70]:<70} {row['ms']:8.3f} {row['calls']:6.1f} "
-                           f"{100 * row['share']:5.1f}%")
+                           f"{share}")
     return "\n".join(out)
 
 
@@ -151,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=12, help="rows per table")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also list the Python functions with the most own time")
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)

@@ -75,7 +75,7 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
 
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
-                    *, with_output: bool = False):
+                    *, with_output: bool = False, grad_into_input: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
@@ -83,11 +83,12 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     Shapes: x (..., 2F), grad_output (..., F) -> (grad_x (..., 2F), grad_probs (...) | None).
     With ``with_output=True`` a third result is the forward output, bitwise equal to
     :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
-    grouped-MLP backward uses it as fc2's wgrad input).
+    grouped-MLP backward uses it as fc2's wgrad input). ``grad_into_input=True`` lets the
+    Triton kernel write ``grad_x`` over ``x`` (``x`` is then lost; the torch path ignores it).
     """
     if swiglu_triton.use_triton(x, interleave):
-        grad_x, grad_probs, out = swiglu_triton.swiglu_backward(x, grad_output, probs,
-                                                                write_output=with_output)
+        grad_x, grad_probs, out = swiglu_triton.swiglu_backward(
+            x, grad_output, probs, write_output=with_output, grad_into_input=grad_into_input)
         return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
     a, b, sig, silu = _parts(x, interleave)
     dy = grad_output.to(a.dtype)
