@@ -186,12 +186,12 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
         sizes = split_sizes.to(torch.int64)
+        ends = torch.cumsum(sizes, 0)
         if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
             _check_host(sizes.tolist(), num_rows, name)
         else:
-            total = sizes.sum()
-            torch._assert_async(
-                (total <= num_rows) & (sizes >= 0).all(),
+            torch._assert_async(  # ends[-1] is the total (no separate reduction launch)
+                (ends[-1] <= num_rows) & (sizes >= 0).all(),
                 f"{name} must be non-negative and sum to at most the input's rows ({num_rows})",
             )
         has_padding = None
@@ -200,7 +200,7 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         _check_host(host_sizes, num_rows, name)
         sizes = torch.tensor(host_sizes, dtype=torch.int64, device=device)
         has_padding = sum(host_sizes) < num_rows
-    ends = torch.cumsum(sizes, 0)
+        ends = torch.cumsum(sizes, 0)
     base_offsets = torch.cat([ends.new_zeros(1), ends])
     rows = torch.arange(num_rows, device=device, dtype=torch.int64)
     if device.type == "cpu":

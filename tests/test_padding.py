@@ -134,3 +134,13 @@ def test_triton_op_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _check(static_out, expected)
+
+
+@pytest.mark.cuda
+def test_registered_op_eager_matches_direct_launch():
+    """``torch.ops.te_ops.zero_rows_past_total_`` (the registered op) and the eager direct launch
+    give the same result."""
+    _need_triton()
+    out, offsets, expected = _case("cuda", torch.bfloat16, 127, 300, 33)
+    torch.ops.te_ops.zero_rows_past_total_(out, offsets)
+    _check(out, expected)
