@@ -321,7 +321,9 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
                            before=zero_grads)
         peak = peak_memory_mib(step, problem.device, param_bytes, before=zero_grads)
         with torch.no_grad():
-            out = peer.forward(x, probs).detach().clone()
+            # Kept on the host: a device copy of the baseline's output would stay allocated
+            # during the later peers' peak-memory step and count against them.
+            out = peer.forward(x, probs).detach().cpu()
     stats = summarize_times(times)
     record: dict = dict(stats)
     record["tflops"] = problem.flops / (stats["ms_median"] * 1e-3) / 1e12
