@@ -30,7 +30,7 @@ Usage::
 
     python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
     python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
-    python benchmarks/grouped_mlp.py --device cpu --rounds 5     # the CPU shape, fp32
+    python benchmarks/grouped_mlp.py --device cpu --interleaved  # the CPU shape, fp32
     python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
 """
 
@@ -41,6 +41,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -341,6 +342,40 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
     return record
 
 
+def measure_interleaved(order: list[str], problem: Problem, args: argparse.Namespace
+                        ) -> list[dict]:
+    """All peers built at once; timed one step each in turn (A, B, C, A, B, C, ...), so a
+    shared host's changing load hits every peer alike. Host clock (for the CPU)."""
+    peers = [PEER_CLASSES[name](problem) for name in order]
+    x, probs, dy = problem.x, problem.probs, problem.dy
+    times: list[list[float]] = [[] for _ in peers]
+    for i in range(args.warmup + args.iters):
+        for peer, ts in zip(peers, times):
+            params = peer.parameters()
+            with env_override(**peer.env):
+                x.grad = probs.grad = None
+                for p in params:
+                    p.grad = None
+                if problem.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                peer.forward(x, probs).backward(dy)
+                if problem.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= args.warmup:
+                    ts.append((time.perf_counter() - t0) * 1e3)
+    records = []
+    for name, ts in zip(order, times):
+        stats = summarize_times(ts)
+        records.append({"peer": name, "interleaved": True, **stats,
+                        "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
+                        "ratio_vs_grouped_mm": (summarize_times(times[0])["ms_median"]
+                                                / stats["ms_median"])
+                        if order[0] == BASELINE else None})
+    x.grad = probs.grad = None
+    return records
+
+
 def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
               args: argparse.Namespace, out: JsonLines, device: torch.device) -> None:
     dtype = getattr(torch, args.dtype)
@@ -359,6 +394,11 @@ def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
     }
     reference: dict[str, torch.Tensor] = {}
     order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
+    if args.interleaved:
+        order = [p for p in order if skip_reason(p, problem) is None]
+        for record in measure_interleaved(order, problem, args):
+            out.write({**base, **record})
+        return
     for round_, peer in [(r, p) for r in range(args.rounds) for p in order]:
         record = {**base, "peer": peer, "round": round_}
         reason = skip_reason(peer, problem)
@@ -444,6 +484,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every peer this many times, interleaved (peer A, B, .., "
                              "A, B, ..): on a shared host compare the per-round medians")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (CPU intra-op threads; default: torch's)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="build every peer at once and time single steps in turn "
+                             "(A, B, C, A, ...): for a shared CPU host; no memory figures")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer")
     parser.add_argument("--seed", type=int, default=0)
@@ -462,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     known = {**SHAPES, **CPU_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")

@@ -98,9 +98,15 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
         silu_b = silu * b
         grad_probs = torch.linalg.vecdot(silu_b, dy).to(probs.dtype)
         dy = dy * probs.to(a.dtype).unsqueeze(-1)
-    da = torch.ops.aten.silu_backward(dy * b, a)
-    db = dy * silu
-    grad_x = _join(da, db, interleave).to(x.dtype)
+    if interleave is None:  # write both halves in place: no concatenation pass
+        half = silu.shape[-1]
+        grad_x = torch.empty(*silu.shape[:-1], 2 * half, dtype=a.dtype, device=a.device)
+        torch.ops.aten.silu_backward.grad_input(dy * b, a, grad_input=grad_x[..., :half])
+        torch.mul(dy, silu, out=grad_x[..., half:])
+        grad_x = grad_x.to(x.dtype)
+    else:
+        da = torch.ops.aten.silu_backward(dy * b, a)
+        grad_x = _join(da, dy * silu, interleave).to(x.dtype)
     if with_output:
         return grad_x, grad_probs, _output(silu, b, probs, x.dtype, silu_b)
     return grad_x, grad_probs
