@@ -45,6 +45,8 @@ class GroupedSplits:
         Shape (num_groups + 1,), int64: start row of each group, then the total.
     group_ids : torch.Tensor
         Shape (num_rows,), int64: the group of each row; padding rows get ``num_groups``.
+        Computed on first use (held as ``_group_ids``, ``None`` until then): ops without a
+        bias never need it, and it is the only (rows,)-sized tensor the metadata holds.
     has_padding : bool | None
         False when the host knows the sizes sum to ``num_rows``; None when unknown (device).
     """
@@ -55,8 +57,15 @@ class GroupedSplits:
     split_sizes: torch.Tensor
     offsets: torch.Tensor
     base_offsets: torch.Tensor
-    group_ids: torch.Tensor
+    _group_ids: torch.Tensor | None
     has_padding: bool | None
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """Shape (num_rows,), int64: the group of each row (padding rows: ``num_groups``)."""
+        if self._group_ids is None:
+            self._group_ids = _row_groups(self.base_offsets[1:], self.num_rows)
+        return self._group_ids
 
     @property
     def graph_safe(self) -> bool:
@@ -104,8 +113,8 @@ class GroupedSplits:
         return cached
 
     def to_tensors(self) -> list[torch.Tensor]:
-        """The device tensors, for ``save_for_backward``."""
-        return [self.split_sizes, self.offsets, self.base_offsets, self.group_ids]
+        """The device tensors, for ``save_for_backward`` (group ids: ``None`` if not built)."""
+        return [self.split_sizes, self.offsets, self.base_offsets, self._group_ids]
 
     @classmethod
     def from_tensors(cls, tensors, *, num_groups: int, num_rows: int,
@@ -202,13 +211,6 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding = sum(host_sizes) < num_rows
         ends = torch.cumsum(sizes, 0)
     base_offsets = torch.cat([ends.new_zeros(1), ends])
-    rows = torch.arange(num_rows, device=device, dtype=torch.int64)
-    if device.type == "cpu":
-        # Same values as searchsorted(right=True); on a loaded 2-core host torch's CPU
-        # searchsorted spent milliseconds in its thread pool for a few hundred rows.
-        group_ids = (rows.unsqueeze(1) >= ends.unsqueeze(0)).sum(1)
-    else:
-        group_ids = torch.searchsorted(ends, rows, right=True)
     return GroupedSplits(
         num_groups=num_groups,
         num_rows=num_rows,
@@ -216,9 +218,19 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         split_sizes=sizes,
         offsets=ends.to(torch.int32),
         base_offsets=base_offsets,
-        group_ids=group_ids,
+        _group_ids=None,
         has_padding=has_padding,
     )
+
+
+def _row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Shape (num_rows,) int64: the number of group ends <= each row index (= its group)."""
+    rows = torch.arange(num_rows, device=ends.device, dtype=torch.int64)
+    if ends.device.type == "cpu":
+        # Same values as searchsorted(right=True); on a loaded 2-core host torch's CPU
+        # searchsorted spent milliseconds in its thread pool for a few hundred rows.
+        return (rows.unsqueeze(1) >= ends.unsqueeze(0)).sum(1)
+    return torch.searchsorted(ends, rows, right=True)
 
 
 def _check_host(sizes: list[int], num_rows: int, name: str) -> None:
