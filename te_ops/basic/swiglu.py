@@ -53,9 +53,9 @@ def _parts(x: torch.Tensor, interleave: int | None):
 
 def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
             dtype: torch.dtype, silu_b: torch.Tensor | None = None) -> torch.Tensor:
-    out = silu * b if silu_b is None else silu_b
+    out = silu * b if silu_b is None else silu_b  # a fresh tensor either way: scaled in place
     if probs is not None:
-        out = out * probs.to(out.dtype).unsqueeze(-1)
+        out.mul_(probs.to(out.dtype).unsqueeze(-1))
     return out.to(dtype)
 
 
@@ -101,7 +101,8 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     if interleave is None:  # write both halves in place: no concatenation pass
         half = silu.shape[-1]
         grad_x = torch.empty(*silu.shape[:-1], 2 * half, dtype=a.dtype, device=a.device)
-        torch.ops.aten.silu_backward.grad_input(dy * b, a, grad_input=grad_x[..., :half])
+        da = grad_x[..., :half]  # dy * b, then dSiLU applied in place (no temporaries)
+        torch.ops.aten.silu_backward.grad_input(torch.mul(dy, b, out=da), a, grad_input=da)
         torch.mul(dy, silu, out=grad_x[..., half:])
         grad_x = grad_x.to(x.dtype)
     else:
