@@ -14,7 +14,7 @@
 #   6. memory     benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
 #   7. main_job   the main job on CUDA, bf16 eager vs --cuda-graph: loss curves must agree
 #   8. summary    one table: step results, test tallies, benchmark table
-# Total worst case ~9.5 minutes (the timeouts below add up to 560 s plus start-up).
+# Total worst case ~13.5 minutes (the timeouts below add up to 800 s plus start-up).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
