@@ -36,6 +36,7 @@ Usage::
 
     python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
     python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
+    python benchmarks/grouped_mlp.py --device cpu --interleaved  # the CPU shape, fp32
     python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
 """
 
@@ -44,7 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -69,6 +72,11 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
     "E64_T256_H2048_FF768": (64, 256, 2048, 768),
+}
+#: The CPU shape (run by default with ``--device cpu``): a Mixtral-like block scaled down,
+#: 2048 tokens routed top-2 (4096 rows), fp32.
+CPU_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E8_T4096_H256_FF512": (8, 4096, 256, 512),
 }
 QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
@@ -333,7 +341,9 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
                            before=zero_grads)
         peak = peak_memory_mib(step, problem.device, param_bytes, before=zero_grads)
         with torch.no_grad():
-            out = peer.forward(x, probs).detach().clone()
+            # Kept on the host: a device copy of the baseline's output would stay allocated
+            # during the later peers' peak-memory step and count against them.
+            out = peer.forward(x, probs).detach().cpu()
     stats = summarize_times(times)
     record: dict = dict(stats)
     record["tflops"] = problem.flops / (stats["ms_median"] * 1e-3) / 1e12
@@ -356,14 +366,49 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
     return record
 
 
+def measure_interleaved(order: list[str], problem: Problem, args: argparse.Namespace
+                        ) -> list[dict]:
+    """All peers built at once; timed one step each in turn (A, B, C, A, B, C, ...), so a
+    shared host's changing load hits every peer alike. Host clock (for the CPU)."""
+    peers = [PEER_CLASSES[name](problem) for name in order]
+    x, probs, dy = problem.x, problem.probs, problem.dy
+    times: list[list[float]] = [[] for _ in peers]
+    for i in range(args.warmup + args.iters):
+        for peer, ts in zip(peers, times):
+            params = peer.parameters()
+            with env_override(**peer.env):
+                x.grad = probs.grad = None
+                for p in params:
+                    p.grad = None
+                if problem.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                peer.forward(x, probs).backward(dy)
+                if problem.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= args.warmup:
+                    ts.append((time.perf_counter() - t0) * 1e3)
+    records = []
+    for name, ts in zip(order, times):
+        stats = summarize_times(ts)
+        records.append({"peer": name, "interleaved": True, **stats,
+                        "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
+                        "ratio_vs_grouped_mm": (summarize_times(times[0])["ms_median"]
+                                                / stats["ms_median"])
+                        if order[0] == BASELINE else None})
+    x.grad = probs.grad = None
+    return records
+
+
 def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
               args: argparse.Namespace, out: JsonLines, device: torch.device) -> None:
-    problem = make_problem(name, shape, device, torch.bfloat16, args.seed)
+    dtype = getattr(torch, args.dtype)
+    problem = make_problem(name, shape, device, dtype, args.seed)
     base = {
         "bench": "grouped_mlp",
         "shape": name,
         "E": shape[0], "T": shape[1], "H": shape[2], "FF": shape[3],
-        "dtype": "bf16",
+        "dtype": {"bfloat16": "bf16", "float32": "fp32"}[args.dtype],
         "device": device.type,
         "routing": "zipf1.2",
         "max_expert_tokens": max(problem.sizes),
@@ -373,11 +418,16 @@ def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
     }
     reference: dict[str, torch.Tensor] = {}
     order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
-    runs = [(peer, r) for peer in order for r in args.recipe.split(",")
-            if r == "none" or peer.startswith("te_ops")]
-    for peer, recipe in runs:
+    if args.interleaved:  # bf16/fp32 peers only (no --recipe)
+        order = [p for p in order if skip_reason(p, problem) is None]
+        for record in measure_interleaved(order, problem, args):
+            out.write({**base, **record})
+        return
+    runs = [(round_, peer, r) for round_ in range(args.rounds) for peer in order
+            for r in args.recipe.split(",") if r == "none" or peer.startswith("te_ops")]
+    for round_, peer, recipe in runs:
         label = peer if recipe == "none" else f"{peer}+{recipe}"
-        record = {**base, "peer": label, "recipe": recipe}
+        record = {**base, "peer": label, "recipe": recipe, "round": round_}
         reason = skip_reason(peer, problem)
         if reason is not None:
             record["skipped"] = reason
@@ -426,7 +476,25 @@ def summarize(path: str) -> str:
             f"{_fmt(r, 'ratio_vs_bf16', '7.2f'):>7} "
             f"{_fmt(r, 'max_abs_diff', '10.3g'):>10}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _round_medians(rows))
+
+
+def _round_medians(rows: list[dict]) -> list[str]:
+    """With ``--rounds`` > 1: per shape and peer, the median over rounds of the step median
+    and of the per-round ratio to the baseline."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if "ms_median" in r:
+            groups.setdefault((r["shape"], r["peer"]), []).append(r)
+    if all(len(g) < 2 for g in groups.values()):
+        return []
+    lines = ["", f"{'shape':<26} {'peer':<20} {'rounds':>6} {'median ms':>10} {'x grouped_mm':>12}"]
+    for (shape, peer), g in groups.items():
+        ratios = [r["ratio_vs_grouped_mm"] for r in g if "ratio_vs_grouped_mm" in r]
+        ratio = f"{statistics.median(ratios):12.3f}" if ratios else f"{'-':>12}"
+        lines.append(f"{shape:<26} {peer:<20} {len(g):>6} "
+                     f"{statistics.median(r['ms_median'] for r in g):10.3f} {ratio}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------- main
@@ -434,11 +502,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names (default: all of the chosen set): "
-                             + ", ".join([*SHAPES, *QUICK_SHAPES]))
+                             + ", ".join([*SHAPES, *CPU_SHAPES, *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(PEERS),
                         help="comma-separated peers: " + ", ".join(PEERS))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="bfloat16 (default on cuda) or float32 (default on cpu)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every peer this many times, interleaved (peer A, B, .., "
+                             "A, B, ..): on a shared host compare the per-round medians")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (CPU intra-op threads; default: torch's)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="build every peer at once and time single steps in turn "
+                             "(A, B, C, A, ...): for a shared CPU host; no memory figures")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer")
     parser.add_argument("--seed", type=int, default=0)
@@ -452,7 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.recipe.split(",") if r not in RECIPES]
     if bad:
         parser.error(f"--recipe must be a comma-separated subset of {list(RECIPES)}, got {bad}")
-    if args.iters < 1 or args.warmup < 0:
+    if args.interleaved and args.recipe != "none":
+        parser.error(f"--interleaved measures without a recipe, got --recipe {args.recipe}")
+    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
     return args
 
@@ -463,8 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    known = {**SHAPES, **QUICK_SHAPES}
-    default = QUICK_SHAPES if args.quick else SHAPES
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    known = {**SHAPES, **CPU_SHAPES, **QUICK_SHAPES}
+    default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
+    args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     names = args.shapes.split(",") if args.shapes else list(default)
     unknown = [n for n in names if n not in known]
     peers = args.peers.split(",")

@@ -9,13 +9,16 @@
 #   2. cuda_tests python -m pytest -q -m cuda tests      (the GPU tests)
 #   3. cpu_tests  python -m pytest -q -x -m "not cuda" tests   (the CPU suite, on this box)
 #   4. bench      benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
-#   5. memory     benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
-#   6. main_job   the main job on CUDA, bf16 eager vs --cuda-graph: loss curves must agree
-#   7. summary    one table: step results, test tallies, benchmark table
-# Total worst case ~8 minutes (the timeouts below add up to 470 s plus start-up).
+#   5. profile    benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
+#                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
+#   6. memory     benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
+#   7. main_job   the main job on CUDA, bf16 eager vs --cuda-graph: loss curves must agree
+#   8. summary    one table: step results, test tallies, benchmark table
+# Total worst case ~13.5 minutes (the timeouts below add up to 800 s plus start-up).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
-# BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu").
+# BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
+# the profile script).
 
 set -uo pipefail
 
@@ -73,6 +76,11 @@ rm -f "$BENCH_JSON"
 step bench 170 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
     ${BENCH_ARGS:-}
 
+PROFILE_JSON="$OUT/profile.jsonl"
+rm -f "$PROFILE_JSON"
+# shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
+step profile 90 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+
 step memory 90 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
     --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
 
@@ -94,6 +102,10 @@ step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT"
         "$PY" benchmarks/grouped_mlp.py --summarize "$BENCH_JSON"
     else
         echo "no benchmark records in $BENCH_JSON"
+    fi
+    if [ -s "$PROFILE_JSON" ]; then
+        echo
+        "$PY" benchmarks/profile_grouped_mlp.py --summarize "$PROFILE_JSON" --top 6
     fi
     echo "logs: $OUT"
 } 2>&1 | tee "$OUT/summary.log"

@@ -252,3 +252,25 @@ def test_replaced_weight_still_computes(device):
         leaves, dy)
     assert_close(y, out, torch.float32, "output")
     assert_close(lin.weight1.grad, grads["weight1"], torch.float32, "grad of weight1")
+
+
+def test_stack_weights_memo_notices_repointed_weight(device):
+    """After a remembered (view) result, re-pointing one weight's data gives a correct copy."""
+    lin = te_ops.GroupedLinear(4, 8, 6, bias=False, device=device)
+    ws = lin.weights()
+    assert stack_weights(ws).data_ptr() == ws[0].data_ptr()
+    assert stack_weights(ws).data_ptr() == ws[0].data_ptr()  # the remembered path
+    with torch.no_grad():
+        ws[2].data = torch.randn(6, 8, device=device)
+    stacked = stack_weights(ws)
+    assert stacked.data_ptr() != ws[0].data_ptr()
+    assert torch.equal(stacked, torch.stack([w.detach() for w in ws]))
+
+
+def test_group_ids_built_on_first_use(device):
+    """Device split sizes: no per-row group ids until an op needs them; then the right ones."""
+    splits = make_splits(torch.tensor([2, 0, 3], device=device), 3, 7, torch.device(device))
+    assert splits.to_tensors()[3] is None
+    expected = torch.tensor([0, 0, 2, 2, 2, 3, 3], device=device)
+    assert torch.equal(splits.group_ids, expected)
+    assert splits.to_tensors()[3] is splits.group_ids

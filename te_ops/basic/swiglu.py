@@ -44,20 +44,19 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
 
 
 def _parts(x: torch.Tensor, interleave: int | None):
-    """fp32 ``a``, ``b``, ``sigmoid(a)`` and ``SiLU(a) = a * sigmoid(a)``; every SwiGLU path
-    (forward, backward, fused recompute) derives its values from these, so they agree bitwise."""
+    """fp32 ``a``, ``b`` and ``SiLU(a)`` (one ``F.silu`` pass); every SwiGLU path (forward,
+    backward, fused recompute) derives its values from these, so they agree bitwise."""
     a, b = _halves(x, interleave)
     compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
     a, b = a.to(compute), b.to(compute)
-    sig = torch.sigmoid(a)
-    return a, b, sig, a * sig
+    return a, b, torch.nn.functional.silu(a)
 
 
 def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    out = silu * b
+            dtype: torch.dtype, silu_b: torch.Tensor | None = None) -> torch.Tensor:
+    out = silu * b if silu_b is None else silu_b  # a fresh tensor either way: scaled in place
     if probs is not None:
-        out = out * probs.to(out.dtype).unsqueeze(-1)
+        out.mul_(probs.to(out.dtype).unsqueeze(-1))
     return out.to(dtype)
 
 
@@ -73,13 +72,14 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
     backend = backend or swiglu_triton.select_backend(x, interleave)
     if backend.name == "triton":
         return swiglu_triton.swiglu_forward(x, probs)
-    _, b, _, silu = _parts(x, interleave)
+    _, b, silu = _parts(x, interleave)
     return _output(silu, b, probs, x.dtype)
 
 
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
-                    *, with_output: bool = False, backend: ActivationChoice | None = None):
+                    *, with_output: bool = False, backend: ActivationChoice | None = None,
+                    grad_into_input: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
@@ -88,24 +88,35 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     With ``with_output=True`` a third result is the forward output, bitwise equal to
     :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
     grouped-MLP backward uses it as fc2's wgrad input). ``backend``: the forward's choice
-    (saved in :class:`SwiGLUSaved`); chosen here when ``None``.
+    (saved in :class:`SwiGLUSaved`); chosen here when ``None``. ``grad_into_input=True`` lets
+    the Triton kernel write ``grad_x`` over ``x`` (``x`` is then lost; the torch path ignores it).
     """
     backend = backend or swiglu_triton.select_backend(x, interleave)
     if backend.name == "triton":
-        grad_x, grad_probs, out = swiglu_triton.swiglu_backward(x, grad_output, probs,
-                                                                write_output=with_output)
+        grad_x, grad_probs, out = swiglu_triton.swiglu_backward(
+            x, grad_output, probs, write_output=with_output, grad_into_input=grad_into_input)
         return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
-    a, b, sig, silu = _parts(x, interleave)
+    # Few full passes (the CPU cost): aten's silu_backward computes dy * s * (1 + a * (1 - s))
+    # in one kernel; the probs gradient is one fused multiply-and-sum per row.
+    a, b, silu = _parts(x, interleave)
     dy = grad_output.to(a.dtype)
-    grad_probs = None
+    grad_probs = silu_b = None
     if probs is not None:
-        grad_probs = (silu * b * dy).sum(-1).to(probs.dtype)
+        silu_b = silu * b
+        grad_probs = torch.linalg.vecdot(silu_b, dy).to(probs.dtype)
         dy = dy * probs.to(a.dtype).unsqueeze(-1)
-    da = dy * b * sig * (1 + a * (1 - sig))
-    db = dy * silu
-    grad_x = _join(da, db, interleave).to(x.dtype)
+    if interleave is None:  # write both halves in place: no concatenation pass
+        half = silu.shape[-1]
+        grad_x = torch.empty(*silu.shape[:-1], 2 * half, dtype=a.dtype, device=a.device)
+        da = grad_x[..., :half]  # dy * b, then dSiLU applied in place (no temporaries)
+        torch.ops.aten.silu_backward.grad_input(torch.mul(dy, b, out=da), a, grad_input=da)
+        torch.mul(dy, silu, out=grad_x[..., half:])
+        grad_x = grad_x.to(x.dtype)
+    else:
+        da = torch.ops.aten.silu_backward(dy * b, a)
+        grad_x = _join(da, dy * silu, interleave).to(x.dtype)
     if with_output:
-        return grad_x, grad_probs, _output(silu, b, probs, x.dtype)
+        return grad_x, grad_probs, _output(silu, b, probs, x.dtype, silu_b)
     return grad_x, grad_probs
 
 

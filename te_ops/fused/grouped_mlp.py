@@ -192,13 +192,24 @@ class BackwardGroupedMLP(FusedOperation):
         # output when the forward did not save fc2's input, then fc2's weight grads with it.
         dgrad2 = GroupedLinear.dgrad_math(s2, dy2d)
         need_out = s2.x is None and s2.recompute_x is not None
+        # The activation's input is dead after this pass, but the autograd node holds it until
+        # the whole backward ends: the Triton kernel writes dh over it (one (T, 2FF) buffer
+        # less at the peak). Its version is bumped, so a second backward through a retained
+        # graph raises torch's "modified by an inplace operation" error instead of reading dh.
+        in_place = sa.backend.name == "triton"  # the forward's recorded choice
         act_result = swiglu_backward(sa.x, dgrad2.view(s2.in_shape), act.glu_interleave_size,
-                                     sa.probs, with_output=need_out, backend=sa.backend)
+                                     sa.probs, with_output=need_out, backend=sa.backend,
+                                     grad_into_input=in_place)
+        if in_place:
+            torch.autograd.graph.increment_version(sa.x)
+        del dgrad2  # free before fc1's GEMMs
         dh, gprobs_act = act_result[0], act_result[1]
         if need_out:
             act_out = act_result[2]
             s2.recompute_x = lambda: act_out
         grads2, gprobs2 = GroupedLinear.param_grads_math(s2, dy2d)
+        s2.recompute_x = None  # free fc2's input (the activation output) before fc1's GEMMs
+        act_result = act_out = None
         dh2d = dh.reshape(-1, fc1.out_features)
         dgrad1, grads1, gprobs1 = GroupedLinear.backward_math(s1, dh2d, ctx1.input_requires_grad)
         if dgrad1 is not None:

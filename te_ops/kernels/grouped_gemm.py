@@ -17,7 +17,8 @@ Backends
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
 
-Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends.
+Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
+(``grouped_mm``: only those rows are written, by ``kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
 the reason.
 """
@@ -31,6 +32,7 @@ import torch
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
+from .padding import padding_backend, zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
@@ -179,23 +181,39 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     step = w0.numel() * w0.element_size()
     if w0.device.type != "meta" and w0.is_contiguous():
         # Checked every call (parameters can be re-pointed), with C-level loops: the host cost
-        # matters at 64-128 experts.
+        # matters at 64-128 experts. The full check (shapes, contiguity) is remembered per
+        # (tensor ids, data pointers, first/last shape); no tensor is kept alive by the memo.
         start = w0.data_ptr()
-        storage = w0.untyped_storage()
-        if (
-            [w.data_ptr() for w in weights] == list(range(start, start + n * step, step))
+        ptrs = list(map(torch.Tensor.data_ptr, weights))
+        key = (tuple(map(id, weights)), w0.dtype, w0.shape, weights[-1].shape)
+        if _STACK_MEMO.get(key) == ptrs or (
+            ptrs == list(range(start, start + n * step, step))
             and all(map(torch.Tensor.is_contiguous, weights))
             and {(w.dtype, w.shape) for w in weights} == {(w0.dtype, w0.shape)}
-            and storage.nbytes() >= w0.storage_offset() * w0.element_size() + n * step
+            and w0.untyped_storage().nbytes()
+            >= w0.storage_offset() * w0.element_size() + n * step
+            and _remember(key, ptrs)
         ):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
     return torch.stack(weights)
 
 
+_STACK_MEMO: dict[tuple, list[int]] = {}
+
+
+def _remember(key: tuple, ptrs: list[int]) -> bool:
+    if len(_STACK_MEMO) >= 256:
+        _STACK_MEMO.clear()
+    _STACK_MEMO[key] = ptrs
+    return True
+
+
 def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
     if splits.has_padding is False:
         return out
-    return out.masked_fill_(splits.padding_rows(), 0)
+    # Only the rows past the device-side total are written (see kernels/padding.py).
+    mask = splits.padding_rows() if padding_backend(out) == "mask" else None
+    return zero_padding_rows_(out, splits.offsets, mask)
 
 
 def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,

@@ -154,15 +154,17 @@ def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
 
 
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Tensor | None,
-                    write_output: bool = False):
+                    write_output: bool = False, grad_into_input: bool = False):
     """Triton backward. Returns ``(grad_x, grad_probs | None, output | None)``.
 
     Shapes: x (..., 2F), grad_output (..., F), probs (...); ``grad_probs`` has probs' dtype.
+    With ``grad_into_input=True`` ``grad_x`` is written over ``x`` (each program reads a row's
+    values before writing that row's gradient), saving one (..., 2F) buffer; ``x`` is lost.
     """
     F = x.shape[-1] // 2
     rows = x.numel() // max(x.shape[-1], 1)
     dy = grad_output.contiguous()
-    dx = torch.empty_like(x)
+    dx = x if grad_into_input else torch.empty_like(x)
     dp = torch.empty_like(probs) if probs is not None else None
     out = torch.empty(*x.shape[:-1], F, device=x.device, dtype=x.dtype) if write_output else None
     if rows == 0 or F == 0:

@@ -1,0 +1,106 @@
+"""What is live at the memory peak of one grouped-MLP forward+backward step (CUDA).
+
+Records the caching allocator's history (``torch.cuda.memory._record_memory_history``) over one
+step of each peer of ``benchmarks/grouped_mlp.py`` and prints, at the step's peak, the live
+blocks allocated during the step by size, each with the innermost Python frame of this
+repository that allocated it (memory live before the step, e.g. inputs and parameters, is one
+line).
+
+Usage::
+
+    python benchmarks/peak_memory_breakdown.py --shapes E32_T32768_H7168_FF2048 \
+        --peers torch_grouped_mm,te_ops_fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_override, free_memory  # noqa: E402
+from grouped_mlp import PEER_CLASSES, SHAPES, make_problem  # noqa: E402
+
+_MIB = 2**20
+
+
+def _where(frames: list[dict]) -> str:
+    for f in frames:
+        name = f.get("filename", "")
+        if ("te_ops" in name or "benchmarks" in name) and "peak_memory" not in name:
+            return f"{os.path.basename(name)}:{f.get('line')}({f.get('name')})"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+def breakdown(peer_name: str, problem, top: int) -> list[str]:
+    peer = PEER_CLASSES[peer_name](problem)
+    params = peer.parameters()
+    x, probs, dy = problem.x, problem.probs, problem.dy
+
+    def step() -> None:
+        x.grad = None
+        probs.grad = None
+        for p in params:
+            p.grad = None
+        peer.forward(x, probs).backward(dy)
+
+    with env_override(**peer.env):
+        step()  # warm up (kernels compiled, probes run)
+        x.grad = None
+        probs.grad = None
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    cur = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for ev in snap["device_traces"][0]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _where(ev.get("frames", [])))
+            cur += ev["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])[0]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    lines = [f"## {problem.name} {peer_name}: before the step {before / _MIB:.0f} MiB "
+             f"(parameters {param_bytes / _MIB:.0f}), peak {(before + peak) / _MIB:.0f} MiB "
+             f"(step's own {peak / _MIB:.0f})"]
+    by_site: dict[str, list[int]] = {}
+    for size, site in at_peak.values():
+        by_site.setdefault(site, []).append(size)
+    for site, sizes in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(sizes) / _MIB:9.1f} MiB  {len(sizes):3d} blocks  {site}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--peers", default="torch_grouped_mm,te_ops_fused")
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    for name in args.shapes.split(","):
+        problem = make_problem(name, SHAPES[name], torch.device("cuda"), torch.bfloat16, 0)
+        for peer in args.peers.split(","):
+            print("\n".join(breakdown(peer, problem, args.top)), flush=True)
+            free_memory()
+        del problem
+        free_memory()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
