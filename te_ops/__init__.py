@@ -2,6 +2,7 @@
 
 from . import env, fused, graphs, ir, quantization, recipe  # importing fused registers the fusions
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
+from .compile import compile_unsupported_reason
 from .fuser import (
     OperationFuser,
     register_backward_fusion,
@@ -28,6 +29,7 @@ __all__ = [
     "Sequential",
     "SwiGLU",
     "autocast",
+    "compile_unsupported_reason",
     "env",
     "fused",
     "graphs",

@@ -387,6 +387,10 @@ class OperationFuser:
         return cached[1]
 
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
+        if torch.compiler.is_compiling():  # the compile gate (te_ops/compile.py)
+            from .compile import graph_break_for
+
+            return graph_break_for(self, input_, extra_inputs, recipe)
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         _check_autocast(input_)
