@@ -1,29 +1,41 @@
-"""te_ops under ``torch.compile``: the gate that names why a block is not traced whole.
+"""te_ops under ``torch.compile``: the whole op list as one graph call, and the gate.
 
-Status (see ``docs/torch_compile.md``): the te_ops op list does not yet trace as one graph.
-Under ``torch.compile`` every te_ops fuser call asks :func:`compile_unsupported_reason`, calls
-``torch._dynamo.graph_break(msg=reason)`` (so ``fullgraph=True`` raises an error carrying the
-reason) and runs the op list eagerly, outside the graph, with a one-time warning per reason.
-The code around the block (router, attention, loss) still compiles, in the graphs on either
-side of the break. Nothing falls back silently.
+While Dynamo traces ``OperationFuser.__call__`` (``torch.compiler.is_compiling()``), the call
+goes to :func:`compiled_call`:
+
+* The gate (:func:`compile_unsupported_reason`, computed from facts Dynamo traces and guards)
+  names why a call cannot be traced whole; then te_ops calls
+  ``torch._dynamo.graph_break(msg=reason)`` (with ``fullgraph=True`` the error carries the
+  reason) and runs the call eagerly with a one-time warning. Nothing falls back silently.
+* Otherwise the op list enters the graph as one call of :func:`_run_block`, an
+  ``allow_in_graph`` function. Dynamo records it as one node; AOTAutograd runs it on fake
+  tensors at trace time: the fuser plans then (the plan is baked into the graph), the
+  fused/unfused ops and the one ``torch.autograd.Function`` run as Python, and only torch ops
+  and te_ops' custom ops (``te_ops/kernels/compiled_ops.py``, ``triton_op`` kernels) are
+  recorded, forward and backward. The kernels are the same as eager, so results are
+  bit-identical.
+
+Guards: Dynamo guards the call's tensors (dtype, device, shape, ``requires_grad``), grad
+mode, the split-size kind (tensor / host list; host ints become SymInts after the first
+change), the values of every ``TE_OPS_*`` variable (read with ``os.environ.get`` in the
+traced frame and passed as a constant) and the ops' identity. A change retraces.
+See docs/torch_compile.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from typing import Any
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 
-__all__ = ["compile_unsupported_reason", "EAGER_WARNING", "TRACE_REASON", "warn_eager_once"]
+from . import env
+from .quantization.autocast import ACTIVE as ACTIVE_RECIPES
 
-#: Why no te_ops fuser call is traced whole today (the last, always-present reason).
-TRACE_REASON = (
-    "te_ops runs its op list eagerly under torch.compile: the fuser's planning (the "
-    "te_ops.autocast recipe held in a ContextVar, TE_OPS_* reads, the plan cache) and the ops' "
-    "saved-context objects are Python that Dynamo does not trace, and the whole-block custom "
-    "ops that would hide them (issue 8) are not built yet"
-)
+__all__ = ["compile_unsupported_reason", "compiled_call", "EAGER_WARNING", "warn_eager_once"]
 
 #: The one-time warning when a te_ops block runs eagerly inside a compiled region.
 EAGER_WARNING = "te_ops: {where} runs eagerly under torch.compile (graph break): {reason}"
@@ -43,22 +55,39 @@ def _check_module(module: Any) -> None:
         )
 
 
-def _call_reasons(input_: Any, extra_inputs: tuple) -> list[str]:
-    """Configuration-specific reasons for one call, from facts Dynamo can trace (types,
-    dtypes, devices): the gate runs inside the traced frame, before the graph break."""
+def _call_reasons(input_: Any, extra_inputs: tuple, recipe: Any = None) -> list[str]:
+    """Why one call cannot be traced whole, from facts Dynamo can trace and guard (types, an
+    environment variable, a plain list): the gate runs inside the traced frame."""
     reasons = []
-    if any(isinstance(v, (list, tuple)) for v in extra_inputs):
-        reasons.append("split sizes given as a host list (SymInt[] split sizes are not "
-                       "wired through the ops yet)")
-    if (isinstance(input_, torch.Tensor) and input_.device.type == "cpu"
-            and input_.dtype == torch.float32):
-        reasons.append("float32 on CPU: torch._grouped_mm's own fake kernel takes bfloat16 "
-                       "only, and te_ops has no grouped-GEMM custom op with its own fake yet")
+    active = ACTIVE_RECIPES[-1] if ACTIVE_RECIPES else None
+    if recipe is not None or active is not None:
+        name = type(recipe if recipe is not None else active).__name__
+        reasons.append(f"a low-precision recipe ({name}) is active: te_ops' quantizers "
+                       "(amax, scales, the FP8 Triton kernels) are not custom ops yet, run "
+                       "FP8/MXFP8 blocks eagerly or in a CUDA graph (te_ops.graphs)")
+    if not isinstance(input_, torch.Tensor):
+        reasons.append(f"the input is a {type(input_).__name__}, not a tensor")
+    if (_env_value("TE_OPS_CHECK_SPLIT_SIZES") == "1"
+            and any(isinstance(v, torch.Tensor) for v in extra_inputs)):
+        reasons.append("TE_OPS_CHECK_SPLIT_SIZES=1 reads device split sizes on the host "
+                       "(a data-dependent check the trace cannot make)")
     return reasons
 
 
+def _env_value(name: str) -> str | None:
+    """``name``'s value, read so that Dynamo guards it: through ``os.environ``'s underlying
+    dict (torch 2.13's Dynamo does not guard ``os.environ.get``, but guards a dict lookup),
+    so a changed ``TE_OPS_*`` value retraces."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):  # not CPython's POSIX os.environ
+        return os.environ.get(name)
+    value = data.get(name.encode())
+    return None if value is None else value.decode()
+
+
 def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
-    """Why ``module`` called on ``inputs`` cannot be traced whole by ``torch.compile``.
+    """Why ``module`` called on ``inputs`` cannot be traced whole by ``torch.compile``
+    (under the current ``te_ops.autocast`` and ``TE_OPS_*`` settings).
 
     Parameters
     ----------
@@ -71,8 +100,7 @@ def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
     Returns
     -------
     str or None
-        One line naming every reason, most specific first; ``None`` when the call traces
-        whole (never today: the last reason is :data:`TRACE_REASON`).
+        One line naming every reason; ``None`` when the call traces whole.
 
     Raises
     ------
@@ -82,8 +110,7 @@ def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
     _check_module(module)
     input_ = inputs[0] if inputs else None
     reasons = _call_reasons(input_, tuple(inputs[1:]))
-    reasons.append(TRACE_REASON)
-    return "; ".join(reasons)
+    return "; ".join(reasons) if reasons else None
 
 
 def warn_eager_once(where: str, reason: str) -> None:
@@ -96,12 +123,60 @@ def warn_eager_once(where: str, reason: str) -> None:
                   stacklevel=3)
 
 
-def graph_break_for(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
-    """Called by ``OperationFuser.__call__`` while Dynamo traces: an explicit graph break
-    carrying the gate's reason, then the call runs eagerly (warned once)."""
-    reason = compile_unsupported_reason(fuser, input_, *extra_inputs)
-    torch._dynamo.graph_break(msg=f"te_ops: {reason}")
-    return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
+def compiled_call(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
+    """``OperationFuser.__call__`` while ``torch.compile`` traces it.
+
+    Traceable call: the whole op list enters the graph as one call of an ``allow_in_graph``
+    function (:func:`_run_block`); AOTAutograd runs te_ops' Python (planning, fused and unfused
+    ops, the one autograd function) on fake tensors at trace time and records only torch ops
+    and te_ops' custom ops. Otherwise: an explicit graph break carrying the gate's reason, and
+    the call runs eagerly (warned once).
+    """
+    reason = _trace_reason(fuser, input_, extra_inputs, recipe)
+    if reason is not None:
+        torch._dynamo.graph_break(msg=f"te_ops: {reason}")
+        return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
+    params = [p for op in fuser.basic_ops for p in op._parameters.values()]
+    env_values = tuple(_env_value(name) for name in env.ENV_VARS)
+    key = tuple(id(op) for op in fuser.basic_ops)
+    return _run_block(input_, key, len(params), env_values, *params, *extra_inputs)
+
+
+def _fuser_for(key: tuple[int, ...]) -> Any:
+    """The fuser of the traced call's basic ops (kept on the first op, so it lives as long as
+    the ops; its plans are separate from the eager fuser's)."""
+    from .fuser import OperationFuser
+    from .op import LIVE_BASIC_OPS
+
+    ops = [LIVE_BASIC_OPS.get(i) for i in key]
+    if any(op is None for op in ops):
+        raise RuntimeError("te_ops: a traced block's basic op no longer exists")
+    cache = ops[0].__dict__.setdefault("_compile_fusers", {})
+    fuser = cache.get(key)
+    if fuser is None:
+        fuser = cache[key] = OperationFuser(ops)
+    return fuser
+
+
+@torch._dynamo.allow_in_graph
+def _run_block(input_, key, num_params, env_values, *rest):
+    """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
+    the basic ops named by ``key`` (their ids) run through a fuser, with their parameters
+    replaced by the graph's parameter inputs."""
+    del env_values  # a graph constant: a changed TE_OPS_* value retraces (guarded)
+    fuser = _fuser_for(key)
+    params, extra = rest[:num_params], rest[num_params:]
+    it = iter(params)
+    with contextlib.ExitStack() as stack:
+        for op in fuser.basic_ops:
+            swap = {n: next(it) for n in op._parameters}
+            stack.enter_context(_reparametrize_module(op, swap))
+        return fuser._run(input_, *extra)
+
+
+def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:
+    reasons = _call_reasons(input_, extra_inputs, recipe)
+    return "; ".join(reasons) if reasons else None
 
 
 @torch._dynamo.disable

@@ -387,10 +387,13 @@ class OperationFuser:
         return cached[1]
 
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
-        if torch.compiler.is_compiling():  # the compile gate (te_ops/compile.py)
-            from .compile import graph_break_for
+        if torch.compiler.is_compiling():  # traced by torch.compile: te_ops/compile.py
+            from .compile import compiled_call
 
-            return graph_break_for(self, input_, extra_inputs, recipe)
+            return compiled_call(self, input_, extra_inputs, recipe)
+        return self._run(input_, *extra_inputs, recipe=recipe)
+
+    def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         _check_autocast(input_)

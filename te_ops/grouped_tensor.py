@@ -81,7 +81,9 @@ class GroupedTensorStorage:
         if len(tensor_shape) != 2:
             raise ValueError(f"tensor_shape must have 2 dims, got {tuple(tensor_shape)}")
         self.num_tensors = int(num_tensors)
-        self.tensor_shape = (int(tensor_shape[0]), int(tensor_shape[1]))
+        # SymInts (torch.compile with dynamic token counts) stay symbolic.
+        self.tensor_shape = tuple(v if isinstance(v, torch.SymInt) else int(v)
+                                  for v in tensor_shape)
         self.dtype = dtype
         self._split = split_sizes is not None or base_offsets is not None
         if split_sizes is not None:

@@ -13,6 +13,7 @@ fuser_forward split, one context per basic op, extra inputs and outputs per op).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -98,6 +99,10 @@ class FusibleOperation(torch.nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
 
 
+#: Every live basic op by ``id()``: a traced te_ops call names its ops by id (a graph constant).
+LIVE_BASIC_OPS: weakref.WeakValueDictionary[int, BasicOperation] = weakref.WeakValueDictionary()
+
+
 class BasicOperation(FusibleOperation):
     """One step of math with its own parameters.
 
@@ -105,6 +110,10 @@ class BasicOperation(FusibleOperation):
     :meth:`op_backward`; others override :meth:`fuser_forward` / :meth:`fuser_backward`.
     Calling a basic op directly (``op(x, *extra_inputs)``) runs it through a one-op fuser.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        LIVE_BASIC_OPS[id(self)] = self  # torch.compile finds the op by id (te_ops/compile.py)
 
     #: Number of extra tensor (or split-size list) inputs that follow the main input.
     num_extra_inputs: int = 0

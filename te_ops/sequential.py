@@ -86,6 +86,7 @@ class Sequential(torch.nn.Module):
         for name, m in zip(names, modules):
             self.add_module(name, m)
         self.__dict__["_fuser_groups"] = None
+        self._groups()  # built now, not inside a torch.compile trace (which would recompile)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -190,7 +191,9 @@ class Sequential(torch.nn.Module):
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() make new parameters
         self.__dict__["_fuser_groups"] = None
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        self._groups()  # built now, not inside a torch.compile trace (which would recompile)
+        return out
 
     def signature(self) -> CallSignature:
         """The call signature over every fuser's basic ops (built with the fusers)."""

@@ -211,7 +211,7 @@ def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
             f"{name} must have num_groups={num_groups} entries, got {len(split_sizes)}"
         )
     for i, v in enumerate(split_sizes):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        if isinstance(v, bool) or not isinstance(v, (numbers.Integral, torch.SymInt)):
             raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} ({v!r})")
         if v < 0:
             raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
@@ -262,9 +262,11 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
             )
         has_padding = None
     else:
-        host_sizes = [int(v) for v in split_sizes]
+        # SymInts (torch.compile's symbolic host split sizes) stay symbolic: int() would
+        # specialize the graph to one distribution.
+        host_sizes = [v if isinstance(v, torch.SymInt) else int(v) for v in split_sizes]
         _check_host(host_sizes, num_rows, name)
-        sizes = torch.tensor(host_sizes, dtype=torch.int64, device=device)
+        sizes = _host_tensor(host_sizes, device)
         has_padding = sum(host_sizes) < num_rows
         ends = torch.cumsum(sizes, 0)
     base_offsets = torch.cat([ends.new_zeros(1), ends])
@@ -279,6 +281,14 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding=has_padding,
         source=split_sizes if host_sizes is None else None,
     )
+
+
+def _host_tensor(host_sizes: list, device: torch.device) -> torch.Tensor:
+    """(G,) int64 on ``device`` from host ints, or from SymInts while traced."""
+    if any(isinstance(v, torch.SymInt) for v in host_sizes):
+        return torch.stack([torch.scalar_tensor(v, dtype=torch.int64, device=device)
+                            for v in host_sizes])
+    return torch.tensor(host_sizes, dtype=torch.int64, device=device)
 
 
 def _check_whole(sizes: list[float], name: str) -> None:

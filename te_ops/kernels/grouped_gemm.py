@@ -32,6 +32,7 @@ import torch
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
+from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
 from .padding import padding_backend, zero_padding_rows_
 
 __all__ = [
@@ -63,7 +64,19 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
         return _PROBE_CACHE[key]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "torch._grouped_mm was not probed before CUDA graph capture (run once eagerly)"
-    reason: str | None = None
+    if tracing():  # probe with real tensors, outside the fake/proxy modes of a trace
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        with torch._subclasses.fake_tensor.unset_fake_temporarily(), \
+                disable_proxy_modes_tracing():
+            reason = _run_probe(device, dtype)
+    else:
+        reason = _run_probe(device, dtype)
+    _PROBE_CACHE[key] = reason
+    return reason
+
+
+def _run_probe(device: torch.device, dtype: torch.dtype) -> str | None:
     try:
         a = torch.zeros(32, 16, device=device, dtype=dtype)
         b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
@@ -71,11 +84,10 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
         torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
         torch._grouped_mm(a.t(), a[:, :16], offs=offs)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        reason = f"torch._grouped_mm does not run for {dtype} on {device.type}: " + (
+        return f"torch._grouped_mm does not run for {dtype} on {device.type}: " + (
             str(exc).splitlines()[0][:200]
         )
-    _PROBE_CACHE[key] = reason
-    return reason
+    return None
 
 
 def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_features: int,
@@ -179,7 +191,7 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     w0 = weights[0]
     n = len(weights)
     step = w0.numel() * w0.element_size()
-    if w0.device.type != "meta" and w0.is_contiguous():
+    if w0.device.type != "meta" and w0.is_contiguous() and not tracing():
         # Checked every call (parameters can be re-pointed), with C-level loops: the host cost
         # matters at 64-128 experts. The full check (shapes, contiguity) is remembered per
         # (tensor ids, data pointers, first/last shape); no tensor is kept alive by the memo.
@@ -229,15 +241,9 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
-        out = torch._grouped_mm(x, weights.transpose(-2, -1), offs=splits.offsets)
+        out = grouped_mm(x, weights.transpose(-2, -1), splits.offsets)
         return _zero_padding(out, splits)
-    out = x.new_zeros(x.shape[0], weights.shape[1])
-    start = 0
-    for g, m in enumerate(splits.sizes_on_host()):
-        if m:
-            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
-        start += m
-    return out
+    return _loop("fprop", x, weights, splits)
 
 
 def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
@@ -251,15 +257,9 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     if backend.name == "grouped_mm":
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
-        out = torch._grouped_mm(dy, weights, offs=splits.offsets)
+        out = grouped_mm(dy, weights, splits.offsets)
         return _zero_padding(out, splits)
-    out = dy.new_zeros(dy.shape[0], weights.shape[2])
-    start = 0
-    for g, m in enumerate(splits.sizes_on_host()):
-        if m:
-            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
-        start += m
-    return out
+    return _loop("dgrad", dy, weights, splits)
 
 
 def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
@@ -273,11 +273,53 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
-        return torch._grouped_mm(dy.t(), x, offs=splits.offsets)
-    out = x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
+        return grouped_mm(dy.t(), x, splits.offsets)
+    return _loop("wgrad", x, dy, splits)
+
+
+def _loop(kind: str, a: torch.Tensor, b: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
+    """The loop backend. Traced with device split sizes, it runs as the custom op
+    ``te_ops::grouped_mm_loop`` (the host read happens inside the op, at run time); with host
+    split sizes (SymInts) as ``te_ops::grouped_mm_loop_host``, so the graph is not
+    specialized to which groups are empty."""
+    if tracing():
+        if splits.host_sizes is None:
+            return grouped_mm_loop(a, b, splits.split_sizes, kind)
+        return grouped_mm_loop_host(a, b, list(splits.host_sizes), kind)
+    return LOOP_GEMMS[kind](a, b, splits.sizes_on_host())
+
+
+def loop_fprop(x: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x (M, K), weights (G, N, K), host sizes -> (M, N), one ``torch.mm`` per group."""
+    out = x.new_zeros(x.shape[0], weights.shape[1])
     start = 0
-    for g, m in enumerate(splits.sizes_on_host()):
+    for g, m in enumerate(sizes):
+        if m:
+            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
+        start += m
+    return out
+
+
+def loop_dgrad(dy: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """dy (M, N), weights (G, N, K), host sizes -> (M, K)."""
+    out = dy.new_zeros(dy.shape[0], weights.shape[2])
+    start = 0
+    for g, m in enumerate(sizes):
+        if m:
+            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
+        start += m
+    return out
+
+
+def loop_wgrad(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x (M, K), dy (M, N), host sizes -> (G, N, K)."""
+    out = x.new_zeros(len(sizes), dy.shape[1], x.shape[1])
+    start = 0
+    for g, m in enumerate(sizes):
         if m:
             torch.mm(dy[start:start + m].t(), x[start:start + m], out=out[g])
         start += m
     return out
+
+
+LOOP_GEMMS = {"fprop": loop_fprop, "dgrad": loop_dgrad, "wgrad": loop_wgrad}

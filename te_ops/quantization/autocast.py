@@ -14,6 +14,10 @@ __all__ = ["autocast", "current_recipe", "quantize_operand"]
 _RECIPE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("te_ops_recipe",
                                                                         default=None)
 
+#: The enabled recipes of the open ``autocast`` blocks, innermost last (a plain list that
+#: torch.compile can read and guard; the ContextVar above is the source of truth).
+ACTIVE: list[Recipe | None] = []
+
 
 @contextmanager
 def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[None]:
@@ -39,9 +43,11 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Non
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a te_ops.recipe.Recipe, got {type(recipe).__name__}")
     token = _RECIPE.set(recipe if enabled else None)
+    ACTIVE.append(recipe if enabled else None)
     try:
         yield
     finally:
+        ACTIVE.pop()
         _RECIPE.reset(token)
 
 
