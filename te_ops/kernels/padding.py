@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .compiled_ops import tracing
+
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
     import triton.language as tl
@@ -39,7 +41,7 @@ def padding_backend(out: torch.Tensor) -> str:
     ``mask``."""
     if out.device.type == "cuda" and triton is not None and out.dim() == 2 and out.stride(1) == 1:
         return "triton"
-    if out.device.type == "cpu" and not torch.compiler.is_compiling():
+    if out.device.type == "cpu" and not tracing():
         return "slice"
     return "mask"
 
@@ -72,7 +74,7 @@ def zero_padding_rows_(out: torch.Tensor, offsets: torch.Tensor,
         return out
     path = padding_backend(out)
     if path == "triton":
-        if torch.compiler.is_compiling():
+        if tracing():
             torch.ops.te_ops.zero_rows_past_total_(out, offsets)
         else:  # eager: launch directly (the custom-op dispatch cost ~0.2 ms of host per call)
             _launch(out, offsets)

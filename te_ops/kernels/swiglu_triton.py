@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
+from .compiled_ops import tracing
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -140,7 +141,16 @@ def _block(F: int) -> int:
 
 
 def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """Triton ``SiLU(a) * b (* probs)``. Shapes: x (..., 2F) contiguous, probs (...) -> (..., F)."""
+    """Triton ``SiLU(a) * b (* probs)``. Shapes: x (..., 2F) contiguous, probs (...) -> (..., F).
+
+    Eager calls launch the kernel directly; under a ``torch.compile`` trace the call is the
+    ``triton_op`` ``te_ops::swiglu_forward`` (same kernel)."""
+    if tracing():
+        return torch.ops.te_ops.swiglu_forward(x, probs)
+    return _forward(x, probs, _fwd_kernel)
+
+
+def _forward(x: torch.Tensor, probs: torch.Tensor | None, kernel) -> torch.Tensor:
     F = x.shape[-1] // 2
     rows = x.numel() // max(x.shape[-1], 1)
     out = torch.empty(*x.shape[:-1], F, device=x.device, dtype=x.dtype)
@@ -148,8 +158,7 @@ def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
         return out
     block = _block(F)
     p = probs.contiguous() if probs is not None else x
-    _fwd_kernel[(rows, triton.cdiv(F, block))](x, p, out, F, HAS_P=probs is not None,
-                                               BLOCK=block)
+    kernel[(rows, triton.cdiv(F, block))](x, p, out, F, HAS_P=probs is not None, BLOCK=block)
     return out
 
 
@@ -160,7 +169,16 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Ten
     Shapes: x (..., 2F), grad_output (..., F), probs (...); ``grad_probs`` has probs' dtype.
     With ``grad_into_input=True`` ``grad_x`` is written over ``x`` (each program reads a row's
     values before writing that row's gradient), saving one (..., 2F) buffer; ``x`` is lost.
+    Under a ``torch.compile`` trace the call is the ``triton_op`` ``te_ops::swiglu_backward``
+    (same kernel, ``grad_x`` always a new buffer: a custom op returns no alias of an input).
     """
+    if tracing():
+        dx, dp, out = torch.ops.te_ops.swiglu_backward(x, grad_output, probs, write_output)
+        return dx, (dp if probs is not None else None), (out if write_output else None)
+    return _backward(x, grad_output, probs, write_output, grad_into_input, _bwd_kernel)
+
+
+def _backward(x, grad_output, probs, write_output, grad_into_input, kernel):
     F = x.shape[-1] // 2
     rows = x.numel() // max(x.shape[-1], 1)
     dy = grad_output.contiguous()
@@ -172,6 +190,25 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Ten
             dp.zero_()
         return dx.zero_(), dp, out
     p = probs.contiguous() if probs is not None else x
-    _bwd_kernel[(rows,)](x, dy, p, dx, dp if dp is not None else x, out if out is not None else x,
-                         F, HAS_P=probs is not None, WRITE_OUT=write_output, BLOCK=_block(F))
+    kernel[(rows,)](x, dy, p, dx, dp if dp is not None else x, out if out is not None else x,
+                    F, HAS_P=probs is not None, WRITE_OUT=write_output, BLOCK=_block(F))
     return dx, dp, out
+
+
+if triton is not None:
+
+    @torch.library.triton_op("te_ops::swiglu_forward", mutates_args={})
+    def _swiglu_forward_op(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """:func:`swiglu_forward` as an op; the body (run on FakeTensors) is also the fake."""
+        return _forward(x, probs, torch.library.wrap_triton(_fwd_kernel))
+
+    @torch.library.triton_op("te_ops::swiglu_backward", mutates_args={})
+    def _swiglu_backward_op(x: torch.Tensor, grad_output: torch.Tensor,
+                            probs: torch.Tensor | None, write_output: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`swiglu_backward` as an op: ``(grad_x, grad_probs, output)``, the last two
+        0-element when absent (an op returns tensors only)."""
+        dx, dp, out = _backward(x, grad_output, probs, write_output, False,
+                                torch.library.wrap_triton(_bwd_kernel))
+        return (dx, dp if dp is not None else x.new_empty(0),
+                out if out is not None else x.new_empty(0))
