@@ -10,6 +10,7 @@ from .fuser import (
 )
 from .grouped_tensor import GroupedTensor, GroupedTensorStorage
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .routing import PermutedTokens, permute, unpermute
 from .sequential import Sequential
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Identity",
     "OperationContext",
     "OperationFuser",
+    "PermutedTokens",
     "ScaledSwiGLU",
     "Sequential",
     "SwiGLU",
@@ -30,9 +32,11 @@ __all__ = [
     "fused",
     "graphs",
     "ir",
+    "permute",
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",
+    "unpermute",
 ]
 
 __version__ = "0.1.0"

@@ -70,18 +70,6 @@ def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
 
 
 # ---------------------------------------------------------------------------------- model
-def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``torch.bincount(expert_ids, minlength=num_experts)``, without a host sync on CUDA.
-
-    CUDA's ``bincount`` reads the largest id back to the host to size its output; there the
-    same counts come from a ``scatter_add_`` into ``num_experts`` zeros instead.
-    """
-    if expert_ids.device.type == "cpu":
-        return torch.bincount(expert_ids, minlength=num_experts)
-    counts = expert_ids.new_zeros(num_experts)
-    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-
-
 class MoEBlock(nn.Module):
     """Top-k routed experts; the expert MLPs run as one te_ops grouped MLP.
 
@@ -109,16 +97,13 @@ class MoEBlock(nn.Module):
         probs = torch.softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
         top_p, top_e = probs.topk(self.top_k, dim=-1)  # (T, k)
         top_p = top_p / top_p.sum(-1, keepdim=True)
-        expert_ids = top_e.reshape(-1)  # (T*k,): pair i belongs to token i // k
-        order = torch.argsort(expert_ids, stable=True)
-        token_of_pair = order // self.top_k
-        split_sizes = tokens_per_expert(expert_ids, self.num_experts)  # (E,) int64, on device
+        routed = te_ops.permute(tokens, top_e, top_p, self.num_experts)  # sorted by expert
+        split_sizes = routed.split_sizes  # (E,) int64, on device
         experts = self.graphed if self.graphed is not None and self.training else self.experts
-        y = experts(tokens[token_of_pair], split_sizes,
-                    top_p.reshape(-1)[order].to(x.dtype), split_sizes)
-        out = torch.zeros_like(tokens).index_add_(0, token_of_pair, y)
+        y = experts(routed.x, split_sizes, routed.probs.to(x.dtype), split_sizes)
+        out = te_ops.unpermute(y, routed.token_index, tokens.shape[0])
         # Switch-Transformer load balancing: E * sum_e (share of pairs on e) * (mean prob of e).
-        share = split_sizes.float() / expert_ids.numel()
+        share = split_sizes.float() / top_e.numel()
         aux = self.num_experts * (share * probs.mean(0)).sum()
         return out.view_as(x), aux
 
