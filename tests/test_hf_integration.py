@@ -307,3 +307,29 @@ def test_to_hf_state_dict_errors_name_the_argument():
 def test_model_without_experts_is_refused():
     with pytest.raises(ValueError, match="model: Linear has no transformers experts module"):
         te_hf.use_te_ops(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------------- main job
+def test_main_job_hf_model_trains_both_and_final_losses_agree(tmp_path, monkeypatch):
+    from te_ops.examples import train_moe
+
+    monkeypatch.setenv("TE_OPS_EXAMPLE_PROGRESS", "0")
+    tiny = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--layers", "1",
+            "--d-model", "32", "--heads", "2", "--experts", "4", "--top-k", "2", "--ffn", "16",
+            "--eval-every", "2", "--eval-batches", "1", "--seed", "3"]
+    metrics = train_moe.main([*tiny, "--hf-model", "qwen3_moe", "--out-dir", str(tmp_path)])
+    runs = metrics["runs"]
+    assert set(runs) == {"te_ops", "eager"}
+    for r in runs.values():
+        assert [e["step"] for e in r["evals"]] == [2, 4]
+        assert all(e["train_loss"] == e["train_loss"] for e in r["evals"])  # not NaN
+    assert metrics["final_val_loss_rel_diff"] < 0.01
+    assert metrics["fusions"]["forward"] == ["ForwardGroupedMLP"]
+    assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "metrics.json").exists()
+
+
+def test_main_job_hf_model_rejects_cuda_graph():
+    from te_ops.examples import train_moe
+
+    with pytest.raises(SystemExit):
+        train_moe.main(["--hf-model", "mixtral", "--cuda-graph"])

@@ -187,7 +187,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture each layer's expert block (forward and backward) in CUDA "
                         "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
+    p.add_argument("--hf-model", choices=("mixtral", "qwen3_moe"), default=None,
+                   help="instead of the te_ops model, train a tiny Hugging Face transformers "
+                        "model of that family (same sizes, from a config) twice: with te_ops "
+                        "experts and with HF's eager experts, and report both loss curves "
+                        "(needs transformers>=5: pip install 'te_ops[hf]')")
     args = p.parse_args(argv)
+    if args.hf_model and args.cuda_graph:
+        p.error("--cuda-graph does not apply to --hf-model")
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
                  "top_k", "ffn", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
@@ -306,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--cuda-graph needs --device cuda")
     with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
         torch.manual_seed(args.seed)
+        if args.hf_model:
+            from .hf_moe import run as run_hf_model
+
+            return run_hf_model(args, start)
         metrics = train_and_report(args, start)
     return metrics
 
