@@ -81,7 +81,7 @@ def build(name: str, args: argparse.Namespace, implementation: str, device: torc
 
 def run(args: argparse.Namespace, start: float) -> dict[str, Any]:
     """Train with te_ops experts, then with HF eager experts; write metrics and a plot."""
-    from te_ops.integrations.transformers import _BLOCK_KEY
+    from te_ops.integrations.transformers import experts_block
 
     from . import train_moe as job
 
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace, start: float) -> dict[str, Any]:
                       "train_tokens_per_s": args.steps * args.batch_size * args.seq_len
                       / train_time}
         if impl == "te_ops":
-            experts = next(m for m in model.modules() if _BLOCK_KEY in vars(m))
-            explain_text, fusions = job.fusion_summary(vars(experts)[_BLOCK_KEY], args.d_model,
+            experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+            explain_text, fusions = job.fusion_summary(experts_block(experts), args.d_model,
                                                        device, dtype)
     rel = abs(runs["te_ops"]["final_val_loss"] - runs["eager"]["final_val_loss"]) / abs(
         runs["eager"]["final_val_loss"])

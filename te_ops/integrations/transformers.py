@@ -46,6 +46,7 @@ from ..sequential import Sequential
 __all__ = [
     "IMPLEMENTATION",
     "LAYOUTS",
+    "experts_block",
     "experts_forward",
     "from_hf_experts",
     "register",
@@ -285,8 +286,14 @@ def to_hf_state_dict(block: Sequential, layout: str = "packed", prefix: str = ""
 
 
 # ------------------------------------------------------------------------------- HF interface
-def _cached_block(module: nn.Module) -> Sequential:
-    """The te_ops block on this module's own Parameters (rebuilt when HF swaps them)."""
+def experts_block(module: nn.Module) -> Sequential:
+    """The te_ops block that runs this HF packed experts module, on its own Parameters.
+
+    Built on first use and kept in the module's ``__dict__`` (not a submodule: ``state_dict``
+    and ``parameters()`` do not change); rebuilt when HF replaces ``gate_up_proj`` or
+    ``down_proj`` (e.g. ``from_pretrained`` loading into new Parameters). Raises ``ValueError``
+    with the reason when te_ops cannot run the module.
+    """
     block = module.__dict__.get(_BLOCK_KEY)
     if (block is None or block[0].weight is not module.gate_up_proj
             or block[2].weight is not module.down_proj):
@@ -322,7 +329,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     ValueError
         The module cannot run on te_ops (reason given).
     """
-    block = _cached_block(module)
+    block = experts_block(module)
     routed = permute(hidden_states, top_k_index, top_k_weights, module.num_experts)
     y = block(routed.x, routed.split_sizes, routed.probs, routed.split_sizes)
     return unpermute(y, routed.token_index, hidden_states.shape[0])
