@@ -334,3 +334,40 @@ def test_main_job_hf_model_rejects_cuda_graph():
 
     with pytest.raises(SystemExit):
         train_moe.main(["--hf-model", "mixtral", "--cuda-graph"])
+
+
+def test_te_ops_experts_forward_reads_no_device_value(monkeypatch):
+    """The meta-device graph-safety proof (tests/test_graph_safety.py) for the HF path."""
+    monkeypatch.setenv("TE_OPS_GRAPH_SAFE", "1")  # a host-syncing fallback raises
+    config_cls, _, extra = FAMILIES["mixtral"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    with torch.device("meta"):
+        experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+    experts.to(torch.bfloat16)  # bf16 experts, fp32 routing weights (as Mixtral's router gives)
+    x = torch.empty(10, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.empty(10, 2, device="meta", dtype=torch.float32, requires_grad=True)
+    index = torch.empty(10, 2, device="meta", dtype=torch.int64)
+    out = te_hf.experts_forward(experts, x, index, weights)
+    out.backward(torch.empty_like(out))
+    assert out.shape == (10, 32) and out.dtype == torch.bfloat16 and x.grad.shape == x.shape
+    assert weights.grad.shape == (10, 2) and weights.grad.dtype == torch.float32
+    assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape
+
+
+def test_bf16_model_with_fp32_routing_weights_matches_eager_to_bf16_tolerance():
+    """Mixtral's router gives fp32 weights to bf16 experts: te_ops takes them as they are and
+    returns their gradient in fp32; results agree with HF's to bf16 rounding."""
+    model = make_model("mixtral", torch.bfloat16)
+    te_hf.use_te_ops(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for impl in ("eager", "te_ops"):
+        model.set_experts_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        results[impl] = (out.logits.detach().float(), model.model.layers[0].mlp.gate.weight.grad,
+                         model.model.layers[0].mlp.experts.gate_up_proj.grad)
+    for te, ref in zip(results["te_ops"], results["eager"]):
+        assert te.dtype == ref.dtype
+        assert rel(te.float(), ref.float()) < 2e-2
