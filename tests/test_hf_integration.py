@@ -371,3 +371,16 @@ def test_bf16_model_with_fp32_routing_weights_matches_eager_to_bf16_tolerance():
     for te, ref in zip(results["te_ops"], results["eager"]):
         assert te.dtype == ref.dtype
         assert rel(te.float(), ref.float()) < 2e-2
+
+
+def test_per_group_te_ops_block_exports_to_every_layout():
+    import te_ops
+
+    block = te_ops.Sequential(te_ops.GroupedLinear(3, 8, 12, bias=False), te_ops.ScaledSwiGLU(),
+                              te_ops.GroupedLinear(3, 6, 8, bias=False))
+    packed = te_hf.to_hf_state_dict(block)
+    assert torch.equal(packed["gate_up_proj"][2], block[0].weight2)
+    assert torch.equal(packed["down_proj"][1], block[2].weight1)
+    per_expert = te_hf.to_hf_state_dict(block, "gate_up_down")
+    assert torch.equal(per_expert["2.gate_proj.weight"], block[0].weight2[:6])
+    assert torch.equal(per_expert["2.up_proj.weight"], block[0].weight2[6:])
