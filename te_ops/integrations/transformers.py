@@ -109,9 +109,9 @@ def _per_expert_layout(experts: Any) -> str | None:
 
 def _packed_reason(module: nn.Module) -> str | None:
     name = type(module).__name__
-    from_default_gate = getattr(type(module), "_apply_gate", None)
-    if from_default_gate is not None and from_default_gate.__name__ != "_default_apply_gate":
-        return (f"{name} has its own gate function {from_default_gate.__qualname__} (e.g. "
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None and gate_fn.__name__ != "_default_apply_gate":
+        return (f"{name} has its own gate function {gate_fn.__qualname__} (e.g. "
                 "GPT-OSS's clamped GLU: (clamp(up) + 1) * gate * sigmoid(alpha * gate)), which "
                 "te_ops' SwiGLU (SiLU(gate) * up) cannot express")
     flags = {"has_gate": (False, "has no gate projection (up_proj only)"),
