@@ -13,6 +13,9 @@ pairs by expert and runs all experts at once through
 
 with the per-expert token counts as a device tensor (no host sync in the MoE block).
 
+``--hf-model {mixtral,qwen3_moe}`` trains a tiny Hugging Face transformers model of the same
+sizes instead, with te_ops experts and with HF's eager experts (see ``hf_moe.py``).
+
 Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
 split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
 curve to ``--out-dir/loss.png``. ``TE_OPS_EXAMPLE_PROGRESS=0`` hides the progress bar.
