@@ -12,6 +12,7 @@ from .fuser import (
 from .grouped_tensor import GroupedTensor, GroupedTensorStorage
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .quantization import autocast
+from .routing import PermutedTokens, permute, unpermute
 from .sequential import Sequential
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Identity",
     "OperationContext",
     "OperationFuser",
+    "PermutedTokens",
     "ScaledSwiGLU",
     "Sequential",
     "SwiGLU",
@@ -36,9 +38,11 @@ __all__ = [
     "ir",
     "quantization",
     "recipe",
+    "permute",
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",
+    "unpermute",
 ]
 
 __version__ = "0.1.0"

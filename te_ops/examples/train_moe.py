@@ -13,6 +13,9 @@ pairs by expert and runs all experts at once through
 
 with the per-expert token counts as a device tensor (no host sync in the MoE block).
 
+``--hf-model {mixtral,qwen3_moe}`` trains a tiny Hugging Face transformers model of the same
+sizes instead, with te_ops experts and with HF's eager experts (see ``hf_moe.py``).
+
 Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
 split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
 curve to ``--out-dir/loss.png``. ``TRAIN_MOE_PROGRESS=0`` (this script's own variable) hides the
@@ -71,18 +74,6 @@ def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
 
 
 # ---------------------------------------------------------------------------------- model
-def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``torch.bincount(expert_ids, minlength=num_experts)``, without a host sync on CUDA.
-
-    CUDA's ``bincount`` reads the largest id back to the host to size its output; there the
-    same counts come from a ``scatter_add_`` into ``num_experts`` zeros instead.
-    """
-    if expert_ids.device.type == "cpu":
-        return torch.bincount(expert_ids, minlength=num_experts)
-    counts = expert_ids.new_zeros(num_experts)
-    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-
-
 class MoEBlock(nn.Module):
     """Top-k routed experts; the expert MLPs run as one te_ops grouped MLP.
 
@@ -110,16 +101,13 @@ class MoEBlock(nn.Module):
         probs = torch.softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
         top_p, top_e = probs.topk(self.top_k, dim=-1)  # (T, k)
         top_p = top_p / top_p.sum(-1, keepdim=True)
-        expert_ids = top_e.reshape(-1)  # (T*k,): pair i belongs to token i // k
-        order = torch.argsort(expert_ids, stable=True)
-        token_of_pair = order // self.top_k
-        split_sizes = tokens_per_expert(expert_ids, self.num_experts)  # (E,) int64, on device
+        routed = te_ops.permute(tokens, top_e, top_p, self.num_experts)  # sorted by expert
+        split_sizes = routed.split_sizes  # (E,) int64, on device
         experts = self.graphed if self.graphed is not None and self.training else self.experts
-        y = experts(tokens[token_of_pair], split_sizes,
-                    top_p.reshape(-1)[order].to(x.dtype), split_sizes)
-        out = torch.zeros_like(tokens).index_add_(0, token_of_pair, y)
+        y = experts(routed.x, split_sizes, routed.probs.to(x.dtype), split_sizes)
+        out = te_ops.unpermute(y, routed.token_index, tokens.shape[0])
         # Switch-Transformer load balancing: E * sum_e (share of pairs on e) * (mean prob of e).
-        share = split_sizes.float() / expert_ids.numel()
+        share = split_sizes.float() / top_e.numel()
         aux = self.num_experts * (share * probs.mean(0)).sum()
         return out.view_as(x), aux
 
@@ -206,7 +194,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture each layer's expert block (forward and backward) in CUDA "
                         "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
+    p.add_argument("--hf-model", choices=("mixtral", "qwen3_moe"), default=None,
+                   help="instead of the te_ops model, train a tiny Hugging Face transformers "
+                        "model of that family (same sizes, from a config) twice: with te_ops "
+                        "experts and with HF's eager experts, and report both loss curves "
+                        "(needs transformers>=5: pip install 'te_ops[hf]')")
     args = p.parse_args(argv)
+    if args.hf_model and args.cuda_graph:
+        p.error("--cuda-graph does not apply to --hf-model")
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
                  "top_k", "ffn", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
@@ -344,6 +339,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--cuda-graph needs --device cuda")
     with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
         torch.manual_seed(args.seed)
+        if args.hf_model:
+            from .hf_moe import run as run_hf_model
+
+            return run_hf_model(args, start)
         metrics = train_and_report(args, start)
     return metrics
 

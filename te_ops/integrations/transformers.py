@@ -1,0 +1,377 @@
+"""te_ops experts inside Hugging Face transformers mixture-of-experts models.
+
+transformers 5.x stores each MoE layer's routed experts packed in one module (``MixtralExperts``,
+``Qwen2MoeExperts``, ``Qwen3MoeExperts``, ``OlmoeExperts``, ``DeepseekV3Experts``, ...):
+
+- ``gate_up_proj`` (experts, 2 * intermediate, hidden): the gate projection's rows first, then
+  the up projection's;
+- ``down_proj`` (experts, hidden, intermediate);
+
+and computes ``down_proj[e] @ (act_fn(gate) * up)`` times the routing weight. That is te_ops'
+grouped MLP ``GroupedLinear -> ScaledSwiGLU -> GroupedLinear`` with no row reordering: te_ops'
+SwiGLU gates with the *first* half (``SiLU(a) * b``), as HF does. ``GroupedLinear(...,
+single_grouped_weight=True)`` keeps its weight as one (experts, out, in) parameter, exactly HF's
+layout, so the te_ops block here *is given HF's own Parameter objects*: no copy, gradients land
+in HF's parameters and ``state_dict`` / ``save_pretrained`` / ``from_pretrained`` are unchanged.
+
+Switching a model (transformers >= 5, whose experts classes use ``@use_experts_implementation``)::
+
+    from te_ops.integrations.transformers import use_te_ops
+    use_te_ops(model)   # registers "te_ops", checks every experts module, switches the model
+
+or ``register()`` then ``model.set_experts_implementation("te_ops")`` (or
+``from_pretrained(..., experts_implementation="te_ops")``). The routers, the aux loss, shared
+experts and everything else stay HF's.
+
+``from_hf_experts`` / ``to_hf_state_dict`` convert between te_ops blocks and both the 5.x packed
+layout and the 4.x per-expert layouts (``w1``/``w3``/``w2`` in Mixtral, ``gate_proj``/
+``up_proj``/``down_proj`` in Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3).
+
+This module imports transformers only where a function needs it (``register``, ``use_te_ops``);
+``import te_ops`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
+from ..basic.grouped_linear import _SUPPORTED_DTYPES, stacked
+from ..routing import permute, unpermute
+from ..sequential import Sequential
+
+__all__ = [
+    "IMPLEMENTATION",
+    "LAYOUTS",
+    "experts_block",
+    "experts_forward",
+    "from_hf_experts",
+    "register",
+    "to_hf_state_dict",
+    "unsupported_reason",
+    "use_te_ops",
+]
+
+IMPLEMENTATION = "te_ops"
+"""The name under which :func:`register` adds te_ops to transformers' ``ExpertsInterface``."""
+
+LAYOUTS = {
+    "packed": ("gate_up_proj", "down_proj"),  # transformers >= 5: one (E, ...) tensor each
+    "w1_w3_w2": ("w1", "w3", "w2"),  # transformers 4.x Mixtral: gate, up, down per expert
+    "gate_up_down": ("gate_proj", "up_proj", "down_proj"),  # 4.x Qwen2/3-MoE, OLMoE, DeepSeek
+}
+"""Weight layouts: name -> HF parameter names (4.x names: gate, up, down projection)."""
+
+_BLOCK_KEY = "_te_ops_experts_block"  # in the HF module's __dict__: not a submodule
+
+
+# ------------------------------------------------------------------------------- checks
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("te_ops.integrations.transformers needs transformers>=4.57: "
+                          "pip install 'te_ops[hf]'") from exc
+    return transformers
+
+
+def _is_silu(act_fn: Any) -> bool:
+    if isinstance(act_fn, nn.SiLU) or act_fn is nn.functional.silu:
+        return True
+    # transformers' ACT2FN["silu"] is its own SiLUActivation (forward: F.silu).
+    return type(act_fn).__name__ == "SiLUActivation"
+
+
+def _act_reason(module: nn.Module, where: str) -> str | None:
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        return f"{where} has no act_fn; te_ops' SwiGLU computes SiLU(gate) * up only"
+    if not _is_silu(act_fn):
+        name = getattr(act_fn, "__name__", type(act_fn).__name__)
+        return (f"{where} uses activation {name}; te_ops' SwiGLU computes SiLU(gate) * up "
+                f"only (hidden_act must be 'silu')")
+    return None
+
+
+def _per_expert_layout(experts: Any) -> str | None:
+    """The 4.x layout name of a ModuleList of per-expert MLPs, else None."""
+    if not isinstance(experts, nn.ModuleList) or len(experts) == 0:
+        return None
+    for layout in ("w1_w3_w2", "gate_up_down"):
+        if all(isinstance(getattr(e, n, None), nn.Linear) for e in experts
+               for n in LAYOUTS[layout]):
+            return layout
+    return None
+
+
+def _packed_reason(module: nn.Module) -> str | None:
+    name = type(module).__name__
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None and gate_fn.__name__ != "_default_apply_gate":
+        return (f"{name} has its own gate function {gate_fn.__qualname__} (e.g. "
+                "GPT-OSS's clamped GLU: (clamp(up) + 1) * gate * sigmoid(alpha * gate)), which "
+                "te_ops' SwiGLU (SiLU(gate) * up) cannot express")
+    flags = {"has_gate": (False, "has no gate projection (up_proj only)"),
+             "has_bias": (True, "has expert biases (te_ops' HF path maps bias-free experts)"),
+             "is_transposed": (True, "stores transposed weights (E, in, out), not (E, out, in)"),
+             "is_concatenated": (False, "interleaves gate and up rows instead of gate rows "
+                                        "first"),
+             "has_post_expert_norm": (True, "normalizes each expert's output"),
+             "_is_expert_parallel": (True, "is expert-parallel (sentinel routing)")}
+    for flag, (bad, why) in flags.items():
+        if getattr(module, flag, not bad) == bad:
+            return f"{name} {why}"
+    reason = _act_reason(module, name)
+    if reason:
+        return reason
+    w1, w2 = module.gate_up_proj, module.down_proj
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0] or (
+            w1.shape[1] != 2 * w2.shape[2]) or w1.shape[2] != w2.shape[1]:
+        return (f"{name} has gate_up_proj {tuple(w1.shape)} and down_proj {tuple(w2.shape)}; "
+                "expected (E, 2I, H) and (E, H, I)")
+    if w1.dtype not in _SUPPORTED_DTYPES or w2.dtype != w1.dtype:
+        return f"{name} has parameter dtypes {w1.dtype}/{w2.dtype}; te_ops takes one of " \
+               f"{_SUPPORTED_DTYPES}"
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why te_ops cannot run this HF experts module, or ``None`` when it can.
+
+    Accepted: a 5.x packed experts module (``gate_up_proj`` (E, 2I, H), ``down_proj``
+    (E, H, I), SiLU, no bias, default gate), or a 4.x ``nn.ModuleList`` of per-expert MLPs
+    (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` bias-free ``nn.Linear``,
+    SiLU ``act_fn``), or a module holding such a list as ``.experts`` (4.x sparse MoE block).
+    """
+    if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) and isinstance(
+            getattr(module, "down_proj", None), torch.Tensor):
+        return _packed_reason(module)
+    experts = module if isinstance(module, nn.ModuleList) else getattr(module, "experts", None)
+    layout = _per_expert_layout(experts)
+    if layout is None:
+        return (f"{type(module).__name__} is neither a packed experts module (gate_up_proj, "
+                "down_proj) nor a list of per-expert MLPs with w1/w3/w2 or gate_proj/up_proj/"
+                "down_proj nn.Linear layers")
+    for i, expert in enumerate(experts):
+        if any(getattr(expert, n).bias is not None for n in LAYOUTS[layout]):
+            return f"expert {i} ({type(expert).__name__}) has biases; HF MoE experts have none"
+        reason = _act_reason(expert, f"expert {i} ({type(expert).__name__})")
+        if reason:
+            return reason
+    return None
+
+
+def _check(module: nn.Module) -> None:
+    reason = unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(f"module: te_ops cannot run these experts: {reason}")
+
+
+# ------------------------------------------------------------------------------- conversion
+def _block(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+           device: torch.device | str) -> Sequential:
+    return Sequential(
+        GroupedLinear(num_experts, hidden, 2 * intermediate, bias=False,
+                      single_grouped_weight=True, device=device, dtype=dtype),
+        ScaledSwiGLU(),
+        GroupedLinear(num_experts, intermediate, hidden, bias=False,
+                      single_grouped_weight=True, device=device, dtype=dtype))
+
+
+def from_hf_experts(module: nn.Module, *, copy: bool = False) -> Sequential:
+    """A te_ops grouped MLP computing the same experts as an HF experts module.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A 5.x packed experts module, a 4.x ``nn.ModuleList`` of per-expert MLPs, or a 4.x sparse
+        MoE block holding that list as ``.experts`` (see :func:`unsupported_reason`).
+    copy : bool
+        5.x only: False (default) makes the te_ops block use HF's ``gate_up_proj`` /
+        ``down_proj`` Parameter objects themselves (zero-copy; gradients land in HF's
+        parameters); True gives the block its own copies. 4.x weights are always copied (the
+        per-expert tensors are not one buffer).
+
+    Returns
+    -------
+    te_ops.Sequential
+        ``GroupedLinear(E, H, 2I, bias=False, single_grouped_weight=True) -> ScaledSwiGLU ->
+        GroupedLinear(E, I, H, ...)``; fc1's weight (E, 2I, H) holds the gate rows first. Call
+        it as ``block(x, split_sizes, probs, split_sizes)``.
+
+    Raises
+    ------
+    ValueError
+        The module's activation, layout or biases cannot be expressed (the reason is given).
+    """
+    _check(module)
+    if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):
+        w1, w2 = module.gate_up_proj, module.down_proj
+        if copy:
+            w1, w2 = (nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+                      for w in (w1, w2))
+    else:
+        experts = module if isinstance(module, nn.ModuleList) else module.experts
+        names = LAYOUTS[_per_expert_layout(experts)]
+        with torch.no_grad():
+            w1 = nn.Parameter(torch.stack([torch.cat([getattr(e, names[0]).weight,
+                                                      getattr(e, names[1]).weight])
+                                           for e in experts]))
+            w2 = nn.Parameter(torch.stack([getattr(e, names[2]).weight for e in experts]))
+    block = _block(w1.shape[0], w1.shape[2], w2.shape[2], w1.dtype, "meta")
+    block[0].weight, block[2].weight = w1, w2
+    return block
+
+
+def _block_weights(block: Sequential) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = list(block)
+    if (len(ops) != 3 or not isinstance(ops[0], GroupedLinear)
+            or not isinstance(ops[1], SwiGLU) or not isinstance(ops[2], GroupedLinear)):
+        raise ValueError("block must be Sequential(GroupedLinear, (Scaled)SwiGLU, GroupedLinear),"
+                         f" got ({', '.join(type(op).__name__ for op in ops)})")
+    fc1, act, fc2 = ops
+    if fc1.has_bias or fc2.has_bias:
+        raise ValueError("block: HF MoE experts have no biases; got a GroupedLinear with bias")
+    if act.glu_interleave_size is not None:
+        raise ValueError("block: HF stores gate rows first; got glu_interleave_size="
+                         f"{act.glu_interleave_size}")
+    w1 = stacked(fc1.weights(), fc1.single_grouped_weight)
+    w2 = stacked(fc2.weights(), fc2.single_grouped_weight)
+    return w1.detach(), w2.detach()
+
+
+def to_hf_state_dict(block: Sequential, layout: str = "packed", prefix: str = ""
+                     ) -> dict[str, torch.Tensor]:
+    """The experts' weights of a te_ops block under HF's state-dict keys.
+
+    Parameters
+    ----------
+    block : te_ops.Sequential
+        ``GroupedLinear(E, H, 2I) -> ScaledSwiGLU/SwiGLU -> GroupedLinear(E, I, H)``, no biases,
+        halves layout (per-group or single grouped weights).
+    layout : str
+        ``"packed"`` (transformers >= 5: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)),
+        ``"w1_w3_w2"`` (4.x Mixtral: ``{e}.w1.weight`` (I, H) gate, ``{e}.w3.weight`` up,
+        ``{e}.w2.weight`` (H, I) down) or ``"gate_up_down"`` (4.x Qwen2/3-MoE, OLMoE,
+        DeepSeek-V3: ``{e}.gate_proj.weight``, ``{e}.up_proj.weight``, ``{e}.down_proj.weight``).
+    prefix : str
+        Put before every key (e.g. ``"model.layers.0.mlp.experts."``).
+
+    Returns
+    -------
+    dict[str, torch.Tensor]
+        Detached views of the block's weights (no copy), ready for ``load_state_dict``.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``layout`` or a block that is not such a grouped MLP.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    w1, w2 = _block_weights(block)
+    if layout == "packed":
+        return {f"{prefix}gate_up_proj": w1, f"{prefix}down_proj": w2}
+    gate, up, down = LAYOUTS[layout]
+    half = w1.shape[1] // 2
+    out: dict[str, torch.Tensor] = {}
+    for e in range(w1.shape[0]):
+        out[f"{prefix}{e}.{gate}.weight"] = w1[e, :half]
+        out[f"{prefix}{e}.{up}.weight"] = w1[e, half:]
+        out[f"{prefix}{e}.{down}.weight"] = w2[e]
+    return out
+
+
+# ------------------------------------------------------------------------------- HF interface
+def experts_block(module: nn.Module) -> Sequential:
+    """The te_ops block that runs this HF packed experts module, on its own Parameters.
+
+    Built on first use and kept in the module's ``__dict__`` (not a submodule: ``state_dict``
+    and ``parameters()`` do not change); rebuilt when HF replaces ``gate_up_proj`` or
+    ``down_proj`` (e.g. ``from_pretrained`` loading into new Parameters). Raises ``ValueError``
+    with the reason when te_ops cannot run the module.
+    """
+    block = module.__dict__.get(_BLOCK_KEY)
+    if (block is None or block[0].weight is not module.gate_up_proj
+            or block[2].weight is not module.down_proj):
+        block = from_hf_experts(module)
+        module.__dict__[_BLOCK_KEY] = block  # plain attribute: not in state_dict / parameters()
+    return block
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"te_ops"`` experts implementation (the signature of HF's experts forward).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A 5.x packed experts module (``self`` in HF's call).
+    hidden_states : torch.Tensor
+        (tokens, hidden), the parameters' dtype.
+    top_k_index : torch.Tensor
+        (tokens, top_k) integer expert ids.
+    top_k_weights : torch.Tensor
+        (tokens, top_k) routing weights, any float dtype (HF's routers often give fp32 for
+        bf16 models): ScaledSwiGLU multiplies in fp32 (fp64 for fp64) and returns their
+        gradient in their own dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        (tokens, hidden) in ``hidden_states``' dtype: ``sum_k w_k * down(SiLU(gate) * up)``.
+
+    Raises
+    ------
+    ValueError
+        The module cannot run on te_ops (reason given).
+    """
+    block = experts_block(module)
+    routed = permute(hidden_states, top_k_index, top_k_weights, module.num_experts)
+    y = block(routed.x, routed.split_sizes, routed.probs, routed.split_sizes)
+    return unpermute(y, routed.token_index, hidden_states.shape[0])
+
+
+def register() -> None:
+    """Add ``"te_ops"`` (:func:`experts_forward`) to transformers' ``ExpertsInterface``.
+
+    Afterwards ``model.set_experts_implementation("te_ops")`` or
+    ``from_pretrained(..., experts_implementation="te_ops")`` selects it. Idempotent.
+
+    Raises
+    ------
+    ImportError
+        transformers is missing or has no experts interface (it needs transformers >= 5).
+    """
+    _transformers()
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as exc:
+        raise ImportError("register() needs transformers >= 5 (its ExpertsInterface); with 4.x "
+                          "convert weights with from_hf_experts / to_hf_state_dict") from exc
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+def use_te_ops(model: nn.Module) -> nn.Module:
+    """Register te_ops, check every experts module of ``model`` and switch it to te_ops.
+
+    Returns the model. Raises ``ValueError`` naming the first experts module te_ops cannot run
+    (and why) before switching anything, and ``ValueError`` when the model has no packed
+    experts module at all.
+    """
+    register()
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+             and hasattr(m, "has_gate")]
+    if not found:
+        raise ValueError(f"model: {type(model).__name__} has no transformers experts module "
+                         "(a class decorated with @use_experts_implementation)")
+    for name, m in found:
+        reason = unsupported_reason(m)
+        if reason is not None:
+            raise ValueError(f"model: te_ops cannot run {name}: {reason}")
+    model.set_experts_implementation(IMPLEMENTATION)
+    return model
