@@ -84,7 +84,7 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
-         "te_ops_fused_single_graph_noclone"]
+         "te_ops_fused_single_graph_noclone", "te_ops_compiled", "torch_grouped_mm_compiled"]
 BASELINE = "torch_grouped_mm"
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
@@ -285,10 +285,41 @@ class TeOpsFusedSingleGraphNoClone(TeOpsFusedSingleGraph):
     clone_param_grads = False
 
 
+class TeOpsCompiled(TeOps):
+    """The fused te_ops block through ``torch.compile(fullgraph=True)`` (default mode); the
+    first warm-up call compiles. ``te_ops.autocast`` stays outside the compiled function
+    (Dynamo cannot trace its ContextVar; a recipe makes te_ops' gate break the graph)."""
+
+    name = "te_ops_compiled"
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        self.compiled = torch.compile(self.block, fullgraph=self.recipe is None)
+
+    def forward(self, x, probs):
+        split = self.problem.split
+        with self.autocast():
+            return self.compiled(x, split, probs, split)
+
+
+class TorchGroupedMMCompiled(TorchGroupedMM):
+    """The plain torch block (``torch._grouped_mm``) through ``torch.compile(fullgraph=True)``."""
+
+    name = "torch_grouped_mm_compiled"
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        self.compiled = torch.compile(super().forward, fullgraph=True)
+
+    def forward(self, x, probs):
+        return self.compiled(x, probs)
+
+
 PEER_CLASSES: dict[str, type[Peer]] = {
     cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph,
                               TeOpsFusedSingle, TeOpsFusedSingleGraph,
-                              TeOpsFusedSingleGraphNoClone)
+                              TeOpsFusedSingleGraphNoClone, TeOpsCompiled,
+                              TorchGroupedMMCompiled)
 }
 
 
@@ -296,7 +327,11 @@ def skip_reason(peer: str, problem: Problem) -> str | None:
     """Why a peer cannot run on this device (``None`` when it can)."""
     if issubclass(PEER_CLASSES[peer], TeOpsFusedGraph) and problem.device.type != "cuda":
         return "CUDA graphs need a CUDA device (running with --device cpu)"
-    if peer == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
+    if (peer == "torch_grouped_mm_compiled" and problem.device.type == "cpu"
+            and problem.dtype != torch.bfloat16):
+        return (f"torch._grouped_mm's fake kernel takes bfloat16 only on CPU ({problem.dtype} "
+                "fails to compile; te_ops_compiled has its own fake)")
+    if peer.startswith("torch_grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     return None
 

@@ -85,3 +85,17 @@ def test_main_job_loss_curve_same_with_and_without_fusion(
     curve = [(e["train_loss"], e["val_loss"]) for e in fused["evals"]]
     assert curve == [(e["train_loss"], e["val_loss"]) for e in unfused["evals"]]
     assert fused["final_val_loss"] == unfused["final_val_loss"]
+
+
+def test_main_job_compiled_same_losses_as_eager(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--compile`` (fullgraph; aot_eager: the same kernels) trains to bit-identical losses."""
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
+    torch._dynamo.reset()
+    eager = train_moe.main([*TINY, "--out-dir", str(tmp_path / "eager")])
+    compiled = train_moe.main([*TINY, "--compile", "--compile-backend", "aot_eager",
+                               "--out-dir", str(tmp_path / "compiled")])
+    curve = [(e["train_loss"], e["val_loss"]) for e in eager["evals"]]
+    assert curve == [(e["train_loss"], e["val_loss"]) for e in compiled["evals"]]
+    assert eager["final_val_loss"] == compiled["final_val_loss"]
+    assert compiled["config"]["compile"] is True

@@ -199,7 +199,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "model of that family (same sizes, from a config) twice: with te_ops "
                         "experts and with HF's eager experts, and report both loss curves "
                         "(needs transformers>=5: pip install 'te_ops[hf]')")
+    p.add_argument("--compile", action="store_true",
+                   help="train through torch.compile(model) (fullgraph without a recipe; the "
+                        "te_ops expert block is one graph call, docs/torch_compile.md)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend with --compile (aot_eager: same kernels as "
+                        "eager, bit-identical losses)")
     args = p.parse_args(argv)
+    if args.compile and args.cuda_graph:
+        p.error("--compile and --cuda-graph are exclusive (use torch.compile's "
+                "mode='reduce-overhead' for CUDA graphs of a compiled model)")
+    if args.hf_model and args.compile:
+        p.error("--compile does not apply to --hf-model")
     if args.hf_model and args.cuda_graph:
         p.error("--cuda-graph does not apply to --hf-model")
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
@@ -420,6 +431,10 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    forward = model
+    if args.compile:  # training forward only; evaluation runs the eager model
+        forward = torch.compile(model, fullgraph=args.recipe == "none",
+                                backend=args.compile_backend)
     gen = torch.Generator().manual_seed(args.seed)
     evals: list[dict[str, float]] = []
     running = torch.zeros((), device=device)  # summed on the device: no sync per step
@@ -432,7 +447,7 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
         with recipe_context(args):
-            logits, aux = model(x)
+            logits, aux = forward(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         (loss + args.aux_coef * aux).backward()
