@@ -153,37 +153,44 @@ def test_mark_dynamic_token_dim_compiles_once():
     assert cnt.frame_count == 1
 
 
-def test_env_change_retraces_with_the_new_plan(monkeypatch):
-    """A changed TE_OPS_* value is guarded: the next call retraces (new plan), no stale plan."""
+def _compiled_mlp():
     block = _block("mlp", torch.float32)
     fn = _call(block, "mlp")
     cnt = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
     x, splits, probs = _inputs(torch.float32, ROUTINGS[0], host=False)
-    _step(compiled, block, x, splits, probs)
+    return block, fn, cnt, torch.compile(fn, fullgraph=True, backend=cnt), (x, splits, probs)
+
+
+def _traced_forward_ops(block) -> list[str]:
+    """The forward ops of the plan the last trace baked in (the compile fuser's last plan)."""
+    (fuser,) = block[0].__dict__["_compile_fusers"].values()
+    return [type(op).__name__ for op, _ in fuser._plan.forward_ops]
+
+
+def test_env_change_retraces_with_the_new_plan(monkeypatch):
+    """A changed TE_OPS_* value is guarded: the next call retraces (new plan), no stale plan."""
+    block, fn, cnt, compiled, args = _compiled_mlp()
+    _step(compiled, block, *args)
+    assert _traced_forward_ops(block) == ["ForwardGroupedMLP"]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
-    ref = _step(fn, block, x, splits, probs)
-    _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
+    ref = _step(fn, block, *args)
+    _assert_bit_exact(_step(compiled, block, *args), ref)
     assert cnt.frame_count == 2
+    assert _traced_forward_ops(block) == ["GroupedLinear", "ScaledSwiGLU", "GroupedLinear"]
 
 
 def test_requires_grad_change_retraces():
-    block = _block("mlp", torch.float32)
-    fn = _call(block, "mlp")
-    cnt = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
-    x, splits, probs = _inputs(torch.float32, ROUTINGS[0], host=False)
-    _step(compiled, block, x, splits, probs)
+    block, fn, cnt, compiled, args = _compiled_mlp()
+    _step(compiled, block, *args)
     for p in block[0].parameters():
         p.requires_grad_(False)
-    ref = _step(fn, block, x, splits, probs)
-    _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
+    ref = _step(fn, block, *args)
+    _assert_bit_exact(_step(compiled, block, *args), ref)
     assert cnt.frame_count == 2
     with torch.no_grad():
-        y = compiled(x, splits, probs)
-    assert torch.equal(y, fn(x, splits, probs))
+        y = compiled(*args)
+    assert torch.equal(y, fn(*args))
     assert cnt.frame_count == 3
 
 
