@@ -25,6 +25,7 @@ See docs/torch_compile.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -59,12 +60,13 @@ def _call_reasons(input_: Any, extra_inputs: tuple, recipe: Any = None) -> list[
     """Why one call cannot be traced whole, from facts Dynamo can trace and guard (types, an
     environment variable, a plain list): the gate runs inside the traced frame."""
     reasons = []
-    active = ACTIVE_RECIPES[-1] if ACTIVE_RECIPES else None
-    if recipe is not None or active is not None:
-        name = type(recipe if recipe is not None else active).__name__
-        reasons.append(f"a low-precision recipe ({name}) is active: te_ops' quantizers "
-                       "(amax, scales, the FP8 Triton kernels) are not custom ops yet, run "
-                       "FP8/MXFP8 blocks eagerly or in a CUDA graph (te_ops.graphs)")
+    active = recipe if recipe is not None else _active_recipe()
+    if active is not None:
+        for f in dataclasses.fields(active):
+            value = getattr(active, f.name)
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                reasons.append(f"the recipe {type(active).__name__}'s field {f.name} is a "
+                               f"{type(value).__name__}, not a constant the trace can guard")
     if not isinstance(input_, torch.Tensor):
         reasons.append(f"the input is a {type(input_).__name__}, not a tensor")
     if (_env_value("TE_OPS_CHECK_SPLIT_SIZES") == "1"
@@ -83,6 +85,38 @@ def _env_value(name: str) -> str | None:
         return os.environ.get(name)
     value = data.get(name.encode())
     return None if value is None else value.decode()
+
+
+def _active_recipe() -> Any:
+    """The innermost enabled ``te_ops.autocast`` recipe, read from the plain list Dynamo can
+    trace and guard (the ContextVar behind ``current_recipe()`` is not traceable)."""
+    return ACTIVE_RECIPES[-1] if ACTIVE_RECIPES else None
+
+
+def _recipe_key(recipe: Any) -> tuple | None:
+    """The recipe as graph constants: (module, class name, ((field, value), ...)). Reading
+    the fields in the traced frame makes Dynamo guard their values, so an equal new recipe
+    object reuses the graph and a different one retraces."""
+    if recipe is None:
+        return None
+    cls = type(recipe)
+    return (cls.__module__, cls.__qualname__,
+            tuple((f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)))
+
+
+def _recipe_from_key(key: tuple | None) -> Any:
+    if key is None:
+        return None
+    from .quantization.recipe import Recipe
+
+    module, qualname, fields = key
+    todo = [Recipe]
+    while todo:
+        cls = todo.pop()
+        if cls.__module__ == module and cls.__qualname__ == qualname:
+            return cls(**dict(fields))
+        todo.extend(cls.__subclasses__())
+    raise RuntimeError(f"te_ops: recipe class {module}.{qualname} not found")
 
 
 def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
@@ -139,7 +173,9 @@ def compiled_call(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> 
     params = [p for op in fuser.basic_ops for p in op._parameters.values()]
     env_values = tuple(_env_value(name) for name in env.ENV_VARS)
     key = tuple(id(op) for op in fuser.basic_ops)
-    return _run_block(input_, key, len(params), env_values, *params, *extra_inputs)
+    recipe_key = _recipe_key(recipe if recipe is not None else _active_recipe())
+    return _run_block(input_, key, recipe_key, len(params), env_values, *params,
+                      *extra_inputs)
 
 
 def _fuser_for(key: tuple[int, ...]) -> Any:
@@ -159,7 +195,7 @@ def _fuser_for(key: tuple[int, ...]) -> Any:
 
 
 @torch._dynamo.allow_in_graph
-def _run_block(input_, key, num_params, env_values, *rest):
+def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
     """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
     the basic ops named by ``key`` (their ids) run through a fuser, with their parameters
     replaced by the graph's parameter inputs."""
@@ -171,7 +207,7 @@ def _run_block(input_, key, num_params, env_values, *rest):
         for op in fuser.basic_ops:
             swap = {n: next(it) for n in op._parameters}
             stack.enter_context(_reparametrize_module(op, swap))
-        return fuser._run(input_, *extra)
+        return fuser._run(input_, *extra, recipe=_recipe_from_key(recipe_key))
 
 
 def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:

@@ -9,6 +9,7 @@ inductor backend. Counters come from ``torch._dynamo.testing.CompileCounterWithB
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
@@ -194,53 +195,112 @@ def test_requires_grad_change_retraces():
     assert cnt.frame_count == 3
 
 
+# --------------------------------------------------------------------------- recipes
+RECIPES = {"fp8": te_ops.recipe.Float8CurrentScaling,
+           "fp8_fast_bwd": lambda: te_ops.recipe.Float8CurrentScaling(
+               fast_accumulate_backward=True),
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling}
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
+@pytest.mark.parametrize("name", ["fp8", "mxfp8"])
+def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
+    """FP8 / MXFP8 under te_ops.autocast (CPU: emulated, the same bytes as eager): one graph
+    across routings and across new (equal) recipe objects per call."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _block("mlp", torch.bfloat16)
+    fn = _call(block, "mlp")
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    for sizes in ([64, 0, 100, 60], [0, 0, 224, 0], [56, 56, 56, 40]):
+        x, splits, probs = _inputs(torch.bfloat16, sizes, host=False, rows=224)
+        with te_ops.autocast(recipe=RECIPES[name]()):
+            ref = _step(fn, block, x, splits, probs)
+        with te_ops.autocast(recipe=RECIPES[name]()):
+            _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
+    assert cnt.frame_count == 1
+
+
+def test_recipe_change_retraces():
+    """No recipe -> FP8 -> FP8 with another setting -> MXFP8: each a new trace, bit-exact."""
+    block = _block("mlp", torch.bfloat16)
+    fn = _call(block, "mlp")
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    x, splits, probs = _inputs(torch.bfloat16, [64, 0, 100, 60], host=False, rows=224)
+    for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "mxfp8"]):
+        ctx = te_ops.autocast(recipe=RECIPES[name]()) if name else te_ops.autocast(False)
+        with ctx:
+            ref = _step(fn, block, x, splits, probs)
+            _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
+        assert cnt.frame_count == i + 1
+
+
 # --------------------------------------------------------------------------- the gate
 GATE_CASES = {
-    "recipe": "a low-precision recipe (Float8CurrentScaling) is active",
     "check_split_sizes": "TE_OPS_CHECK_SPLIT_SIZES=1 reads device split sizes on the host",
+    "not_a_tensor": "the input is a list, not a tensor",
 }
 
 
-def _gate_context(case: str, monkeypatch):
-    if case == "recipe":
-        return te_ops.autocast(recipe=te_ops.recipe.Float8CurrentScaling())
-    monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
-    return torch.enable_grad()
+def _gate_call(case: str, monkeypatch, block):
+    x, splits, probs = _inputs(torch.bfloat16, ROUTINGS[0], host=False)
+    if case == "check_split_sizes":
+        monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
+    else:
+        x = x.tolist()
+    return x, splits, probs
 
 
 @pytest.mark.parametrize("case", list(GATE_CASES))
 def test_fullgraph_error_names_the_gate_reason(case, monkeypatch):
     block = _block("mlp", torch.bfloat16)
     fn = _call(block, "mlp")
-    x, splits, probs = _inputs(torch.bfloat16, ROUTINGS[0], host=False)
+    x, splits, probs = _gate_call(case, monkeypatch, block)
+    assert GATE_CASES[case] in te_ops.compile_unsupported_reason(block, x, splits, probs, splits)
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    with _gate_context(case, monkeypatch):
-        assert GATE_CASES[case] in te_ops.compile_unsupported_reason(block, x, splits, probs,
-                                                                     splits)
-        with pytest.raises(torch._dynamo.exc.Unsupported, match="te_ops: ") as info:
-            compiled(x, splits, probs)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="te_ops: ") as info:
+        compiled(x, splits, probs)
     assert GATE_CASES[case] in str(info.value)
 
 
-@pytest.mark.parametrize("case", list(GATE_CASES))
-def test_gated_call_runs_eagerly_bit_exact_and_warns_once(case, monkeypatch):
+@dataclasses.dataclass(frozen=True)
+class _ListFieldRecipe(te_ops.recipe.Float8CurrentScaling):
+    layers: tuple = (0, 1)
+
+
+def test_fullgraph_error_names_a_non_constant_recipe_field():
+    block = _block("mlp", torch.bfloat16)
+    fn = _call(block, "mlp")
+    x, splits, probs = _inputs(torch.bfloat16, ROUTINGS[0], host=False)
+    expected = "the recipe _ListFieldRecipe's field layers is a tuple"
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with te_ops.autocast(recipe=_ListFieldRecipe()):
+        assert expected in te_ops.compile_unsupported_reason(block, x, splits, probs, splits)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=expected):
+            compiled(x, splits, probs)
+
+
+def test_gated_call_runs_eagerly_bit_exact_and_warns_once(monkeypatch):
     from te_ops import compile as te_compile
 
     te_compile._WARNED.clear()
     block = _block("mlp", torch.bfloat16)
     fn = _call(block, "mlp")
-    x, splits, probs = _inputs(torch.bfloat16, ROUTINGS[0], host=False)
+    x, splits, probs = _gate_call("check_split_sizes", monkeypatch, block)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager")
-    with _gate_context(case, monkeypatch):
-        ref = _step(fn, block, x, splits, probs)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
+    ref = _step(fn, block, x, splits, probs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _assert_bit_exact(_step(compiled, block, x, splits, probs), ref)
     msgs = [str(w.message) for w in caught if "runs eagerly under torch.compile" in str(w.message)]
-    assert len(msgs) == 1 and GATE_CASES[case] in msgs[0]
+    assert len(msgs) == 1 and GATE_CASES["check_split_sizes"] in msgs[0]
 
 
 def test_traceable_call_has_no_reason():
