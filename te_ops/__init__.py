@@ -1,6 +1,6 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import env, fused, graphs, ir  # importing fused registers the fusions
+from . import env, fused, graphs, ir, training  # importing fused registers the fusions
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .fuser import (
     OperationFuser,
@@ -33,6 +33,7 @@ __all__ = [
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",
+    "training",
 ]
 
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ from ..kernels.grouped_gemm import (
 )
 from ..op import BasicOperation, OperationContext
 from ..splits import GroupedSplits, make_splits
+from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs"]
 
@@ -147,6 +148,7 @@ class GroupedLinearSaved:
     in_shape: tuple[int, ...]
     recompute_x: Callable[[], torch.Tensor] | None = None
     single: bool = False
+    training: WgradPolicy | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -168,6 +170,7 @@ class GroupedLinearSaved:
             "recompute_x": self.recompute_x,
             "in_shape": self.in_shape,
             "single": self.single,
+            "training": self.training,
         }
 
     @classmethod
@@ -186,7 +189,7 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
-                   meta["recompute_x"], meta["single"])
+                   meta["recompute_x"], meta["single"], meta["training"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -216,6 +219,13 @@ class GroupedLinear(BasicOperation):
         in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
         ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
         per step with many experts (two parameters instead of 2 x num_groups).
+    accumulate_into_main_grad : bool
+        Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
+        ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
+        give autograd a zero dummy instead (see :mod:`te_ops.training`, docs/training.md).
+    delay_wgrad_compute : bool
+        Backward computes the input gradient only; the weight and bias gradients are computed
+        by :meth:`backward_dw` later (TransformerEngine's option of that name).
     device, dtype :
         Of the parameters (default: torch's defaults).
 
@@ -245,6 +255,8 @@ class GroupedLinear(BasicOperation):
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
                  single_grouped_weight: bool = False,
+                 accumulate_into_main_grad: bool = False,
+                 delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -264,6 +276,8 @@ class GroupedLinear(BasicOperation):
         self.scale_bias = scale_bias
         self.single_grouped_weight = bool(single_grouped_weight)
         self.num_extra_inputs = 2 if scale_bias else 1
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
         # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
@@ -349,6 +363,8 @@ class GroupedLinear(BasicOperation):
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
         extra += ", single weight" if self.single_grouped_weight else ""
+        extra += ", main_grad" if self.accumulate_into_main_grad else ""
+        extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
                 f"{self.out_features}{extra})")
 
@@ -426,8 +442,34 @@ class GroupedLinear(BasicOperation):
             splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
-            single=self.single_grouped_weight,
+            single=self.single_grouped_weight, training=self.wgrad_policy(),
         )
+
+    def wgrad_policy(self) -> WgradPolicy | None:
+        """This op's main_grad / delayed-wgrad policy (``None`` when both options are off);
+        one object per op, holding the queue of delayed wgrad jobs."""
+        if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
+            return None
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is None:
+            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
+                [f"weight{g}" for g in range(self.num_groups)],
+                [f"bias{g}" for g in range(self.num_groups)])
+            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            self.__dict__["_wgrad_policy"] = policy
+        policy.accumulate_into_main_grad = self.accumulate_into_main_grad
+        policy.delay_wgrad_compute = self.delay_wgrad_compute
+        return policy
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients that backward queued with
+        ``delay_wgrad_compute=True`` (every queued micro-batch, oldest first): weights into
+        ``main_grad`` (with ``accumulate_into_main_grad``) or added to ``.grad``, biases added
+        to ``.grad``. Does nothing when nothing is queued. See :func:`te_ops.training.backward_dw`.
+        """
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is not None:
+            backward_dw(policy)
 
     @staticmethod
     def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
@@ -449,13 +491,16 @@ class GroupedLinear(BasicOperation):
         """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
         splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
-        if any(w.requires_grad for w in weights):
+        if saved.training is not None:  # main_grad / delayed wgrad: te_ops.training decides
+            grads, bias_grads = weight_and_bias_grads(saved, dy2d)
+        elif any(w.requires_grad for w in weights):
             wgrad = grouped_wgrad(saved.input_2d(), dy2d, splits, saved.backend)
             grads = _only_trainable(per_param(wgrad, saved.single), weights)
-        bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
+        if saved.training is None:
+            bias_grads = [None] * len(saved.biases)
         grad_probs = None
         if saved.biases:
-            if any(b.requires_grad for b in saved.biases):
+            if saved.training is None and any(b.requires_grad for b in saved.biases):
                 bias_grads = _only_trainable(
                     per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
                     saved.biases)
