@@ -15,10 +15,12 @@ Megatron attributes read and written (on each weight ``Parameter``)
 ``grad_added_to_main_grad`` (written: ``True``)
     Tells Megatron's gradient hook that the gradient is already in ``main_grad``.
 
-What autograd gets for such a weight: a zero tensor of the weight's shape and dtype that is an
-expanded scalar (no memory in backward), so the weight's ``AccumulateGrad`` node still runs and
-gradient hooks registered on it (Megatron's "gradient ready" hook) fire, as with
-TransformerEngine's dummy wgrad. Biases keep the ordinary ``.grad`` path.
+What autograd gets for such a weight: ``None``. ``.grad`` stays untouched (no weight-sized
+tensor is allocated for it), and autograd still runs the weight's ``AccumulateGrad`` node, so
+hooks registered on it (Megatron's "gradient ready" hook on ``grad_fn.next_functions``, and
+``register_post_accumulate_grad_hook``) fire as usual (tests/test_training.py checks this).
+TransformerEngine returns a weight-shaped dummy instead; with ``None`` nothing has to be
+allocated or cleared. Biases keep the ordinary ``.grad`` path.
 
 Delayed wgrad (``delay_wgrad_compute=True``)
 --------------------------------------------
@@ -33,7 +35,7 @@ weights into ``main_grad`` (under the rules above) or ``.grad``, biases into ``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = [
     "WgradPolicy",
     "main_grad_target",
-    "dummy_wgrad",
     "weight_and_bias_grads",
     "backward_dw",
     "backward_dw_all",
@@ -69,6 +70,10 @@ class WgradPolicy:
         The op's options of those names.
     pending : deque
         Queued wgrad jobs (delayed wgrad), drained by :func:`backward_dw`.
+    weights, biases : list[torch.nn.Parameter]
+        Set per forward call by :meth:`for_call`: the Parameter objects themselves. Saved
+        tensors may come back as other Python objects (``torch.utils.checkpoint``, saved-tensor
+        hooks), which lack ``main_grad`` and the other attributes, so these are used instead.
     """
 
     owner: str
@@ -77,6 +82,13 @@ class WgradPolicy:
     accumulate_into_main_grad: bool = False
     delay_wgrad_compute: bool = False
     pending: deque = field(default_factory=deque)
+    weights: list[torch.Tensor] = field(default_factory=list)
+    biases: list[torch.Tensor] = field(default_factory=list)
+
+    def for_call(self, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> WgradPolicy:
+        """A copy for one forward call holding that call's Parameter objects (the queue of
+        delayed jobs stays shared)."""
+        return replace(self, weights=list(weights), biases=list(biases))
 
 
 @dataclass(eq=False)
@@ -137,12 +149,6 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...]) -> 
         ) from exc
 
 
-def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
-    """The gradient autograd gets for a weight whose gradient went into ``main_grad``: zeros of
-    the weight's shape and dtype as an expanded scalar (no memory)."""
-    return param.new_zeros(()).expand(param.shape)
-
-
 def _main_grad_targets(weights: list[torch.Tensor], names: list[str], single: bool,
                        group_shape: tuple[int, ...]) -> tuple[list[Any], list[bool]]:
     """Per group: the (N, K) target (``None`` for frozen weights) and whether to add."""
@@ -158,9 +164,8 @@ def _main_grad_targets(weights: list[torch.Tensor], names: list[str], single: bo
     return targets, [not getattr(w, "overwrite_main_grad", False) for w in weights]
 
 
-def _weight_grads(policy: WgradPolicy, job: _WgradJob, into_grad: bool
-                  ) -> list[torch.Tensor | None]:
-    """Weight grads of one job: into ``main_grad`` (returning dummies), or plain tensors."""
+def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | None]:
+    """Weight grads of one job: into ``main_grad`` (returning ``None``s), or plain tensors."""
     from .basic.grouped_linear import per_param
     from .kernels.grouped_gemm import grouped_wgrad
 
@@ -175,8 +180,7 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob, into_grad: bool
         for w in weights:
             if w.requires_grad:
                 w.grad_added_to_main_grad = True
-        return [dummy_wgrad(w) if w.requires_grad and not into_grad else None
-                for w in weights]
+        return [None] * len(weights)
     grads = per_param(grouped_wgrad(job.x, job.dy, job.splits, job.backend), job.single)
     return [g if w.requires_grad else None for g, w in zip(grads, weights)]
 
@@ -196,24 +200,25 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
 
     Without a policy (or with both options off) they are the plain gradients. With
     ``accumulate_into_main_grad`` the weight gradients go into ``main_grad`` and autograd gets
-    :func:`dummy_wgrad` tensors. With ``delay_wgrad_compute`` nothing is computed: the job is
+    ``None`` for the weights. With ``delay_wgrad_compute`` nothing is computed: the job is
     queued for :func:`backward_dw` and autograd gets ``None`` for weights and biases.
 
     Shapes: ``dy2d`` (rows, out_features); the saved input (rows, in_features).
     """
     policy: WgradPolicy | None = saved.training
-    need_x = any(w.requires_grad for w in saved.weights)
-    job = _WgradJob(
-        x=saved.input_2d() if need_x else None, dy=dy2d, splits=saved.splits,
-        backend=saved.backend, weights=list(saved.weights), biases=list(saved.biases),
-        probs=saved.probs, single=saved.single,
-    )
     if policy is None:
         policy = WgradPolicy("GroupedLinear", [], [])
+    need_x = any(w.requires_grad for w in policy.weights or saved.weights)
+    job = _WgradJob(
+        x=saved.input_2d() if need_x else None, dy=dy2d, splits=saved.splits,
+        backend=saved.backend, weights=list(policy.weights or saved.weights),
+        biases=list(policy.biases or saved.biases),
+        probs=saved.probs, single=saved.single,
+    )
     if policy.delay_wgrad_compute:
         policy.pending.append(job)
         return [None] * len(job.weights), [None] * len(job.biases)
-    return _weight_grads(policy, job, into_grad=False), _bias_grads(job)
+    return _weight_grads(policy, job), _bias_grads(job)
 
 
 def _add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -232,12 +237,13 @@ def backward_dw(policy: WgradPolicy) -> None:
     Weights: into ``main_grad`` when the op accumulates there (``overwrite_main_grad`` is
     honoured), else added to ``.grad``. Biases: added to ``.grad``. No-op with an empty queue.
     """
-    while policy.pending:
-        job = policy.pending.popleft()
-        for w, g in zip(job.weights, _weight_grads(policy, job, into_grad=True)):
-            _add_to_grad(w, g)
-        for b, g in zip(job.biases, _bias_grads(job)):
-            _add_to_grad(b, g)
+    with torch.no_grad():
+        while policy.pending:
+            job = policy.pending.popleft()
+            for w, g in zip(job.weights, _weight_grads(policy, job)):
+                _add_to_grad(w, g)
+            for b, g in zip(job.biases, _bias_grads(job)):
+                _add_to_grad(b, g)
 
 
 def backward_dw_all(modules: Any) -> None:

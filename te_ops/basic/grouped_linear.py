@@ -222,7 +222,7 @@ class GroupedLinear(BasicOperation):
     accumulate_into_main_grad : bool
         Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
         ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
-        give autograd a zero dummy instead (see :mod:`te_ops.training`, docs/training.md).
+        give autograd ``None`` for the weights instead (see :mod:`te_ops.training`, docs/training.md).
     delay_wgrad_compute : bool
         Backward computes the input gradient only; the weight and bias gradients are computed
         by :meth:`backward_dw` later (TransformerEngine's option of that name).
@@ -442,12 +442,13 @@ class GroupedLinear(BasicOperation):
             splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
-            single=self.single_grouped_weight, training=self.wgrad_policy(),
+            single=self.single_grouped_weight, training=self.wgrad_policy(call=True),
         )
 
-    def wgrad_policy(self) -> WgradPolicy | None:
+    def wgrad_policy(self, call: bool = False) -> WgradPolicy | None:
         """This op's main_grad / delayed-wgrad policy (``None`` when both options are off);
-        one object per op, holding the queue of delayed wgrad jobs."""
+        one object per op, holding the queue of delayed wgrad jobs (``call=True``: a copy for
+        one forward call, holding the current Parameter objects)."""
         if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
             return None
         policy = self.__dict__.get("_wgrad_policy")
@@ -459,7 +460,7 @@ class GroupedLinear(BasicOperation):
             self.__dict__["_wgrad_policy"] = policy
         policy.accumulate_into_main_grad = self.accumulate_into_main_grad
         policy.delay_wgrad_compute = self.delay_wgrad_compute
-        return policy
+        return policy.for_call(*self._param_lists()) if call else policy
 
     def backward_dw(self) -> None:
         """Compute the weight and bias gradients that backward queued with

@@ -1,0 +1,390 @@
+"""Training-framework integration: Megatron main_grad, delayed wgrad, checkpointing, DDP/FSDP2.
+
+Every gradient is compared with the independent float64 per-expert loop of ``reference.py``
+(plain ``.grad``), and fused with unfused paths bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import reference as ref
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import te_ops
+
+E, H, F = 4, 16, 24
+SIZES = [5, 0, 7, 6]  # 18 of 20 rows: a zero-token expert and two padding rows
+ROWS = 20
+FUSION_COMBOS = {  # (forward fused, backward fused) -> env
+    "fwd1_bwd1": {},
+    "fwd0_bwd0": {"TE_OPS_FUSION": "0"},
+    "fwd1_bwd0": {"TE_OPS_FUSE_GROUPED_MLP_BACKWARD": "0"},
+    "fwd0_bwd1": {"TE_OPS_FUSE_GROUPED_MLP_FORWARD": "0"},
+}
+
+
+def make_block(*, single: bool = False, bias: bool = True, dtype=torch.float32, seed: int = 0,
+               **kw) -> te_ops.Sequential:
+    torch.manual_seed(seed)
+    opts = {"bias": bias, "single_grouped_weight": single, "dtype": dtype, **kw}
+    return te_ops.Sequential(te_ops.GroupedLinear(E, H, 2 * F, **opts), te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(E, F, H, **opts))
+
+
+def attach_main_grads(block: torch.nn.Module, fill: float | None = None) -> dict:
+    """Megatron-style fp32 main_grad on every parameter: one contiguous buffer, each parameter
+    a slice of it (reverse order, as Megatron's buffer lays them out)."""
+    params = list(block.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+    if fill is not None:
+        buffer.normal_()
+    pos, out = 0, {}
+    for name, p in reversed(list(block.named_parameters())):
+        p.main_grad = buffer[pos:pos + p.numel()].view(p.shape)
+        p.grad_added_to_main_grad = False
+        out[name] = p.main_grad
+        pos += p.numel()
+    return out
+
+
+def batch(seed: int, dtype=torch.float32, sizes=SIZES, kind: str = "tensor"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, H, generator=gen).to(dtype)
+    probs = torch.rand(ROWS, generator=gen)
+    dy = torch.randn(ROWS, H, generator=gen).to(dtype)
+    return x, ref.split_arg(sizes, kind, "cpu"), probs, dy
+
+
+def run(block, x, split, probs, dy):
+    x = x.clone().requires_grad_()
+    probs = probs.clone().requires_grad_()
+    block(x, split, probs, split).backward(dy)
+    return x.grad, probs.grad
+
+
+def group_params(block, i: int, kind: str) -> list[torch.Tensor]:
+    op = block[i]
+    params = op.weights() if kind == "weight" else op.biases()
+    return list(params[0].unbind(0)) if op.single_grouped_weight else params
+
+
+def reference_grads(block, batches) -> dict[str, torch.Tensor]:
+    """float64 gradients of every parameter, summed over ``batches``, named as
+    ``block.named_parameters()``."""
+    total: dict[str, torch.Tensor] = {}
+    for x, split, probs, dy in batches:
+        leaves = {f"{i}.{k}{g}": ref.leaf(t) for i in (0, 2) for k in ("weight", "bias")
+                  for g, t in enumerate(group_params(block, i, k))}
+
+        def fn(lv, x=x, split=split, probs=probs):
+            def get(i, k):
+                return [lv[f"{i}.{k}{g}"] for g in range(E) if f"{i}.{k}{g}" in lv] or None
+            return ref.grouped_mlp(ref.leaf(x), split, ref.leaf(probs), get(0, "weight"),
+                                   get(0, "bias"), get(2, "weight"), get(2, "bias"))
+
+        _, grads = ref.forward_backward(fn, leaves, dy)
+        for k, g in grads.items():
+            total[k] = total.get(k, 0) + g
+    out = {}
+    for name, p in block.named_parameters():
+        if block[int(name.split(".")[0])].single_grouped_weight:
+            i, k = name.split(".")
+            out[name] = torch.stack([total[f"{i}.{k}{g}"] for g in range(E)])
+        else:
+            out[name] = total[name]
+    return out
+
+
+def set_env(monkeypatch, combo: str) -> None:
+    for k, v in FUSION_COMBOS[combo].items():
+        monkeypatch.setenv(k, v)
+
+
+# --------------------------------------------------------------------------------- main_grad
+@pytest.mark.parametrize("combo", list(FUSION_COMBOS))
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single_weight"])
+def test_main_grad_accumulates_three_micro_batches(monkeypatch, combo, single):
+    set_env(monkeypatch, combo)
+    block = make_block(single=single, accumulate_into_main_grad=True)
+    main_grads = attach_main_grads(block)
+    batches = [batch(s) for s in range(3)]
+    for b in batches:
+        run(block, *b)
+    want = reference_grads(block, batches)
+    for name, p in block.named_parameters():
+        if "weight" in name:
+            ref.assert_close(main_grads[name], want[name], torch.float32, f"{name}.main_grad")
+            assert p.grad is None, f"{name}.grad must stay None with main_grad"
+            assert p.grad_added_to_main_grad is True
+        else:  # biases keep the .grad path
+            ref.assert_close(p.grad, want[name], torch.float32, f"{name}.grad")
+            assert not main_grads[name].any()
+
+
+def test_main_grad_fused_and_unfused_bitwise(monkeypatch):
+    results = []
+    for combo in FUSION_COMBOS:
+        with monkeypatch.context() as m:
+            set_env(m, combo)
+            block = make_block(accumulate_into_main_grad=True)
+            main_grads = attach_main_grads(block)
+            dx, dprobs = run(block, *batch(0))
+            results.append((combo, dx, dprobs, main_grads))
+    _, dx0, dp0, mg0 = results[0]
+    for combo, dx, dp, mg in results[1:]:
+        assert torch.equal(dx, dx0) and torch.equal(dp, dp0), combo
+        for name in mg0:
+            assert torch.equal(mg[name], mg0[name]), f"{combo}: {name}.main_grad"
+
+
+def test_main_grad_bf16_weights_fp32_buffer():
+    block = make_block(dtype=torch.bfloat16, accumulate_into_main_grad=True)
+    main_grads = attach_main_grads(block)
+    batches = [batch(s, torch.bfloat16) for s in range(2)]
+    for b in batches:
+        run(block, *b)
+    want = reference_grads(block, batches)
+    for name in ("0.weight0", "0.weight3", "2.weight2"):
+        assert main_grads[name].dtype == torch.float32
+        ref.assert_close(main_grads[name], want[name], torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single_weight"])
+def test_overwrite_and_zero_token_expert(monkeypatch, use_backend, backend, single):
+    use_backend(backend, "cpu", torch.float32, (H, 2 * F), (F, H))
+    block = make_block(single=single, accumulate_into_main_grad=True)
+    main_grads = attach_main_grads(block, fill=1.0)
+    before = {k: v.clone() for k, v in main_grads.items()}
+    b = batch(3)
+    run(block, *b)
+    want = reference_grads(block, [b])
+    for i in (0, 2):  # expert 1 has no tokens: its main_grad is exactly unchanged
+        w = block[i].weights()[0]
+        got = w.main_grad[1] if single else block[i].weight1.main_grad
+        prev = before[f"{i}.weight"][1] if single else before[f"{i}.weight1"]
+        assert torch.equal(got, prev), f"op {i}: zero-token expert's main_grad changed"
+        name = f"{i}.weight" if single else f"{i}.weight0"
+        ref.assert_close(main_grads[name] - before[name], want[name], torch.float32, name)
+    # overwrite_main_grad: the buffer holds this micro-batch's gradient only
+    for p in block.parameters():
+        p.overwrite_main_grad = True
+    run(block, *b)
+    for name, p in block.named_parameters():
+        if "weight" in name:
+            ref.assert_close(main_grads[name], want[name], torch.float32, f"{name} overwritten")
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+def test_non_contiguous_main_grad_works(use_backend, backend):
+    use_backend(backend, "cpu", torch.float32, (H, 2 * F), (F, H))
+    block = make_block(accumulate_into_main_grad=True)
+    for p in block.parameters():  # every other column of a wider buffer: strided views
+        wide = torch.zeros(*p.shape[:-1], 2 * p.shape[-1]) if p.dim() == 2 else None
+        p.main_grad = wide[:, ::2] if wide is not None else torch.zeros(p.shape)
+        assert p.dim() == 1 or not p.main_grad.is_contiguous()
+    b = batch(4)
+    run(block, *b)
+    want = reference_grads(block, [b])
+    for name, p in block.named_parameters():
+        if "weight" in name:
+            ref.assert_close(p.main_grad, want[name], torch.float32, name)
+
+
+def test_main_grad_errors_name_the_parameter():
+    block = make_block(single=True, accumulate_into_main_grad=True)
+    attach_main_grads(block)
+    w = block[2].weight
+    # (E, F, H) transposed: the right number of elements, but no view as (E, H, F) exists
+    w.main_grad = torch.zeros(E, H, F).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"weight\.main_grad of shape \(4, 24, 16\) and "
+                                         r"strides \(384, 1, 24\) cannot be viewed as "
+                                         r"weight's shape \(4, 16, 24\)"):
+        run(block, *batch(0))
+    w.main_grad = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"weight\.main_grad must have shape \(4, 16, 24\)"):
+        run(block, *batch(0))
+    del w.main_grad
+    with pytest.raises(AttributeError, match=r"weight: accumulate_into_main_grad=True needs "
+                                             r"weight\.main_grad"):
+        run(block, *batch(0))
+    per_expert = make_block(accumulate_into_main_grad=True)
+    attach_main_grads(per_expert)
+    per_expert[0].weight2.main_grad = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"weight2\.main_grad must be a floating-point"):
+        run(per_expert, *batch(0))
+
+
+def test_main_grad_keeps_megatron_hooks_firing():
+    """autograd gets None for the weights, yet the AccumulateGrad hooks Megatron registers
+    (and post-accumulate hooks) still run, and grad_added_to_main_grad is set."""
+    block = make_block(accumulate_into_main_grad=True)
+    attach_main_grads(block)
+    fired: list[str] = []
+    keep = []
+    for name, p in block.named_parameters():
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda *_, name=name: fired.append(name))
+        keep.append(acc)
+    run(block, *batch(0))
+    assert sorted(fired) == sorted(n for n, _ in block.named_parameters())
+    assert all(p.grad is None for n, p in block.named_parameters() if "weight" in n)
+
+
+def test_frozen_expert_gets_no_main_grad():
+    block = make_block(accumulate_into_main_grad=True)
+    main_grads = attach_main_grads(block)
+    block[0].weight2.requires_grad_(False)
+    del block[0].weight2.main_grad  # frozen: not read at all
+    b = batch(5)
+    run(block, *b)
+    want = reference_grads(block, [b])
+    ref.assert_close(main_grads["0.weight0"], want["0.weight0"], torch.float32, "weight0")
+    assert not main_grads["0.weight2"].any()
+
+
+def test_main_grad_meta_device_reads_no_device_value(monkeypatch):
+    """The graph-safety proof of docs/graph_safety.md with main_grad on: all on ``meta``."""
+    for fusion in ("0", "1"):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        block = make_block(dtype=torch.bfloat16, accumulate_into_main_grad=True).to("meta")
+        for p in block.parameters():
+            p.main_grad = torch.empty(p.shape, device="meta", dtype=torch.float32)
+        x = torch.empty(ROWS, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        split = torch.empty(E, device="meta", dtype=torch.int64)
+        probs = torch.empty(ROWS, device="meta", requires_grad=True)
+        block(x, split, probs, split).sum().backward()
+        assert x.grad.shape == x.shape
+        assert all(p.grad_added_to_main_grad for n, p in block.named_parameters()
+                   if "weight" in n)
+
+
+# --------------------------------------------------------------------------- delayed wgrad
+@pytest.mark.parametrize("combo", list(FUSION_COMBOS))
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_delayed_wgrad_matches_reference(monkeypatch, combo, main_grad):
+    set_env(monkeypatch, combo)
+    block = make_block(delay_wgrad_compute=True, accumulate_into_main_grad=main_grad)
+    twin = make_block()  # same weights, ordinary backward
+    main_grads = attach_main_grads(block) if main_grad else {}
+    batches = [batch(s) for s in range(2)]
+    for b in batches:
+        dx, dprobs = run(block, *b)
+        want_dx, want_dprobs = run(twin, *b)
+        assert torch.equal(dx, want_dx) and torch.equal(dprobs, want_dprobs)
+    assert all(p.grad is None for p in block.parameters()), "backward must not write grads"
+    block.backward_dw()
+    want = reference_grads(block, batches)
+    for name, p in block.named_parameters():
+        got = main_grads[name] if main_grad and "weight" in name else p.grad
+        ref.assert_close(got, want[name], torch.float32, name)
+        assert torch.allclose(got, twin.get_parameter(name).grad, rtol=1e-6, atol=1e-6)
+    block.backward_dw()  # nothing queued: no change
+    for name, p in block.named_parameters():
+        got = main_grads[name] if main_grad and "weight" in name else p.grad
+        ref.assert_close(got, want[name], torch.float32, f"{name} after a second backward_dw")
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_weights_accumulate_both_contributions(delay, bias):
+    """Two GroupedLinear ops share their weights (and biases): both contributions add up."""
+    torch.manual_seed(0)
+    fc_a = te_ops.GroupedLinear(E, H, H, bias=bias, delay_wgrad_compute=delay)
+    fc_b = te_ops.GroupedLinear(E, H, H, bias=bias, delay_wgrad_compute=delay)
+    for g in range(E):
+        fc_b.register_parameter(f"weight{g}", fc_a.get_parameter(f"weight{g}"))
+        if bias:
+            fc_b.register_parameter(f"bias{g}", fc_a.get_parameter(f"bias{g}"))
+    block = te_ops.Sequential(fc_a, fc_b)
+    x, split, _, dy = batch(6)
+    dx, _ = run_two(block, x, split, dy)
+    if delay:
+        assert fc_a.weight0.grad is None
+        block.backward_dw()
+    ws = [ref.leaf(w) for w in fc_a.weights()]
+    bs = [ref.leaf(b) for b in fc_a.biases()] or None
+    xr = ref.leaf(x)
+    out = ref.grouped_linear(ref.grouped_linear(xr, ws, bs, split), ws, bs, split)
+    out.backward(dy.double())
+    for g in range(E):
+        ref.assert_close(fc_a.get_parameter(f"weight{g}").grad, ws[g].grad, torch.float32,
+                         f"weight{g}")
+        if bias:
+            ref.assert_close(fc_a.get_parameter(f"bias{g}").grad, bs[g].grad, torch.float32,
+                             f"bias{g}")
+    ref.assert_close(dx, xr.grad, torch.float32, "x.grad")
+
+
+def run_two(block, x, split, dy):
+    x = x.clone().requires_grad_()
+    block(x, split, split).backward(dy)
+    return x.grad, None
+
+
+def test_sequential_backward_dw_runs_each_op_once():
+    fc = te_ops.GroupedLinear(E, H, H, delay_wgrad_compute=True)
+    block = te_ops.Sequential(fc, fc)  # a repeated op: two fusers, one queue with two jobs
+    fc_twin = te_ops.GroupedLinear(E, H, H)
+    fc_twin.load_state_dict(fc.state_dict())
+    twin = te_ops.Sequential(fc_twin, fc_twin)
+    x, split, _, dy = batch(7)
+    run_two(block, x, split, dy)
+    assert len(fc.wgrad_policy().pending) == 2
+    block.backward_dw()
+    assert not fc.wgrad_policy().pending
+    run_two(twin, x, split, dy)
+    for name, p in fc.named_parameters():
+        torch.testing.assert_close(p.grad, fc_twin.get_parameter(name).grad)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+@pytest.mark.parametrize("combo", ["fwd1_bwd1", "fwd0_bwd0"])
+@pytest.mark.parametrize("kind", ["list", "tensor"])
+def test_checkpoint_gives_the_same_grads(monkeypatch, combo, kind):
+    set_env(monkeypatch, combo)
+    plain, ckpt = make_block(), make_block()
+    x, split, probs, dy = batch(8, kind=kind)
+    want = run(plain, x, split, probs, dy)
+    xc, pc = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    y = checkpoint(ckpt, xc, split, pc, split, use_reentrant=False)
+    y.backward(dy)
+    assert torch.equal(xc.grad, want[0]) and torch.equal(pc.grad, want[1])
+    for (name, p), q in zip(ckpt.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_checkpoint_with_main_grad_and_delayed_wgrad():
+    block = make_block(accumulate_into_main_grad=True, delay_wgrad_compute=True)
+    twin = make_block(accumulate_into_main_grad=True)
+    mg, mg_twin = attach_main_grads(block), attach_main_grads(twin)
+    x, split, probs, dy = batch(9)
+    run(twin, x, split, probs, dy)
+    xc, pc = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    checkpoint(block, xc, split, pc, split, use_reentrant=False).backward(dy)
+    block.backward_dw()
+    for name in mg:
+        assert torch.equal(mg[name], mg_twin[name]), name
+
+
+# ------------------------------------------------------------------------- DDP and FSDP2
+def test_ddp_and_fsdp2_match_one_process_gloo():
+    """2 processes on gloo: DDP and FSDP2 (fully_shard) grads and SGD updates equal one
+    process's on the concatenated batch (tests/dist_check.py)."""
+    script = Path(__file__).with_name("dist_check.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("TE_OPS_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", "0", str(script), "--backend", "gloo"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("dist_check OK") == 2, proc.stdout
