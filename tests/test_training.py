@@ -383,7 +383,7 @@ def test_ddp_and_fsdp2_match_one_process_gloo():
     env = {k: v for k, v in env.items() if not k.startswith("TE_OPS_")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "0", str(script), "--backend", "gloo"],
+         "--standalone", str(script), "--backend", "gloo"],
         capture_output=True, text=True, env=env, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
