@@ -29,6 +29,7 @@ from .basic.grouped_linear import GroupedLinear
 from .kernels.grouped_gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
+from .training import main_grads_restored
 
 __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCallable"]
 
@@ -170,6 +171,7 @@ class _LeafGradGuard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.leaves = leaves
+        ctx.set_materialize_grads(False)  # None stays None (weights that use main_grad)
         return tuple(t.detach() for t in leaves)
 
     @staticmethod
@@ -469,14 +471,19 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
                                 allow_unused=True)
 
-    eager_step()
-    if check_sync:
-        _sync_check(eager_step)
-    torch.cuda.synchronize()
+    # Warm-up runs must not leave gradients in Megatron main_grad buffers; weights that add
+    # into main_grad get no autograd gradient (None), hence allow_unused_input.
+    with main_grads_restored(module):
+        eager_step()
+        if check_sync:
+            _sync_check(eager_step)
+        torch.cuda.synchronize()
 
-    graphed = torch.cuda.make_graphed_callables(
-        call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
-    )
+        graphed = torch.cuda.make_graphed_callables(
+            call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
+            allow_unused_input=True,
+        )
+        torch.cuda.synchronize()
     return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed,
                            clone_param_grads)
 

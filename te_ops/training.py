@@ -35,6 +35,8 @@ weights into ``main_grad`` (under the rules above) or ``.grad``, biases into ``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,7 @@ __all__ = [
     "weight_and_bias_grads",
     "backward_dw",
     "backward_dw_all",
+    "main_grads_restored",
 ]
 
 
@@ -256,3 +259,27 @@ def backward_dw_all(modules: Any) -> None:
                 continue
             seen.add(id(op))
             op.backward_dw()
+
+
+@contextmanager
+def main_grads_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, forward/backward runs may write ``main_grad`` (e.g. the eager and warm-up runs
+    of CUDA graph capture); on exit every parameter's ``main_grad`` holds its values from
+    before (restored in place, same storage, so a captured graph keeps writing into it) and
+    ``grad_added_to_main_grad`` its old value. Costs one copy of each ``main_grad``."""
+    saved = []
+    for p in module.parameters():
+        mg = getattr(p, "main_grad", None)
+        if isinstance(mg, torch.Tensor):
+            saved.append((p, mg, mg.clone(), getattr(p, "grad_added_to_main_grad", None)))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mg, copy, flag in saved:
+                mg.copy_(copy)
+                if flag is None:
+                    if hasattr(p, "grad_added_to_main_grad"):
+                        del p.grad_added_to_main_grad
+                else:
+                    p.grad_added_to_main_grad = flag

@@ -41,7 +41,8 @@ def attach_main_grads(block: torch.nn.Module, fill: float | None = None) -> dict
     """Megatron-style fp32 main_grad on every parameter: one contiguous buffer, each parameter
     a slice of it (reverse order, as Megatron's buffer lays them out)."""
     params = list(block.parameters())
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                         device=params[0].device)
     if fill is not None:
         buffer.normal_()
     pos, out = 0, {}
@@ -74,6 +75,11 @@ def group_params(block, i: int, kind: str) -> list[torch.Tensor]:
     return list(params[0].unbind(0)) if op.single_grouped_weight else params
 
 
+def _per_group(leaves: dict, op: int, kind: str) -> list[torch.Tensor] | None:
+    names = [f"{op}.{kind}{g}" for g in range(E)]
+    return [leaves[n] for n in names if n in leaves] or None
+
+
 def reference_grads(block, batches) -> dict[str, torch.Tensor]:
     """float64 gradients of every parameter, summed over ``batches``, named as
     ``block.named_parameters()``."""
@@ -83,16 +89,15 @@ def reference_grads(block, batches) -> dict[str, torch.Tensor]:
                   for g, t in enumerate(group_params(block, i, k))}
 
         def fn(lv, x=x, split=split, probs=probs):
-            def get(i, k):
-                return [lv[f"{i}.{k}{g}"] for g in range(E) if f"{i}.{k}{g}" in lv] or None
-            return ref.grouped_mlp(ref.leaf(x), split, ref.leaf(probs), get(0, "weight"),
-                                   get(0, "bias"), get(2, "weight"), get(2, "bias"))
+            return ref.grouped_mlp(ref.leaf(x), split, ref.leaf(probs),
+                                   *(_per_group(lv, op, kind) for op in (0, 2)
+                                     for kind in ("weight", "bias")))
 
         _, grads = ref.forward_backward(fn, leaves, dy)
         for k, g in grads.items():
             total[k] = total.get(k, 0) + g
     out = {}
-    for name, p in block.named_parameters():
+    for name, _ in block.named_parameters():
         if block[int(name.split(".")[0])].single_grouped_weight:
             i, k = name.split(".")
             out[name] = torch.stack([total[f"{i}.{k}{g}"] for g in range(E)])
@@ -176,7 +181,7 @@ def test_overwrite_and_zero_token_expert(monkeypatch, use_backend, backend, sing
     for p in block.parameters():
         p.overwrite_main_grad = True
     run(block, *b)
-    for name, p in block.named_parameters():
+    for name in main_grads:
         if "weight" in name:
             ref.assert_close(main_grads[name], want[name], torch.float32, f"{name} overwritten")
 
@@ -234,7 +239,7 @@ def test_main_grad_keeps_megatron_hooks_firing():
         keep.append(acc)
     run(block, *batch(0))
     assert sorted(fired) == sorted(n for n, _ in block.named_parameters())
-    assert all(p.grad is None for n, p in block.named_parameters() if "weight" in n)
+    assert [n for n, p in block.named_parameters() if "weight" in n and p.grad is not None] == []
 
 
 def test_frozen_expert_gets_no_main_grad():
@@ -388,3 +393,96 @@ def test_ddp_and_fsdp2_match_one_process_gloo():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("dist_check OK") == 2, proc.stdout
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+def test_capture_helper_with_main_grad_emulated(monkeypatch):
+    """make_graphed_callable's plumbing with main_grad, on the CPU (torch's graph machinery
+    replaced by the eager emulation of test_graph_safety): weights get no autograd gradient
+    (allow_unused_input), warm-up runs leave main_grad as it was, replays add into it."""
+    from test_graph_safety import _emulated_make_graphed_callables
+
+    import te_ops.graphs as graphs
+
+    monkeypatch.setattr(graphs, "_check_sample_inputs", lambda s: tuple(s))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _emulated_make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    block = make_block(accumulate_into_main_grad=True)
+    twin = make_block(accumulate_into_main_grad=True)
+    mg, mg_twin = attach_main_grads(block, fill=1.0), attach_main_grads(twin)
+    for k in mg:
+        mg_twin[k].copy_(mg[k])
+    before = {k: v.clone() for k, v in mg.items()}
+    x, split, probs, _ = batch(0)
+    graphed = graphs.make_graphed_callable(
+        block, (x.requires_grad_(), split, probs.requires_grad_(), split), check_sync=False)
+    for k in mg:
+        assert torch.equal(mg[k], before[k]), f"capture changed {k}.main_grad"
+    for seed in (1, 2):
+        b = batch(seed)
+        run(graphed, *b)
+        run(twin, *b)
+    for k in mg:
+        assert torch.equal(mg[k], mg_twin[k]), k
+    assert [n for n, p in block.named_parameters() if "weight" in n and p.grad is not None] == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_cuda_graph_capture_with_main_grad(monkeypatch, fusion):
+    """Capture fwd+bwd with main_grad on; replays add into main_grad exactly as eager runs do,
+    capture leaves main_grad as it was, and a zero-token expert's main_grad is untouched."""
+    from te_ops.graphs import graph_safe_unsupported_reason, make_graphed_callable
+
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    dev, dtype, e, h, f, t = torch.device("cuda"), torch.bfloat16, 4, 64, 128, 256
+
+    def block_on_gpu() -> te_ops.Sequential:
+        torch.manual_seed(0)
+        kw = {"device": dev, "dtype": dtype, "accumulate_into_main_grad": True}
+        return te_ops.Sequential(te_ops.GroupedLinear(e, h, 2 * f, **kw), te_ops.ScaledSwiGLU(),
+                                 te_ops.GroupedLinear(e, f, h, **kw))
+
+    block, twin = block_on_gpu(), block_on_gpu()
+    mg, mg_twin = attach_main_grads(block, fill=1.0), attach_main_grads(twin)
+    for k in mg:
+        mg_twin[k].copy_(mg[k])
+    before = {k: v.clone() for k, v in mg.items()}
+
+    def inputs(sizes, seed):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        probs = torch.rand(t, generator=gen, device=dev)
+        dy = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        return x, torch.tensor(sizes, device=dev), probs, dy
+
+    x, split, probs, _ = inputs([64] * e, 0)
+    reason = graph_safe_unsupported_reason(block, x, split, probs, split)
+    if reason is not None:
+        pytest.skip(f"not graph-safe here: {reason}")
+    graphed = make_graphed_callable(block, (x.requires_grad_(), split,
+                                            probs.requires_grad_(), split))
+    for k in mg:
+        assert torch.equal(mg[k], before[k]), f"capture changed {k}.main_grad"
+    routings = [[100, 0, 56, 90], [0, 256, 0, 0], [10, 0, 20, 30]]  # expert 1: zero tokens twice
+    for seed, sizes in enumerate(routings):
+        x, split, probs, dy = inputs(sizes, seed + 1)
+        for fn in (graphed, twin):
+            xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            fn(xg, split, pg, split).backward(dy)
+    torch.cuda.synchronize()
+    for k in mg:
+        assert torch.equal(mg[k], mg_twin[k]), f"{k}.main_grad: graph replay != eager"
+    for name, p in block.named_parameters():
+        if "weight" in name:
+            assert p.grad is None, name
+    for i in (0, 2):
+        # expert 1 got tokens only in the second routing: compare the other two experts' sums
+        assert not torch.equal(mg[f"{i}.weight1"], before[f"{i}.weight1"])
+    x, split, probs, dy = inputs([100, 0, 56, 90], 9)
+    snap = {k: v.clone() for k, v in mg.items()}
+    graphed(x.clone().requires_grad_(), split, probs.clone().requires_grad_(), split).backward(dy)
+    torch.cuda.synchronize()
+    for i in (0, 2):
+        assert torch.equal(mg[f"{i}.weight1"], snap[f"{i}.weight1"]), "zero-token expert changed"
+        assert not torch.equal(mg[f"{i}.weight0"], snap[f"{i}.weight0"])
