@@ -298,16 +298,20 @@ def test_delayed_wgrad_matches_reference(monkeypatch, combo, main_grad):
 
 @pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tied_weights_accumulate_both_contributions(delay, bias):
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_tied_weights_accumulate_both_contributions(delay, bias, main_grad):
     """Two GroupedLinear ops share their weights (and biases): both contributions add up."""
     torch.manual_seed(0)
-    fc_a = te_ops.GroupedLinear(E, H, H, bias=bias, delay_wgrad_compute=delay)
-    fc_b = te_ops.GroupedLinear(E, H, H, bias=bias, delay_wgrad_compute=delay)
+    kw = {"bias": bias, "delay_wgrad_compute": delay, "accumulate_into_main_grad": main_grad}
+    fc_a = te_ops.GroupedLinear(E, H, H, **kw)
+    fc_b = te_ops.GroupedLinear(E, H, H, **kw)
     for g in range(E):
         fc_b.register_parameter(f"weight{g}", fc_a.get_parameter(f"weight{g}"))
         if bias:
             fc_b.register_parameter(f"bias{g}", fc_a.get_parameter(f"bias{g}"))
     block = te_ops.Sequential(fc_a, fc_b)
+    if main_grad:
+        attach_main_grads(fc_a)
     x, split, _, dy = batch(6)
     dx, _ = run_two(block, x, split, dy)
     if delay:
@@ -319,7 +323,8 @@ def test_tied_weights_accumulate_both_contributions(delay, bias):
     out = ref.grouped_linear(ref.grouped_linear(xr, ws, bs, split), ws, bs, split)
     out.backward(dy.double())
     for g in range(E):
-        ref.assert_close(fc_a.get_parameter(f"weight{g}").grad, ws[g].grad, torch.float32,
+        w = fc_a.get_parameter(f"weight{g}")
+        ref.assert_close(w.main_grad if main_grad else w.grad, ws[g].grad, torch.float32,
                          f"weight{g}")
         if bias:
             ref.assert_close(fc_a.get_parameter(f"bias{g}").grad, bs[g].grad, torch.float32,
@@ -486,3 +491,38 @@ def test_cuda_graph_capture_with_main_grad(monkeypatch, fusion):
     for i in (0, 2):
         assert torch.equal(mg[f"{i}.weight1"], snap[f"{i}.weight1"]), "zero-token expert changed"
         assert not torch.equal(mg[f"{i}.weight0"], snap[f"{i}.weight0"])
+
+
+# ----------------------------------------------------------------- the GEMM into main_grad
+@pytest.mark.parametrize("layout", ["adjacent", "reversed", "scattered", "strided"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+def test_grouped_wgrad_into_layouts(use_backend, backend, layout):
+    """``grouped_wgrad_into`` against per-expert ``dy_g^T @ x_g`` in float64, for target
+    buffers laid out as one stacked tensor, in reverse order (Megatron), apart, or strided."""
+    from te_ops.kernels import select_backend
+    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.splits import make_splits
+
+    use_backend(backend, "cpu", torch.float32, (H, F))
+    n, k = F, H
+    x, dy = torch.randn(ROWS, k), torch.randn(ROWS, n)
+    split = torch.tensor(SIZES)
+    splits = make_splits(split, E, ROWS, x.device)
+    choice = select_backend(x.device, x.dtype, k, n, device_split_sizes=True)
+    buf = torch.randn(2 * E, n, k)
+    if layout == "adjacent":
+        targets = list(buf[:E].unbind(0))
+    elif layout == "reversed":
+        targets = list(buf[:E].unbind(0))[::-1]
+    elif layout == "scattered":
+        targets = list(buf[::2].unbind(0))
+    else:
+        targets = list(torch.randn(E, n, 2 * k)[:, :, ::2].unbind(0))
+    before = [t.clone() for t in targets]
+    grouped_wgrad_into(targets, x, dy, splits, choice, [True] * E)
+    start = 0
+    for g, m in enumerate(SIZES):
+        want = dy[start:start + m].double().t() @ x[start:start + m].double()
+        ref.assert_close(targets[g] - before[g], want, torch.float32, f"{layout} group {g}")
+        start += m
+    assert torch.equal(targets[1], before[1]), "zero-token group changed"

@@ -16,8 +16,9 @@ How each backend writes into the targets
     ``torch._grouped_mm`` has no ``out=``: one (G, N, K) product for all groups, in the
     target's dtype where ``out_dtype`` is accepted (bf16 operands with fp32 output on CUDA,
     found by a one-time probe), else in the operands' dtype, then one ``add_`` / ``copy_``
-    (per group when the targets are not one stacked tensor). A zero-token group's product is
-    zero, so accumulating leaves its target unchanged.
+    (also when the targets are adjacent in reverse order, as Megatron's gradient buffer lays
+    out parameters: then on the product flipped along the groups; per group otherwise).
+    A zero-token group's product is zero, so accumulating leaves its target unchanged.
 
 Graph-safe exactly when the backend is (no host reads beyond the loop backend's own).
 """
@@ -111,6 +112,10 @@ def grouped_wgrad_into(targets: list[torch.Tensor], x: torch.Tensor, dy: torch.T
         stacked = _stacked(targets)
         if stacked is not None:
             _write(stacked, wgrad, accumulate[0])
+            return
+        stacked = _stacked(targets[::-1])  # Megatron lays parameters out in reverse order
+        if stacked is not None:
+            _write(stacked, wgrad.flip(0), accumulate[0])
             return
     for g in live:
         _write(targets[g], wgrad[g], accumulate[g])
