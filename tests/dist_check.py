@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import os
+import warnings
 
 import reference as ref
 import torch
@@ -109,21 +110,22 @@ def step_and_check(name: str, model, block, x, split, probs, dy, want_grads, wan
     got = grads_of(block)
     for k, w in want_grads.items():
         ref.assert_close(got[k], w, torch.float32, f"{name}: {k}.grad vs reference")
-        torch.testing.assert_close(got[k], want_single[k], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=k: f"{name}: {k}.grad vs one process: {m}")
+        ref.assert_close(got[k], want_single[k], torch.float32, f"{name}: {k}.grad vs one process")
     report[f"{name}_grad_vs_ref"] = max((got[k] - w.float()).abs().max().item()
                                         for k, w in want_grads.items())
     torch.optim.SGD(block.parameters(), lr=LR).step()
     after = params_of(block)
     for k, p0 in params0.items():
-        torch.testing.assert_close(after[k], p0 - LR * want_single[k], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=k: f"{name}: {k} after SGD: {m}")
+        ref.assert_close(after[k], p0 - LR * want_single[k], torch.float32,
+                         f"{name}: {k} after SGD")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = parser.parse_args()
+    # te_ops outputs must not be views (FSDP2 warns: in-place ops on them skip its hooks).
+    warnings.filterwarnings("error", message=".*returned a view tensor.*")
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.backend == "nccl":

@@ -526,3 +526,12 @@ def test_grouped_wgrad_into_layouts(use_backend, backend, layout):
         ref.assert_close(targets[g] - before[g], want, torch.float32, f"{layout} group {g}")
         start += m
     assert torch.equal(targets[1], before[1]), "zero-token group changed"
+
+
+def test_block_output_is_not_a_view():
+    """FSDP2 warns about view outputs (an in-place op on one skips its pre-backward hook)."""
+    x, split, probs, _ = batch(0)
+    for block in (make_block(), te_ops.Sequential(te_ops.Identity())):
+        extra = (split, probs, split) if len(block) == 3 else ()
+        y = block(x.clone().requires_grad_(), *extra)
+        assert y._base is None and not y._is_view()
