@@ -109,8 +109,12 @@ class _WgradJob:
 
 
 # ------------------------------------------------------------------------------ main_grad
-def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
+                     owner: str = "") -> torch.Tensor:
     """``param.main_grad`` viewed as ``shape`` (the weight's, or (G, N, K) for a group).
+
+    ``name`` is the parameter's name and ``owner`` the op's description; errors start with
+    ``"{owner}: "`` and name ``{name}.main_grad``.
 
     Raises
     ------
@@ -122,15 +126,16 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...]) -> 
         Wrong number of elements, or its strides do not allow a view as ``shape``; the message
         names the parameter, the expected shape and ``main_grad``'s shape and strides.
     """
+    where = f"{owner}: " if owner else ""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         raise AttributeError(
-            f"{name}: accumulate_into_main_grad=True needs {name}.main_grad (a tensor with "
+            f"{where}accumulate_into_main_grad=True needs {name}.main_grad (a tensor with "
             f"{name}'s {tuple(param.shape)} elements, e.g. Megatron's fp32 gradient buffer), "
             "got none"
         )
     if not isinstance(main_grad, torch.Tensor) or not main_grad.is_floating_point():
-        raise TypeError(f"{name}.main_grad must be a floating-point tensor, got "
+        raise TypeError(f"{where}{name}.main_grad must be a floating-point tensor, got "
                         f"{getattr(main_grad, 'dtype', type(main_grad).__name__)}")
     if tuple(main_grad.shape) == tuple(shape):
         return main_grad
@@ -139,30 +144,31 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...]) -> 
         numel *= s
     if main_grad.numel() != numel:
         raise ValueError(
-            f"{name}.main_grad must have shape {tuple(shape)} ({numel} elements), got shape "
+            f"{where}{name}.main_grad must have shape {tuple(shape)} ({numel} elements), got shape "
             f"{tuple(main_grad.shape)}"
         )
     try:
         return main_grad.view(shape)
     except RuntimeError as exc:
         raise ValueError(
-            f"{name}.main_grad of shape {tuple(main_grad.shape)} and strides "
+            f"{where}{name}.main_grad of shape {tuple(main_grad.shape)} and strides "
             f"{tuple(main_grad.stride())} cannot be viewed as {name}'s shape {tuple(shape)} "
             "without a copy; give it the weight's shape or make it contiguous"
         ) from exc
 
 
-def _main_grad_targets(weights: list[torch.Tensor], names: list[str], single: bool,
+def _main_grad_targets(policy: WgradPolicy, weights: list[torch.Tensor], single: bool,
                        group_shape: tuple[int, ...]) -> tuple[list[Any], list[bool]]:
     """Per group: the (N, K) target (``None`` for frozen weights) and whether to add."""
+    names, owner = policy.weight_names, policy.owner
     if single:
         w = weights[0]
         if not w.requires_grad:
             return [None] * w.shape[0], [True] * w.shape[0]
-        target = main_grad_target(w, names[0], tuple(w.shape))
+        target = main_grad_target(w, names[0], tuple(w.shape), owner)
         add = not getattr(w, "overwrite_main_grad", False)
         return list(target.unbind(0)), [add] * w.shape[0]
-    targets = [main_grad_target(w, n, group_shape) if w.requires_grad else None
+    targets = [main_grad_target(w, n, group_shape, owner) if w.requires_grad else None
                for w, n in zip(weights, names)]
     return targets, [not getattr(w, "overwrite_main_grad", False) for w in weights]
 
@@ -177,8 +183,7 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
         return [None] * len(weights)
     if policy.accumulate_into_main_grad:
         group_shape = tuple(weights[0].shape[-2:])
-        targets, add = _main_grad_targets(weights, policy.weight_names, job.single,
-                                          group_shape)
+        targets, add = _main_grad_targets(policy, weights, job.single, group_shape)
         grouped_wgrad_into(targets, job.x, job.dy, job.splits, job.backend, add)
         for w in weights:
             if w.requires_grad:

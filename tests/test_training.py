@@ -216,8 +216,9 @@ def test_main_grad_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"weight\.main_grad must have shape \(4, 16, 24\)"):
         run(block, *batch(0))
     del w.main_grad
-    with pytest.raises(AttributeError, match=r"weight: accumulate_into_main_grad=True needs "
-                                             r"weight\.main_grad"):
+    with pytest.raises(AttributeError, match=r"GroupedLinear\(groups=4, 24->16, single weight, "
+                                             r"main_grad\): accumulate_into_main_grad=True "
+                                             r"needs weight\.main_grad"):
         run(block, *batch(0))
     per_expert = make_block(accumulate_into_main_grad=True)
     attach_main_grads(per_expert)
