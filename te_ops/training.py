@@ -9,7 +9,9 @@ Megatron attributes read and written (on each weight ``Parameter``)
 ``main_grad`` (read)
     The tensor the weight gradient is added into: the weight's shape (or any shape with the
     same number of elements that can be *viewed* as it), usually fp32 while the weight is
-    bf16. Strided views of a larger buffer work as long as that view exists.
+    bf16. Strided views of a larger buffer work as long as that view exists. A parameter with
+    ``__fsdp_param__`` and ``get_main_grad()`` (Megatron-FSDP) gets
+    ``main_grad = get_main_grad()`` first.
 ``overwrite_main_grad`` (read, default False)
     Write the gradient over ``main_grad`` instead of adding to it.
 ``grad_added_to_main_grad`` (written: ``True``)
@@ -127,6 +129,8 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
         names the parameter, the expected shape and ``main_grad``'s shape and strides.
     """
     where = f"{owner}: " if owner else ""
+    if hasattr(param, "__fsdp_param__") and callable(getattr(param, "get_main_grad", None)):
+        param.main_grad = param.get_main_grad()  # Megatron-FSDP allocates it on demand
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         raise AttributeError(

@@ -536,3 +536,18 @@ def test_block_output_is_not_a_view():
         extra = (split, probs, split) if len(block) == 3 else ()
         y = block(x.clone().requires_grad_(), *extra)
         assert y._base is None and not y._is_view()
+
+
+def test_megatron_fsdp_get_main_grad_is_used():
+    """Megatron-FSDP parameters carry ``__fsdp_param__`` and allocate main_grad on demand."""
+    block = make_block(accumulate_into_main_grad=True)
+    buffers = {}
+    for name, p in block.named_parameters():
+        buffers[name] = torch.zeros(p.numel())  # flat: viewed as the weight's shape
+        p.__fsdp_param__ = True
+        p.get_main_grad = lambda name=name: buffers[name]
+    b = batch(10)
+    run(block, *b)
+    want = reference_grads(block, [b])
+    for name in ("0.weight0", "2.weight3"):
+        ref.assert_close(buffers[name].view(want[name].shape), want[name], torch.float32, name)
