@@ -71,6 +71,9 @@ def _split_extra_inputs(ops: list[tuple[int, BasicOperation]], extra_inputs: Seq
 
 def _grouped_linear_reason(op: GroupedLinear, input_: torch.Tensor, split_sizes: Any
                            ) -> str | None:
+    if op.delay_wgrad_compute:
+        return ("delay_wgrad_compute=True queues the weight-gradient work in Python for "
+                "backward_dw(), which a graph replay does not run")
     if not isinstance(split_sizes, torch.Tensor):
         return ("split_sizes is a host list; pass a 1-D integer tensor on the input's device "
                 f"({input_.device})")

@@ -551,3 +551,14 @@ def test_megatron_fsdp_get_main_grad_is_used():
     want = reference_grads(block, [b])
     for name in ("0.weight0", "2.weight3"):
         ref.assert_close(buffers[name].view(want[name].shape), want[name], torch.float32, name)
+
+
+def test_graph_gate_refuses_delayed_wgrad():
+    from te_ops.graphs import graph_safe_unsupported_reason
+
+    block = make_block(delay_wgrad_compute=True)
+    x, split, probs, _ = batch(0)
+    reason = graph_safe_unsupported_reason(block, x, split, probs, split)
+    assert reason is not None and "delay_wgrad_compute=True" in reason and reason.startswith("op 0")
+    assert graph_safe_unsupported_reason(make_block(accumulate_into_main_grad=True),
+                                         x, split, probs, split) is None
