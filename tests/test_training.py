@@ -562,3 +562,30 @@ def test_graph_gate_refuses_delayed_wgrad():
     assert reason is not None and "delay_wgrad_compute=True" in reason and reason.startswith("op 0")
     assert graph_safe_unsupported_reason(make_block(accumulate_into_main_grad=True),
                                          x, split, probs, split) is None
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single_weight"])
+def test_delayed_wgrad_scale_bias_and_main_grad(single):
+    """scale_bias: the probs gradient comes in backward, the bias gradient (weighted by probs)
+    and the weight gradient (into main_grad) in backward_dw."""
+    torch.manual_seed(0)
+    fc = te_ops.GroupedLinear(E, H, F, scale_bias=True, single_grouped_weight=single,
+                              delay_wgrad_compute=True, accumulate_into_main_grad=True)
+    attach_main_grads(fc)
+    x, split, probs, _ = batch(11)
+    dy = torch.randn(ROWS, F)
+    xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    fc(xl, split, pl).backward(dy)
+    assert pl.grad is not None and all(p.grad is None for p in fc.parameters())
+    fc.backward_dw()
+    ws = [ref.leaf(w) for w in (fc.weight.unbind(0) if single else fc.weights())]
+    bs = [ref.leaf(b) for b in (fc.bias.unbind(0) if single else fc.biases())]
+    xr, pr = ref.leaf(x), ref.leaf(probs)
+    ref.grouped_linear(xr, ws, bs, split, pr).backward(dy.double())
+    got_w = list(fc.weight.main_grad) if single else [w.main_grad for w in fc.weights()]
+    got_b = list(fc.bias.grad) if single else [b.grad for b in fc.biases()]
+    for g in range(E):
+        ref.assert_close(got_w[g], ws[g].grad, torch.float32, f"weight {g}")
+        ref.assert_close(got_b[g], bs[g].grad, torch.float32, f"bias {g}")
+    ref.assert_close(pl.grad, pr.grad, torch.float32, "probs")
+    ref.assert_close(xl.grad, xr.grad, torch.float32, "x")
