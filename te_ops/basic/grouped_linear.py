@@ -28,6 +28,7 @@ from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
 from ..quantization.gemm import quantized_gemm_note
 from ..splits import GroupedSplits, make_splits
+from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
@@ -180,6 +181,7 @@ class GroupedLinearSaved:
     single: bool = False
     probs_requires_grad: bool = False
     recipe: Any = None
+    training: WgradPolicy | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -207,6 +209,7 @@ class GroupedLinearSaved:
             "single": self.single,
             "probs_requires_grad": self.probs_requires_grad,
             "recipe": self.recipe,
+            "training": self.training,
         }
 
     @classmethod
@@ -228,7 +231,7 @@ class GroupedLinearSaved:
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"])
+                   meta["recipe"], meta["training"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -266,6 +269,14 @@ class GroupedLinear(BasicOperation):
         in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
         ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
         per step with many experts (two parameters instead of 2 x num_groups).
+    accumulate_into_main_grad : bool
+        Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
+        ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
+        give autograd ``None`` for the weights instead (see :mod:`te_ops.training` and
+        docs/training.md).
+    delay_wgrad_compute : bool
+        Backward computes the input gradient only; the weight and bias gradients are computed
+        by :meth:`backward_dw` later (TransformerEngine's option of that name).
     device, dtype :
         Of the parameters (default: torch's defaults).
 
@@ -299,6 +310,8 @@ class GroupedLinear(BasicOperation):
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
                  single_grouped_weight: bool = False,
+                 accumulate_into_main_grad: bool = False,
+                 delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -318,6 +331,8 @@ class GroupedLinear(BasicOperation):
         self.scale_bias = scale_bias
         self.single_grouped_weight = bool(single_grouped_weight)
         self.num_extra_inputs = 2 if scale_bias else 1
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
         # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
@@ -434,6 +449,8 @@ class GroupedLinear(BasicOperation):
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
         extra += ", single weight" if self.single_grouped_weight else ""
+        extra += ", main_grad" if self.accumulate_into_main_grad else ""
+        extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
                 f"{self.out_features}{extra})")
 
@@ -529,7 +546,35 @@ class GroupedLinear(BasicOperation):
             single=self.single_grouped_weight,
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
+            training=self.wgrad_policy(call=True),
         )
+
+    def wgrad_policy(self, call: bool = False) -> WgradPolicy | None:
+        """This op's main_grad / delayed-wgrad policy (``None`` when both options are off);
+        one object per op, holding the queue of delayed wgrad jobs (``call=True``: a copy for
+        one forward call, holding the current Parameter objects)."""
+        if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
+            return None
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is None:
+            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
+                [f"weight{g}" for g in range(self.num_groups)],
+                [f"bias{g}" for g in range(self.num_groups)])
+            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            self.__dict__["_wgrad_policy"] = policy
+        policy.accumulate_into_main_grad = self.accumulate_into_main_grad
+        policy.delay_wgrad_compute = self.delay_wgrad_compute
+        return policy.for_call(*self._param_lists()) if call else policy
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients that backward queued with
+        ``delay_wgrad_compute=True`` (every queued micro-batch, oldest first): weights into
+        ``main_grad`` (with ``accumulate_into_main_grad``) or added to ``.grad``, biases added
+        to ``.grad``. Does nothing when nothing is queued. See :func:`te_ops.training.backward_dw`.
+        """
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is not None:
+            backward_dw(policy)
 
     @staticmethod
     def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
@@ -553,14 +598,17 @@ class GroupedLinear(BasicOperation):
         """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
         splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
-        if any(w.requires_grad for w in weights):
+        if saved.training is not None:  # main_grad / delayed wgrad: te_ops.training decides
+            grads, bias_grads = weight_and_bias_grads(saved, dy2d)
+        elif any(w.requires_grad for w in weights):
             dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, splits, columnwise=True)
             wgrad = grouped_wgrad(saved.wgrad_input(), dy_in, splits, saved.backend)
             grads = _only_trainable(per_param(wgrad, saved.single), weights)
-        bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
+        if saved.training is None:
+            bias_grads = [None] * len(saved.biases)
         grad_probs = None
         if saved.biases:
-            if any(b.requires_grad for b in saved.biases):
+            if saved.training is None and any(b.requires_grad for b in saved.biases):
                 bias_grads = _only_trainable(
                     per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
                     saved.biases)
