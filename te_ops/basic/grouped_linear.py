@@ -123,7 +123,8 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
     for kind in ("weight", "bias"):
         one = prefix + kind
         per = [f"{prefix}{kind}{g}" for g in range(num_groups)]
-        if single and one not in state_dict and all(k in state_dict for k in per):
+        if (single and one not in state_dict and all(k in state_dict for k in per)
+                and len({tuple(getattr(state_dict[k], "shape", ())) for k in per}) == 1):
             state_dict[one] = torch.stack([state_dict.pop(k) for k in per])
         elif (not single and one in state_dict and not any(k in state_dict for k in per)
               and getattr(state_dict[one], "dim", lambda: 0)() >= 1
@@ -306,6 +307,11 @@ class GroupedLinear(BasicOperation):
                             ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, flag in (("bias", bias), ("scale_bias", scale_bias),
+                           ("single_grouped_weight", single_grouped_weight)):
+            if flag is not None and not isinstance(flag, (bool, int)):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        bias, scale_bias = bool(bias), bool(scale_bias)
         if scale_bias and not bias:
             raise ValueError("scale_bias=True needs bias=True, got bias=False")
         dtype = dtype or torch.get_default_dtype()
@@ -367,6 +373,17 @@ class GroupedLinear(BasicOperation):
                               unexpected_keys, error_msgs) -> None:
         # Accept the other weight layout (as TransformerEngine does), so the
         # single_grouped_weight flag can be flipped on existing checkpoints.
+        if self.single_grouped_weight:  # per-expert entries that cannot be stacked
+            expected = {"weight": (self.out_features, self.in_features),
+                        "bias": (self.out_features,)}
+            for kind, shape in expected.items():
+                for g in range(self.num_groups):
+                    t = state_dict.get(f"{prefix}{kind}{g}")
+                    if t is not None and tuple(getattr(t, "shape", ())) != shape:
+                        error_msgs.append(
+                            f"size mismatch for {prefix}{kind}{g}: copying a param with shape "
+                            f"{tuple(t.shape)} from checkpoint into {prefix}{kind}[{g}] of a "
+                            f"single_grouped_weight layer, which has shape {shape}")
         convert_weight_layout(state_dict, prefix, self.num_groups, self.single_grouped_weight)
         names = [prefix + n for n, p in self._parameters.items() if p is not None]
         # load_state_dict passes strict=True here whatever the caller asked: warn in every
@@ -473,10 +490,14 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"input: {reason}")
         w = self._param_lists()[0][0]
         if input_.dtype != w.dtype or input_.device != w.device:
+            target = ", ".join(([f"'{w.device}'"] if input_.device != w.device else [])
+                               + ([str(w.dtype)] if input_.dtype != w.dtype else []))
+            source = ", ".join(([f"'{input_.device}'"] if input_.device != w.device else [])
+                               + ([str(input_.dtype)] if input_.dtype != w.dtype else []))
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
-                f"{input_.dtype} on {input_.device}: cast the input with "
-                f"x.to({w.dtype}) (or the layer with .to({input_.dtype}))"
+                f"{input_.dtype} on {input_.device}: move the input with "
+                f"x.to({target}) (or the layer with .to({source}))"
             )
 
     def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:

@@ -1,0 +1,93 @@
+"""Faults found by trying te_ops as a new user would (README and docs first, then bad input).
+
+Each test asserts the right value or the right error (naming the argument, the expected and
+the actual value); references are independent (``tests/reference.py``: per-expert
+``F.linear`` loops in float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_ops
+
+
+# --------------------------------------------------------------------------- split sizes
+@pytest.mark.parametrize("sizes", [[2**62] * 4, [2**63 - 1, 2**63 - 1, 2, 0]])
+def test_device_split_sizes_that_overflow_int64_sum_are_rejected(sizes):
+    # Non-negative sizes whose int64 cumsum wraps around to <= rows used to pass the
+    # device-side check and run with garbage offsets.
+    lin = te_ops.GroupedLinear(4, 4, 4)
+    with pytest.raises(RuntimeError, match=r"split_sizes must be non-negative and sum to at "
+                                           r"most the input's rows \(6\).*TE_OPS_CHECK_SPLIT"):
+        lin(torch.randn(6, 4), torch.tensor(sizes))
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (float("nan"), r"split_sizes\[0\] must be a whole number, got nan"),
+    (float("inf"), r"split_sizes\[0\] must be a whole number, got inf"),
+    (1e30, r"split_sizes\[0\] must be within int64's range, got 1\.0*\d*e\+30"),
+])
+def test_eager_split_check_names_non_finite_and_huge_float_sizes(monkeypatch, value, match):
+    # With TE_OPS_CHECK_SPLIT_SIZES=1, NaN raised "cannot convert float NaN to integer", inf
+    # an OverflowError and 1e30 "must be >= 0, got -9223372036854775808".
+    monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
+    lin = te_ops.GroupedLinear(2, 4, 4)
+    with pytest.raises(ValueError, match=match):
+        lin(torch.randn(6, 4), torch.tensor([value, 1.0]))
+
+
+# --------------------------------------------------------------------------- input checks
+def test_device_mismatch_hint_names_the_device_not_the_dtype():
+    # The hint said "cast the input with x.to(torch.float32)" for an input on another device.
+    lin = te_ops.GroupedLinear(2, 4, 4)
+    x = torch.randn(6, 4, device="meta")
+    with pytest.raises(ValueError, match=r"device cpu, got torch.float32 on meta: move the "
+                                         r"input with x.to\('cpu'\) \(or the layer with "
+                                         r"\.to\('meta'\)\)"):
+        lin(x, [3, 3])
+    with pytest.raises(ValueError, match=r"x.to\(torch.float32\) \(or the layer with "
+                                         r"\.to\(torch.float64\)\)"):
+        lin(torch.randn(6, 4, dtype=torch.float64), [3, 3])
+
+
+@pytest.mark.parametrize("flag", ["bias", "scale_bias", "single_grouped_weight"])
+def test_grouped_linear_flags_must_be_bools(flag):
+    # bias="no" built biases (a truthy string); bias=torch.zeros(3) raised torch's
+    # "Boolean value of Tensor ... is ambiguous".
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got str \('no'\)"):
+        te_ops.GroupedLinear(2, 4, 4, **{flag: "no"})
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got Tensor"):
+        te_ops.GroupedLinear(2, 4, 4, **{flag: torch.zeros(3)})
+
+
+@pytest.mark.parametrize("bias", [None, 0, False])
+def test_falsy_bias_gives_a_bool_use_bias(bias):
+    lin = te_ops.GroupedLinear(2, 4, 4, bias=bias)
+    assert lin.use_bias is False and lin.has_bias is False and lin.bias0 is None
+
+
+# --------------------------------------------------------------------------- fuses_as
+def test_fuses_as_must_name_a_base_class():
+    # A SwiGLU subclass declaring fuses_as = GroupedLinear was fused as a GroupedLinear and
+    # failed inside the fusion with "'W' object has no attribute 'num_groups'".
+    with pytest.raises(TypeError, match=r"W.fuses_as must be one of its base classes .*"
+                                        r"got <class 'te_ops.basic.grouped_linear.Grouped"):
+        class W(te_ops.SwiGLU):  # noqa: F841
+            fuses_as = te_ops.GroupedLinear
+    with pytest.raises(TypeError, match=r"V.fuses_as must be one of its base classes"):
+        class V(te_ops.SwiGLU):  # noqa: F841
+            fuses_as = 3
+
+
+# --------------------------------------------------------------------------- state_dict
+def test_per_expert_checkpoint_of_wrong_shape_into_single_weight_names_the_key():
+    # torch.stack raised "stack expects each tensor to be equal size" without a key name.
+    src = te_ops.GroupedLinear(2, 16, 64)
+    dst = te_ops.GroupedLinear(2, 16, 64, single_grouped_weight=True)
+    sd = src.state_dict()
+    sd["weight0"] = sd["weight0"][:1]
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"size mismatch for weight0: copying a param "
+                                               r"with shape \(1, 16\).*\(64, 16\)"):
+            dst.load_state_dict(sd, strict=strict)
