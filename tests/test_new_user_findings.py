@@ -91,3 +91,61 @@ def test_per_expert_checkpoint_of_wrong_shape_into_single_weight_names_the_key()
         with pytest.raises(RuntimeError, match=r"size mismatch for weight0: copying a param "
                                                r"with shape \(1, 16\).*\(64, 16\)"):
             dst.load_state_dict(sd, strict=strict)
+
+
+# --------------------------------------------------------------------------- recipes
+def _block(**kw):
+    return te_ops.Sequential(te_ops.GroupedLinear(2, 64, 128, **kw), te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(2, 64, 64, **kw))
+
+
+def test_explain_after_a_recipe_call_reports_the_recipe():
+    # docs/recipes.md: explain() prints, per GroupedLinear, "recipe <name>: emulated (...)";
+    # after a call it printed only the backend lines (the recipe was not recorded), and a
+    # later call without a recipe must not keep the old line.
+    from te_ops.recipe import Float8CurrentScaling, MXFP8BlockScaling
+
+    blk = _block()
+    x, sizes, probs = torch.randn(8, 64), torch.tensor([4, 4]), torch.rand(8)
+    with te_ops.autocast(recipe=Float8CurrentScaling()):
+        blk(x, sizes, probs, sizes)
+    text = blk.explain()
+    assert text.count("recipe Float8CurrentScaling: emulated (no FP8 grouped GEMM kernel on "
+                      "cpu)") == 2
+    with te_ops.autocast(recipe=MXFP8BlockScaling()):
+        blk(x, sizes, probs, sizes)
+    text = blk.explain()
+    assert text.count("recipe MXFP8BlockScaling: emulated") == 2
+    assert "Float8CurrentScaling" not in text
+    blk(x, sizes, probs, sizes)
+    assert "recipe " not in blk.explain()
+
+
+@pytest.mark.parametrize("enabled", ["no", None, 0])
+def test_autocast_enabled_must_be_a_bool(enabled):
+    # enabled="no" switched FP8 on (a truthy string).
+    with pytest.raises(TypeError, match=rf"enabled must be a bool, got {type(enabled).__name__}"):
+        with te_ops.autocast(enabled=enabled):
+            pass
+
+
+def test_autocast_rejects_the_abstract_recipe_base():
+    # Recipe() was accepted and the first forward raised a bare NotImplementedError.
+    from te_ops.recipe import Recipe
+
+    with pytest.raises(TypeError, match=r"recipe must be a te_ops.recipe.Recipe, got the "
+                                        r"abstract base Recipe \(pass an instance such as "
+                                        r"Float8CurrentScaling\(\)"):
+        with te_ops.autocast(recipe=Recipe()):
+            pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_recipe_with_unsupported_parameter_dtype_names_autocast_and_the_fix(dtype):
+    # The error said "x must be a float32 or bfloat16 tensor" (the quantizer's argument).
+    blk = _block(dtype=dtype)
+    sizes = [4, 4]
+    with te_ops.autocast(), pytest.raises(
+            TypeError, match=rf"te_ops.autocast\(recipe=Float8CurrentScaling\(\)\) needs float32 "
+                             rf"or bfloat16 parameters and inputs \(input is {dtype}\): cast"):
+        blk(torch.randn(8, 64, dtype=dtype), sizes, torch.rand(8, dtype=dtype), sizes)

@@ -7,6 +7,7 @@ their outputs are zero and they get zero gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -132,6 +133,13 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
             stacked_param = state_dict.pop(one)
             for g, k in enumerate(per):
                 state_dict[k] = stacked_param[g]
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_note(recipe: Any, device: torch.device, dtype: torch.dtype, in_features: int,
+                 out_features: int, backend_name: str) -> str:
+    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward)."""
+    return quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
 
 
 @dataclass
@@ -514,6 +522,17 @@ class GroupedLinear(BasicOperation):
         self.record_dispatch("grouped GEMM backend", _backend_text(choice))
         return choice
 
+    def _record_recipe(self, recipe: Any, x2d: torch.Tensor, backend: BackendChoice) -> None:
+        """Record for ``explain()`` how this call's GEMMs ran under ``recipe`` (or drop the
+        record of an earlier call's recipe)."""
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        for kind in [k for k in records if k.startswith("recipe ")]:
+            del records[kind]
+        if recipe is not None:
+            kind, decision = _recipe_note(recipe, x2d.device, x2d.dtype, self.in_features,
+                                          self.out_features, backend.name).split(": ", 1)
+            self.record_dispatch(kind, decision)
+
     # ------------------------------------------------------------------ math
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None) -> torch.Tensor:
@@ -521,6 +540,7 @@ class GroupedLinear(BasicOperation):
         With a ``recipe`` the GEMM reads its row-wise quantized x and weights."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
+        self._record_recipe(recipe, x2d, backend)
         x_in = quantize_operand(recipe, "input", x2d, rowwise=True)
         w_in = quantize_operand(recipe, "weight", stacked(weights, single), rowwise=True)
         y = grouped_fprop(x_in, w_in, splits, backend)
