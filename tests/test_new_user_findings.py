@@ -149,3 +149,21 @@ def test_recipe_with_unsupported_parameter_dtype_names_autocast_and_the_fix(dtyp
             TypeError, match=rf"te_ops.autocast\(recipe=Float8CurrentScaling\(\)\) needs float32 "
                              rf"or bfloat16 parameters and inputs \(input is {dtype}\): cast"):
         blk(torch.randn(8, 64, dtype=dtype), sizes, torch.rand(8, dtype=dtype), sizes)
+
+
+# --------------------------------------------------------------------------- routing
+def test_permute_treats_negative_expert_ids_as_padding():
+    # A -1 "dropped" id raised torch's "index -1 is out of bounds for dimension 0 with size 4"
+    # on CPU (a device assert on CUDA); argsort also put it first, ahead of expert 0's rows.
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    idx = torch.tensor([[1, -1], [0, 2], [-1, -1], [2, 0], [3, 1]])
+    w = torch.rand(5, 2, dtype=torch.float64)
+    routed = te_ops.permute(x, idx, w, 4)
+    assert routed.split_sizes.tolist() == [2, 2, 2, 1]
+    valid = [(t, k) for t in range(5) for k in range(2) if idx[t, k] >= 0]
+    want = sorted(valid, key=lambda p: (idx[p].item(), p))  # by expert, then token, slot
+    n = len(want)
+    assert routed.token_index[:n].tolist() == [t for t, _ in want]
+    torch.testing.assert_close(routed.probs[:n], torch.stack([w[p] for p in want]))
+    assert sorted(routed.token_index[n:].tolist()) == [0, 2, 2]  # the -1 rows, last
