@@ -167,3 +167,27 @@ def test_permute_treats_negative_expert_ids_as_padding():
     assert routed.token_index[:n].tolist() == [t for t, _ in want]
     torch.testing.assert_close(routed.probs[:n], torch.stack([w[p] for p in want]))
     assert sorted(routed.token_index[n:].tolist()) == [0, 2, 2]  # the -1 rows, last
+
+
+# --------------------------------------------------------------------------- the main job
+@pytest.mark.parametrize(("argv", "message"), [
+    # --recipe was silently ignored with --hf-model (the HF comparison has no recipe)
+    (["--hf-model", "mixtral", "--recipe", "fp8"], "--recipe fp8 does not apply to --hf-model"),
+    # a traceback from the model ("d_model=128 must be divisible by heads=3")
+    (["--heads", "3"], "--d-model (128) must be divisible by --heads, got 3"),
+])
+def test_train_moe_rejects_flag_combinations_it_cannot_run(capsys, argv, message):
+    from te_ops.examples.train_moe import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_moe_seq_len_longer_than_the_split_names_the_flag():
+    # torch raised "random_ expects 'from' to be less than 'to', but got from=0 >= to=-53381".
+    from te_ops.examples.train_moe import sample_batch
+
+    with pytest.raises(ValueError, match=r"--seq-len 100 must be below 49: the split has 50"):
+        sample_batch(torch.zeros(50, dtype=torch.uint8), 2, 100, torch.Generator())
