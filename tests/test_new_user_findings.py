@@ -191,3 +191,48 @@ def test_train_moe_seq_len_longer_than_the_split_names_the_flag():
 
     with pytest.raises(ValueError, match=r"--seq-len 100 must be below 49: the split has 50"):
         sample_batch(torch.zeros(50, dtype=torch.uint8), 2, 100, torch.Generator())
+
+
+# --------------------------------------------------------------------------- HF integration
+def _hf():
+    pytest.importorskip("transformers", minversion="5.0")
+    from te_ops.integrations import transformers as te_hf
+
+    return te_hf
+
+
+def test_to_hf_state_dict_rejects_a_block_that_is_not_an_hf_grouped_mlp():
+    # fc1 with 2 experts and fc2 with 3 gave a state dict; a plain module raised
+    # "'Linear' object is not iterable".
+    te_hf = _hf()
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(3, 8, 8, bias=False))
+    with pytest.raises(ValueError, match=r"fc1 must be GroupedLinear\(E, H, 2I\) and fc2 "
+                                         r"GroupedLinear\(E, I, H\); got fc1 \(2, 8, 16\) and "
+                                         r"fc2 \(3, 8, 8\)"):
+        te_hf.to_hf_state_dict(blk)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(2, 8, 6, bias=False))
+    with pytest.raises(ValueError, match=r"fc2 \(2, 8, 6\)"):
+        te_hf.to_hf_state_dict(blk, "w1_w3_w2")
+    with pytest.raises(ValueError, match=r"block must be a te_ops.Sequential.*got Linear"):
+        te_hf.to_hf_state_dict(torch.nn.Linear(2, 2))
+
+
+def test_from_hf_experts_names_the_expert_whose_shapes_differ():
+    # torch.stack raised "stack expects each tensor to be equal size".
+    te_hf = _hf()
+
+    def mlp(inter):
+        m = torch.nn.Module()
+        m.w1 = torch.nn.Linear(8, inter, bias=False)
+        m.w3 = torch.nn.Linear(8, 4, bias=False)
+        m.w2 = torch.nn.Linear(4, 8, bias=False)
+        m.act_fn = torch.nn.SiLU()
+        return m
+
+    experts = torch.nn.ModuleList([mlp(4), mlp(5)])
+    with pytest.raises(ValueError, match=r"expert 1 \(Module\) has w1/w3/w2 weight shapes "
+                                         r"\(\(5, 8\), \(4, 8\), \(8, 4\)\)"):
+        te_hf.from_hf_experts(experts)
+    assert te_hf.unsupported_reason(torch.nn.ModuleList([mlp(4), mlp(4)])) is None
