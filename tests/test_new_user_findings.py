@@ -255,3 +255,23 @@ def test_input_modified_in_place_before_backward_names_the_inplace_op():
         x_in.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("sizes", [[2, 3], torch.tensor([2, 3])])
+def test_quantizer_takes_split_sizes_as_a_list_or_tensor(sizes):
+    # The public quantizer's splits only took the internal GroupedSplits: a list or tensor of
+    # split sizes raised "'list' object has no attribute 'num_groups'".
+    from te_ops.quantization import Float8CurrentScalingQuantizer
+
+    torch.manual_seed(1)
+    x = torch.randn(5, 32) * torch.logspace(-2, 2, 32)
+    q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)(x, sizes)
+    # per (expert, column) power-of-two scale over the expert's rows: 2^floor(log2(448/amax))
+    for g, rows in enumerate((slice(0, 2), slice(2, 5))):
+        amax = x[rows].abs().amax(0).double()
+        scale = torch.exp2(torch.floor(torch.log2(448.0 / amax)))
+        torch.testing.assert_close(q.columnwise_scale_inv[g].double(), 1.0 / scale,
+                                   rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"splits must be a GroupedSplits, a list of ints or a "
+                                        r"1-D tensor of split sizes, got Tensor of shape \(\)"):
+        Float8CurrentScalingQuantizer(columnwise=True)(x, torch.tensor(5))
