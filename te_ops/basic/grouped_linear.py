@@ -7,6 +7,7 @@ their outputs are zero and they get zero gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -124,7 +125,8 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
     for kind in ("weight", "bias"):
         one = prefix + kind
         per = [f"{prefix}{kind}{g}" for g in range(num_groups)]
-        if single and one not in state_dict and all(k in state_dict for k in per):
+        if (single and one not in state_dict and all(k in state_dict for k in per)
+                and len({tuple(getattr(state_dict[k], "shape", ())) for k in per}) == 1):
             state_dict[one] = torch.stack([state_dict.pop(k) for k in per])
         elif (not single and one in state_dict and not any(k in state_dict for k in per)
               and getattr(state_dict[one], "dim", lambda: 0)() >= 1
@@ -132,6 +134,13 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
             stacked_param = state_dict.pop(one)
             for g, k in enumerate(per):
                 state_dict[k] = stacked_param[g]
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_note(recipe: Any, device: torch.device, dtype: torch.dtype, in_features: int,
+                 out_features: int, backend_name: str) -> str:
+    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward)."""
+    return quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
 
 
 @dataclass
@@ -319,6 +328,11 @@ class GroupedLinear(BasicOperation):
                             ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, flag in (("bias", bias), ("scale_bias", scale_bias),
+                           ("single_grouped_weight", single_grouped_weight)):
+            if flag is not None and not isinstance(flag, (bool, int)):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        bias, scale_bias = bool(bias), bool(scale_bias)
         if scale_bias and not bias:
             raise ValueError("scale_bias=True needs bias=True, got bias=False")
         dtype = dtype or torch.get_default_dtype()
@@ -382,6 +396,17 @@ class GroupedLinear(BasicOperation):
                               unexpected_keys, error_msgs) -> None:
         # Accept the other weight layout (as TransformerEngine does), so the
         # single_grouped_weight flag can be flipped on existing checkpoints.
+        if self.single_grouped_weight:  # per-expert entries that cannot be stacked
+            expected = {"weight": (self.out_features, self.in_features),
+                        "bias": (self.out_features,)}
+            for kind, shape in expected.items():
+                for g in range(self.num_groups):
+                    t = state_dict.get(f"{prefix}{kind}{g}")
+                    if t is not None and tuple(getattr(t, "shape", ())) != shape:
+                        error_msgs.append(
+                            f"size mismatch for {prefix}{kind}{g}: copying a param with shape "
+                            f"{tuple(t.shape)} from checkpoint into {prefix}{kind}[{g}] of a "
+                            f"single_grouped_weight layer, which has shape {shape}")
         convert_weight_layout(state_dict, prefix, self.num_groups, self.single_grouped_weight)
         names = [prefix + n for n, p in self._parameters.items() if p is not None]
         # load_state_dict passes strict=True here whatever the caller asked: warn in every
@@ -490,10 +515,14 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"input: {reason}")
         w = self._param_lists()[0][0]
         if input_.dtype != w.dtype or input_.device != w.device:
+            target = ", ".join(([f"'{w.device}'"] if input_.device != w.device else [])
+                               + ([str(w.dtype)] if input_.dtype != w.dtype else []))
+            source = ", ".join(([f"'{input_.device}'"] if input_.device != w.device else [])
+                               + ([str(input_.dtype)] if input_.dtype != w.dtype else []))
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
-                f"{input_.dtype} on {input_.device}: cast the input with "
-                f"x.to({w.dtype}) (or the layer with .to({input_.dtype}))"
+                f"{input_.dtype} on {input_.device}: move the input with "
+                f"x.to({target}) (or the layer with .to({source}))"
             )
 
     def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:
@@ -510,6 +539,17 @@ class GroupedLinear(BasicOperation):
         self.record_dispatch("grouped GEMM backend", _backend_text(choice))
         return choice
 
+    def _record_recipe(self, recipe: Any, x2d: torch.Tensor, backend: BackendChoice) -> None:
+        """Record for ``explain()`` how this call's GEMMs ran under ``recipe`` (or drop the
+        record of an earlier call's recipe)."""
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        for kind in [k for k in records if k.startswith("recipe ")]:
+            del records[kind]
+        if recipe is not None:
+            kind, decision = _recipe_note(recipe, x2d.device, x2d.dtype, self.in_features,
+                                          self.out_features, backend.name).split(": ", 1)
+            self.record_dispatch(kind, decision)
+
     # ------------------------------------------------------------------ math
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None) -> torch.Tensor:
@@ -517,6 +557,7 @@ class GroupedLinear(BasicOperation):
         With a ``recipe`` the GEMM reads its row-wise quantized x and weights."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
+        self._record_recipe(recipe, x2d, backend)
         x_in = quantize_operand(recipe, "input", x2d, rowwise=True)
         w_in = quantize_operand(recipe, "weight", stacked(weights, single), rowwise=True)
         y = grouped_fprop(x_in, w_in, splits, backend)
