@@ -1,6 +1,14 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import env, fused, graphs, ir, quantization, recipe  # importing fused registers the fusions
+from . import (  # importing fused registers the fusions
+    env,
+    fused,
+    graphs,
+    ir,
+    quantization,
+    recipe,
+    training,
+)
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .compile import compile_unsupported_reason
 from .fuser import (
@@ -42,6 +50,7 @@ __all__ = [
     "register_backward_fusion",
     "register_forward_fusion",
     "register_joint_fusion",
+    "training",
     "unpermute",
 ]
 

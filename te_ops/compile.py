@@ -44,22 +44,34 @@ EAGER_WARNING = "te_ops: {where} runs eagerly under torch.compile (graph break):
 _WARNED: set[str] = set()
 
 
-def _check_module(module: Any) -> None:
+def _basic_ops(module: Any) -> list:
     from .fuser import OperationFuser
     from .op import FusibleOperation
     from .sequential import Sequential
 
-    if not isinstance(module, (OperationFuser, Sequential, FusibleOperation)):
-        raise TypeError(
-            "module: expected a te_ops.Sequential, OperationFuser or te_ops operation, got "
-            f"{type(module).__name__}"
-        )
+    if isinstance(module, Sequential):
+        return [op for f in module.fusers() for op in f.basic_ops]
+    if isinstance(module, (OperationFuser, FusibleOperation)):
+        return list(module.basic_ops)
+    raise TypeError(
+        "module: expected a te_ops.Sequential, OperationFuser or te_ops operation, got "
+        f"{type(module).__name__}"
+    )
 
 
-def _call_reasons(input_: Any, extra_inputs: tuple, recipe: Any = None) -> list[str]:
-    """Why one call cannot be traced whole, from facts Dynamo can trace and guard (types, an
-    environment variable, a plain list): the gate runs inside the traced frame."""
+def _call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
+                  recipe: Any = None) -> list[str]:
+    """Why one call cannot be traced whole, from facts Dynamo can trace and guard (types, op
+    attributes, an environment variable, a plain list): the gate runs in the traced frame."""
     reasons = []
+    for op in basic_ops:
+        if getattr(op, "accumulate_into_main_grad", False):
+            reasons.append(f"{type(op).__name__}(accumulate_into_main_grad=True) adds weight "
+                           "gradients into param.main_grad, a tensor outside the graph's "
+                           "inputs (run the block eagerly or in a CUDA graph)")
+        if getattr(op, "delay_wgrad_compute", False):
+            reasons.append(f"{type(op).__name__}(delay_wgrad_compute=True) keeps backward "
+                           "state in Python for a later backward_dw() call")
     active = recipe if recipe is not None else _active_recipe()
     if active is not None:
         for f in dataclasses.fields(active):
@@ -141,9 +153,8 @@ def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
     TypeError
         ``module`` is not a te_ops module.
     """
-    _check_module(module)
     input_ = inputs[0] if inputs else None
-    reasons = _call_reasons(input_, tuple(inputs[1:]))
+    reasons = _call_reasons(_basic_ops(module), input_, tuple(inputs[1:]))
     return "; ".join(reasons) if reasons else None
 
 
@@ -211,7 +222,7 @@ def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
 
 
 def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:
-    reasons = _call_reasons(input_, extra_inputs, recipe)
+    reasons = _call_reasons(fuser.basic_ops, input_, extra_inputs, recipe)
     return "; ".join(reasons) if reasons else None
 
 

@@ -545,7 +545,8 @@ class _FuserFunction(torch.autograd.Function):
         for t in extra_out:
             if not t.is_floating_point():
                 ctx.mark_non_differentiable(t)
-        return (out, *extra_out)
+        # Not a view of an op's buffer: FSDP2 warns about (and in-place ops mishandle) views.
+        return (out.detach(), *extra_out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):

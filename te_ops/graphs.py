@@ -30,6 +30,7 @@ from .kernels.grouped_gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
 from .signature import CallSignature
+from .training import main_grads_restored
 
 __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCallable"]
 
@@ -52,6 +53,9 @@ def _basic_ops_with_index(module: torch.nn.Module) -> list[tuple[int, BasicOpera
 
 def _grouped_linear_reason(op: GroupedLinear, input_: torch.Tensor, split_sizes: Any
                            ) -> str | None:
+    if op.delay_wgrad_compute:
+        return ("delay_wgrad_compute=True queues the weight-gradient work in Python for "
+                "backward_dw(), which a graph replay does not run")
     if not isinstance(split_sizes, torch.Tensor):
         return ("split_sizes is a host list; pass a 1-D integer tensor on the input's device "
                 f"({input_.device})")
@@ -155,6 +159,7 @@ class _LeafGradGuard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.leaves = leaves
+        ctx.set_materialize_grads(False)  # None stays None (weights that use main_grad)
         return tuple(t.detach() for t in leaves)
 
     @staticmethod
@@ -454,14 +459,19 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
                                 allow_unused=True)
 
-    eager_step()
-    if check_sync:
-        _sync_check(eager_step)
-    torch.cuda.synchronize()
+    # Warm-up runs must not leave gradients in Megatron main_grad buffers; weights that add
+    # into main_grad get no autograd gradient (None), hence allow_unused_input.
+    with main_grads_restored(module):
+        eager_step()
+        if check_sync:
+            _sync_check(eager_step)
+        torch.cuda.synchronize()
 
-    graphed = torch.cuda.make_graphed_callables(
-        call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
-    )
+        graphed = torch.cuda.make_graphed_callables(
+            call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
+            allow_unused_input=True,
+        )
+        torch.cuda.synchronize()
     return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed,
                            clone_param_grads)
 

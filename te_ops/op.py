@@ -126,6 +126,16 @@ class BasicOperation(FusibleOperation):
     #: subclass must repeat it). See :func:`te_ops.fuser.fusible_as`.
     fuses_as: ClassVar[type | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        base = cls.__dict__.get("fuses_as")
+        if base is not None and not (isinstance(base, type) and base is not cls
+                                     and issubclass(cls, base)):
+            raise TypeError(
+                f"{cls.__name__}.fuses_as must be one of its base classes (the op whose math "
+                f"it keeps), got {base!r}"
+            )
+
     @property
     def is_fused_op(self) -> bool:
         return False

@@ -28,10 +28,12 @@ class PermutedTokens(NamedTuple):
     ----------
     x : torch.Tensor
         (S, hidden): the token rows, sorted by expert (stable: within an expert, in order of
-        token, then of top-k slot). Rows routed to an id ``>= num_experts`` come last.
+        token, then of top-k slot). Rows routed to an id outside ``[0, num_experts)`` come
+        last.
     split_sizes : torch.Tensor
         (num_experts,) int64 on x's device: rows per expert (zero for idle experts). Sums to
-        ``S`` minus the rows routed to ids ``>= num_experts`` (those are padding rows for te_ops).
+        ``S`` minus the rows routed to ids outside ``[0, num_experts)`` (padding rows for
+        te_ops).
     probs : torch.Tensor
         (S,): the routing weight of each sorted row, in ``top_k_weights``' dtype.
     token_index : torch.Tensor
@@ -71,12 +73,12 @@ def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tenso
     """Rows per expert, (num_experts,) int64, from flat expert ids (S,), with no host sync.
 
     A ``scatter_add_`` into ``num_experts`` zeros (``bincount`` reads the largest id on the host
-    on CUDA and has a data-dependent size). Ids ``>= num_experts`` are not counted.
+    on CUDA and has a data-dependent size). Ids outside ``[0, num_experts)`` are not counted.
     """
     ids = expert_ids.long()
-    valid = (ids < num_experts).long()
+    valid = ((ids >= 0) & (ids < num_experts)).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids.clamp(max=num_experts - 1), valid)
+    return counts.scatter_add_(0, ids.clamp(0, num_experts - 1), valid)
 
 
 def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
@@ -88,9 +90,10 @@ def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     x : torch.Tensor
         (tokens, hidden), any dtype.
     top_k_index : torch.Tensor
-        (tokens, top_k) integer expert ids in ``[0, num_experts)``; an id ``>= num_experts``
-        (e.g. an expert-parallel "not on this rank" sentinel) is sorted last and not counted in
-        ``split_sizes``, so te_ops treats its row as padding (zero output and gradient).
+        (tokens, top_k) integer expert ids in ``[0, num_experts)``; an id outside that range
+        (an expert-parallel "not on this rank" id ``>= num_experts``, or a ``-1`` "dropped"
+        sentinel) is sorted last and not counted in ``split_sizes``, so te_ops treats its row
+        as padding (zero output and gradient).
     top_k_weights : torch.Tensor or None
         (tokens, top_k) float routing weights; ``None`` gives ``probs=None``.
     num_experts : int
@@ -110,8 +113,10 @@ def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     """
     _check(x, top_k_index, top_k_weights, num_experts)
     top_k = top_k_index.shape[1]
-    expert_ids = top_k_index.reshape(-1)  # pair i belongs to token i // top_k
-    order = torch.argsort(expert_ids, stable=True)
+    expert_ids = top_k_index.reshape(-1).long()  # pair i belongs to token i // top_k
+    # ids outside [0, num_experts) (e.g. a -1 "dropped" sentinel) sort last, as padding rows
+    outside = (expert_ids < 0) | (expert_ids >= num_experts)
+    order = torch.argsort(torch.where(outside, num_experts, expert_ids), stable=True)
     token_index = order // top_k
     probs = None if top_k_weights is None else top_k_weights.reshape(-1)[order]
     return PermutedTokens(x[token_index], tokens_per_expert(expert_ids, num_experts), probs,

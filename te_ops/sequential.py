@@ -224,6 +224,13 @@ class Sequential(torch.nn.Module):
                 x = out
         return (x, *extra_outputs) if extra_outputs else x
 
+    def backward_dw(self) -> None:
+        """Run the delayed weight-gradient computation (``delay_wgrad_compute=True``) of every
+        op in this container once (see :func:`te_ops.training.backward_dw_all`)."""
+        from .training import backward_dw_all
+
+        backward_dw_all(self._items())
+
     # ------------------------------------------------------------------ introspection
     def fusers(self) -> list[OperationFuser]:
         """The fusers this container runs, in order."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -252,13 +253,15 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
             _check_host(sizes.tolist(), num_rows, name)
         else:
             # ends[-1] is the total (no separate reduction launch)
-            valid = (ends[-1] <= num_rows) & (sizes >= 0).all()
+            # each size in [0, num_rows] as well, so an int64 cumsum cannot wrap around
+            valid = (ends[-1] <= num_rows) & ((sizes >= 0) & (sizes <= num_rows)).all()
             if split_sizes.is_floating_point():  # whole numbers only
                 valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
             torch._assert_async(
                 valid,
                 f"{name} must be {'whole, ' if split_sizes.is_floating_point() else ''}"
-                f"non-negative and sum to at most the input's rows ({num_rows})",
+                f"non-negative and sum to at most the input's rows ({num_rows}); set "
+                "TE_OPS_CHECK_SPLIT_SIZES=1 for an eager check that names the values",
             )
         has_padding = None
     else:
@@ -293,8 +296,10 @@ def _host_tensor(host_sizes: list, device: torch.device) -> torch.Tensor:
 
 def _check_whole(sizes: list[float], name: str) -> None:
     for i, v in enumerate(sizes):
-        if v != int(v):
+        if not math.isfinite(v) or v != int(v):
             raise ValueError(f"{name}[{i}] must be a whole number, got {v}")
+        if abs(v) >= 2**63:
+            raise ValueError(f"{name}[{i}] must be within int64's range, got {v}")
 
 
 def _row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -409,7 +409,8 @@ def test_graphed_callable_input_checks():
         graphed(x2, sizes, probs, sizes.clone())
 
 
-def _emulated_make_graphed_callables(func, sample_args, num_warmup_iters=3, pool=None):
+def _emulated_make_graphed_callables(func, sample_args, num_warmup_iters=3, pool=None,
+                                     allow_unused_input=False):
     """torch.cuda.make_graphed_callables' contract, run eagerly on the CPU: static input
     buffers (the sample args), outputs detached, and a backward that writes the gradients into
     static buffers and returns views of them."""
@@ -429,14 +430,20 @@ def _emulated_make_graphed_callables(func, sample_args, num_warmup_iters=3, pool
         @staticmethod
         def backward(ctx, grad):
             wrt = [t for t in static_in if t.requires_grad]
-            grads = torch.autograd.grad(state["out"], wrt, grad)
-            bufs = state.setdefault("grads", [torch.empty_like(g) for g in grads])
+            grads = torch.autograd.grad(state["out"], wrt, grad, allow_unused=allow_unused_input)
+            bufs = state.setdefault("grads", [None if g is None else torch.empty_like(g)
+                                              for g in grads])
             for buf, g in zip(bufs, grads):
-                buf.copy_(g)
+                if g is not None:
+                    buf.copy_(g)
             it = iter(bufs)
-            return tuple(next(it).detach() if t.requires_grad else None for t in static_in)
+            return tuple(_detached(next(it)) if t.requires_grad else None for t in static_in)
 
     return lambda *args: Graphed.apply(*args)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 @FUSION

@@ -269,7 +269,8 @@ def test_stack_weights_memo_notices_repointed_weight(device):
 
 def test_group_ids_built_on_first_use(device):
     """Device split sizes: no per-row group ids until an op needs them; then the right ones."""
-    splits = make_splits(torch.tensor([2, 0, 3], device=device), 3, 7, torch.device(device))
+    sizes = torch.tensor([2, 0, 3], device=device)
+    splits = make_splits(sizes, 3, 7, sizes.device)  # the input's device (cuda:0, not "cuda")
     assert splits.to_tensors()[3] is None
     expected = torch.tensor([0, 0, 2, 2, 2, 3, 3], device=device)
     assert torch.equal(splits.group_ids, expected)

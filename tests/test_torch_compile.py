@@ -242,6 +242,9 @@ def test_recipe_change_retraces():
 GATE_CASES = {
     "check_split_sizes": "TE_OPS_CHECK_SPLIT_SIZES=1 reads device split sizes on the host",
     "not_a_tensor": "the input is a list, not a tensor",
+    "main_grad": "GroupedLinear(accumulate_into_main_grad=True) adds weight gradients into "
+                 "param.main_grad",
+    "delayed_wgrad": "GroupedLinear(delay_wgrad_compute=True) keeps backward state in Python",
 }
 
 
@@ -249,6 +252,12 @@ def _gate_call(case: str, monkeypatch, block):
     x, splits, probs = _inputs(torch.bfloat16, ROUTINGS[0], host=False)
     if case == "check_split_sizes":
         monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
+    elif case == "main_grad":
+        block[0].accumulate_into_main_grad = True
+        for p in block[0].weights():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    elif case == "delayed_wgrad":
+        block[2].delay_wgrad_compute = True
     else:
         x = x.tolist()
     return x, splits, probs

@@ -7,6 +7,7 @@ their outputs are zero and they get zero gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
 from ..quantization.gemm import quantized_gemm_note
 from ..splits import GroupedSplits, make_splits
+from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
@@ -123,7 +125,8 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
     for kind in ("weight", "bias"):
         one = prefix + kind
         per = [f"{prefix}{kind}{g}" for g in range(num_groups)]
-        if single and one not in state_dict and all(k in state_dict for k in per):
+        if (single and one not in state_dict and all(k in state_dict for k in per)
+                and len({tuple(getattr(state_dict[k], "shape", ())) for k in per}) == 1):
             state_dict[one] = torch.stack([state_dict.pop(k) for k in per])
         elif (not single and one in state_dict and not any(k in state_dict for k in per)
               and getattr(state_dict[one], "dim", lambda: 0)() >= 1
@@ -131,6 +134,13 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
             stacked_param = state_dict.pop(one)
             for g, k in enumerate(per):
                 state_dict[k] = stacked_param[g]
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_note(recipe: Any, device: torch.device, dtype: torch.dtype, in_features: int,
+                 out_features: int, backend_name: str) -> str:
+    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward)."""
+    return quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
 
 
 @dataclass
@@ -180,6 +190,7 @@ class GroupedLinearSaved:
     single: bool = False
     probs_requires_grad: bool = False
     recipe: Any = None
+    training: WgradPolicy | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -207,6 +218,7 @@ class GroupedLinearSaved:
             "single": self.single,
             "probs_requires_grad": self.probs_requires_grad,
             "recipe": self.recipe,
+            "training": self.training,
         }
 
     @classmethod
@@ -228,7 +240,7 @@ class GroupedLinearSaved:
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"])
+                   meta["recipe"], meta["training"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -266,6 +278,14 @@ class GroupedLinear(BasicOperation):
         in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
         ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
         per step with many experts (two parameters instead of 2 x num_groups).
+    accumulate_into_main_grad : bool
+        Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
+        ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
+        give autograd ``None`` for the weights instead (see :mod:`te_ops.training` and
+        docs/training.md).
+    delay_wgrad_compute : bool
+        Backward computes the input gradient only; the weight and bias gradients are computed
+        by :meth:`backward_dw` later (TransformerEngine's option of that name).
     device, dtype :
         Of the parameters (default: torch's defaults).
 
@@ -299,6 +319,8 @@ class GroupedLinear(BasicOperation):
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
                  single_grouped_weight: bool = False,
+                 accumulate_into_main_grad: bool = False,
+                 delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -306,6 +328,11 @@ class GroupedLinear(BasicOperation):
                             ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, flag in (("bias", bias), ("scale_bias", scale_bias),
+                           ("single_grouped_weight", single_grouped_weight)):
+            if flag is not None and not isinstance(flag, (bool, int)):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        bias, scale_bias = bool(bias), bool(scale_bias)
         if scale_bias and not bias:
             raise ValueError("scale_bias=True needs bias=True, got bias=False")
         dtype = dtype or torch.get_default_dtype()
@@ -318,6 +345,8 @@ class GroupedLinear(BasicOperation):
         self.scale_bias = scale_bias
         self.single_grouped_weight = bool(single_grouped_weight)
         self.num_extra_inputs = 2 if scale_bias else 1
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
         # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
@@ -367,6 +396,17 @@ class GroupedLinear(BasicOperation):
                               unexpected_keys, error_msgs) -> None:
         # Accept the other weight layout (as TransformerEngine does), so the
         # single_grouped_weight flag can be flipped on existing checkpoints.
+        if self.single_grouped_weight:  # per-expert entries that cannot be stacked
+            expected = {"weight": (self.out_features, self.in_features),
+                        "bias": (self.out_features,)}
+            for kind, shape in expected.items():
+                for g in range(self.num_groups):
+                    t = state_dict.get(f"{prefix}{kind}{g}")
+                    if t is not None and tuple(getattr(t, "shape", ())) != shape:
+                        error_msgs.append(
+                            f"size mismatch for {prefix}{kind}{g}: copying a param with shape "
+                            f"{tuple(t.shape)} from checkpoint into {prefix}{kind}[{g}] of a "
+                            f"single_grouped_weight layer, which has shape {shape}")
         convert_weight_layout(state_dict, prefix, self.num_groups, self.single_grouped_weight)
         names = [prefix + n for n, p in self._parameters.items() if p is not None]
         # load_state_dict passes strict=True here whatever the caller asked: warn in every
@@ -434,6 +474,8 @@ class GroupedLinear(BasicOperation):
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
         extra += ", single weight" if self.single_grouped_weight else ""
+        extra += ", main_grad" if self.accumulate_into_main_grad else ""
+        extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
                 f"{self.out_features}{extra})")
 
@@ -473,10 +515,14 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"input: {reason}")
         w = self._param_lists()[0][0]
         if input_.dtype != w.dtype or input_.device != w.device:
+            target = ", ".join(([f"'{w.device}'"] if input_.device != w.device else [])
+                               + ([str(w.dtype)] if input_.dtype != w.dtype else []))
+            source = ", ".join(([f"'{input_.device}'"] if input_.device != w.device else [])
+                               + ([str(input_.dtype)] if input_.dtype != w.dtype else []))
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
-                f"{input_.dtype} on {input_.device}: cast the input with "
-                f"x.to({w.dtype}) (or the layer with .to({input_.dtype}))"
+                f"{input_.dtype} on {input_.device}: move the input with "
+                f"x.to({target}) (or the layer with .to({source}))"
             )
 
     def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:
@@ -493,6 +539,17 @@ class GroupedLinear(BasicOperation):
         self.record_dispatch("grouped GEMM backend", _backend_text(choice))
         return choice
 
+    def _record_recipe(self, recipe: Any, x2d: torch.Tensor, backend: BackendChoice) -> None:
+        """Record for ``explain()`` how this call's GEMMs ran under ``recipe`` (or drop the
+        record of an earlier call's recipe)."""
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        for kind in [k for k in records if k.startswith("recipe ")]:
+            del records[kind]
+        if recipe is not None:
+            kind, decision = _recipe_note(recipe, x2d.device, x2d.dtype, self.in_features,
+                                          self.out_features, backend.name).split(": ", 1)
+            self.record_dispatch(kind, decision)
+
     # ------------------------------------------------------------------ math
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None) -> torch.Tensor:
@@ -500,6 +557,7 @@ class GroupedLinear(BasicOperation):
         With a ``recipe`` the GEMM reads its row-wise quantized x and weights."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
+        self._record_recipe(recipe, x2d, backend)
         x_in = quantize_operand(recipe, "input", x2d, rowwise=True)
         w_in = quantize_operand(recipe, "weight", stacked(weights, single), rowwise=True)
         y = grouped_fprop(x_in, w_in, splits, backend)
@@ -529,7 +587,35 @@ class GroupedLinear(BasicOperation):
             single=self.single_grouped_weight,
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
+            training=self.wgrad_policy(call=True),
         )
+
+    def wgrad_policy(self, call: bool = False) -> WgradPolicy | None:
+        """This op's main_grad / delayed-wgrad policy (``None`` when both options are off);
+        one object per op, holding the queue of delayed wgrad jobs (``call=True``: a copy for
+        one forward call, holding the current Parameter objects)."""
+        if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
+            return None
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is None:
+            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
+                [f"weight{g}" for g in range(self.num_groups)],
+                [f"bias{g}" for g in range(self.num_groups)])
+            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            self.__dict__["_wgrad_policy"] = policy
+        policy.accumulate_into_main_grad = self.accumulate_into_main_grad
+        policy.delay_wgrad_compute = self.delay_wgrad_compute
+        return policy.for_call(*self._param_lists()) if call else policy
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients that backward queued with
+        ``delay_wgrad_compute=True`` (every queued micro-batch, oldest first): weights into
+        ``main_grad`` (with ``accumulate_into_main_grad``) or added to ``.grad``, biases added
+        to ``.grad``. Does nothing when nothing is queued. See :func:`te_ops.training.backward_dw`.
+        """
+        policy = self.__dict__.get("_wgrad_policy")
+        if policy is not None:
+            backward_dw(policy)
 
     @staticmethod
     def backward_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool,
@@ -553,14 +639,17 @@ class GroupedLinear(BasicOperation):
         """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
         splits, weights = saved.splits, saved.weights
         grads: list[torch.Tensor | None] = [None] * len(weights)
-        if any(w.requires_grad for w in weights):
+        if saved.training is not None:  # main_grad / delayed wgrad: te_ops.training decides
+            grads, bias_grads = weight_and_bias_grads(saved, dy2d)
+        elif any(w.requires_grad for w in weights):
             dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, splits, columnwise=True)
             wgrad = grouped_wgrad(saved.wgrad_input(), dy_in, splits, saved.backend)
             grads = _only_trainable(per_param(wgrad, saved.single), weights)
-        bias_grads: list[torch.Tensor | None] = [None] * len(saved.biases)
+        if saved.training is None:
+            bias_grads = [None] * len(saved.biases)
         grad_probs = None
         if saved.biases:
-            if any(b.requires_grad for b in saved.biases):
+            if saved.training is None and any(b.requires_grad for b in saved.biases):
                 bias_grads = _only_trainable(
                     per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
                     saved.biases)

@@ -68,6 +68,9 @@ def unigram_cross_entropy(train: torch.Tensor, val: torch.Tensor) -> tuple[float
 def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows: inputs and next-byte targets, both (batch_size, seq_len), on the CPU."""
+    if data.numel() - seq_len - 1 < 1:
+        raise ValueError(f"--seq-len {seq_len} must be below {data.numel() - 1}: the split "
+                         f"has {data.numel()} bytes")
     starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
     window = data[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
     return window[:, :-1], window[:, 1:]
@@ -213,10 +216,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--compile does not apply to --hf-model")
     if args.hf_model and args.cuda_graph:
         p.error("--cuda-graph does not apply to --hf-model")
+    if args.hf_model and args.recipe != "none":  # the HF comparison runs without a recipe
+        p.error(f"--recipe {args.recipe} does not apply to --hf-model (the HF comparison runs "
+                "in the parameters' precision)")
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
                  "top_k", "ffn", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --heads, got {args.heads}")
     if args.top_k > args.experts:
         p.error(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
     if args.device == "cuda" and not torch.cuda.is_available():

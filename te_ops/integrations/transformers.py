@@ -155,9 +155,16 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return (f"{type(module).__name__} is neither a packed experts module (gate_up_proj, "
                 "down_proj) nor a list of per-expert MLPs with w1/w3/w2 or gate_proj/up_proj/"
                 "down_proj nn.Linear layers")
+    gate, up, down = (getattr(experts[0], n).weight for n in LAYOUTS[layout])
+    want = (tuple(gate.shape), tuple(up.shape), tuple(down.shape))
     for i, expert in enumerate(experts):
         if any(getattr(expert, n).bias is not None for n in LAYOUTS[layout]):
             return f"expert {i} ({type(expert).__name__}) has biases; HF MoE experts have none"
+        got = tuple(tuple(getattr(expert, n).weight.shape) for n in LAYOUTS[layout])
+        if got != want or want[0] != want[1] or want[2] != want[0][::-1]:
+            return (f"expert {i} ({type(expert).__name__}) has {'/'.join(LAYOUTS[layout])} "
+                    f"weight shapes {got}; every expert needs (I, H), (I, H), (H, I) like "
+                    f"expert 0's {want}")
         reason = _act_reason(expert, f"expert {i} ({type(expert).__name__})")
         if reason:
             return reason
@@ -227,6 +234,9 @@ def from_hf_experts(module: nn.Module, *, copy: bool = False) -> Sequential:
 
 
 def _block_weights(block: Sequential) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(block, Sequential):
+        raise ValueError("block must be a te_ops.Sequential(GroupedLinear, (Scaled)SwiGLU, "
+                         f"GroupedLinear), got {type(block).__name__}")
     ops = list(block)
     if (len(ops) != 3 or not isinstance(ops[0], GroupedLinear)
             or not isinstance(ops[1], SwiGLU) or not isinstance(ops[2], GroupedLinear)):
@@ -238,6 +248,12 @@ def _block_weights(block: Sequential) -> tuple[torch.Tensor, torch.Tensor]:
     if act.glu_interleave_size is not None:
         raise ValueError("block: HF stores gate rows first; got glu_interleave_size="
                          f"{act.glu_interleave_size}")
+    if (fc1.num_groups != fc2.num_groups or fc1.out_features != 2 * fc2.in_features
+            or fc2.out_features != fc1.in_features):
+        raise ValueError(
+            "block: fc1 must be GroupedLinear(E, H, 2I) and fc2 GroupedLinear(E, I, H); got "
+            f"fc1 ({fc1.num_groups}, {fc1.in_features}, {fc1.out_features}) and fc2 "
+            f"({fc2.num_groups}, {fc2.in_features}, {fc2.out_features})")
     w1 = stacked(fc1.weights(), fc1.single_grouped_weight)
     w2 = stacked(fc2.weights(), fc2.single_grouped_weight)
     return w1.detach(), w2.detach()

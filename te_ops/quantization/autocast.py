@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from .recipe import Float8CurrentScaling, Recipe
 
 __all__ = ["autocast", "current_recipe", "quantize_operand"]
@@ -38,10 +40,14 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Non
     TypeError
         ``recipe`` is not a :class:`~te_ops.recipe.Recipe`.
     """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} ({enabled!r})")
     if recipe is None:
         recipe = Float8CurrentScaling()
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a te_ops.recipe.Recipe, got {type(recipe).__name__}")
+    if not isinstance(recipe, Recipe) or type(recipe) is Recipe:
+        got = "the abstract base Recipe" if type(recipe) is Recipe else type(recipe).__name__
+        raise TypeError(f"recipe must be a te_ops.recipe.Recipe, got {got} (pass an "
+                        "instance such as Float8CurrentScaling() or MXFP8BlockScaling())")
     token = _RECIPE.set(recipe if enabled else None)
     ACTIVE.append(recipe if enabled else None)
     try:
@@ -62,4 +68,9 @@ def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any 
     recipe). The ops call this and never look at the recipe's format."""
     if recipe is None:
         return tensor
+    dtype = getattr(tensor, "dtype", None)
+    if isinstance(tensor, torch.Tensor) and dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"te_ops.autocast(recipe={type(recipe).__name__}()) needs float32 or "
+                        f"bfloat16 parameters and inputs ({role} is {dtype}): cast the block "
+                        "and its input with .to(torch.bfloat16) or .to(torch.float32)")
     return recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)(tensor, splits)

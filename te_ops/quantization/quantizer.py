@@ -88,12 +88,13 @@ class Quantizer:
 
     Call: ``q(x, splits=None)``. ``x``: fp32 or bf16, (..., K) (row-wise only), (G, N, K)
     uniform groups (e.g. weights), or (M, K) with ``splits`` (a
-    :class:`~te_ops.splits.GroupedSplits`, for column-wise per-group copies).
+    :class:`~te_ops.splits.GroupedSplits`, or split sizes as a list of ints or a 1-D tensor, for
+    column-wise per-group copies).
 
     Raises
     ------
     TypeError
-        ``x`` is not a floating tensor of dtype fp32 / bf16.
+        ``x`` is not a floating tensor of dtype fp32 / bf16, or ``splits`` is of another type.
     ValueError
         Neither copy requested, or a column-wise copy of a tensor that is neither 3-D nor 2-D.
     """
@@ -142,6 +143,7 @@ class Quantizer:
         if splits is not None:
             if x.dim() != 2:
                 raise ValueError(f"x must be 2-D (rows, K) with splits, got shape {shape}")
+            splits = _as_splits(splits, x)
             num, tshape = splits.num_groups, shape
             kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
         elif x.dim() == 3:
@@ -168,6 +170,21 @@ class Quantizer:
         out.quantizer = self
         out.shape = shape
         return out
+
+
+def _as_splits(splits: Any, x: torch.Tensor) -> Any:
+    """``splits`` as a :class:`~te_ops.splits.GroupedSplits` (split sizes given as a list of
+    ints or a 1-D tensor are validated against ``x``'s rows)."""
+    from ..splits import GroupedSplits, make_splits
+
+    if isinstance(splits, GroupedSplits):
+        return splits
+    if isinstance(splits, (list, tuple)) or (isinstance(splits, torch.Tensor)
+                                             and splits.dim() == 1):
+        return make_splits(splits, len(splits), x.shape[0], x.device)
+    shape = f" of shape {tuple(splits.shape)}" if isinstance(splits, torch.Tensor) else ""
+    raise TypeError("splits must be a GroupedSplits, a list of ints or a 1-D tensor of split "
+                    f"sizes, got {type(splits).__name__}{shape}")
 
 
 class Float8CurrentScalingQuantizer(Quantizer):

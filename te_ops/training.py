@@ -1,0 +1,297 @@
+"""Training-framework integration: Megatron ``main_grad`` and delayed weight gradients.
+
+Every op that produces weight gradients, fused or not, hands them to this module through
+:func:`weight_and_bias_grads`; ops never read or write the Megatron attributes themselves.
+See docs/training.md for the contract.
+
+Megatron attributes read and written (on each weight ``Parameter``)
+-------------------------------------------------------------------
+``main_grad`` (read)
+    The tensor the weight gradient is added into: the weight's shape (or any shape with the
+    same number of elements that can be *viewed* as it), usually fp32 while the weight is
+    bf16. Strided views of a larger buffer work as long as that view exists. A parameter with
+    ``__fsdp_param__`` and ``get_main_grad()`` (Megatron-FSDP) gets
+    ``main_grad = get_main_grad()`` first.
+``overwrite_main_grad`` (read, default False)
+    Write the gradient over ``main_grad`` instead of adding to it.
+``grad_added_to_main_grad`` (written: ``True``)
+    Tells Megatron's gradient hook that the gradient is already in ``main_grad``.
+
+What autograd gets for such a weight: ``None``. ``.grad`` stays untouched (no weight-sized
+tensor is allocated for it), and autograd still runs the weight's ``AccumulateGrad`` node, so
+hooks registered on it (Megatron's "gradient ready" hook on ``grad_fn.next_functions``, and
+``register_post_accumulate_grad_hook``) fire as usual (tests/test_training.py checks this).
+TransformerEngine returns a weight-shaped dummy instead; with ``None`` nothing has to be
+allocated or cleared. Biases keep the ordinary ``.grad`` path.
+
+Delayed wgrad (``delay_wgrad_compute=True``)
+--------------------------------------------
+Backward computes the input gradient (and the probs gradient) only; the weight and bias
+gradients' inputs (the layer's input rows, the output gradient, split metadata) are queued on
+the op, and autograd gets ``None`` for its weights and biases. :func:`backward_dw` (called by
+``GroupedLinear.backward_dw()`` and ``Sequential.backward_dw()``) drains the queue in order:
+weights into ``main_grad`` (under the rules above) or ``.grad``, biases into ``.grad``, each
+*added* to what is there, so parameters shared by several ops accumulate all contributions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .kernels.grouped_gemm import BackendChoice
+from .kernels.wgrad_into import grouped_wgrad_into
+from .quantization.autocast import quantize_operand
+from .splits import GroupedSplits
+
+if TYPE_CHECKING:
+    from .basic.grouped_linear import GroupedLinearSaved
+
+__all__ = [
+    "WgradPolicy",
+    "main_grad_target",
+    "weight_and_bias_grads",
+    "backward_dw",
+    "backward_dw_all",
+    "main_grads_restored",
+]
+
+
+@dataclass(eq=False)
+class WgradPolicy:
+    """How an op's weight gradients leave backward; one per op, shared by its saved contexts.
+
+    Attributes
+    ----------
+    owner : str
+        The op's description, for error messages.
+    weight_names, bias_names : list[str]
+        Parameter names (``weight0..`` or ``weight``), in the saved layout's order.
+    accumulate_into_main_grad, delay_wgrad_compute : bool
+        The op's options of those names.
+    pending : deque
+        Queued wgrad jobs (delayed wgrad), drained by :func:`backward_dw`.
+    weights, biases : list[torch.nn.Parameter]
+        Set per forward call by :meth:`for_call`: the Parameter objects themselves. Saved
+        tensors may come back as other Python objects (``torch.utils.checkpoint``, saved-tensor
+        hooks), which lack ``main_grad`` and the other attributes, so these are used instead.
+    """
+
+    owner: str
+    weight_names: list[str]
+    bias_names: list[str]
+    accumulate_into_main_grad: bool = False
+    delay_wgrad_compute: bool = False
+    pending: deque = field(default_factory=deque)
+    weights: list[torch.Tensor] = field(default_factory=list)
+    biases: list[torch.Tensor] = field(default_factory=list)
+
+    def for_call(self, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> WgradPolicy:
+        """A copy for one forward call holding that call's Parameter objects (the queue of
+        delayed jobs stays shared)."""
+        return replace(self, weights=list(weights), biases=list(biases))
+
+
+@dataclass(eq=False)
+class _WgradJob:
+    """What a delayed wgrad needs (tensors kept alive until :func:`backward_dw`)."""
+
+    x: torch.Tensor | None
+    dy: torch.Tensor
+    splits: GroupedSplits
+    backend: BackendChoice
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor]
+    probs: torch.Tensor | None
+    single: bool
+    recipe: Any = None  # the forward's low-precision recipe: wgrad quantizes dy with it
+
+
+# ------------------------------------------------------------------------------ main_grad
+def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
+                     owner: str = "") -> torch.Tensor:
+    """``param.main_grad`` viewed as ``shape`` (the weight's, or (G, N, K) for a group).
+
+    ``name`` is the parameter's name and ``owner`` the op's description; errors start with
+    ``"{owner}: "`` and name ``{name}.main_grad``.
+
+    Raises
+    ------
+    AttributeError
+        ``param`` has no ``main_grad`` (message names the parameter).
+    TypeError
+        ``main_grad`` is not a floating-point tensor.
+    ValueError
+        Wrong number of elements, or its strides do not allow a view as ``shape``; the message
+        names the parameter, the expected shape and ``main_grad``'s shape and strides.
+    """
+    where = f"{owner}: " if owner else ""
+    if hasattr(param, "__fsdp_param__") and callable(getattr(param, "get_main_grad", None)):
+        param.main_grad = param.get_main_grad()  # Megatron-FSDP allocates it on demand
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise AttributeError(
+            f"{where}accumulate_into_main_grad=True needs {name}.main_grad (a tensor with "
+            f"{name}'s {tuple(param.shape)} elements, e.g. Megatron's fp32 gradient buffer), "
+            "got none"
+        )
+    if not isinstance(main_grad, torch.Tensor) or not main_grad.is_floating_point():
+        raise TypeError(f"{where}{name}.main_grad must be a floating-point tensor, got "
+                        f"{getattr(main_grad, 'dtype', type(main_grad).__name__)}")
+    if tuple(main_grad.shape) == tuple(shape):
+        return main_grad
+    numel = 1
+    for s in shape:
+        numel *= s
+    if main_grad.numel() != numel:
+        raise ValueError(
+            f"{where}{name}.main_grad must have shape {tuple(shape)} ({numel} elements), got shape "
+            f"{tuple(main_grad.shape)}"
+        )
+    try:
+        return main_grad.view(shape)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{where}{name}.main_grad of shape {tuple(main_grad.shape)} and strides "
+            f"{tuple(main_grad.stride())} cannot be viewed as {name}'s shape {tuple(shape)} "
+            "without a copy; give it the weight's shape or make it contiguous"
+        ) from exc
+
+
+def _main_grad_targets(policy: WgradPolicy, weights: list[torch.Tensor], single: bool,
+                       group_shape: tuple[int, ...]) -> tuple[list[Any], list[bool]]:
+    """Per group: the (N, K) target (``None`` for frozen weights) and whether to add."""
+    names, owner = policy.weight_names, policy.owner
+    if single:
+        w = weights[0]
+        if not w.requires_grad:
+            return [None] * w.shape[0], [True] * w.shape[0]
+        target = main_grad_target(w, names[0], tuple(w.shape), owner)
+        add = not getattr(w, "overwrite_main_grad", False)
+        return list(target.unbind(0)), [add] * w.shape[0]
+    targets = [main_grad_target(w, n, group_shape, owner) if w.requires_grad else None
+               for w, n in zip(weights, names)]
+    return targets, [not getattr(w, "overwrite_main_grad", False) for w in weights]
+
+
+def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | None]:
+    """Weight grads of one job: into ``main_grad`` (returning ``None``s), or plain tensors."""
+    from .basic.grouped_linear import per_param
+    from .kernels.grouped_gemm import grouped_wgrad
+
+    weights = job.weights
+    if not any(w.requires_grad for w in weights):
+        return [None] * len(weights)
+    dy = quantize_operand(job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
+    if policy.accumulate_into_main_grad:
+        group_shape = tuple(weights[0].shape[-2:])
+        targets, add = _main_grad_targets(policy, weights, job.single, group_shape)
+        grouped_wgrad_into(targets, job.x, dy, job.splits, job.backend, add)
+        for w in weights:
+            if w.requires_grad:
+                w.grad_added_to_main_grad = True
+        return [None] * len(weights)
+    grads = per_param(grouped_wgrad(job.x, dy, job.splits, job.backend), job.single)
+    return [g if w.requires_grad else None for g, w in zip(grads, weights)]
+
+
+def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
+    from .basic.grouped_linear import group_bias_grad, per_param
+
+    if not any(b.requires_grad for b in job.biases):
+        return [None] * len(job.biases)
+    grads = per_param(group_bias_grad(job.dy, job.splits, job.probs), job.single)
+    return [g if b.requires_grad else None for g, b in zip(grads, job.biases)]
+
+
+def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
+                          ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The weight and bias gradients a GroupedLinear returns to autograd.
+
+    Without a policy (or with both options off) they are the plain gradients. With
+    ``accumulate_into_main_grad`` the weight gradients go into ``main_grad`` and autograd gets
+    ``None`` for the weights. With ``delay_wgrad_compute`` nothing is computed: the job is
+    queued for :func:`backward_dw` and autograd gets ``None`` for weights and biases.
+
+    Shapes: ``dy2d`` (rows, out_features); the saved input (rows, in_features).
+    """
+    policy: WgradPolicy | None = saved.training
+    if policy is None:
+        policy = WgradPolicy("GroupedLinear", [], [])
+    need_x = any(w.requires_grad for w in policy.weights or saved.weights)
+    job = _WgradJob(
+        x=saved.wgrad_input() if need_x else None, dy=dy2d, splits=saved.splits,
+        backend=saved.backend, weights=list(policy.weights or saved.weights),
+        biases=list(policy.biases or saved.biases),
+        probs=saved.probs, single=saved.single, recipe=saved.recipe,
+    )
+    if policy.delay_wgrad_compute:
+        policy.pending.append(job)
+        return [None] * len(job.weights), [None] * len(job.biases)
+    return _weight_grads(policy, job), _bias_grads(job)
+
+
+def _add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad.clone() if grad._base is not None else grad
+    else:
+        param.grad.add_(grad)
+
+
+def backward_dw(policy: WgradPolicy) -> None:
+    """Run every queued (delayed) weight-gradient job of one op, oldest first.
+
+    Weights: into ``main_grad`` when the op accumulates there (``overwrite_main_grad`` is
+    honoured), else added to ``.grad``. Biases: added to ``.grad``. No-op with an empty queue.
+    """
+    with torch.no_grad():
+        while policy.pending:
+            job = policy.pending.popleft()
+            for w, g in zip(job.weights, _weight_grads(policy, job)):
+                _add_to_grad(w, g)
+            for b, g in zip(job.biases, _bias_grads(job)):
+                _add_to_grad(b, g)
+
+
+def backward_dw_all(modules: Any) -> None:
+    """Call ``backward_dw()`` once on every distinct module of ``modules`` that has it (the basic
+    ops of fused ops included)."""
+    seen: set[int] = set()
+    for module in modules:
+        for op in getattr(module, "basic_ops", [module]):
+            if id(op) in seen or not callable(getattr(op, "backward_dw", None)):
+                continue
+            seen.add(id(op))
+            op.backward_dw()
+
+
+@contextmanager
+def main_grads_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, forward/backward runs may write ``main_grad`` (e.g. the eager and warm-up runs
+    of CUDA graph capture); on exit every parameter's ``main_grad`` holds its values from
+    before (restored in place, same storage, so a captured graph keeps writing into it) and
+    ``grad_added_to_main_grad`` its old value. Costs one copy of each ``main_grad``."""
+    saved = []
+    for p in module.parameters():
+        mg = getattr(p, "main_grad", None)
+        if isinstance(mg, torch.Tensor):
+            saved.append((p, mg, mg.clone(), getattr(p, "grad_added_to_main_grad", None)))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mg, copy, flag in saved:
+                mg.copy_(copy)
+                if flag is None:
+                    if hasattr(p, "grad_added_to_main_grad"):
+                        del p.grad_added_to_main_grad
+                else:
+                    p.grad_added_to_main_grad = flag
