@@ -106,6 +106,15 @@ def test_fullgraph_bit_exact_one_graph_device_splits(dtype, fusion, backend, mon
     assert _compare_routings("mlp", dtype) == [1] * len(ROUTINGS)
 
 
+@pytest.mark.parametrize("fwd,bwd", [("1", "0"), ("0", "1")],
+                         ids=["fused_fwd_unfused_bwd", "unfused_fwd_fused_bwd"])
+def test_fullgraph_mixed_fused_unfused_halves(fwd, bwd, monkeypatch):
+    """The other two of the four fused x unfused forward/backward combinations."""
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", fwd)
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", bwd)
+    assert _compare_routings("mlp", torch.bfloat16) == [1] * len(ROUTINGS)
+
+
 @pytest.mark.parametrize("kind", ["single_weight_no_bias", "scale_bias"])
 def test_fullgraph_bit_exact_variants(kind):
     assert _compare_routings(kind, torch.bfloat16) == [1] * len(ROUTINGS)
