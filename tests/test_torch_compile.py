@@ -434,3 +434,37 @@ def test_custom_op_optional_tensor_list_one_grad_per_element(compiled: bool) -> 
     assert torch.equal(w0.grad, xd)
     assert torch.equal(w2.grad, 3 * xd)
     assert torch.allclose(x.grad, 1 + w0.detach() + 3 * w2.detach())
+
+
+# --------------------------------------------------------------------------- transformers
+def test_hf_experts_with_te_ops_compile_fullgraph_bit_exact():
+    """A Hugging Face Mixtral experts module running te_ops (te_ops.integrations) compiles
+    with fullgraph=True: permute, the te_ops block, unpermute; bit-identical to eager."""
+    pytest.importorskip("transformers")
+    from test_hf_integration import experts_modules, make_model
+
+    import te_ops.integrations.transformers as te_hf
+
+    te_hf.register()
+    model = make_model("mixtral", torch.float32)
+    model.set_experts_implementation("te_ops")
+    experts = experts_modules(model)[0]
+    hidden, num_experts = experts.gate_up_proj.shape[2], experts.num_experts
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend=cnt)
+    for seed in (1, 2, 3):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, hidden, generator=g)
+        index = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(16)])
+        weights = torch.rand(16, 2, generator=g)
+        results = []
+        for fn in (experts, compiled):
+            experts.zero_grad(set_to_none=True)
+            xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            out = fn(xi, index, wi)
+            out.sum().backward()
+            results.append([out.detach(), xi.grad, wi.grad, experts.gate_up_proj.grad.clone(),
+                            experts.down_proj.grad.clone()])
+        _assert_bit_exact(results[1], results[0])
+    assert cnt.frame_count == 1
