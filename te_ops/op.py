@@ -115,6 +115,11 @@ class BasicOperation(FusibleOperation):
         super().__init__(*args, **kwargs)
         LIVE_BASIC_OPS[id(self)] = self  # torch.compile finds the op by id (te_ops/compile.py)
 
+    def __setstate__(self, state: dict) -> None:  # deepcopy / pickle do not call __init__
+        state = {k: v for k, v in state.items() if k != "_compile_fusers"}
+        super().__setstate__(state)
+        LIVE_BASIC_OPS[id(self)] = self
+
     #: Number of extra tensor (or split-size list) inputs that follow the main input.
     num_extra_inputs: int = 0
     #: Number of extra tensor outputs that follow the main output.

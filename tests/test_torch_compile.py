@@ -137,6 +137,19 @@ def test_host_list_splits_recompile_once_then_never(backend, monkeypatch):
     assert _compare_routings("mlp", torch.float32, host=True) == [1, 2, 2, 2, 2]
 
 
+def test_deepcopied_block_compiles():
+    """A deepcopy (no __init__ call) is found by the trace too, and runs its own parameters."""
+    import copy
+
+    original = _block("mlp", torch.float32)
+    _call(original, "mlp")(*_inputs(torch.float32, ROUTINGS[0], host=False))
+    block = copy.deepcopy(original)
+    fn = _call(block, "mlp")
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x, splits, probs = _inputs(torch.float32, ROUTINGS[1], host=False)
+    _assert_bit_exact(_step(compiled, block, x, splits, probs), _step(fn, block, x, splits, probs))
+
+
 def test_changing_token_count_recompiles_at_most_once():
     block = _block("mlp", torch.float32)
     fn = _call(block, "mlp")
