@@ -17,8 +17,9 @@ goes to :func:`compiled_call`:
 
 Guards: Dynamo guards the call's tensors (dtype, device, shape, ``requires_grad``), grad
 mode, the split-size kind (tensor / host list; host ints become SymInts after the first
-change), the values of every ``TE_OPS_*`` variable (read with ``os.environ.get`` in the
-traced frame and passed as a constant) and the ops' identity. A change retraces.
+change), the values of every ``TE_OPS_*`` variable (read through ``os.environ``'s dict in the
+traced frame, see :func:`_env_value`), the recipe's class and fields, and the ops' identity.
+A change retraces.
 See docs/torch_compile.md.
 """
 
