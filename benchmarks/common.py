@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
+    "fwd_bwd_step",
     "env_override",
     "time_steps",
     "peak_memory_mib",
@@ -113,6 +114,22 @@ def peak_memory_mib(step: Callable[[], None], device: torch.device, baseline_byt
     step()
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - baseline_bytes) / 2**20
+
+
+def fwd_bwd_step(peer: Any, problem: Any) -> Callable[[], None]:
+    """One training step of a benchmark peer on a problem: grads of x, probs and the peer's
+    parameters cleared, then forward and backward with the problem's output gradient."""
+    params = peer.parameters()
+    x, probs, dy = problem.x, problem.probs, problem.dy
+
+    def step() -> None:
+        x.grad = None
+        probs.grad = None
+        for p in params:
+            p.grad = None
+        peer.forward(x, probs).backward(dy)
+
+    return step
 
 
 def free_memory() -> None:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_override, free_memory  # noqa: E402
+from common import env_override, free_memory, fwd_bwd_step  # noqa: E402
 from grouped_mlp import PEER_CLASSES, SHAPES, make_problem  # noqa: E402
 
 _MIB = 2**20
@@ -38,14 +38,8 @@ def _where(frames: list[dict]) -> str:
 def breakdown(peer_name: str, problem, top: int) -> list[str]:
     peer = PEER_CLASSES[peer_name](problem)
     params = peer.parameters()
-    x, probs, dy = problem.x, problem.probs, problem.dy
-
-    def step() -> None:
-        x.grad = None
-        probs.grad = None
-        for p in params:
-            p.grad = None
-        peer.forward(x, probs).backward(dy)
+    x, probs = problem.x, problem.probs
+    step = fwd_bwd_step(peer, problem)
 
     with env_override(**peer.env):
         step()  # warm up (kernels compiled, probes run)

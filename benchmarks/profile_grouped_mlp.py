@@ -39,7 +39,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import JsonLines, env_override, free_memory, machine_info  # noqa: E402
+from common import JsonLines, env_override, free_memory, fwd_bwd_step, machine_info  # noqa: E402
 from grouped_mlp import CPU_SHAPES, PEER_CLASSES, QUICK_SHAPES, SHAPES, make_problem  # noqa: E402
 
 DEFAULT_PEERS = ["torch_grouped_mm", "te_ops_fused"]
@@ -63,16 +63,9 @@ def _rows(events, time_of, steps: int, busy_us: float, top: int, width: int) -> 
 def profile_peer(peer_name: str, problem, args: argparse.Namespace) -> dict:
     """Profile ``args.steps`` fwd+bwd steps of one peer; return one JSON record."""
     peer = PEER_CLASSES[peer_name](problem)
-    params = peer.parameters()
-    x, probs, dy = problem.x, problem.probs, problem.dy
     cuda = problem.device.type == "cuda"
-
-    def step() -> None:
-        x.grad = None
-        probs.grad = None
-        for p in params:
-            p.grad = None
-        peer.forward(x, probs).backward(dy)
+    x, probs = problem.x, problem.probs
+    step = fwd_bwd_step(peer, problem)
 
     try:
         with env_override(**peer.env):
