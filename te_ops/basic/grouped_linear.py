@@ -21,7 +21,6 @@ from ..kernels.grouped_gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
-    grouped_wgrad,
     select_backend,
     stack_weights,
 )
@@ -78,12 +77,6 @@ def stacked(params: list[torch.Tensor], single: bool) -> torch.Tensor:
 def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
     """Split a (G, ...) gradient the way the parameters are held (one tensor, or per group)."""
     return [grad] if single else list(grad.unbind(0))
-
-
-def _only_trainable(grads: list[torch.Tensor], params: list[torch.Tensor]
-                    ) -> list[torch.Tensor | None]:
-    """``None`` for the parameters that do not require grad (some experts may be frozen)."""
-    return [g if p.requires_grad else None for g, p in zip(grads, params)]
 
 
 def bias_table(stacked_bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -637,28 +630,16 @@ class GroupedLinear(BasicOperation):
     def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor,
                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
         """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
-        splits, weights = saved.splits, saved.weights
-        grads: list[torch.Tensor | None] = [None] * len(weights)
-        if saved.training is not None:  # main_grad / delayed wgrad: te_ops.training decides
-            grads, bias_grads = weight_and_bias_grads(saved, dy2d)
-        elif any(w.requires_grad for w in weights):
-            dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, splits, columnwise=True)
-            wgrad = grouped_wgrad(saved.wgrad_input(), dy_in, splits, saved.backend)
-            grads = _only_trainable(per_param(wgrad, saved.single), weights)
-        if saved.training is None:
-            bias_grads = [None] * len(saved.biases)
+        splits = saved.splits
+        # Plain gradients, or main_grad / delayed wgrad: te_ops.training is the one path.
+        grads, bias_grads = weight_and_bias_grads(saved, dy2d)
         grad_probs = None
-        if saved.biases:
-            if saved.training is None and any(b.requires_grad for b in saved.biases):
-                bias_grads = _only_trainable(
-                    per_param(group_bias_grad(dy2d, splits, saved.probs), saved.single),
-                    saved.biases)
-            if saved.probs is not None and saved.probs_requires_grad:
-                table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
-                rows = table[splits.group_ids]
-                acc = torch.promote_types(dy2d.dtype, torch.float32)  # fp64 stays fp64
-                grad_probs = (rows.to(acc) * dy2d.to(acc)).sum(-1).to(saved.probs.dtype)
-                grad_probs = splits.zero_padding(grad_probs)
+        if saved.biases and saved.probs is not None and saved.probs_requires_grad:
+            table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
+            rows = table[splits.group_ids]
+            acc = torch.promote_types(dy2d.dtype, torch.float32)  # fp64 stays fp64
+            grad_probs = (rows.to(acc) * dy2d.to(acc)).sum(-1).to(saved.probs.dtype)
+            grad_probs = splits.zero_padding(grad_probs)
         return grads + bias_grads, grad_probs
 
     # ------------------------------------------------------------------ fuser interface
