@@ -2,7 +2,7 @@
 
 Every op that produces weight gradients, fused or not, hands them to this module through
 :func:`weight_and_bias_grads`; ops never read or write the Megatron attributes themselves.
-See docs/training.md for the contract.
+See docs/training_integration.md for the contract.
 
 Megatron attributes read and written (on each weight ``Parameter``)
 -------------------------------------------------------------------

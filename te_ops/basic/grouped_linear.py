@@ -275,7 +275,7 @@ class GroupedLinear(BasicOperation):
         Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
         ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
         give autograd ``None`` for the weights instead (see :mod:`te_ops.training` and
-        docs/training.md).
+        docs/training_integration.md).
     delay_wgrad_compute : bool
         Backward computes the input gradient only; the weight and bias gradients are computed
         by :meth:`backward_dw` later (TransformerEngine's option of that name).
