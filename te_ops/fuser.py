@@ -534,7 +534,13 @@ class _FuserFunction(torch.autograd.Function):
             ranges.append((len(to_save), len(to_save) + len(saved)))
             to_save.extend(saved)
             c.to_save = None
-        ctx.save_for_backward(*to_save)
+        # A view made here (grad mode is off) of a tensor the caller may modify in place would
+        # unpack as torch's "view created in no_grad mode" error: save its base and re-view it
+        # in backward, so the version counter names the in-place op (as nn.Linear's does).
+        ctx.views = [None if t is None or not t._is_view() else
+                     (t.size(), t.stride(), t.storage_offset()) for t in to_save]
+        ctx.save_for_backward(*[t._base if v is not None else t
+                                for t, v in zip(to_save, ctx.views)])
         ctx.ranges = ranges
         ctx.op_ctxs = op_ctxs
         ctx.plan = plan
@@ -558,7 +564,8 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):
         fuser: OperationFuser = ctx.fuser
-        saved = ctx.saved_tensors
+        saved = [t if v is None else t.as_strided(*v)
+                 for t, v in zip(ctx.saved_tensors, ctx.views)]
         for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
             c.saved_tensors = saved[a:b]
         grad_extra_groups: list[tuple] = []

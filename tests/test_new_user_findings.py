@@ -239,22 +239,52 @@ def test_from_hf_experts_names_the_expert_whose_shapes_differ():
 
 
 # --------------------------------------------------------------------------- left open
-@pytest.mark.xfail(strict=True, reason=(
-    "the fuser saves a view of the input made inside the autograd Function's forward (grad "
-    "mode off), so modifying the input in place before backward raises torch's 'A view was "
-    "created in no_grad mode ...' on unpacking instead of the version-counter error that "
-    "names the in-place modification (as nn.Linear does); an error either way, never a "
-    "wrong gradient; fix by saving the caller's tensor and reshaping in backward"))
-def test_input_modified_in_place_before_backward_names_the_inplace_op():
+@pytest.mark.parametrize("fusion", ["1", "0"])
+@pytest.mark.parametrize("which", ["input", "input_3d", "probs"])
+def test_input_modified_in_place_before_backward_names_the_inplace_op(monkeypatch, fusion,
+                                                                       which):
+    # The fuser saved a view of the input made inside its autograd Function (grad mode off), so
+    # an in-place change before backward raised torch's "A view was created in no_grad mode"
+    # instead of the version-counter error naming the in-place op (as nn.Linear does). Now
+    # views are saved through their base and re-viewed in backward; fused and unfused, for the
+    # input (2-D and 3-D, reshaped inside) and for probs.
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
     blk = _block()
-    x = torch.randn(6, 64, requires_grad=True)
+    shape = (2, 3, 64) if which == "input_3d" else (6, 64)
+    x = torch.randn(*shape, requires_grad=True)
     x_in = x * 1
+    probs = torch.rand(6, requires_grad=True)
+    probs_in = probs * 1
     sizes = torch.tensor([3, 3])
-    y = blk(x_in, sizes, torch.rand(6), sizes)
+    y = blk(x_in, sizes, probs_in, sizes)
     with torch.no_grad():
-        x_in.add_(1)
+        (probs_in if which == "probs" else x_in).add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_saved_views_give_the_same_grads_as_before():
+    # Saving a view's base and re-viewing it in backward changes no value: 3-D input with
+    # a non-contiguous (transposed) layout, against the per-expert float64 reference loop.
+    torch.manual_seed(3)
+    blk = _block().double()
+    x = torch.randn(64, 6, dtype=torch.float64).t().requires_grad_()  # (6, 64), strided
+    probs = torch.rand(6, dtype=torch.float64)
+    sizes = [2, 4]
+    y = blk(x, torch.tensor(sizes), probs, torch.tensor(sizes))
+    y.square().sum().backward()
+    fc1, fc2 = blk[0], blk[2]
+    x_ref = x.detach().clone().requires_grad_()
+    outs = []
+    for g, rows in enumerate((slice(0, 2), slice(2, 6))):
+        h = torch.nn.functional.linear(x_ref[rows], getattr(fc1, f"weight{g}"),
+                                       getattr(fc1, f"bias{g}", None))
+        a, b = h.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(a) * b * probs[rows, None]
+        outs.append(torch.nn.functional.linear(act, getattr(fc2, f"weight{g}"),
+                                               getattr(fc2, f"bias{g}", None)))
+    torch.cat(outs).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("sizes", [[2, 3], torch.tensor([2, 3])])
