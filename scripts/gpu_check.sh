@@ -5,20 +5,29 @@
 #
 # Steps (each under `timeout`, each logged to "$OUT/<step>.log" through `tee`, so the logs come
 # back even when a step or the whole script is cut short):
-#   1. env        nvidia-smi, torch / CUDA / Triton versions, the GPU's capability
-#   2. cuda_tests python -m pytest -q -m cuda tests      (the GPU tests)
-#   3. cpu_tests  python -m pytest -q -x -m "not cuda" tests   (the CPU suite, on this box)
-#   4. bench      benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
-#   5. profile    benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
+#   env         nvidia-smi, torch / CUDA / Triton versions, the GPU's capability
+#   dist_nccl   (2+ GPUs only) tests/dist_check.py on 2 processes over NCCL (DDP, FSDP2)
+#   test lane:
+#     cuda_tests  python -m pytest -q -m cuda tests      (the GPU tests)
+#     main_job    the main job on CUDA, bf16 eager vs --cuda-graph (loss curves must agree),
+#                 then --recipe fp8 and mxfp8 against bf16 (printed)
+#     cpu_tests   python -m pytest -q -x -m "not cuda" tests   (the CPU suite, on this box)
+#   benchmark lane:
+#     bench       benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
+#     bench_fp8   benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast, te_ops fused, four shapes
+#                 -> "$OUT/grouped_mlp_fp8.jsonl"
+#     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
-#   6. memory     benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
-#   7. main_job   the main job on CUDA, bf16 eager vs --cuda-graph: loss curves must agree
-#   8. summary    one table: step results, test tallies, benchmark table
-# Total worst case ~13.5 minutes (the timeouts below add up to 800 s plus start-up).
+#     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
+#   summary     one table: step results, test tallies, benchmark tables
+# With two or more GPUs (device kind nvidia-h200-x2) the two lanes run at the same time, the
+# test lane on GPU 0 and the benchmark lane on GPU 1 (each lane's timeouts add up to under 10
+# minutes); on one GPU one after the other (the timeouts add up to about 20 minutes: pass STEPS
+# to pick, e.g. STEPS="cuda_tests bench").
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
-# the profile script).
+# the profile script), STEPS (space-separated step names to run; default all).
 
 set -uo pipefail
 
@@ -28,13 +37,14 @@ export PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-STEPS=()
-FAILED=0
+: > "$OUT/steps.txt"
+WANT=" ${STEPS:-env dist_nccl cuda_tests cpu_tests bench bench_fp8 profile memory main_job} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
     local name=$1 secs=$2
     shift 2
+    [[ "$WANT" == *" $name "* ]] || return 0
     echo "=== [$name] $* (timeout ${secs}s)"
     local start=$SECONDS
     timeout --kill-after=15 "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -46,8 +56,7 @@ step() {
     elif [ "$rc" -ne 0 ]; then
         verdict="FAILED(rc=$rc)"
     fi
-    [ "$verdict" = ok ] || FAILED=1
-    STEPS+=("$(printf '%-11s %-14s %4ss' "$name" "$verdict" "$took")")
+    printf '%-11s %-14s %4ss\n' "$name" "$verdict" "$took" >> "$OUT/steps.txt"
     echo "=== [$name] $verdict in ${took}s"
 }
 
@@ -66,43 +75,65 @@ import te_ops
 print('te_ops', te_ops.__version__, 'from', te_ops.__file__)
 EOF"
 
-step cuda_tests 150 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
-# shellcheck disable=SC2086  # CPU_TESTS may name several paths
-step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then
+    step dist_nccl 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/dist_check.py --backend nccl
+fi
+
+test_lane() {
+    step cuda_tests 150 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
+    # The main job: eager vs --cuda-graph bf16 (same seed, curves must agree), then FP8 / MXFP8.
+    step main_job 240 "$PY" scripts/compare_main_job.py --out "$OUT" --recipes fp8,mxfp8
+    # shellcheck disable=SC2086  # CPU_TESTS may name several paths
+    step cpu_tests 150 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
+}
 
 BENCH_JSON="$OUT/grouped_mlp.jsonl"
-rm -f "$BENCH_JSON"
-# shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
-step bench 170 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
-    ${BENCH_ARGS:-}
-
+FP8_JSON="$OUT/grouped_mlp_fp8.jsonl"
 PROFILE_JSON="$OUT/profile.jsonl"
-rm -f "$PROFILE_JSON"
-# shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
-step profile 90 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+bench_lane() {
+    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON"
+    # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
+    step bench 220 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
+        ${BENCH_ARGS:-}
+    # shellcheck disable=SC2086
+    step bench_fp8 180 "$PY" benchmarks/grouped_mlp.py --peers torch_grouped_mm,te_ops_fused \
+        --recipe none,fp8,fp8fast --iters 10 --warmup 3 --out "$FP8_JSON" ${BENCH_ARGS:-}
+    # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
+    step profile 90 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+    step memory 60 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
+        --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
+}
 
-step memory 90 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
-    --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
-
-# The main job on the GPU: eager bf16 vs --cuda-graph bf16, same seed; the loss curves must agree.
-step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT"
+if [ "${NGPU:-0}" -ge 2 ]; then
+    (export CUDA_VISIBLE_DEVICES=0; test_lane) &
+    (export CUDA_VISIBLE_DEVICES=1; bench_lane) &
+    wait
+else
+    test_lane
+    bench_lane
+fi
 
 {
     echo
     echo "==================== summary ===================="
-    printf '%s\n' "${STEPS[@]}"
+    cat "$OUT/steps.txt"
     for t in cuda_tests cpu_tests; do
         if [ -f "$OUT/$t.log" ]; then
             echo "$t: $(grep -E '^[0-9]+ (passed|failed)|(passed|failed|error|skipped).* in [0-9.]+s' "$OUT/$t.log" | tail -n 1)"
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    if [ -s "$BENCH_JSON" ]; then
-        echo
-        "$PY" benchmarks/grouped_mlp.py --summarize "$BENCH_JSON"
-    else
-        echo "no benchmark records in $BENCH_JSON"
-    fi
+    for f in "$BENCH_JSON" "$FP8_JSON"; do
+        if [ -s "$f" ]; then
+            echo
+            "$PY" benchmarks/grouped_mlp.py --summarize "$f"
+        else
+            echo "no benchmark records in $f"
+        fi
+    done
+    grep -hE '^(recipe |max \|eager| +eager:| +cuda-graph:)' "$OUT/main_job.log" 2>/dev/null
     if [ -s "$PROFILE_JSON" ]; then
         echo
         "$PY" benchmarks/profile_grouped_mlp.py --summarize "$PROFILE_JSON" --top 6
@@ -110,4 +141,5 @@ step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT"
     echo "logs: $OUT"
 } 2>&1 | tee "$OUT/summary.log"
 
-exit "$FAILED"
+if grep -qv " ok " "$OUT/steps.txt"; then exit 1; fi
+exit 0
