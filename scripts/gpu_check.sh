@@ -16,6 +16,8 @@
 #     bench       benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
 #     bench_fp8   benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast, te_ops fused, four shapes
 #                 -> "$OUT/grouped_mlp_fp8.jsonl"
+#     bench_interleaved  the peer and te_ops fused (per-expert, single weight) on the three large
+#                 shapes, one step of each in turn -> "$OUT/grouped_mlp_interleaved.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
@@ -38,7 +40,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests cpu_tests bench bench_fp8 profile memory main_job} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests cpu_tests main_job bench bench_fp8 bench_interleaved profile memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -92,17 +94,24 @@ test_lane() {
 BENCH_JSON="$OUT/grouped_mlp.jsonl"
 FP8_JSON="$OUT/grouped_mlp_fp8.jsonl"
 PROFILE_JSON="$OUT/profile.jsonl"
+ILV_JSON="$OUT/grouped_mlp_interleaved.jsonl"
 bench_lane() {
-    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON"
+    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON" "$ILV_JSON"
     # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
-    step bench 220 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
+    step bench 200 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
-    step bench_fp8 180 "$PY" benchmarks/grouped_mlp.py --peers torch_grouped_mm,te_ops_fused \
+    step bench_fp8 150 "$PY" benchmarks/grouped_mlp.py --peers torch_grouped_mm,te_ops_fused \
         --recipe none,fp8,fp8fast --iters 10 --warmup 3 --out "$FP8_JSON" ${BENCH_ARGS:-}
+    # Peers timed one step each in turn (A, B, C, A, ...): no order / clock drift between peers.
+    # shellcheck disable=SC2086
+    step bench_interleaved 100 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
+        --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$ILV_JSON" \
+        --shapes E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048 \
+        ${BENCH_ARGS:-}
     # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
-    step profile 90 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
-    step memory 60 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
+    step profile 80 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+    step memory 50 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
 }
 
@@ -125,7 +134,7 @@ fi
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    for f in "$BENCH_JSON" "$FP8_JSON"; do
+    for f in "$BENCH_JSON" "$FP8_JSON" "$ILV_JSON"; do
         if [ -s "$f" ]; then
             echo
             "$PY" benchmarks/grouped_mlp.py --summarize "$f"
