@@ -88,6 +88,31 @@ def test_triton_quantize_bytes_equal_torch(dtype):
     assert torch.equal(wsinv, rsinv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes", [[1500, 0, 33, 2047, 1, 0, 900, 400], [4990], [0, 0, 5000]])
+def test_triton_columnwise_many_chunks_bytes_equal_torch(dtype, sizes):
+    """Groups spanning several programs' row chunks, chunks spanning several groups, empty
+    groups first / last, padding rows, columns not a multiple of the column block; weights
+    whose group rows are not a multiple of the row tile. The aligned layout is written from
+    torch.empty, so its gap and tail bytes must come out zero as in the torch path."""
+    rows, k = 5000, 200
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    x = (torch.randn(rows, k, device=DEV, generator=gen) * 7).to(dtype)
+    x[5, 3], x[77, 9], x[4000, 1] = float("nan"), float("-inf"), float("inf")
+    x[sum(sizes):] = 1e30
+    q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)
+    got = q(x, torch.tensor(sizes, device=DEV))
+    ref = q(x.cpu(), sizes)
+    assert torch.equal(got.columnwise_data.view(torch.uint8).cpu(),
+                       ref.columnwise_data.view(torch.uint8))
+    assert torch.equal(got.columnwise_scale_inv.cpu(), ref.columnwise_scale_inv)
+    w = torch.randn(3, 1000, 72, device=DEV, generator=gen).to(dtype)
+    wq = q(w)
+    rdata, rsinv = numerics.fp8_quantize_rows(w.transpose(-2, -1).contiguous())
+    assert torch.equal(wq.columnwise_data.view(torch.uint8), rdata.view(torch.uint8))
+    assert torch.equal(wq.columnwise_scale_inv, rsinv)
+
+
 @pytest.mark.skipif(REASON is not None, reason=f"no native FP8 grouped GEMM: {REASON}")
 def test_fp8_gemms_run_as_scaled_grouped_mm():
     blk = block()
