@@ -4,11 +4,14 @@ Usage::
 
     PYTHONPATH=. python benchmarks/fp8_cols_tiles.py --out results.jsonl
 
-For each setting: the bytes and scales must equal those of the default setting and of the
-PyTorch reference (``numerics``) on small cases; then the time of both passes on the E8 T16384
-H4096 FF14336 operands (W1 (8, 28672, 4096) weights; dh (16384, 28672) and x (16384, 4096)
-split activations, Zipf(1.2) routing as in ``grouped_mlp.py``) and the effective bandwidth
-(two reads of the input + one write of the bytes).
+For each column-wise setting (``launch_cols``'s ``config``): the bytes and scales must equal
+those of the PyTorch reference (``numerics``) on small awkward cases and those of setting 0 on
+the big operands; then the time of both passes on the E8 T16384 H4096 FF14336 operands (W1
+(8, 28672, 4096) weights; dh (16384, 28672) and x (16384, 4096) split activations, Zipf(1.2)
+routing as in ``grouped_mlp.py``) and the effective bandwidth (two reads of the input + one
+write of the bytes). Then the row-wise kernel on dh with rows read once (in registers) or twice
+(``ROWS_ONE_PASS_MAX``), checked the same way. A setting that fails to compile is reported with
+its error. The library's defaults are ``fp8_triton.COLS_CONFIG`` / ``ROWS_ONE_PASS_MAX``.
 """
 
 from __future__ import annotations
@@ -28,28 +31,35 @@ from te_ops.quantization import fp8_triton, numerics  # noqa: E402
 from te_ops.quantization.layout import column_layout  # noqa: E402
 from te_ops.splits import make_splits  # noqa: E402
 
-SETTINGS = [
-    {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": False},
-    {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": True},
-    {"CHUNK": 1024, "BLOCK_R": 64, "BLOCK_C": 128, "num_warps": 4, "TRANS_BYTES": False},
-    {"CHUNK": 1024, "BLOCK_R": 64, "BLOCK_C": 128, "num_warps": 4, "TRANS_BYTES": True},
-    {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 128, "num_warps": 8, "TRANS_BYTES": True},
-    {"CHUNK": 512, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": True},
-    {"CHUNK": 2048, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": True},
-    {"CHUNK": 1024, "BLOCK_R": 64, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": True},
-]
+_BASE = {"CHUNK": 512, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "TRANS_BYTES": True,
+         "COLS_FIRST": True}
+SETTINGS = [_BASE] + [{**_BASE, **change} for change in (
+    {"COLS_FIRST": False},
+    {"CHUNK": 1024},
+    {"CHUNK": 256},
+    {"TRANS_BYTES": False},
+    {"BLOCK_R": 256, "num_warps": 8},
+    {"CHUNK": 1024, "BLOCK_R": 256, "num_warps": 8},
+    {"BLOCK_C": 128, "num_warps": 8},
+    {"BLOCK_R": 64, "BLOCK_C": 128},
+)]
 
 
-def split_case(x: torch.Tensor, sizes: torch.Tensor, cfg: dict) -> tuple:
+def split_prep(x: torch.Tensor, sizes: torch.Tensor) -> tuple:
+    """Splits and 16-row aligned layout of split activations (built once, outside timing)."""
+    splits = make_splits(sizes, sizes.numel(), x.shape[0], x.device)
+    return splits, column_layout(splits.split_sizes, splits.base_offsets, x.shape[0], 16)
+
+
+def split_case(x: torch.Tensor, prep: tuple, cfg: dict) -> tuple:
     """Column-wise copy of split activations into the 16-row aligned layout."""
-    rows, k = x.shape
-    splits = make_splits(sizes, sizes.numel(), rows, x.device)
-    layout = column_layout(splits.split_sizes, splits.base_offsets, rows, 16)
-    out = torch.empty(k, layout.capacity, dtype=torch.float8_e4m3fn, device=x.device)
-    sinv = fp8_triton.launch_cols(x, out, splits.base_offsets[:sizes.numel()],
-                                  splits.split_sizes, layout.starts, layout.capacity, 16, 0,
-                                  layout.capacity, False, cfg)
-    return out, sinv, (splits, layout)
+    splits, layout = prep
+    g = splits.num_groups
+    out = torch.empty(x.shape[1], layout.capacity, dtype=torch.float8_e4m3fn, device=x.device)
+    sinv = fp8_triton.launch_cols(x, out, splits.base_offsets[:g], splits.split_sizes,
+                                  layout.starts, layout.capacity, 16, 0, layout.capacity, False,
+                                  cfg)
+    return out, sinv
 
 
 def uniform_case(w: torch.Tensor, cfg: dict) -> tuple:
@@ -69,7 +79,8 @@ def check(cfg: dict) -> str | None:
     x = torch.randn(5000, 200, device=dev, generator=gen) * 7
     x[5, 3], x[77, 9] = float("nan"), float("-inf")
     sizes = torch.tensor([1500, 0, 33, 2047, 1, 0, 900, 400], device=dev)  # 4881 + padding
-    out, sinv, (splits, layout) = split_case(x, sizes, cfg)
+    splits, layout = prep = split_prep(x, sizes)
+    out, sinv = split_case(x, prep, cfg)
     q = torch.zeros(200, layout.capacity, dtype=torch.uint8, device=dev)
     for g, (s0, n) in enumerate(zip(splits.base_offsets.tolist(), sizes.tolist())):
         p0 = int(layout.starts[g])
@@ -88,6 +99,39 @@ def check(cfg: dict) -> str | None:
     if not (torch.equal(wout.view(torch.uint8), rd.view(torch.uint8)) and torch.equal(wsinv, rs)):
         return "weight bytes / scales"
     return None
+
+
+def rows_settings(dh: torch.Tensor, iters: int) -> list[dict]:
+    """Row-wise kernel on dh (rows of 28672): one read (row in registers) or two."""
+    gen = torch.Generator(device=dh.device).manual_seed(2)
+    small = torch.randn(64, 20000, device=dh.device, generator=gen, dtype=torch.bfloat16) * 3
+    small[1, 7], small[2, 19999] = float("nan"), float("inf")
+    ref_small = numerics.fp8_quantize_rows(small)
+    keep = fp8_triton.ROWS_ONE_PASS_MAX
+    out, ref = [], None
+    try:
+        for one_pass_max in (16384, 32768):
+            fp8_triton.ROWS_ONE_PASS_MAX = one_pass_max
+            rec = {"bench": "fp8_rows_one_pass", "ONE_PASS_MAX": one_pass_max}
+            try:
+                d, s = fp8_triton.fp8_rows(small)
+                ok = torch.equal(d.view(torch.uint8), ref_small[0].view(torch.uint8)) and \
+                    torch.equal(s, ref_small[1])
+                d, s = fp8_triton.fp8_rows(dh)
+                if ref is None:
+                    ref = (d.view(torch.uint8).clone(), s.clone())
+                ok = ok and torch.equal(d.view(torch.uint8), ref[0]) and torch.equal(s, ref[1])
+                rec["check"] = "ok" if ok else "bytes differ"
+                ms = time_ms(lambda: fp8_triton.fp8_rows(dh), iters)
+                rec["dh_ms"] = round(ms, 4)
+                rec["dh_GBps"] = round(dh.numel() * 3 / ms / 1e6, 1)
+            except Exception as exc:  # noqa: BLE001 - report a setting that does not compile
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+    finally:
+        fp8_triton.ROWS_ONE_PASS_MAX = keep
+    return out
 
 
 def time_ms(fn, iters: int) -> float:
@@ -112,15 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     w1, _ = p.weights()
     sizes = torch.as_tensor(p.split, device="cuda")
     dh = torch.randn(p.tokens, 2 * p.ffn, device="cuda", dtype=torch.bfloat16)
-    operands = {"W1": (w1, None), "dh": (dh, sizes), "x": (p.x.detach(), sizes)}
+    operands = {"W1": (w1, None), "dh": (dh, split_prep(dh, sizes)),
+                "x": (p.x.detach(), split_prep(p.x, sizes))}
     ref = {}
     lines = []
     for i, cfg in enumerate(SETTINGS):
         rec = {"bench": "fp8_cols_tiles", **cfg}
         try:
             rec["check"] = check(cfg) or "ok"
-            for op, (t, sz) in operands.items():
-                run = (lambda t=t, sz=sz, c=cfg: split_case(t, sz, c)[:2]) if sz is not None \
+            for op, (t, prep) in operands.items():
+                run = (lambda t=t, pr=prep, c=cfg: split_case(t, pr, c)) if prep is not None \
                     else (lambda t=t, c=cfg: uniform_case(t, c))
                 data, sinv = run()
                 if i == 0:
@@ -136,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         print(json.dumps(rec), flush=True)
         lines.append(rec)
+    lines += rows_settings(dh, args.iters)
     if args.out:
         with open(args.out, "a") as f:
             for rec in lines:

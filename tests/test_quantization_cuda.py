@@ -113,6 +113,28 @@ def test_triton_columnwise_many_chunks_bytes_equal_torch(dtype, sizes):
     assert torch.equal(wq.columnwise_scale_inv, rsinv)
 
 
+def test_quantize_kernels_compile_fullgraph_bitwise():
+    """The registered Triton ops (row-wise; column-wise split and weights) under
+    ``torch.compile(fullgraph=True)`` write the bytes eager (direct launches) writes."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(E, 2 * FF, H, device=DEV, dtype=torch.bfloat16, generator=gen)
+    sizes = torch.tensor(SIZES, device=DEV)
+    q = Float8CurrentScalingQuantizer(rowwise=True, columnwise=True)
+
+    def fn(x, sizes, w):
+        a, b = q(x, sizes), q(w)
+        return (a.rowwise_data, a.rowwise_scale_inv, a.columnwise_data, a.columnwise_scale_inv,
+                b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True)(x, sizes, w)
+    for i, (a, b) in enumerate(zip(got, fn(x, sizes, w))):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), f"output {i} differs"
+
+
 @pytest.mark.skipif(REASON is not None, reason=f"no native FP8 grouped GEMM: {REASON}")
 def test_fp8_gemms_run_as_scaled_grouped_mm():
     blk = block()

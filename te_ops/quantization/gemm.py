@@ -137,7 +137,7 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
 
 #: GEMMs whose smaller feature dim is below this were slower in FP8 than in bf16 on an H200
 #: (quantize passes and per-call host work outweigh the faster GEMM; docs/recipes.md): E8 H4096
-#: FF14336 ran 1.06-1.14x faster, E32 H7168 FF2048 0.84-0.89x, E128 H2048 FF768 0.43x.
+#: FF14336 ran 1.11-1.20x faster, E32 H7168 FF2048 0.91-0.96x, E128 H2048 FF768 0.34-0.46x.
 SMALL_GEMM_DIM = 4096
 
 
