@@ -2,7 +2,9 @@
 
 * The Triton FP8 quantize kernels write the same bytes and scales as the PyTorch reference path
   (row-wise; column-wise per group into the aligned layout, with group sizes that are not
-  multiples of 16, empty groups and padding rows; weights).
+  multiples of 16, empty groups and padding rows; weights; groups spanning many programs'
+  row chunks and chunks spanning several groups), and the same under
+  ``torch.compile(fullgraph=True)`` (the registered ops) as in eager (direct launches).
 * Under ``Float8CurrentScaling`` the forward + backward of the expert block runs its six GEMMs
   as ``aten::_scaled_grouped_mm`` (counted with the profiler) and no ``aten::_grouped_mm``.
 * Native FP8 GEMMs agree with the emulation of the same bytes (fp32 accumulation both ways).
