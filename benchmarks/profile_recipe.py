@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fwd_bwd_step  # noqa: E402
 from grouped_mlp import RECIPES, SHAPES, TeOps, make_problem  # noqa: E402
 
 
@@ -29,12 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"), torch.bfloat16,
                            0)
     peer_cls = type("Profiled", (TeOps,), {"recipe": RECIPES[args.recipe]})
-    peer = peer_cls(problem)
+    # Gradients are cleared before every step, as in the timed benchmark (otherwise each
+    # step after the first adds its weight gradients into .grad: 17 extra add kernels).
+    step = fwd_bwd_step(peer_cls(problem), problem)
     for _ in range(3):
-        peer.forward(problem.x, problem.probs).backward(problem.dy)
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        peer.forward(problem.x, problem.probs).backward(problem.dy)
+        step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
                                     max_name_column_width=70))

@@ -2,7 +2,9 @@
 
 * The Triton FP8 quantize kernels write the same bytes and scales as the PyTorch reference path
   (row-wise; column-wise per group into the aligned layout, with group sizes that are not
-  multiples of 16, empty groups and padding rows; weights).
+  multiples of 16, empty groups and padding rows; weights; groups spanning many programs'
+  row chunks and chunks spanning several groups), and the same under
+  ``torch.compile(fullgraph=True)`` (the registered ops) as in eager (direct launches).
 * Under ``Float8CurrentScaling`` the forward + backward of the expert block runs its six GEMMs
   as ``aten::_scaled_grouped_mm`` (counted with the profiler) and no ``aten::_grouped_mm``.
 * Native FP8 GEMMs agree with the emulation of the same bytes (fp32 accumulation both ways).
@@ -86,6 +88,53 @@ def test_triton_quantize_bytes_equal_torch(dtype):
     rdata, rsinv = numerics.fp8_quantize_rows(w.transpose(-2, -1).contiguous())
     assert torch.equal(wdata.view(torch.uint8), rdata.view(torch.uint8))
     assert torch.equal(wsinv, rsinv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes", [[1500, 0, 33, 2047, 1, 0, 900, 400], [4990], [0, 0, 5000]])
+def test_triton_columnwise_many_chunks_bytes_equal_torch(dtype, sizes):
+    """Groups spanning several programs' row chunks, chunks spanning several groups, empty
+    groups first / last, padding rows, columns not a multiple of the column block; weights
+    whose group rows are not a multiple of the row tile. The aligned layout is written from
+    torch.empty, so its gap and tail bytes must come out zero as in the torch path."""
+    rows, k = 5000, 200
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    x = (torch.randn(rows, k, device=DEV, generator=gen) * 7).to(dtype)
+    x[5, 3], x[77, 9], x[4000, 1] = float("nan"), float("-inf"), float("inf")
+    x[sum(sizes):] = 1e30
+    q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)
+    got = q(x, torch.tensor(sizes, device=DEV))
+    ref = q(x.cpu(), sizes)
+    assert torch.equal(got.columnwise_data.view(torch.uint8).cpu(),
+                       ref.columnwise_data.view(torch.uint8))
+    assert torch.equal(got.columnwise_scale_inv.cpu(), ref.columnwise_scale_inv)
+    w = torch.randn(3, 1000, 72, device=DEV, generator=gen).to(dtype)
+    wq = q(w)
+    rdata, rsinv = numerics.fp8_quantize_rows(w.transpose(-2, -1).contiguous())
+    assert torch.equal(wq.columnwise_data.view(torch.uint8), rdata.view(torch.uint8))
+    assert torch.equal(wq.columnwise_scale_inv, rsinv)
+
+
+def test_quantize_kernels_compile_fullgraph_bitwise():
+    """The registered Triton ops (row-wise; column-wise split and weights) under
+    ``torch.compile(fullgraph=True)`` write the bytes eager (direct launches) writes."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(E, 2 * FF, H, device=DEV, dtype=torch.bfloat16, generator=gen)
+    sizes = torch.tensor(SIZES, device=DEV)
+    q = Float8CurrentScalingQuantizer(rowwise=True, columnwise=True)
+
+    def fn(x, sizes, w):
+        a, b = q(x, sizes), q(w)
+        return (a.rowwise_data, a.rowwise_scale_inv, a.columnwise_data, a.columnwise_scale_inv,
+                b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True)(x, sizes, w)
+    for i, (a, b) in enumerate(zip(got, fn(x, sizes, w))):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), f"output {i} differs"
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no native FP8 grouped GEMM: {REASON}")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .. import env
+from ..kernels.padding import padding_backend, zero_padding_rows_
 from .layout import column_layout
 from .quantizer import QuantizedTensorStorage
 
@@ -80,9 +81,12 @@ def _reason(a: QuantizedTensorStorage, b: QuantizedTensorStorage, dims: tuple[in
 
 
 def _zero_padding(out: torch.Tensor, splits: Any) -> torch.Tensor:
+    """Zero the output rows past the split-size total: only those rows are written (the
+    tail-only kernel of ``kernels/padding.py``, as in the high-precision GEMMs)."""
     if splits.has_padding is False:
         return out
-    return out.masked_fill_(splits.padding_rows(), 0)
+    mask = splits.padding_rows() if padding_backend(out) == "mask" else None
+    return zero_padding_rows_(out, splits.offsets, mask)
 
 
 def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTensorStorage,
@@ -133,7 +137,7 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
 
 #: GEMMs whose smaller feature dim is below this were slower in FP8 than in bf16 on an H200
 #: (quantize passes and per-call host work outweigh the faster GEMM; docs/recipes.md): E8 H4096
-#: FF14336 ran 1.06-1.14x faster, E32 H7168 FF2048 0.84-0.89x, E128 H2048 FF768 0.43x.
+#: FF14336 ran 1.11-1.20x faster, E32 H7168 FF2048 0.91-0.96x, E128 H2048 FF768 0.34-0.46x.
 SMALL_GEMM_DIM = 4096
 
 

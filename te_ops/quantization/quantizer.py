@@ -212,8 +212,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
         out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=x3d.device)
         starts = torch.arange(g, device=x3d.device, dtype=torch.int64) * n
         sinv = fp8_triton.fp8_columns_grouped(
-            x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n),
-            torch.zeros_like(starts), k * n, n)
+            x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
+            k * n, n, True)
         return out, sinv
 
     def dequantize_rows(self, data, scale_inv, dtype):
@@ -222,11 +222,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize_columns_split(self, x2d, layout, splits):
         g, k = splits.num_groups, x2d.shape[1]
         if fp8_triton.unsupported_reason(x2d) is None:
-            out = torch.zeros(k, layout.capacity, dtype=torch.uint8, device=x2d.device)
-            out = out.view(torch.float8_e4m3fn)
+            # The kernel writes every byte (gaps and tail as zeros): no zero fill needed.
+            out = torch.empty(k, layout.capacity, dtype=torch.float8_e4m3fn, device=x2d.device)
             sinv = fp8_triton.fp8_columns_grouped(
-                x2d, out, splits.base_offsets[:g], splits.split_sizes, layout.starts, 0,
-                layout.capacity)
+                x2d, out, splits.base_offsets[:g], splits.split_sizes, layout.starts,
+                layout.capacity, self.align, 0, layout.capacity, False)
             return out, sinv
         absx = numerics.finite_abs(x2d)
         gid = splits.group_ids.unsqueeze(1).expand(-1, k)
