@@ -9,6 +9,7 @@ from . import (  # importing fused registers the fusions
     recipe,
     training,
 )
+from .activation_checkpoint import checkpoint
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .compile import compile_unsupported_reason
 from .fuser import (
@@ -39,6 +40,7 @@ __all__ = [
     "Sequential",
     "SwiGLU",
     "autocast",
+    "checkpoint",
     "compile_unsupported_reason",
     "env",
     "fused",
