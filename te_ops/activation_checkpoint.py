@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.utils.checkpoint
 
 from .quantization.autocast import autocast, current_recipe
@@ -40,6 +41,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
     What ``function(*args)`` returns; gradients equal those of the uncheckpointed call under
     the same recipe, bit for bit.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo traces the checkpointed region once (the recomputation is part of the compiled
+        # graph, planned under the recipe of the trace), and cannot trace the ContextVar.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                                 **kwargs)
     recipe = current_recipe()
 
     def run(*inner: Any, **inner_kwargs: Any) -> Any:

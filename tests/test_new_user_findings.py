@@ -502,3 +502,69 @@ def test_split_sizes_in_different_memory_are_still_two_sources(other):
     with pytest.warns(UserWarning, match="different tensor objects"):
         block(torch.randn(9, 32), s, torch.rand(9), s2)
     assert "ForwardGroupedMLP" not in _plan_forward(block)
+
+
+# --------------------------------------------------------------------------- compile (nu2)
+def _recipe_grads(block, fn, recipe):
+    torch.manual_seed(4)
+    x, probs, s = torch.randn(9, 32), torch.rand(9), torch.tensor([2, 3, 4])
+    return _grads(block, x, probs, s, lambda b, x, s, p: _under(recipe, fn, x, s, p))
+
+
+def _under(recipe, fn, x, s, p):
+    with te_ops.autocast(enabled=recipe is not None, recipe=recipe):
+        return fn(x, s, p, s)
+
+
+def test_fp8_block_compiles_with_inductor_on_cpu():
+    # Under Float8CurrentScaling, torch.compile's default backend (inductor) failed on CPU with
+    # "CppCompileError: no match for operator- (VectorizedN<int, 2>, Vectorized<int>)": the
+    # power-of-two scale took frexp of a float64 quotient. It is now fp32 frexp arithmetic.
+    recipe = te_ops.recipe.Float8CurrentScaling()
+    block = _mlp()
+    torch._dynamo.reset()
+    expected = _recipe_grads(block, block, recipe)
+    got = _recipe_grads(block, torch.compile(block, fullgraph=True), recipe)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("recipe", [None, te_ops.recipe.Float8CurrentScaling()],
+                         ids=["none", "fp8"])
+def test_te_ops_checkpoint_under_torch_compile_fullgraph(recipe):
+    # te_ops.checkpoint read the recipe's ContextVar, which dynamo cannot trace.
+    block = _mlp()
+    torch._dynamo.reset()
+    expected = _recipe_grads(block, block, recipe)
+    compiled = torch.compile(lambda *a: te_ops.checkpoint(block, *a), fullgraph=True,
+                             backend="aot_eager")
+    got = _recipe_grads(block, compiled, recipe)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_pow2_scale_matches_the_formula_at_power_of_two_boundaries():
+    # The fp32 rewrite of 2^floor(log2(448 / amax)) against exact host arithmetic, on the
+    # values where floor(log2) changes (448 * 2^k and its fp32 neighbours), subnormals and the
+    # clamp range.
+    import math
+
+    from te_ops.quantization.numerics import pow2_scale_from_amax
+
+    k = torch.arange(-150, 128, dtype=torch.int32)
+    edges = torch.cat([torch.ldexp(torch.full(k.shape, 448.0), k),
+                       torch.ldexp(torch.ones(k.shape), k)])
+    edges = edges[torch.isfinite(edges) & (edges > 0)]
+    vals = torch.cat([edges, torch.nextafter(edges, torch.tensor(math.inf)),
+                      torch.nextafter(edges, torch.tensor(0.0)), torch.tensor([1e-45, 3.4e38])])
+    vals = vals[vals > 0]
+    got = pow2_scale_from_amax(vals)
+    for v, g in zip(vals.tolist(), got.tolist()):
+        q = 448.0 / v  # float64 quotient of two fp32 values: never rounds onto a power of two
+        e = max(-126, min(127, math.floor(math.log2(q))))
+        while 2.0 ** (e + 1) <= q and e < 127:  # guard log2 rounding
+            e += 1
+        while 2.0 ** e > q and e > -126:
+            e -= 1
+        assert g == 2.0 ** e, (v, g, 2.0 ** e)
+    assert pow2_scale_from_amax(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
