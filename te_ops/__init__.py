@@ -9,7 +9,7 @@ from . import (  # importing fused registers the fusions
     recipe,
     training,
 )
-from .activation_checkpoint import checkpoint
+from .activation_checkpoint import checkpoint, checkpoint_context_fn
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .compile import compile_unsupported_reason
 from .fuser import (
@@ -41,6 +41,7 @@ __all__ = [
     "SwiGLU",
     "autocast",
     "checkpoint",
+    "checkpoint_context_fn",
     "compile_unsupported_reason",
     "env",
     "fused",

@@ -7,12 +7,16 @@ low-precision recipe the recomputed forward would then run in high precision: wi
 with ``use_reentrant=True`` (Megatron's checkpointing is reentrant) backward silently computes
 the gradients of the unquantized block. :func:`checkpoint` runs both the forward and the
 recomputation under the recipe that was active at the call, as TransformerEngine's own
-``checkpoint`` restores its FP8 state.
+``checkpoint`` restores its FP8 state. Where the checkpoint call belongs to someone else (Hugging
+Face's ``activation_checkpointing_enable``, non-reentrant), pass :func:`checkpoint_context_fn`
+as its ``context_fn``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -20,7 +24,7 @@ import torch.utils.checkpoint
 
 from .quantization.autocast import autocast, current_recipe
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "checkpoint_context_fn"]
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = False,
@@ -53,3 +57,32 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
             return function(*inner, **inner_kwargs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+class _RecipeContext:
+    """Re-enterable ``te_ops.autocast(recipe)`` (``None``: recipe off)."""
+
+    def __init__(self, recipe: Any) -> None:
+        self.recipe = recipe
+        self._open: list[Any] = []
+
+    def __enter__(self) -> None:
+        cm = autocast(enabled=self.recipe is not None, recipe=self.recipe)
+        cm.__enter__()
+        self._open.append(cm)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        return self._open.pop().__exit__(exc_type, exc, tb)
+
+
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager,
+                                     contextlib.AbstractContextManager]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    torch calls it at each checkpointed forward; it returns (no-op forward context, the
+    ``te_ops.autocast`` recipe active at that call for the recomputation).
+
+    Example: ``model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+    "use_reentrant": False, "context_fn": te_ops.checkpoint_context_fn})`` (transformers 5).
+    """
+    return contextlib.nullcontext(), _RecipeContext(current_recipe())

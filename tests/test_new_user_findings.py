@@ -568,3 +568,27 @@ def test_pow2_scale_matches_the_formula_at_power_of_two_boundaries():
             e -= 1
         assert g == 2.0 ** e, (v, g, 2.0 ** e)
     assert pow2_scale_from_amax(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("recipe", _RECIPES, ids=["fp8", "mxfp8"])
+def test_checkpoint_context_fn_gives_torch_checkpoint_the_recipe(recipe):
+    # For checkpoint calls the user does not own (HF's activation checkpointing):
+    # torch.utils.checkpoint(..., context_fn=te_ops.checkpoint_context_fn).
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    block = _mlp()
+    x, probs, sizes = torch.randn(9, 32), torch.rand(9), torch.tensor([4, 0, 5])
+
+    def plain(b, x, s, p):
+        with te_ops.autocast(recipe=recipe):
+            return b(x, s, p, s)
+
+    def ckpt(b, x, s, p):
+        with te_ops.autocast(recipe=recipe):
+            return torch_checkpoint(b, x, s, p, s, use_reentrant=False,
+                                    context_fn=te_ops.checkpoint_context_fn)
+
+    expected = _grads(block, x, probs, sizes, plain)
+    got = _grads(block, x, probs, sizes, ckpt)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
