@@ -592,3 +592,20 @@ def test_checkpoint_context_fn_gives_torch_checkpoint_the_recipe(recipe):
     got = _grads(block, x, probs, sizes, ckpt)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- main_grad (nu2)
+@pytest.mark.parametrize("single", [False, True])
+@pytest.mark.parametrize("delay", [False, True])
+def test_main_grad_on_another_device_is_rejected_naming_the_parameter(single, delay):
+    # A main_grad on the meta device was "accumulated into" silently: the gradient was lost.
+    lin = te_ops.GroupedLinear(2, 16, 8, accumulate_into_main_grad=True,
+                               delay_wgrad_compute=delay, single_grouped_weight=single)
+    for p in lin.parameters():
+        p.main_grad = torch.zeros(p.shape, device="meta")
+    name = "weight" if single else "weight0"
+    x = torch.randn(6, 16, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"{name}\.main_grad must be on {name}'s device cpu, "
+                                         r"got meta"):
+        lin(x, [2, 4]).sum().backward()
+        lin.backward_dw()
