@@ -609,3 +609,27 @@ def test_main_grad_on_another_device_is_rejected_naming_the_parameter(single, de
                                          r"got meta"):
         lin(x, [2, 4]).sum().backward()
         lin.backward_dw()
+
+
+# --------------------------------------------------------------------------- nesting (nu2)
+def test_nested_sequential_that_needs_extra_inputs_is_refused_with_the_fix():
+    # te_ops.Sequential(te_ops.Sequential(GroupedLinear), SwiGLU)(x, sizes) raised "expected 0
+    # extra inputs after the main input (none), got 1" at call time.
+    inner = te_ops.Sequential(te_ops.GroupedLinear(2, 16, 8))
+    with pytest.raises(ValueError, match=r"module 0 is a te_ops.Sequential taking 1 extra "
+                                         r"inputs.*unpack it"):
+        te_ops.Sequential(inner, te_ops.SwiGLU())
+    outer = te_ops.Sequential(te_ops.SwiGLU())
+    with pytest.raises(ValueError, match=r"module 1 is a te_ops.Sequential"):
+        outer.append(inner)
+    # a nested container without extra inputs runs as before; unpacking gives the fix
+    torch.manual_seed(0)
+    x = torch.randn(6, 16)
+    nested = te_ops.Sequential(te_ops.Sequential(te_ops.SwiGLU()), te_ops.Identity())
+    torch.testing.assert_close(nested(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
+    flat = te_ops.Sequential(*inner, te_ops.SwiGLU())
+    w = [inner[0].weight0, inner[0].weight1]
+    b = [inner[0].bias0, inner[0].bias1]
+    h = torch.cat([torch.nn.functional.linear(x[:2], w[0], b[0]),
+                   torch.nn.functional.linear(x[2:], w[1], b[1])])
+    torch.testing.assert_close(flat(x, [2, 4]), torch.nn.functional.silu(h[:, :4]) * h[:, 4:])
