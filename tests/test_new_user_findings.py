@@ -633,3 +633,12 @@ def test_nested_sequential_that_needs_extra_inputs_is_refused_with_the_fix():
     h = torch.cat([torch.nn.functional.linear(x[:2], w[0], b[0]),
                    torch.nn.functional.linear(x[2:], w[1], b[1])])
     torch.testing.assert_close(flat(x, [2, 4]), torch.nn.functional.silu(h[:, :4]) * h[:, 4:])
+
+
+def test_autocast_with_the_recipe_passed_positionally_says_to_pass_it_by_keyword():
+    # autocast(Float8CurrentScaling()) fills `enabled` (TransformerEngine's order too); the
+    # error named only `enabled`.
+    with pytest.raises(TypeError, match=r"enabled must be a bool, got Float8CurrentScaling .*"
+                                        r"pass a recipe by keyword: autocast\(recipe=\.\.\.\)"):
+        with te_ops.autocast(te_ops.recipe.Float8CurrentScaling()):
+            pass
