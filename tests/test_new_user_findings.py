@@ -642,3 +642,29 @@ def test_autocast_with_the_recipe_passed_positionally_says_to_pass_it_by_keyword
                                         r"pass a recipe by keyword: autocast\(recipe=\.\.\.\)"):
         with te_ops.autocast(te_ops.recipe.Float8CurrentScaling()):
             pass
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_te_ops_checkpoint_with_main_grad_and_delayed_wgrad_under_a_recipe(use_reentrant):
+    # Megatron's combination: reentrant checkpointing, main_grad, delayed wgrad, FP8.
+    recipe = te_ops.recipe.Float8CurrentScaling()
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        kw = {"accumulate_into_main_grad": True, "delay_wgrad_compute": True}
+        block = te_ops.Sequential(te_ops.GroupedLinear(3, 32, 64, **kw), te_ops.ScaledSwiGLU(),
+                                  te_ops.GroupedLinear(3, 32, 32, **kw))
+        for name, p in block.named_parameters():
+            if "weight" in name:
+                p.main_grad = torch.zeros_like(p)
+        x = torch.randn(9, 32, requires_grad=True)
+        probs, s = torch.rand(9, requires_grad=True), torch.tensor([2, 3, 4])
+        with te_ops.autocast(recipe=recipe):
+            y = (te_ops.checkpoint(block, x, s, probs, s, use_reentrant=use_reentrant) if ckpt
+                 else block(x, s, probs, s))
+        y.square().sum().backward()
+        block.backward_dw()
+        results.append([x.grad, probs.grad] + [p.main_grad if "weight" in n else p.grad
+                                               for n, p in block.named_parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
