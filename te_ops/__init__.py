@@ -9,6 +9,7 @@ from . import (  # importing fused registers the fusions
     recipe,
     training,
 )
+from .activation_checkpoint import checkpoint, checkpoint_context_fn
 from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
 from .compile import compile_unsupported_reason
 from .fuser import (
@@ -39,6 +40,8 @@ __all__ = [
     "Sequential",
     "SwiGLU",
     "autocast",
+    "checkpoint",
+    "checkpoint_context_fn",
     "compile_unsupported_reason",
     "env",
     "fused",

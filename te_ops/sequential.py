@@ -39,6 +39,16 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or module._backward_pre_hooks)
 
 
+def _check_plain_module(index: int, module: torch.nn.Module) -> None:
+    """A plain module runs as ``module(x)``: a nested te_ops ``Sequential`` that needs extra
+    inputs could never get them, so it is refused when the container is built."""
+    if isinstance(module, Sequential) and module.num_extra_inputs():
+        raise ValueError(
+            f"module {index} is a te_ops.Sequential taking {module.num_extra_inputs()} extra "
+            "inputs; a nested container runs as a plain module with the main input only, so "
+            "it cannot get them: unpack it (te_ops.Sequential(*inner, ...), or inner + outer)")
+
+
 class Sequential(torch.nn.Module):
     """A sequence of modules where te_ops ops are fused.
 
@@ -167,6 +177,7 @@ class Sequential(torch.nn.Module):
             if run:
                 groups.append(OperationFuser(run))
                 run = []
+            _check_plain_module(i, m)
             groups.append(m)
         if run:
             groups.append(OperationFuser(run))

@@ -15,17 +15,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 __all__ = ["CallSignature", "Slot", "same_source", "source_classes"]
 
 
 def same_source(a: Any, b: Any) -> bool:
-    """Whether two extra inputs come from one source: the same tensor object, or equal host
-    lists (two tensors with equal values are *not* one source: telling would need a sync)."""
+    """Whether two extra inputs come from one source: the same tensor object, two tensors that
+    alias the same memory exactly (same device, dtype, address, shape and strides, e.g. ``t``
+    and ``t.detach()``, as reentrant activation checkpointing passes them), or equal host lists
+    (two tensors with equal values in different memory are *not* one source: telling would
+    need a sync)."""
     if a is b:
         return True
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return _same_memory(a, b)
     return False
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or a.device.type == "meta":
+        return False  # no addresses to compare (fake / meta tensors)
+    if (a.device, a.dtype, a.shape, a.stride()) != (b.device, b.dtype, b.shape, b.stride()):
+        return False
+    try:
+        return a.data_ptr() == b.data_ptr()
+    except RuntimeError:  # tensors without storage (functional / fake wrappers)
+        return False
 
 
 def source_classes(flat_extra: Sequence[Any]) -> tuple[int, ...]:

@@ -127,8 +127,9 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
     TypeError
         ``main_grad`` is not a floating-point tensor.
     ValueError
-        Wrong number of elements, or its strides do not allow a view as ``shape``; the message
-        names the parameter, the expected shape and ``main_grad``'s shape and strides.
+        ``main_grad`` is on another device than ``param`` (a meta buffer would drop the
+        gradient), wrong number of elements, or its strides do not allow a view as ``shape``;
+        the message names the parameter, the expected and the actual value.
     """
     where = f"{owner}: " if owner else ""
     if hasattr(param, "__fsdp_param__") and callable(getattr(param, "get_main_grad", None)):
@@ -143,6 +144,9 @@ def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
     if not isinstance(main_grad, torch.Tensor) or not main_grad.is_floating_point():
         raise TypeError(f"{where}{name}.main_grad must be a floating-point tensor, got "
                         f"{getattr(main_grad, 'dtype', type(main_grad).__name__)}")
+    if main_grad.device != param.device:
+        raise ValueError(f"{where}{name}.main_grad must be on {name}'s device {param.device}, "
+                         f"got {main_grad.device}")
     if tuple(main_grad.shape) == tuple(shape):
         return main_grad
     numel = 1

@@ -20,6 +20,7 @@ transformers = pytest.importorskip(
     "transformers", minversion="5.0",
     reason="the HF integration tests need transformers>=5 (pip install -e '.[test,hf]')")
 
+import te_ops  # noqa: E402
 from te_ops.integrations import transformers as te_hf  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -385,3 +386,33 @@ def test_per_group_te_ops_block_exports_to_every_layout():
     per_expert = te_hf.to_hf_state_dict(block, "gate_up_down")
     assert torch.equal(per_expert["2.gate_proj.weight"], block[0].weight2[:6])
     assert torch.equal(per_expert["2.up_proj.weight"], block[0].weight2[6:])
+
+
+# --------------------------------------------------------------------------- checkpointing
+def _fp8_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    with te_ops.autocast(recipe=te_ops.recipe.Float8CurrentScaling()):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_hf_activation_checkpointing_under_a_recipe_with_checkpoint_context_fn():
+    # HF's activation checkpointing recomputes each decoder layer outside te_ops.autocast: with
+    # its default (use_reentrant=False) torch raised "A different number of tensors was saved".
+    # te_ops.checkpoint_context_fn as context_fn re-enters the recipe: gradients bit for bit
+    # those of the uncheckpointed model under the recipe.
+    import copy
+
+    model = make_model("mixtral")
+    te_hf.use_te_ops(model)
+    model.train()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    loss0, grads0 = _fp8_grads(copy.deepcopy(model), ids)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": te_ops.checkpoint_context_fn})
+    loss, grads = _fp8_grads(model, ids)
+    assert torch.equal(loss, loss0)
+    assert grads.keys() == grads0.keys() and len(grads) > 0
+    for name, g in grads.items():
+        assert torch.equal(g, grads0[name]), name

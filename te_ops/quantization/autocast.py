@@ -41,7 +41,9 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Non
         ``recipe`` is not a :class:`~te_ops.recipe.Recipe`.
     """
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} ({enabled!r})")
+        hint = " (pass a recipe by keyword: autocast(recipe=...))" * isinstance(enabled, Recipe)
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} ({enabled!r})"
+                        f"{hint}")
     if recipe is None:
         recipe = Float8CurrentScaling()
     if not isinstance(recipe, Recipe) or type(recipe) is Recipe:

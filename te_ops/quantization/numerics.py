@@ -59,10 +59,18 @@ def finite_abs(x: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 ``2 ** floor(log2(448 / amax))``; 1 where ``amax`` is 0."""
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax)).double()  # no fp32 overflow
-    _, exp = torch.frexp(E4M3_MAX / safe)  # 448/amax = m * 2**exp, m in [0.5, 1)
-    scale = torch.ldexp(torch.ones_like(amax), (exp - 1).clamp(-126, 127))
+    """fp32 ``2 ** floor(log2(448 / amax))``, the exponent clamped to [-126, 127]; 1 where
+    ``amax`` is 0.
+
+    With ``amax = m * 2**e`` (``frexp``, m in [0.5, 1)): ``448 / amax = (448 / m) * 2**-e`` and
+    ``448 / m`` lies in (448, 896], so ``floor(log2(448 / amax)) = -e + (8 if m > 0.875 else 9)``
+    (``448 / 0.875 = 512``). Exact, no division and no float64 (inductor's CPU code for a
+    float64 ``frexp`` does not compile).
+    """
+    amax = amax.float()
+    m, e = torch.frexp(amax)
+    exp = torch.where(m > 0.875, 8 - e, 9 - e).clamp(-126, 127)
+    scale = torch.ldexp(torch.ones_like(amax), exp)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 

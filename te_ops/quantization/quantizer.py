@@ -60,8 +60,12 @@ class QuantizedTensorStorage(GroupedTensorStorage):
         ------
         RuntimeError
             The requested copy is absent.
+        TypeError
+            ``dtype`` is not a floating ``torch.dtype``.
         """
         dtype = dtype or self.dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         q = self.quantizer
         if copy not in ("auto", "rowwise", "columnwise"):
             raise ValueError(f"copy must be 'auto', 'rowwise' or 'columnwise', got {copy!r}")
@@ -94,15 +98,20 @@ class Quantizer:
     Raises
     ------
     TypeError
-        ``x`` is not a floating tensor of dtype fp32 / bf16, or ``splits`` is of another type.
+        ``x`` is not a floating tensor of dtype fp32 / bf16, ``splits`` is of another type, or
+        ``rowwise`` / ``columnwise`` is not a bool.
     ValueError
-        Neither copy requested, or a column-wise copy of a tensor that is neither 3-D nor 2-D.
+        Neither copy requested, ``x`` is 0-d, or a column-wise copy of a tensor that is neither
+        3-D nor 2-D.
     """
 
     format = ""
     align = 16
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = False) -> None:
+        for name, flag in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not isinstance(flag, (bool, int)):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
         if not (rowwise or columnwise):
             raise ValueError("a quantizer needs rowwise=True or columnwise=True, got both False")
         self.rowwise = bool(rowwise)
@@ -135,6 +144,9 @@ class Quantizer:
         if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"x must be a float32 or bfloat16 tensor, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dim (..., K) to quantize along, got a "
+                             "0-d tensor")
         shape = tuple(x.shape)
         row = col = (None, None)
         if self.rowwise:

@@ -52,6 +52,13 @@ class Float8CurrentScaling(Recipe):
 
     fast_accumulate_backward: bool = False
 
+    def __post_init__(self) -> None:
+        flag = self.fast_accumulate_backward
+        if not isinstance(flag, (bool, int)):
+            raise TypeError("fast_accumulate_backward must be a bool, got "
+                            f"{type(flag).__name__} ({flag!r})")
+        object.__setattr__(self, "fast_accumulate_backward", bool(flag))
+
     def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
         q = Float8CurrentScalingQuantizer(rowwise=rowwise, columnwise=columnwise)
         q.fast_accumulate_backward = self.fast_accumulate_backward
