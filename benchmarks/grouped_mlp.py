@@ -82,6 +82,12 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 CPU_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E8_T4096_H256_FF512": (8, 4096, 256, 512),
 }
+#: Host-bound shape (``--shapes E64_T256_H64_FF32 --device cpu``): the E64 T256 decode
+#: shape's expert and token counts with tiny hidden sizes, so the step time is te_ops' and
+#: autograd's host work (Python, dispatch, one AccumulateGrad per parameter), not math.
+HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E64_T256_H64_FF32": (64, 256, 64, 32),
+}
 QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
     "E16_T128_H32_FF48": (16, 128, 32, 48),
@@ -541,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names (default: all of the chosen set): "
-                             + ", ".join([*SHAPES, *CPU_SHAPES, *QUICK_SHAPES]))
+                             + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(PEERS),
                         help="comma-separated peers: " + ", ".join(PEERS))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
@@ -584,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    known = {**SHAPES, **CPU_SHAPES, **QUICK_SHAPES}
+    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     names = args.shapes.split(",") if args.shapes else list(default)
