@@ -107,11 +107,11 @@ def read(name: str) -> str:
     ValueError
         The value set is not one of the accepted values; the message names the variable.
     """
+    var = ENV_VARS[name]
     raw = _raw_value(name)
     parsed = _PARSED.get((name, raw))
-    if parsed is not None:
-        return parsed
-    var = ENV_VARS[name]
+    if parsed is not None and parsed[0] is var:
+        return parsed[1]
     text = os.environ.get(name) if isinstance(raw, bytes) else raw
     value = var.default if text is None else text.strip().lower()
     if value == "":
@@ -120,13 +120,13 @@ def read(name: str) -> str:
         raise ValueError(
             f"environment variable {name} must be one of {list(var.choices)}, got {value!r}"
         )
-    _PARSED[(name, raw)] = value
+    _PARSED[(name, raw)] = (var, value)
     return value
 
 
 #: Valid values already parsed, by (name, raw value as the environment stores it, or None
-#: when unset).
-_PARSED: dict[tuple[str, str | bytes | None], str] = {}
+#: when unset): the declaration they were checked against and the value.
+_PARSED: dict[tuple[str, str | bytes | None], tuple[EnvVar, str]] = {}
 
 
 def read_bool(name: str) -> bool:
@@ -159,22 +159,23 @@ def _raw_value(name: str) -> str | bytes | None:
 _ENCODED_ONE: dict[str, tuple] = {}
 
 
-def _raw_values() -> tuple:
-    """The declared variables' raw values (``None`` when unset), read from the environment
+def _raw_values() -> tuple[tuple[EnvVar, ...], tuple]:
+    """The declarations and their raw values (``None`` when unset), read from the environment
     now; through CPython's ``os.environ._data`` and encoded names when it has them (one C-level
     pass), else through ``os.environ.get``."""
+    names = tuple(ENV_VARS)  # the declarations may change (tests declare their own)
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)
     if isinstance(data, dict) and encode is not None:
-        keys = _ENCODED.get(encode)
+        keys = _ENCODED.get((encode, names))
         if keys is None:
-            keys = _ENCODED[encode] = tuple(encode(name) for name in ENV_VARS)
-        return tuple(map(data.get, keys))
-    return tuple(map(os.environ.get, ENV_VARS))
+            keys = _ENCODED[(encode, names)] = tuple(map(encode, names))
+        return tuple(ENV_VARS.values()), tuple(map(data.get, keys))
+    return tuple(ENV_VARS.values()), tuple(map(os.environ.get, names))
 
 
-#: The declared names encoded as ``os.environ`` stores them, per encoder.
-_ENCODED: dict[object, tuple] = {}
+#: The declared names encoded as ``os.environ`` stores them, per (encoder, names).
+_ENCODED: dict[tuple, tuple] = {}
 
 
 #: What :func:`warn_unknown` and :func:`snapshot` last saw: the environment's names and the
@@ -189,7 +190,7 @@ def warn_unknown() -> None:
 
     The names are scanned again only when the set of names in the environment changed since
     the last call (checked as one tuple comparison; the fuser calls this every step)."""
-    names = _environ_names()
+    names = (_environ_names(), tuple(ENV_VARS))
     if names == _SEEN["names"] and _SEEN["warned"] is _WARNED:
         return
     for name in os.environ:
@@ -214,7 +215,7 @@ def snapshot() -> tuple[tuple[str, str], ...]:
     raw = _raw_values()
     if raw == _SEEN["raw"]:
         return _SEEN["snapshot"]  # type: ignore[return-value]
-    snap = tuple((name, read(name)) for name in ENV_VARS)
+    snap = tuple((var.name, read(var.name)) for var in raw[0])
     _SEEN["raw"], _SEEN["snapshot"] = raw, snap
     return snap
 
