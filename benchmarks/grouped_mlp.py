@@ -414,12 +414,19 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
 def measure_interleaved(order: list[str], problem: Problem, args: argparse.Namespace
                         ) -> list[dict]:
     """All peers built at once; timed one step each in turn (A, B, C, A, B, C, ...), so a
-    shared host's changing load hits every peer alike. Host clock (for the CPU)."""
+    shared host's changing load hits every peer alike. Host clock (for the CPU); on the CPU
+    with one intra-op thread also this thread's CPU time (``cpu_ms_*``,
+    ``cpu_ratio_vs_grouped_mm``), which other jobs on a loaded host do not inflate."""
     peers = [PEER_CLASSES[name](problem) for name in order]
     x, probs, dy = problem.x, problem.probs, problem.dy
     times: list[list[float]] = [[] for _ in peers]
+    # With one intra-op thread on the CPU every op (forward and the autograd engine's backward)
+    # runs on this thread, so its CPU time is the step's work without other jobs' share of a
+    # loaded host (cache and memory-bandwidth contention still count).
+    thread_clock = problem.device.type == "cpu" and torch.get_num_threads() == 1
+    cpu_times: list[list[float]] = [[] for _ in peers]
     for i in range(args.warmup + args.iters):
-        for peer, ts in zip(peers, times):
+        for peer, ts, cs in zip(peers, times, cpu_times):
             params = peer.parameters()
             with env_override(**peer.env):
                 x.grad = probs.grad = None
@@ -427,16 +434,23 @@ def measure_interleaved(order: list[str], problem: Problem, args: argparse.Names
                     p.grad = None
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 peer.forward(x, probs).backward(dy)
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
                 if i >= args.warmup:
                     ts.append((time.perf_counter() - t0) * 1e3)
+                    cs.append((time.thread_time() - c0) * 1e3)
     records = []
-    for name, ts in zip(order, times):
+    for name, ts, cs in zip(order, times, cpu_times):
         stats = summarize_times(ts)
-        records.append({"peer": name, "interleaved": True, **stats,
+        cpu = {}
+        if thread_clock:
+            cpu = {f"cpu_{k}": v for k, v in summarize_times(cs).items()}
+            cpu["cpu_ratio_vs_grouped_mm"] = (
+                summarize_times(cpu_times[0])["ms_median"] / cpu["cpu_ms_median"]
+                if order[0] == BASELINE else None)
+        records.append({"peer": name, "interleaved": True, **stats, **cpu,
                         "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
                         "ratio_vs_grouped_mm": (summarize_times(times[0])["ms_median"]
                                                 / stats["ms_median"])
