@@ -41,6 +41,8 @@ Usage::
     python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
     python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
     python benchmarks/grouped_mlp.py --device cpu --interleaved  # the CPU shape, fp32
+    python benchmarks/grouped_mlp.py --device cpu --interleaved --threads 1 \
+        --shapes E64_T256_H64_FF32                               # host overhead (E64 decode)
     python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
 """
 
