@@ -197,3 +197,12 @@ def test_cpu_padding_rows_stay_zero_with_garbage_in_them():
 def test_device_split_check_catches_negative_overflowing_and_too_large(sizes):
     with pytest.raises(RuntimeError, match="split_sizes must be non-negative"):
         make_splits(torch.tensor(sizes), 3, 6, torch.device("cpu"))
+
+
+def test_parsed_env_values_stay_bounded(monkeypatch):
+    for i in range(300):
+        monkeypatch.setenv("TE_OPS_FUSION", " " * (i % 7) + ("1" if i % 2 else "0"))
+        assert env.read("TE_OPS_FUSION") == ("1" if i % 2 else "0")
+        monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "AUTO" + " " * i)
+        assert env.read("TE_OPS_GROUPED_GEMM_BACKEND") == "auto"
+    assert len(env._PARSED) <= 256

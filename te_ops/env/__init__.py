@@ -120,6 +120,8 @@ def read(name: str) -> str:
         raise ValueError(
             f"environment variable {name} must be one of {list(var.choices)}, got {value!r}"
         )
+    if len(_PARSED) >= 256:  # bounded: a loop setting ever-new values cannot grow it
+        _PARSED.clear()
     _PARSED[(name, raw)] = (var, value)
     return value
 

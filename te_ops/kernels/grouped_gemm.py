@@ -151,6 +151,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
                                  forced, graph_safe)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
+            if len(_CHOICES) >= 256:
+                _CHOICES.clear()
             _CHOICES[key] = choice
     return choice
 
