@@ -41,6 +41,8 @@ Usage::
     python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
     python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
     python benchmarks/grouped_mlp.py --device cpu --interleaved  # the CPU shape, fp32
+    python benchmarks/grouped_mlp.py --device cpu --interleaved --threads 1 \
+        --shapes E64_T256_H64_FF32                               # host overhead (E64 decode)
     python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
 """
 
@@ -81,6 +83,12 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 #: 2048 tokens routed top-2 (4096 rows), fp32.
 CPU_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E8_T4096_H256_FF512": (8, 4096, 256, 512),
+}
+#: Host-bound shape (``--shapes E64_T256_H64_FF32 --device cpu``): the E64 T256 decode
+#: shape's expert and token counts with tiny hidden sizes, so the step time is te_ops' and
+#: autograd's host work (Python, dispatch, one AccumulateGrad per parameter), not math.
+HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E64_T256_H64_FF32": (64, 256, 64, 32),
 }
 QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
@@ -408,12 +416,19 @@ def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
 def measure_interleaved(order: list[str], problem: Problem, args: argparse.Namespace
                         ) -> list[dict]:
     """All peers built at once; timed one step each in turn (A, B, C, A, B, C, ...), so a
-    shared host's changing load hits every peer alike. Host clock (for the CPU)."""
+    shared host's changing load hits every peer alike. Host clock (for the CPU); on the CPU
+    with one intra-op thread also this thread's CPU time (``cpu_ms_*``,
+    ``cpu_ratio_vs_grouped_mm``), which other jobs on a loaded host do not inflate."""
     peers = [PEER_CLASSES[name](problem) for name in order]
     x, probs, dy = problem.x, problem.probs, problem.dy
     times: list[list[float]] = [[] for _ in peers]
+    # With one intra-op thread on the CPU every op (forward and the autograd engine's backward)
+    # runs on this thread, so its CPU time is the step's work without other jobs' share of a
+    # loaded host (cache and memory-bandwidth contention still count).
+    thread_clock = problem.device.type == "cpu" and torch.get_num_threads() == 1
+    cpu_times: list[list[float]] = [[] for _ in peers]
     for i in range(args.warmup + args.iters):
-        for peer, ts in zip(peers, times):
+        for peer, ts, cs in zip(peers, times, cpu_times):
             params = peer.parameters()
             with env_override(**peer.env):
                 x.grad = probs.grad = None
@@ -421,16 +436,23 @@ def measure_interleaved(order: list[str], problem: Problem, args: argparse.Names
                     p.grad = None
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 peer.forward(x, probs).backward(dy)
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
                 if i >= args.warmup:
                     ts.append((time.perf_counter() - t0) * 1e3)
+                    cs.append((time.thread_time() - c0) * 1e3)
     records = []
-    for name, ts in zip(order, times):
+    for name, ts, cs in zip(order, times, cpu_times):
         stats = summarize_times(ts)
-        records.append({"peer": name, "interleaved": True, **stats,
+        cpu = {}
+        if thread_clock:
+            cpu = {f"cpu_{k}": v for k, v in summarize_times(cs).items()}
+            cpu["cpu_ratio_vs_grouped_mm"] = (
+                summarize_times(cpu_times[0])["ms_median"] / cpu["cpu_ms_median"]
+                if order[0] == BASELINE else None)
+        records.append({"peer": name, "interleaved": True, **stats, **cpu,
                         "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
                         "ratio_vs_grouped_mm": (summarize_times(times[0])["ms_median"]
                                                 / stats["ms_median"])
@@ -541,7 +563,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names (default: all of the chosen set): "
-                             + ", ".join([*SHAPES, *CPU_SHAPES, *QUICK_SHAPES]))
+                             + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(PEERS),
                         help="comma-separated peers: " + ", ".join(PEERS))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
@@ -584,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    known = {**SHAPES, **CPU_SHAPES, **QUICK_SHAPES}
+    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     names = args.shapes.split(",") if args.shapes else list(default)

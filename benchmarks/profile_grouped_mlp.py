@@ -40,7 +40,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import JsonLines, env_override, free_memory, fwd_bwd_step, machine_info  # noqa: E402
-from grouped_mlp import CPU_SHAPES, PEER_CLASSES, QUICK_SHAPES, SHAPES, make_problem  # noqa: E402
+from grouped_mlp import (  # noqa: E402
+    CPU_SHAPES,
+    HOST_SHAPES,
+    PEER_CLASSES,
+    QUICK_SHAPES,
+    SHAPES,
+    make_problem,
+)
 
 DEFAULT_PEERS = ["torch_grouped_mm", "te_ops_fused"]
 
@@ -168,7 +175,7 @@ def summarize(path: str, top: int = 8) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None, help="comma-separated shape names: "
-                        + ", ".join([*SHAPES, *CPU_SHAPES, *QUICK_SHAPES]))
+                        + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="comma-separated peers of benchmarks/grouped_mlp.py")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
-    known = {**SHAPES, **CPU_SHAPES, **QUICK_SHAPES}
+    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     names = args.shapes.split(",") if args.shapes else list(default)
     peers = args.peers.split(",")

@@ -23,6 +23,7 @@ change.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 FusionFunc = Callable[..., list[FusibleOperation]]
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass
@@ -379,12 +381,19 @@ class OperationFuser:
     # ------------------------------------------------------------------ running
     def _params(self) -> list[list[torch.nn.Parameter]]:
         """Each basic op's parameters, cached while every op's parameter dict is unchanged."""
+        return self._params_and_flat()[0]
+
+    def _params_and_flat(self) -> tuple[list[list[torch.nn.Parameter]],
+                                        list[torch.nn.Parameter]]:
+        """:meth:`_params` and the same parameters in one flat list (both cached; do not
+        modify them)."""
         key = tuple(tuple(map(id, op._parameters.values())) for op in self.basic_ops)
         cached = self.__dict__.get("_params_cache")
         if cached is None or cached[0] != key:
-            cached = (key, [list(op.parameters()) for op in self.basic_ops])
+            per_op = [list(op.parameters()) for op in self.basic_ops]
+            cached = (key, per_op, [p for ps in per_op for p in ps])
             self.__dict__["_params_cache"] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if torch.compiler.is_compiling():  # traced by torch.compile: te_ops/compile.py
@@ -399,14 +408,13 @@ class OperationFuser:
         _check_autocast(input_)
         groups = self._split_extra_inputs(extra_inputs)
         recipe = current_recipe() if recipe is None else recipe  # te_ops.autocast
-        params = self._params()
-        flat_params = [p for ps in params for p in ps]
+        params, flat_params = self._params_and_flat()
         flat_extra = [v for g in groups for v in g]
 
         grad_enabled = torch.is_grad_enabled()
         needs = [
             grad_enabled
-            and (any(p.requires_grad for p in ps)
+            and (any(map(_REQUIRES_GRAD, ps))
                  or any(isinstance(v, torch.Tensor) and v.requires_grad for v in g))
             for ps, g in zip(params, groups)
         ]
@@ -428,8 +436,8 @@ class OperationFuser:
             return _pack_outputs(out, extra_out)
 
         outputs = _FuserFunction.apply(
-            input_, self, plan, recipe, requires_grad, input_grad, extra_grad, len(flat_params),
-            *flat_params, *flat_extra,
+            input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
+            tuple(map(len, params)), *flat_params, *flat_extra,
         )
         return outputs if sum(self.num_extra_outputs) else outputs[0]
 
@@ -518,7 +526,8 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, extra_grad,
-                num_params, *params_and_extra):
+                param_counts, *params_and_extra):
+        num_params = sum(param_counts)  # per basic op, how many parameters it was given
         groups = fuser._split_extra_inputs(params_and_extra[num_params:])
         op_ctxs = [OperationContext() for _ in fuser.basic_ops]
         for i, c in enumerate(op_ctxs):
@@ -545,7 +554,7 @@ class _FuserFunction(torch.autograd.Function):
         ctx.op_ctxs = op_ctxs
         ctx.plan = plan
         ctx.fuser = fuser
-        ctx.num_params = num_params
+        ctx.param_counts = param_counts
         ctx.extra_shapes = [v.shape if isinstance(v, torch.Tensor) else None
                             for g in groups for v in g]
         for t in extra_out:
@@ -593,9 +602,8 @@ class _FuserFunction(torch.autograd.Function):
             c.saved_tensors = ()
 
         flat_grad_params = []
-        for i, ps in enumerate(fuser._params()):
+        for i, n in enumerate(ctx.param_counts):  # the forward's parameters
             op = fuser.basic_ops[i]
-            n = len(ps)
             gp = grad_params[i] or [None] * n
             if len(gp) != n:
                 raise RuntimeError(

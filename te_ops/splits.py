@@ -68,7 +68,8 @@ class GroupedSplits:
         Computed on first use (held as ``_group_ids``, ``None`` until then): ops without a
         bias never need it, and it is the only (rows,)-sized tensor the metadata holds.
     has_padding : bool | None
-        False when the host knows the sizes sum to ``num_rows``; None when unknown (device).
+        False when the host knows the sizes sum to ``num_rows`` (host lists, and CPU tensors
+        outside a ``torch.compile`` trace); None when unknown (other devices).
     host_copy : list[int] | None
         Device split sizes once copied to the host (by the loop backend); saved with the op's
         layout so the backward does not read them again.
@@ -247,14 +248,17 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         host_sizes = None
         sizes = split_sizes.to(torch.int64)  # floating sizes: cast on the device
         ends = torch.cumsum(sizes, 0)
+        # [0, ends, sizes] in one buffer: base_offsets is its head (a view), and one
+        # range check covers every size (so the int64 cumsum cannot wrap) and every end
+        # (the total) at once.
+        table = torch.cat([ends.new_zeros(1), ends, sizes])
+        base_offsets = table[:num_groups + 1]
         if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)
             _check_host(sizes.tolist(), num_rows, name)
         else:
-            # ends[-1] is the total (no separate reduction launch)
-            # each size in [0, num_rows] as well, so an int64 cumsum cannot wrap around
-            valid = (ends[-1] <= num_rows) & ((sizes >= 0) & (sizes <= num_rows)).all()
+            valid = (table.clamp(0, num_rows) == table).all()
             if split_sizes.is_floating_point():  # whole numbers only
                 valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
             torch._assert_async(
@@ -263,7 +267,9 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
                 f"non-negative and sum to at most the input's rows ({num_rows}); set "
                 "TE_OPS_CHECK_SPLIT_SIZES=1 for an eager check that names the values",
             )
-        has_padding = None
+        # On the CPU (eager) the total is in host memory: reading it is no sync, and knowing
+        # there is no padding spares every padding-row pass of the step.
+        has_padding = _cpu_has_padding(ends, num_rows)
     else:
         # SymInts (torch.compile's symbolic host split sizes) stay symbolic: int() would
         # specialize the graph to one distribution.
@@ -272,7 +278,7 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         sizes = _host_tensor(host_sizes, device)
         has_padding = sum(host_sizes) < num_rows
         ends = torch.cumsum(sizes, 0)
-    base_offsets = torch.cat([ends.new_zeros(1), ends])
+        base_offsets = torch.cat([ends.new_zeros(1), ends])
     return GroupedSplits(
         num_groups=num_groups,
         num_rows=num_rows,
@@ -284,6 +290,16 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding=has_padding,
         source=split_sizes if host_sizes is None else None,
     )
+
+
+def _cpu_has_padding(ends: torch.Tensor, num_rows: int) -> bool | None:
+    """Whether the rows past the sizes' total exist, for a CPU tensor outside a trace (the
+    total is in host memory: no sync); ``None`` (unknown) on other devices or when traced."""
+    from .kernels.compiled_ops import tracing  # (kernels import this module)
+
+    if ends.device.type != "cpu" or tracing():
+        return None
+    return int(ends[-1]) < num_rows
 
 
 def _host_tensor(host_sizes: list, device: torch.device) -> torch.Tensor:

@@ -36,6 +36,7 @@ weights into ``main_grad`` (under the rules above) or ``.grad``, biases into ``.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -189,7 +190,7 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
     from .kernels.grouped_gemm import grouped_wgrad
 
     weights = job.weights
-    if not any(w.requires_grad for w in weights):
+    if not any(map(_REQUIRES_GRAD, weights)):
         return [None] * len(weights)
     dy = quantize_operand(job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
     if policy.accumulate_into_main_grad:
@@ -207,7 +208,7 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
 def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
     from .basic.grouped_linear import group_bias_grad, per_param
 
-    if not any(b.requires_grad for b in job.biases):
+    if not any(map(_REQUIRES_GRAD, job.biases)):
         return [None] * len(job.biases)
     grads = per_param(group_bias_grad(job.dy, job.splits, job.probs), job.single)
     return [g if b.requires_grad else None for g, b in zip(grads, job.biases)]
@@ -224,10 +225,8 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
 
     Shapes: ``dy2d`` (rows, out_features); the saved input (rows, in_features).
     """
-    policy: WgradPolicy | None = saved.training
-    if policy is None:
-        policy = WgradPolicy("GroupedLinear", [], [])
-    need_x = any(w.requires_grad for w in policy.weights or saved.weights)
+    policy: WgradPolicy = saved.training or _PLAIN
+    need_x = any(map(_REQUIRES_GRAD, policy.weights or saved.weights))
     job = _WgradJob(
         x=saved.wgrad_input() if need_x else None, dy=dy2d, splits=saved.splits,
         backend=saved.backend, weights=list(policy.weights or saved.weights),
@@ -238,6 +237,11 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
         policy.pending.append(job)
         return [None] * len(job.weights), [None] * len(job.biases)
     return _weight_grads(policy, job), _bias_grads(job)
+
+
+#: The policy of ops without main_grad / delayed wgrad (never queues: its queue stays empty).
+_PLAIN = WgradPolicy("GroupedLinear", [], [])
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "probs",
@@ -565,7 +567,8 @@ class GroupedLinear(BasicOperation):
                    recipe: Any = None) -> GroupedLinearSaved:
         """Build this op's saved layout (input kept only where wgrad needs it; under a
         ``recipe`` as its column-wise quantized copy, data + scale_inv)."""
-        need_x = any(w.requires_grad for w in self.weights())
+        weights, biases = self._param_lists()
+        need_x = any(map(_REQUIRES_GRAD, weights))
         storage = None
         if need_x and recompute_x is None and x2d is not None:
             storage = GroupedTensorStorage(
@@ -574,14 +577,21 @@ class GroupedLinear(BasicOperation):
             ) if recipe is None else quantize_operand(recipe, "input", x2d, splits,
                                                       columnwise=True)
         return GroupedLinearSaved(
-            splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
+            splits=splits, x=storage, weights=list(weights), biases=list(biases),
             probs=probs if self.scale_bias else None, backend=backend,
             in_shape=tuple(in_shape), recompute_x=recompute_x if need_x else None,
             single=self.single_grouped_weight,
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
-            training=self.wgrad_policy(call=True),
+            training=self._call_policy(weights, biases),
         )
+
+    def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]
+                     ) -> WgradPolicy | None:
+        """:meth:`wgrad_policy` for one forward call, given this call's parameter lists."""
+        if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
+            return None
+        return self.wgrad_policy().for_call(weights, biases)
 
     def wgrad_policy(self, call: bool = False) -> WgradPolicy | None:
         """This op's main_grad / delayed-wgrad policy (``None`` when both options are off);

@@ -97,6 +97,9 @@ ENV_VARS: dict[str, EnvVar] = {
 def read(name: str) -> str:
     """Return the current value of a declared variable (its default when unset).
 
+    The environment is read on every call; only the parsing of a value already seen is
+    remembered (per name and raw string), so a changed variable takes effect at once.
+
     Raises
     ------
     KeyError
@@ -105,14 +108,27 @@ def read(name: str) -> str:
         The value set is not one of the accepted values; the message names the variable.
     """
     var = ENV_VARS[name]
-    value = os.environ.get(name, var.default).strip().lower()
+    raw = _raw_value(name)
+    parsed = _PARSED.get((name, raw))
+    if parsed is not None and parsed[0] is var:
+        return parsed[1]
+    text = os.environ.get(name) if isinstance(raw, bytes) else raw
+    value = var.default if text is None else text.strip().lower()
     if value == "":
         value = var.default
     if value not in var.choices:
         raise ValueError(
             f"environment variable {name} must be one of {list(var.choices)}, got {value!r}"
         )
+    if len(_PARSED) >= 256:  # bounded: a loop setting ever-new values cannot grow it
+        _PARSED.clear()
+    _PARSED[(name, raw)] = (var, value)
     return value
+
+
+#: Valid values already parsed, by (name, raw value as the environment stores it, or None
+#: when unset): the declaration they were checked against and the value.
+_PARSED: dict[tuple[str, str | bytes | None], tuple[EnvVar, str]] = {}
 
 
 def read_bool(name: str) -> bool:
@@ -123,9 +139,62 @@ def read_bool(name: str) -> bool:
 _WARNED: set[str] = set()
 
 
+def _environ_names() -> tuple:
+    """The names set in the environment, in order (C-level: the raw keys when available)."""
+    data = getattr(os.environ, "_data", None)
+    return tuple(data) if isinstance(data, dict) else tuple(os.environ)
+
+
+def _raw_value(name: str) -> str | bytes | None:
+    """One variable's raw value (``None`` when unset); a key of :data:`_PARSED`."""
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        key = _ENCODED_ONE.get(name)
+        if key is None or key[0] is not encode:
+            key = _ENCODED_ONE[name] = (encode, encode(name))
+        return data.get(key[1])  # bytes on POSIX: decoded only when not parsed before
+    return os.environ.get(name)
+
+
+#: One declared name encoded as ``os.environ`` stores it: (encoder, encoded name).
+_ENCODED_ONE: dict[str, tuple] = {}
+
+
+def _raw_values() -> tuple[tuple[EnvVar, ...], tuple]:
+    """The declarations and their raw values (``None`` when unset), read from the environment
+    now; through CPython's ``os.environ._data`` and encoded names when it has them (one C-level
+    pass), else through ``os.environ.get``."""
+    names = tuple(ENV_VARS)  # the declarations may change (tests declare their own)
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        keys = _ENCODED.get((encode, names))
+        if keys is None:
+            keys = _ENCODED[(encode, names)] = tuple(map(encode, names))
+        return tuple(ENV_VARS.values()), tuple(map(data.get, keys))
+    return tuple(ENV_VARS.values()), tuple(map(os.environ.get, names))
+
+
+#: The declared names encoded as ``os.environ`` stores them, per (encoder, names).
+_ENCODED: dict[tuple, tuple] = {}
+
+
+#: What :func:`warn_unknown` and :func:`snapshot` last saw: the environment's names and the
+#: ``_WARNED`` set they were checked against; the declared variables' raw values and the
+#: snapshot made from them.
+_SEEN: dict[str, object] = {"names": None, "warned": None, "raw": None, "snapshot": None}
+
+
 def warn_unknown() -> None:
     """Warn once per name about each set ``TE_OPS_*`` variable that te_ops does not declare
-    (a misspelling has no effect otherwise), naming the closest declared one."""
+    (a misspelling has no effect otherwise), naming the closest declared one.
+
+    The names are scanned again only when the set of names in the environment changed since
+    the last call (checked as one tuple comparison; the fuser calls this every step)."""
+    names = (_environ_names(), tuple(ENV_VARS))
+    if names == _SEEN["names"] and _SEEN["warned"] is _WARNED:
+        return
     for name in os.environ:
         if not name.startswith("TE_OPS_") or name in ENV_VARS or name in _WARNED:
             continue
@@ -137,13 +206,20 @@ def warn_unknown() -> None:
             f"(known: {', '.join(ENV_VARS)})",
             UserWarning, stacklevel=3,
         )
+    _SEEN["names"], _SEEN["warned"] = names, _WARNED
 
 
 def snapshot() -> tuple[tuple[str, str], ...]:
     """All variables' current values, validated; used as part of the fuser's plan-cache key.
-    Also warns about unknown ``TE_OPS_*`` names (:func:`warn_unknown`)."""
+    Also warns about unknown ``TE_OPS_*`` names (:func:`warn_unknown`). Read afresh on every
+    call; the parsed tuple is reused while the raw values are unchanged."""
     warn_unknown()
-    return tuple((name, read(name)) for name in ENV_VARS)
+    raw = _raw_values()
+    if raw == _SEEN["raw"]:
+        return _SEEN["snapshot"]  # type: ignore[return-value]
+    snap = tuple((var.name, read(var.name)) for var in raw[0])
+    _SEEN["raw"], _SEEN["snapshot"] = raw, snap
+    return snap
 
 
 def markdown_table() -> str:

@@ -95,7 +95,7 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_f
     """Why ``torch._grouped_mm`` cannot run this grouped linear (``None`` when it can)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     for name, dim in (("in_features", in_features), ("out_features", out_features)):
         if (dim * elem) % 16:
             return (f"{name}={dim} x {elem} bytes is not a multiple of 16 bytes "
@@ -145,6 +145,27 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
+    key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
+                                 forced, graph_safe)
+        if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
+            if len(_CHOICES) >= 256:
+                _CHOICES.clear()
+            _CHOICES[key] = choice
+    return choice
+
+
+#: select_backend's choices, per (device, dtype, features, split-size kind, env values); an
+#: entry is made only once the probe of its device and dtype is settled, and never for a call
+#: that raises.
+_CHOICES: dict[tuple, BackendChoice] = {}
+
+
+def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
+                    out_features: int, device_split_sizes: bool, forced: str,
+                    graph_safe: str) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
