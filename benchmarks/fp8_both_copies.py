@@ -13,10 +13,11 @@ pair: three reads) against both from one pass pair (two reads), for the default 
 the separate kernels' (``check``).
 
 Variants (``--variants-out-prefix``): the fused block's fast-accum FP8 step
-(``grouped_mlp.py --recipe fp8fast``) with the library switches set as each step of the work
-left them: ``separate`` (both switches off: every copy quantized apart where it is used, the
-weights' column-wise copy made in backward), ``one_kernel`` (both copies of x / dy / dh from one
-pass pair; weights still quantized column-wise in backward). The default (both on) is the plain
+(``grouped_mlp.py --recipe fp8fast``) with the switches set as each step of the work left them:
+``separate`` (``quantizer.BOTH_COPIES_ONE_KERNEL = False`` and
+``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=0``: every copy quantized apart where it is used, the weights'
+column-wise copy made in backward), ``one_kernel`` (both copies of x / dy / dh from one pass
+pair; weights still quantized column-wise in backward). The default (both on) is the plain
 ``grouped_mlp.py`` run.
 """
 
@@ -33,11 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grouped_mlp  # noqa: E402
 from fp8_cols_tiles import split_prep, time_ms  # noqa: E402
 
-import te_ops.basic.grouped_linear as gl  # noqa: E402
 from te_ops.quantization import fp8_triton  # noqa: E402
 from te_ops.quantization import quantizer as qmod  # noqa: E402
 
 SHAPE = "E8_T16384_H4096_FF14336"
+SAVE_W = "TE_OPS_SAVE_COLUMNWISE_WEIGHTS"
 CONFIGS = [{}, {"CHUNK": 1024}, {"num_warps": 8}]
 
 
@@ -115,15 +116,19 @@ def kernels(iters: int) -> list[dict]:
 
 
 def variants(prefix: str) -> None:
-    keep = (qmod.BOTH_COPIES_ONE_KERNEL, gl.SAVE_COLUMNWISE_WEIGHTS)
+    keep = (qmod.BOTH_COPIES_ONE_KERNEL, os.environ.get(SAVE_W))
     try:
-        for name, flags in (("separate", (False, False)), ("one_kernel", (True, False))):
-            qmod.BOTH_COPIES_ONE_KERNEL, gl.SAVE_COLUMNWISE_WEIGHTS = flags
+        for name, flags in (("separate", (False, "0")), ("one_kernel", (True, "0"))):
+            qmod.BOTH_COPIES_ONE_KERNEL, os.environ[SAVE_W] = flags
             grouped_mlp.main(["--shapes", SHAPE, "--peers", "te_ops_fused", "--recipe",
                               "fp8fast", "--iters", "10", "--warmup", "3",
                               "--out", f"{prefix}_{name}.jsonl"])
     finally:
-        qmod.BOTH_COPIES_ONE_KERNEL, gl.SAVE_COLUMNWISE_WEIGHTS = keep
+        qmod.BOTH_COPIES_ONE_KERNEL = keep[0]
+        if keep[1] is None:
+            os.environ.pop(SAVE_W, None)
+        else:
+            os.environ[SAVE_W] = keep[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -463,15 +463,18 @@ def test_main_job_recipe_flag(tmp_path, monkeypatch, capsys):
 
 def test_weights_columnwise_saved_only_when_dgrad_is_needed():
     """The forward keeps the weights' column-wise copy (dgrad's operand) exactly when the
-    backward will run dgrad; its bytes are the backward's own quantization of the weights."""
+    backward will run dgrad (and TE_OPS_SAVE_COLUMNWISE_WEIGHTS is not 0); its bytes are the
+    backward's own quantization of the weights."""
     blk = te_ops.GroupedLinear(2, 32, 16, bias=False)
     x = torch.randn(20, 32)
-    for needs_dgrad in (False, True):
-        with te_ops.autocast(recipe=Float8CurrentScaling()):
-            y = blk(x.clone().requires_grad_(needs_dgrad), torch.tensor([7, 13]))
+    for needs_dgrad, env_value in ((False, "1"), (True, "0"), (True, "1")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", env_value)
+            with te_ops.autocast(recipe=Float8CurrentScaling()):
+                y = blk(x.clone().requires_grad_(needs_dgrad), torch.tensor([7, 13]))
         shapes = [tuple(t.shape) for t in y.grad_fn.saved_tensors
                   if t is not None and t.dtype == torch.float8_e4m3fn]
-        assert ((2, 32, 16) in shapes) == needs_dgrad
+        assert ((2, 32, 16) in shapes) == (needs_dgrad and env_value == "1")
     w = torch.stack([blk.weight0, blk.weight1]).detach()
     saved = [t for t in y.grad_fn.saved_tensors
              if t is not None and t.dtype == torch.float8_e4m3fn and t.dim() == 3][0]
@@ -493,7 +496,7 @@ def test_saved_weight_copy_and_combined_dy_bit_exact(monkeypatch, recipe, fused)
     set_combo(monkeypatch, fused, fused)
     results = []
     for save_w in (True, False):
-        monkeypatch.setattr(gl, "SAVE_COLUMNWISE_WEIGHTS", save_w)
+        monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "1" if save_w else "0")
         monkeypatch.setattr(gl.GroupedLinear, "quantize_grad_output",
                             staticmethod(gl.GroupedLinear.quantize_grad_output) if save_w
                             else staticmethod(lambda saved, dy2d, need_dgrad: None))

@@ -240,7 +240,6 @@ def test_one_kernel_copies_and_saved_weights_bitwise_equal_separate(fusion, monk
     """The block's output and every gradient are bitwise the same with both quantized copies
     from one pair of passes and the weights' column-wise copy saved by the forward as with
     every copy quantized apart where it is used (fused and unfused halves)."""
-    import te_ops.basic.grouped_linear as gl
     from te_ops.quantization import quantizer as qmod
 
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
@@ -248,7 +247,7 @@ def test_one_kernel_copies_and_saved_weights_bitwise_equal_separate(fusion, monk
     args = inputs()
     y1, g1 = step(blk, *args)
     monkeypatch.setattr(qmod, "BOTH_COPIES_ONE_KERNEL", False)
-    monkeypatch.setattr(gl, "SAVE_COLUMNWISE_WEIGHTS", False)
+    monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "0")
     y2, g2 = step(blk, *args)
     for a, b in zip([y1] + g1, [y2] + g2):
         assert torch.equal(a, b)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..grouped_tensor import GroupedTensorStorage
 from ..kernels.grouped_gemm import (
     BackendChoice,
@@ -33,12 +34,6 @@ from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
-#: Under a recipe, when backward will need dgrad, the forward quantizes the weights both ways
-#: (one pair of passes) and saves the column-wise copy for dgrad (TransformerEngine's weight
-#: workspace, for one step): backward then never reads the high-precision weights. Costs the
-#: column-wise copy's bytes from forward to backward (docs/recipes.md). False quantizes them
-#: column-wise in backward instead (same bytes).
-SAVE_COLUMNWISE_WEIGHTS = True
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -577,7 +572,7 @@ class GroupedLinear(BasicOperation):
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
-        when the input needs a gradient and ``SAVE_COLUMNWISE_WEIGHTS``), both copies from
+        when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
         one quantize call (one pair of passes on CUDA). :meth:`make_saved` takes the result."""
         weights, _ = self._param_lists()
         w = stacked(weights, self.single_grouped_weight)
@@ -585,7 +580,10 @@ class GroupedLinear(BasicOperation):
             return x2d, w
         keep_x = (ctx.requires_grad and save_input
                   and any(p.requires_grad for p in weights))
-        keep_w = ctx.requires_grad and ctx.input_requires_grad and SAVE_COLUMNWISE_WEIGHTS
+        # TransformerEngine's weight workspace, for one step: backward then never reads the
+        # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
+        keep_w = (ctx.requires_grad and ctx.input_requires_grad
+                  and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS"))
         x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
                                 columnwise=keep_x)
         return x_in, quantize_operand(recipe, "weight", w, rowwise=True, columnwise=keep_w)
