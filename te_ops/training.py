@@ -111,6 +111,7 @@ class _WgradJob:
     probs: torch.Tensor | None
     single: bool
     recipe: Any = None  # the forward's low-precision recipe: wgrad quantizes dy with it
+    dy_q: Any = None  # dy already quantized column-wise (with its row-wise copy, for dgrad)
 
 
 # ------------------------------------------------------------------------------ main_grad
@@ -192,7 +193,8 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
     weights = job.weights
     if not any(map(_REQUIRES_GRAD, weights)):
         return [None] * len(weights)
-    dy = quantize_operand(job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
+    dy = job.dy_q if job.dy_q is not None else quantize_operand(
+        job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
     if policy.accumulate_into_main_grad:
         group_shape = tuple(weights[0].shape[-2:])
         targets, add = _main_grad_targets(policy, weights, job.single, group_shape)
@@ -214,7 +216,7 @@ def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
     return [g if b.requires_grad else None for g, b in zip(grads, job.biases)]
 
 
-def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
+def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: Any = None
                           ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """The weight and bias gradients a GroupedLinear returns to autograd.
 
@@ -231,7 +233,7 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor
         x=saved.wgrad_input() if need_x else None, dy=dy2d, splits=saved.splits,
         backend=saved.backend, weights=list(policy.weights or saved.weights),
         biases=list(policy.biases or saved.biases),
-        probs=saved.probs, single=saved.single, recipe=saved.recipe,
+        probs=saved.probs, single=saved.single, recipe=saved.recipe, dy_q=dy_q,
     )
     if policy.delay_wgrad_compute:
         policy.pending.append(job)

@@ -436,8 +436,9 @@ def test_quantized_input_is_saved_columnwise():
         y = blk(x, torch.tensor([7, 13]))
     node_saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     fp8 = [t for t in node_saved if t.dtype == torch.float8_e4m3fn]
-    # (K, capacity = round_up(20 + 2 * 31, 32)), no row-wise copy
-    assert [tuple(t.shape) for t in fp8] == [(32, 96)]
+    # x: (K, capacity = round_up(20 + 2 * 31, 32)), no row-wise copy; the weights' column-wise
+    # copy for dgrad, (G, in, out)
+    assert [tuple(t.shape) for t in fp8] == [(32, 96), (2, 32, 16)]
     assert not any(t.dtype == torch.float32 and t.shape == (20, 32) for t in node_saved)
     y.sum().backward()
     assert x.grad is not None
@@ -458,3 +459,81 @@ def test_main_job_recipe_flag(tmp_path, monkeypatch, capsys):
     assert "recipe Float8CurrentScaling: emulated" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train_moe.parse_args(["--recipe", "fp4"])
+
+
+def test_weights_columnwise_saved_only_when_dgrad_is_needed():
+    """The forward keeps the weights' column-wise copy (dgrad's operand) exactly when the
+    backward will run dgrad (and TE_OPS_SAVE_COLUMNWISE_WEIGHTS is not 0); its bytes are the
+    backward's own quantization of the weights."""
+    blk = te_ops.GroupedLinear(2, 32, 16, bias=False)
+    x = torch.randn(20, 32)
+    for needs_dgrad, env_value in ((False, "1"), (True, "0"), (True, "1")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", env_value)
+            with te_ops.autocast(recipe=Float8CurrentScaling()):
+                y = blk(x.clone().requires_grad_(needs_dgrad), torch.tensor([7, 13]))
+        shapes = [tuple(t.shape) for t in y.grad_fn.saved_tensors
+                  if t is not None and t.dtype == torch.float8_e4m3fn]
+        assert ((2, 32, 16) in shapes) == (needs_dgrad and env_value == "1")
+    w = torch.stack([blk.weight0, blk.weight1]).detach()
+    saved = [t for t in y.grad_fn.saved_tensors
+             if t is not None and t.dtype == torch.float8_e4m3fn and t.dim() == 3][0]
+    ref_q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)(w)
+    assert torch.equal(saved.view(torch.uint8), ref_q.columnwise_data.view(torch.uint8))
+
+
+def test_weights_columnwise_not_saved_by_default(monkeypatch):
+    """TE_OPS_SAVE_COLUMNWISE_WEIGHTS defaults to 0: the forward keeps no FP8 weight copy (the
+    H200 gain was within noise, the memory is one byte per weight element per layer)."""
+    monkeypatch.delenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", raising=False)
+    blk = te_ops.GroupedLinear(2, 32, 16, bias=False)
+    with te_ops.autocast(recipe=Float8CurrentScaling()):
+        y = blk(torch.randn(20, 32, requires_grad=True), torch.tensor([7, 13]))
+    assert not [t for t in y.grad_fn.saved_tensors
+                if t is not None and t.dtype == torch.float8_e4m3fn and t.dim() == 3]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_saved_weight_copy_and_combined_dy_bit_exact(monkeypatch, recipe, fused):
+    """Saving the weights' column-wise copy in forward and quantizing dy / dh both ways at once
+    give the bytes (so the outputs and gradients) of quantizing each copy where it is used."""
+    import te_ops.basic.grouped_linear as gl
+
+    case = CASES["padding_rows"]
+    torch.manual_seed(0)
+    master = make_block(case, torch.float32)
+    inp = make_inputs(case, torch.float32, "tensor")
+    set_combo(monkeypatch, fused, fused)
+    results = []
+    for save_w in (True, False):
+        monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "1" if save_w else "0")
+        monkeypatch.setattr(gl.GroupedLinear, "quantize_grad_output",
+                            staticmethod(gl.GroupedLinear.quantize_grad_output) if save_w
+                            else staticmethod(lambda saved, dy2d, need_dgrad: None))
+        blk = make_block(case, torch.float32)
+        blk.load_state_dict(master.state_dict())
+        with te_ops.autocast(recipe=RECIPES[recipe]):
+            results.append(run(blk, case, inp))
+    assert_bitwise(results[0], results[1], f"{recipe} fused={fused}")
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZERS))
+def test_both_copies_equal_separate_copies(fmt):
+    """One quantizer call for both copies gives the bytes of two single-copy calls (split
+    activations with padding rows and an empty group; uniform weights)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 48, generator=gen) * 9
+    x[3, 2] = float("nan")
+    sizes = [17, 0, 33, 1]  # 19 padding rows
+    cls = QUANTIZERS[fmt]
+    w = torch.randn(3, 40, 48, generator=gen)
+    for t, splits in ((x, sizes), (w, None)):
+        both = cls(rowwise=True, columnwise=True)(t, splits)
+        row = cls(rowwise=True, columnwise=False)(t, splits)
+        col = cls(rowwise=False, columnwise=True)(t, splits)
+        for a, b in ((both.rowwise_data, row.rowwise_data),
+                     (both.columnwise_data, col.columnwise_data)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(both.rowwise_scale_inv, row.rowwise_scale_inv)
+        assert torch.equal(both.columnwise_scale_inv, col.columnwise_scale_inv)

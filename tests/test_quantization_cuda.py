@@ -3,7 +3,8 @@
 * The Triton FP8 quantize kernels write the same bytes and scales as the PyTorch reference path
   (row-wise; column-wise per group into the aligned layout, with group sizes that are not
   multiples of 16, empty groups and padding rows; weights; groups spanning many programs'
-  row chunks and chunks spanning several groups), and the same under
+  row chunks and chunks spanning several groups; both copies from one pair of passes, equal
+  to the separate kernels' copies), and the same under
   ``torch.compile(fullgraph=True)`` (the registered ops) as in eager (direct launches).
 * Under ``Float8CurrentScaling`` the forward + backward of the expert block runs its six GEMMs
   as ``aten::_scaled_grouped_mm`` (counted with the profiler) and no ``aten::_grouped_mm``.
@@ -115,6 +116,48 @@ def test_triton_columnwise_many_chunks_bytes_equal_torch(dtype, sizes):
     assert torch.equal(wq.columnwise_scale_inv, rsinv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes", [[1500, 0, 33, 2047, 1, 0, 900, 400], [4990], [5000],
+                                   [0, 0, 5000], [0, 7, 0], [16, 32, 4952]])
+def test_both_copies_one_kernel_equal_separate_kernels(dtype, sizes):
+    """One pair of passes for both copies (``fp8_triton.fp8_both_grouped``) writes the bytes
+    and scales of the separate row-wise and column-wise kernels, and of the PyTorch path:
+    empty groups, padding rows (their row-wise bytes come from the layout's tail programs),
+    group sizes not multiples of 16, one group; weights whose rows are not a multiple of the
+    row tile, one group."""
+    from te_ops.quantization import quantizer as qmod
+
+    assert qmod.BOTH_COPIES_ONE_KERNEL
+    rows, k = 5000, 200
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    x = (torch.randn(rows, k, device=DEV, generator=gen) * 7).to(dtype)
+    x[5, 3], x[77, 9], x[4999, 1] = float("nan"), float("-inf"), float("inf")
+    x[sum(sizes):] *= 1e30
+    x[2] = 0
+    sz = torch.tensor(sizes, device=DEV)
+    cls = Float8CurrentScalingQuantizer
+    w3 = (torch.randn(3, 1000, 72, device=DEV, generator=gen) * 3).to(dtype)
+    w1 = torch.randn(1, 37, 24, device=DEV, generator=gen).to(dtype)
+    for t, s, cpu_s in ((x, sz, sizes), (w3, None, None), (w1, None, None)):
+        both = cls(rowwise=True, columnwise=True)(t, s)
+        row = cls(rowwise=True, columnwise=False)(t, s)
+        col = cls(rowwise=False, columnwise=True)(t, s)
+        ref = cls(rowwise=True, columnwise=True)(t.cpu(), cpu_s)
+        for got, exp in ((both.rowwise_data, row.rowwise_data),
+                         (both.columnwise_data, col.columnwise_data),
+                         (both.rowwise_scale_inv, row.rowwise_scale_inv),
+                         (both.columnwise_scale_inv, col.columnwise_scale_inv)):
+            if got.dtype == torch.float8_e4m3fn:
+                got, exp = got.view(torch.uint8), exp.view(torch.uint8)
+            assert torch.equal(got, exp)
+        assert torch.equal(both.rowwise_data.view(torch.uint8).cpu(),
+                           ref.rowwise_data.view(torch.uint8))
+        assert torch.equal(both.columnwise_data.view(torch.uint8).cpu(),
+                           ref.columnwise_data.view(torch.uint8))
+        assert torch.equal(both.rowwise_scale_inv.cpu(), ref.rowwise_scale_inv)
+        assert torch.equal(both.columnwise_scale_inv.cpu(), ref.columnwise_scale_inv)
+
+
 def test_quantize_kernels_compile_fullgraph_bitwise():
     """The registered Triton ops (row-wise; column-wise split and weights) under
     ``torch.compile(fullgraph=True)`` write the bytes eager (direct launches) writes."""
@@ -190,3 +233,21 @@ def test_graph_capture_under_fp8_bitwise_equals_eager():
         y_e, g_e = step(eager, x, sizes, probs, dy)
         for a, b in zip(got, [y_e] + g_e):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_one_kernel_copies_and_saved_weights_bitwise_equal_separate(fusion, monkeypatch):
+    """The block's output and every gradient are bitwise the same with both quantized copies
+    from one pair of passes and the weights' column-wise copy saved by the forward as with
+    every copy quantized apart where it is used (fused and unfused halves)."""
+    from te_ops.quantization import quantizer as qmod
+
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = block()
+    args = inputs()
+    y1, g1 = step(blk, *args)
+    monkeypatch.setattr(qmod, "BOTH_COPIES_ONE_KERNEL", False)
+    monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "0")
+    y2, g2 = step(blk, *args)
+    for a, b in zip([y1] + g1, [y2] + g2):
+        assert torch.equal(a, b)

@@ -7,6 +7,7 @@ their outputs are zero and they get zero gradients.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import operator
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..grouped_tensor import GroupedTensorStorage
 from ..kernels.grouped_gemm import (
     BackendChoice,
@@ -27,11 +29,12 @@ from ..kernels.grouped_gemm import (
 )
 from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
-from ..quantization.gemm import quantized_gemm_note
+from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..splits import GroupedSplits, make_splits
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
+
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -63,6 +66,14 @@ def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "pr
     if probs.device != device:
         raise ValueError(f"{name} must be on the input's device {device}, got {probs.device}")
     return probs.reshape(num_rows)
+
+
+def columnwise_only(storage: Any) -> Any:
+    """A shallow copy of a quantized storage without its row-wise copy (what a saved context
+    keeps: the column-wise copy feeds the backward GEMMs, the row-wise one only this call's)."""
+    kept = copy.copy(storage)
+    kept.rowwise_data = kept.rowwise_scale_inv = None
+    return kept
 
 
 def _backend_text(choice: BackendChoice) -> str:
@@ -172,6 +183,9 @@ class GroupedLinearSaved:
     recipe : te_ops.recipe.Recipe | None
         The low-precision recipe the forward ran with; ``x`` is then its column-wise quantized
         copy (``QuantizedTensorStorage``) and backward quantizes ``dy`` and the weights with it.
+    weight_q : QuantizedTensorStorage | None
+        Under a recipe, the stacked weights' column-wise quantized copy (G, in, out) made by
+        the forward for dgrad (``None``: backward quantizes the weights itself).
     """
 
     splits: GroupedSplits
@@ -186,6 +200,7 @@ class GroupedLinearSaved:
     probs_requires_grad: bool = False
     recipe: Any = None
     training: WgradPolicy | None = None
+    weight_q: Any = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -196,8 +211,12 @@ class GroupedLinearSaved:
             # here and put back by load(), so each op saves split sizes and offsets once.
             self.x.split_sizes = self.x.base_offsets = None
             x_tensors, x_storage = self.x.prepare_for_saving()
+        w_tensors: list[torch.Tensor | None] = []
+        w_storage = None
+        if self.weight_q is not None:
+            w_tensors, w_storage = self.weight_q.prepare_for_saving()
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
-                              *self.biases, self.probs)
+                              *self.biases, self.probs, *w_tensors)
         ctx.grouped_linear_layout = {
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
@@ -214,6 +233,7 @@ class GroupedLinearSaved:
             "probs_requires_grad": self.probs_requires_grad,
             "recipe": self.recipe,
             "training": self.training,
+            "w_storage": w_storage,
         }
 
     @classmethod
@@ -233,9 +253,12 @@ class GroupedLinearSaved:
             x.split_sizes, x.base_offsets = splits.split_sizes, splits.base_offsets
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
+        weight_q = meta["w_storage"]
+        if weight_q is not None:
+            weight_q.restore_from_saved(rest[nw + nb + 1:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"], meta["training"])
+                   meta["recipe"], meta["training"], weight_q)
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -546,16 +569,41 @@ class GroupedLinear(BasicOperation):
             self.record_dispatch(kind, decision)
 
     # ------------------------------------------------------------------ math
+    def forward_operands(self, ctx: OperationContext, x2d: torch.Tensor, splits: GroupedSplits,
+                         recipe: Any, save_input: bool = True) -> tuple[Any, Any]:
+        """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
+        row-wise, each with its column-wise copy too where this call's context will keep it
+        (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
+        when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
+        one quantize call (one pair of passes on CUDA). :meth:`make_saved` takes the result."""
+        weights, _ = self._param_lists()
+        w = stacked(weights, self.single_grouped_weight)
+        if recipe is None:
+            return x2d, w
+        keep_x = (ctx.requires_grad and save_input
+                  and any(p.requires_grad for p in weights))
+        # TransformerEngine's weight workspace, for one step: backward then never reads the
+        # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
+        keep_w = (ctx.requires_grad and ctx.input_requires_grad
+                  and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS"))
+        x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
+                                columnwise=keep_x)
+        return x_in, quantize_operand(recipe, "weight", w, rowwise=True, columnwise=keep_w)
+
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
-                     probs: torch.Tensor | None, recipe: Any = None) -> torch.Tensor:
+                     probs: torch.Tensor | None, recipe: Any = None,
+                     operands: tuple[Any, Any] | None = None) -> torch.Tensor:
         """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero).
-        With a ``recipe`` the GEMM reads its row-wise quantized x and weights."""
+        With a ``recipe`` the GEMM reads its row-wise quantized x and weights (``operands``,
+        from :meth:`forward_operands`, or quantized here row-wise only)."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
         self._record_recipe(recipe, x2d, backend)
-        x_in = quantize_operand(recipe, "input", x2d, rowwise=True)
-        w_in = quantize_operand(recipe, "weight", stacked(weights, single), rowwise=True)
-        y = grouped_fprop(x_in, w_in, splits, backend)
+        if operands is None:
+            operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
+                        quantize_operand(recipe, "weight", stacked(weights, single),
+                                         rowwise=True))
+        y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single), splits,
                                probs if self.scale_bias else None)
@@ -564,18 +612,26 @@ class GroupedLinear(BasicOperation):
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
                    recompute_x: Callable[[], torch.Tensor] | None = None,
-                   recipe: Any = None) -> GroupedLinearSaved:
+                   recipe: Any = None, operands: tuple[Any, Any] | None = None
+                   ) -> GroupedLinearSaved:
         """Build this op's saved layout (input kept only where wgrad needs it; under a
-        ``recipe`` as its column-wise quantized copy, data + scale_inv)."""
+        ``recipe`` as its column-wise quantized copy, data + scale_inv, taken from the
+        forward's ``operands`` when they hold it, as is the weights' column-wise copy)."""
         weights, biases = self._param_lists()
         need_x = any(map(_REQUIRES_GRAD, weights))
-        storage = None
+        storage = weight_q = None
+        x_in, w_in = operands if operands is not None else (None, None)
         if need_x and recompute_x is None and x2d is not None:
-            storage = GroupedTensorStorage(
-                self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
-                split_sizes=splits.split_sizes, base_offsets=splits.base_offsets,
-            ) if recipe is None else quantize_operand(recipe, "input", x2d, splits,
-                                                      columnwise=True)
+            if recipe is None:
+                storage = GroupedTensorStorage(
+                    self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
+                    split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
+            elif is_quantized(x_in) and x_in.columnwise_data is not None:
+                storage = columnwise_only(x_in)
+            else:
+                storage = quantize_operand(recipe, "input", x2d, splits, columnwise=True)
+        if is_quantized(w_in) and w_in.columnwise_data is not None:
+            weight_q = columnwise_only(w_in)
         return GroupedLinearSaved(
             splits=splits, x=storage, weights=list(weights), biases=list(biases),
             probs=probs if self.scale_bias else None, backend=backend,
@@ -584,6 +640,7 @@ class GroupedLinear(BasicOperation):
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
             training=self._call_policy(weights, biases),
+            weight_q=weight_q,
         )
 
     def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]
@@ -625,24 +682,50 @@ class GroupedLinear(BasicOperation):
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor | None],
                                  torch.Tensor | None]:
         """dgrad, parameter grads (weights then biases) and probs grad from a saved layout."""
-        dgrad = GroupedLinear.dgrad_math(saved, dy2d) if need_dgrad else None
-        return (dgrad, *GroupedLinear.param_grads_math(saved, dy2d))
+        dy_q = GroupedLinear.quantize_grad_output(saved, dy2d, need_dgrad)
+        dgrad = GroupedLinear.dgrad_math(saved, dy2d, dy_q) if need_dgrad else None
+        return (dgrad, *GroupedLinear.param_grads_math(saved, dy2d, dy_q))
 
     @staticmethod
-    def dgrad_math(saved: GroupedLinearSaved, dy2d: torch.Tensor) -> torch.Tensor:
-        """(rows, out) -> (rows, in): the input gradient; padding rows are zero."""
+    def quantize_grad_output(saved: GroupedLinearSaved, dy2d: torch.Tensor, need_dgrad: bool
+                             ) -> Any:
+        """Under a recipe, when this backward runs both dgrad and wgrad now: ``dy2d``'s
+        row-wise (dgrad) and column-wise (wgrad) copies from one quantize call (one pair of
+        passes on CUDA; the copies are the bytes of two separate calls). ``None`` otherwise
+        (each GEMM then quantizes its own copy). Pass it to :meth:`dgrad_math`, then to
+        :meth:`param_grads_math` (which drops the row-wise copy after dgrad)."""
+        policy = saved.training
+        if (saved.recipe is None or not need_dgrad
+                or (policy is not None and policy.delay_wgrad_compute)
+                or not any(w.requires_grad for w in saved.weights)):
+            return None
+        return quantize_operand(saved.recipe, "grad_output", dy2d, saved.splits, rowwise=True,
+                                columnwise=True)
+
+    @staticmethod
+    def dgrad_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: Any = None
+                   ) -> torch.Tensor:
+        """(rows, out) -> (rows, in): the input gradient; padding rows are zero. Under a
+        recipe the GEMM reads ``dy_q`` (from :meth:`quantize_grad_output`) or ``dy2d``
+        quantized row-wise here, and the forward's saved column-wise weights (or the weights
+        quantized column-wise here)."""
         weights = stacked(saved.weights, saved.single)
-        dy_in = quantize_operand(saved.recipe, "grad_output", dy2d, rowwise=True)
-        w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True)
+        dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
+                                                               dy2d, rowwise=True)
+        w_in = saved.weight_q if saved.weight_q is not None else quantize_operand(
+            saved.recipe, "weight", weights, columnwise=True)
         return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod
-    def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor,
+    def param_grads_math(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: Any = None,
                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-        """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad."""
+        """Weight grads, bias grads (one list, ``parameters()`` order) and the probs grad.
+        ``dy_q``: see :meth:`quantize_grad_output` (its row-wise copy is dropped here)."""
         splits = saved.splits
+        if dy_q is not None:
+            dy_q.rowwise_data = dy_q.rowwise_scale_inv = None  # dgrad's copy: done with
         # Plain gradients, or main_grad / delayed wgrad: te_ops.training is the one path.
-        grads, bias_grads = weight_and_bias_grads(saved, dy2d)
+        grads, bias_grads = weight_and_bias_grads(saved, dy2d, dy_q)
         grad_probs = None
         if saved.biases and saved.probs is not None and saved.probs_requires_grad:
             table = bias_table(stacked(saved.biases, saved.single), dy2d.dtype)
@@ -664,10 +747,12 @@ class GroupedLinear(BasicOperation):
                                 lead_shape=tuple(input_.shape[:-1]))
         backend = self.select_backend(input_, splits)
         x2d = input_.reshape(-1, self.in_features).contiguous()
-        y = self.forward_math(x2d, splits, backend, probs, recipe)
+        operands = self.forward_operands(ctx, x2d, splits, recipe)
+        y = self.forward_math(x2d, splits, backend, probs, recipe, operands)
         if ctx.requires_grad:
             self.make_saved(ctx, x2d, splits, backend, probs, input_.shape,
-                            recipe=recipe).save(ctx)
+                            recipe=recipe, operands=operands).save(ctx)
+        del operands
         return y.view(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):

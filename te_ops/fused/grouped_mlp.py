@@ -149,18 +149,25 @@ class ForwardGroupedMLP(FusedOperation):
 
         x2d = input_.reshape(-1, fc1.in_features).contiguous()
         backend1 = fc1.select_backend(x2d, splits)
-        h = fc1.forward_math(x2d, splits, backend1, probs1, recipe).view(*lead, fc1.out_features)
+        ops1 = fc1.forward_operands(ctx1, x2d, splits, recipe)
+        h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
+        h = h.view(*lead, fc1.out_features)
         act.check_input(h)
         if probs_act is not None:
             probs_act = probs_act.view(lead)
         backend_act = act.select_backend(h)
         a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
         backend2 = fc2.select_backend(a, splits)
-        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2, recipe)
+        # fc2's input is recomputed in backward when the activation saves its input: no
+        # column-wise copy of it here then.
+        ops2 = fc2.forward_operands(ctx2, a.reshape(-1, fc2.in_features), splits, recipe,
+                                    save_input=not ctx_act.requires_grad)
+        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2, recipe,
+                             ops2)
 
         if ctx1.requires_grad:
             fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
-                           recipe=recipe).save(ctx1)
+                           recipe=recipe, operands=ops1).save(ctx1)
         if ctx_act.requires_grad:
             SwiGLUSaved(h, probs_act, backend_act).save(ctx_act)
         if ctx2.requires_grad:
@@ -170,7 +177,7 @@ class ForwardGroupedMLP(FusedOperation):
                     return act.recompute_output(SwiGLUSaved.load(ctx_act))
             a2d = None if recompute else a.reshape(-1, fc2.in_features)
             fc2.make_saved(ctx2, a2d, splits, backend2, probs2, a.shape,
-                           recompute_x=recompute, recipe=recipe).save(ctx2)
+                           recompute_x=recompute, recipe=recipe, operands=ops2).save(ctx2)
         return y.view(*lead, fc2.out_features), [(), (), ()]
 
 
@@ -190,7 +197,8 @@ class BackwardGroupedMLP(FusedOperation):
         dy2d = grad_output.reshape(-1, fc2.out_features).contiguous()
         # Order: fc2 dgrad, then ONE activation-backward pass that also yields the activation
         # output when the forward did not save fc2's input, then fc2's weight grads with it.
-        dgrad2 = GroupedLinear.dgrad_math(s2, dy2d)
+        dy_q2 = GroupedLinear.quantize_grad_output(s2, dy2d, True)  # both copies, one go
+        dgrad2 = GroupedLinear.dgrad_math(s2, dy2d, dy_q2)
         need_out = s2.x is None and s2.recompute_x is not None
         # The activation's input is dead after this pass, but the autograd node holds it until
         # the whole backward ends: the Triton kernel writes dh over it (one (T, 2FF) buffer
@@ -207,7 +215,8 @@ class BackwardGroupedMLP(FusedOperation):
         if need_out:
             act_out = act_result[2]
             s2.recompute_x = lambda: act_out
-        grads2, gprobs2 = GroupedLinear.param_grads_math(s2, dy2d)
+        grads2, gprobs2 = GroupedLinear.param_grads_math(s2, dy2d, dy_q2)
+        dy_q2 = None
         s2.recompute_x = None  # free fc2's input (the activation output) before fc1's GEMMs
         act_result = act_out = None
         dh2d = dh.reshape(-1, fc1.out_features)

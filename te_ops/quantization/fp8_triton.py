@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
     tl = None
 
-__all__ = ["unsupported_reason", "fp8_rows", "fp8_columns_grouped"]
+__all__ = ["unsupported_reason", "fp8_rows", "fp8_columns_grouped", "fp8_both_grouped"]
 
 
 def tracing() -> bool:
@@ -129,6 +129,17 @@ if triton is not None:
         return g_first, g_last
 
     @triton.jit
+    def _tail_start(starts_ptr, sizes_ptr, pstarts_ptr, G, ALIGN):
+        """First destination row of the layout's tail (past the last group's aligned end) and
+        first padding source row (past the last group). The tail has at least as many rows as
+        there are padding rows (capacity >= rows + G * (ALIGN - 1)), so tail row t0 + i reads
+        padding row s_end + i for the row-wise copy."""
+        last_ps = tl.load(pstarts_ptr + G - 1).to(tl.int64)
+        last_sz = tl.load(sizes_ptr + G - 1).to(tl.int64)
+        t0 = last_ps + (last_sz + ALIGN - 1) // ALIGN * ALIGN
+        return t0, tl.load(starts_ptr + G - 1).to(tl.int64) + last_sz
+
+    @triton.jit
     def _chunk_ids(COLS_FIRST: tl.constexpr):
         """(row chunk, column block) of this program. COLS_FIRST: grid axis 0 runs over the
         column blocks, so programs launched together read the same rows side by side (whole
@@ -142,13 +153,17 @@ if triton is not None:
         return pid_r, pid_c
 
     @triton.jit
-    def _fp8_cols_amax_kernel(x_ptr, amax_ptr, starts_ptr, sizes_ptr, pstarts_ptr, G, K, P,
-                              ALIGN, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_C: tl.constexpr, G_BLOCK: tl.constexpr,
-                              COLS_FIRST: tl.constexpr):
+    def _fp8_cols_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, starts_ptr, sizes_ptr,
+                              pstarts_ptr, G, K, P, M, ALIGN, CHUNK: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                              G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
+                              ROWS: tl.constexpr):
         # Pass 1: per (group, column) largest finite magnitude. Each program streams CHUNK
         # destination rows x BLOCK_C columns once and folds its part of each group into
         # amax (fp32 bits as int32: the order of non-negative floats is that of their bits).
+        # ROWS: also each source row's largest finite magnitude (row_amax, (M,), folded across
+        # the column blocks), for the row-wise copy; padding source rows (past the last
+        # group) are read by the programs of the layout's tail.
         pid_r, pid_c = _chunk_ids(COLS_FIRST)
         p_lo = pid_r.to(tl.int64) * CHUNK
         p_hi = tl.minimum(p_lo + CHUNK, P)
@@ -166,10 +181,25 @@ if triton is not None:
                 mask = (pr < hi)[:, None] & cmask[None, :]
                 v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=mask,
                             other=0.0).to(tl.float32)
-                acc = tl.maximum(acc, tl.max(_finite_abs(v), 0))
+                fa = _finite_abs(v)
+                acc = tl.maximum(acc, tl.max(fa, 0))
+                if ROWS:
+                    tl.atomic_max(row_amax_ptr + src0 + pr,
+                                  tl.max(fa, 1).to(tl.int32, bitcast=True), mask=pr < hi,
+                                  sem="relaxed")
             if hi > lo:
                 tl.atomic_max(amax_ptr + g * K + cols, acc.to(tl.int32, bitcast=True),
                               mask=cmask, sem="relaxed")
+        if ROWS:
+            t0, s_end = _tail_start(starts_ptr, sizes_ptr, pstarts_ptr, G, ALIGN)
+            for p0 in range(tl.maximum(p_lo, t0), p_hi, BLOCK_R):
+                pr = p0 + tl.arange(0, BLOCK_R)
+                src = s_end + (pr - t0)
+                rmask = (pr < p_hi) & (src < M)
+                v = tl.load(x_ptr + src[:, None] * K + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                tl.atomic_max(row_amax_ptr + src, tl.max(_finite_abs(v), 1).to(
+                    tl.int32, bitcast=True), mask=rmask, sem="relaxed")
 
     @triton.jit
     def _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
@@ -185,14 +215,29 @@ if triton is not None:
                  mask=cmask[:, None] & pmask[None, :])
 
     @triton.jit
-    def _fp8_cols_quant_kernel(x_ptr, q_ptr, amax_ptr, sinv_ptr, starts_ptr, sizes_ptr,
-                               pstarts_ptr, G, K, P, ALIGN, OUT_G_STRIDE, OUT_COL_STRIDE,
+    def _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src, rmask, cols, cmask, K,
+                    WRITE_SINV):
+        # Row-wise bytes of a (rows, cols) tile with the rows' finished amax; the programs
+        # of the first column block also write the rows' scale_inv.
+        a = tl.load(row_amax_ptr + src, mask=rmask, other=0)
+        scale, sinv = _pow2_scale(a.to(tl.float32, bitcast=True))
+        tl.store(row_q_ptr + src[:, None] * K + cols[None, :], _to_e4m3(v, scale[:, None]),
+                 mask=rmask[:, None] & cmask[None, :])
+        if WRITE_SINV:
+            tl.store(row_sinv_ptr + src, sinv, mask=rmask)
+
+    @triton.jit
+    def _fp8_cols_quant_kernel(x_ptr, q_ptr, amax_ptr, sinv_ptr, row_amax_ptr, row_q_ptr,
+                               row_sinv_ptr, starts_ptr, sizes_ptr, pstarts_ptr, G, K, P, M,
+                               ALIGN, OUT_G_STRIDE, OUT_COL_STRIDE,
                                ROW_IN_GROUP: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
-                               TRANS_BYTES: tl.constexpr):
+                               TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr):
         # Pass 2: quantize with the finished amax; writes every destination byte (alignment
         # gaps and the tail past the last group get zeros), so `out` needs no zero fill.
+        # ROWS: the same tiles also give the row-wise copy (row_q (M, K), row_sinv (M,)),
+        # scaled by row_amax; the tail's programs write the padding rows' row-wise bytes.
         pid_r, pid_c = _chunk_ids(COLS_FIRST)
         p_lo = pid_r.to(tl.int64) * CHUNK
         p_hi = tl.minimum(p_lo + CHUNK, P)
@@ -212,7 +257,7 @@ if triton is not None:
             scale, _ = _pow2_scale(a.to(tl.float32, bitcast=True))
             lo = tl.maximum(p_lo, ps)
             hi = tl.minimum(p_hi, ps + (sz + ALIGN - 1) // ALIGN * ALIGN)
-            base = g.to(tl.int64) * OUT_G_STRIDE
+            base = tl.cast(g, tl.int64) * OUT_G_STRIDE
             if ROW_IN_GROUP:
                 base -= ps
             for p0 in range(lo, hi, BLOCK_R):
@@ -221,17 +266,25 @@ if triton is not None:
                 lmask = (pmask & (pr < ps + sz))[:, None] & cmask[None, :]
                 v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=lmask,
                             other=0.0).to(tl.float32)
+                if ROWS:
+                    _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src0 + pr,
+                                pmask & (pr < ps + sz), cols, cmask, K, pid_c == 0)
                 _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
                             TRANS_BYTES)
         # Rows past the last group's aligned end (the layout's tail): zeros.
-        last_ps = tl.load(pstarts_ptr + G - 1).to(tl.int64)
-        last_sz = tl.load(sizes_ptr + G - 1).to(tl.int64)
-        tail = tl.maximum(p_lo, last_ps + (last_sz + ALIGN - 1) // ALIGN * ALIGN)
-        for p0 in range(tail, p_hi, BLOCK_R):
+        t0, s_end = _tail_start(starts_ptr, sizes_ptr, pstarts_ptr, G, ALIGN)
+        for p0 in range(tl.maximum(p_lo, t0), p_hi, BLOCK_R):
             pr = p0 + tl.arange(0, BLOCK_R)
             zeros = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32).to(tl.float8e4nv)
             tl.store(q_ptr + cols[:, None].to(tl.int64) * OUT_COL_STRIDE + pr[None, :], zeros,
                      mask=cmask[:, None] & (pr < p_hi)[None, :])
+            if ROWS:  # padding source rows: row-wise copy only
+                src = s_end + (pr - t0)
+                rmask = (pr < p_hi) & (src < M)
+                v = tl.load(x_ptr + src[:, None] * K + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src, rmask, cols, cmask,
+                            K, pid_c == 0)
 
     #: Rows up to this many elements (rounded up to a power of two) are read once, kept in
     #: registers; longer ones are read twice (amax, then bytes). 32768 (fc1's dgrad input,
@@ -262,12 +315,22 @@ if triton is not None:
                    "TRANS_BYTES": False, "COLS_FIRST": True}
 
     def launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
-                    out_col_stride, row_in_group, config=None, wrap=lambda k: k):
-        """Both column-wise passes (amax, then quantize); returns scale_inv (G, K) fp32."""
+                    out_col_stride, row_in_group, config=None, wrap=lambda k: k,
+                    with_rows=False):
+        """Both column-wise passes (amax, then quantize); returns scale_inv (G, K) fp32, or
+        with ``with_rows`` (scale_inv, row-wise data (M, K), row-wise scale_inv (M,)) from the
+        same two passes."""
         cfg = {**COLS_CONFIG, **(config or {})}
         g, k = sizes.numel(), x.shape[-1]
+        m = x.shape[0]
         amax = torch.zeros(g, k, dtype=torch.int32, device=x.device)
         sinv = torch.empty(g, k, dtype=torch.float32, device=x.device)
+        if with_rows:
+            row_amax = torch.zeros(m, dtype=torch.int32, device=x.device)
+            row_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+            row_sinv = torch.empty(m, dtype=torch.float32, device=x.device)
+        else:  # unused pointers (the ROWS branches are compiled out)
+            row_amax, row_q, row_sinv = amax, out, sinv
         grid = (triton.cdiv(num_rows, cfg["CHUNK"]), triton.cdiv(k, cfg["BLOCK_C"]))
         if cfg["COLS_FIRST"] and grid[0] <= 65535:  # grid axis 1 holds at most 65535
             grid = grid[::-1]
@@ -275,13 +338,14 @@ if triton is not None:
             cfg["COLS_FIRST"] = False
         tiles = {"CHUNK": cfg["CHUNK"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"],
                  "G_BLOCK": triton.next_power_of_2(g), "COLS_FIRST": cfg["COLS_FIRST"],
-                 "num_warps": cfg["num_warps"]}
-        wrap(_fp8_cols_amax_kernel)[grid](x, amax, starts, sizes, pstarts, g, k, num_rows,
-                                          align, **tiles)
+                 "ROWS": with_rows, "num_warps": cfg["num_warps"]}
+        wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
+                                          num_rows, m, align, **tiles)
         wrap(_fp8_cols_quant_kernel)[grid](
-            x, out, amax, sinv, starts, sizes, pstarts, g, k, num_rows, align, out_g_stride,
-            out_col_stride, ROW_IN_GROUP=row_in_group, TRANS_BYTES=cfg["TRANS_BYTES"], **tiles)
-        return sinv
+            x, out, amax, sinv, row_amax, row_q, row_sinv, starts, sizes, pstarts, g, k,
+            num_rows, m, align, out_g_stride, out_col_stride, ROW_IN_GROUP=row_in_group,
+            TRANS_BYTES=cfg["TRANS_BYTES"], **tiles)
+        return (sinv, row_q, row_sinv) if with_rows else sinv
 
     @torch.library.triton_op("te_ops::fp8_quantize_columns_grouped", mutates_args={"out"})
     def _fp8_cols_op(x: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
@@ -290,6 +354,15 @@ if triton is not None:
                      ) -> torch.Tensor:
         return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                            out_col_stride, row_in_group, wrap=torch.library.wrap_triton)
+
+    @torch.library.triton_op("te_ops::fp8_quantize_both_grouped", mutates_args={"out"})
+    def _fp8_both_op(x: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                     sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
+                     out_g_stride: int, out_col_stride: int, row_in_group: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
+                           out_col_stride, row_in_group, wrap=torch.library.wrap_triton,
+                           with_rows=True)
 
 
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,3 +396,29 @@ def fp8_columns_grouped(x2d: torch.Tensor, out: torch.Tensor, starts: torch.Tens
     if tracing():
         return _fp8_cols_op(*args)
     return launch_cols(*args)  # eager: skip the custom-op dispatch (host time per call)
+
+
+def fp8_both_grouped(x2d: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                     sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
+                     out_g_stride: int, out_col_stride: int, row_in_group: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Column-wise copy (as :func:`fp8_columns_grouped`) *and* row-wise copy (as
+    :func:`fp8_rows`) of ``x2d`` (M, K) from the same two passes: each pass reads ``x2d`` once
+    (amax: the (G, K) column amax and the (M,) row amax, folded with ``atomic_max`` across row
+    chunks and column blocks; bytes: both copies from each tile), instead of three reads for
+    the two copies made apart. Same bytes and scales as the separate kernels (exact maxima,
+    one scale formula).
+
+    Source rows must be the groups back to back from row ``starts[0] = 0`` (split
+    activations, or uniform groups such as weights), with padding rows, if any, after the last
+    group: row-wise bytes of the padding rows are written by the programs of the layout's tail
+    (``num_rows`` covers ``M + G * (align - 1)`` rows, so it has room for them).
+
+    Returns (column-wise scale_inv (G, K) fp32, row-wise data (M, K) float8_e4m3fn, row-wise
+    scale_inv (M,) fp32); the column-wise bytes go into ``out``.
+    """
+    args = (x2d, out, starts, sizes, pstarts, num_rows, align, out_g_stride, out_col_stride,
+            row_in_group)
+    if tracing():
+        return _fp8_both_op(*args)
+    return launch_cols(*args, with_rows=True)

@@ -140,6 +140,15 @@ class Quantizer:
         """(G, N, K) -> data (G, K, N) quantized along N, and its scales."""
         return self.quantize_rows(x3d.transpose(-2, -1).contiguous())
 
+    # Both copies in one go: subclasses with a kernel that writes both copies from one pair of
+    # reads return ((row data, row scale_inv), (column data, column scale_inv)) with the bytes
+    # of the separate methods; ``None`` means "make them apart".
+    def quantize_both_uniform(self, x3d) -> tuple[tuple, tuple] | None:
+        return None
+
+    def quantize_both_split(self, x2d, layout, splits) -> tuple[tuple, tuple] | None:
+        return None
+
     def __call__(self, x: torch.Tensor, splits: Any = None) -> QuantizedTensorStorage:
         if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"x must be a float32 or bfloat16 tensor, got "
@@ -149,8 +158,7 @@ class Quantizer:
                              "0-d tensor")
         shape = tuple(x.shape)
         row = col = (None, None)
-        if self.rowwise:
-            row = self.quantize_rows(x)
+        both = None
         kw: dict[str, Any] = {}
         if splits is not None:
             if x.dim() != 2:
@@ -164,7 +172,9 @@ class Quantizer:
             num, tshape = 1, (x.numel() // max(shape[-1], 1) if shape else 1, shape[-1])
         if self.columnwise:
             if x.dim() == 3 and splits is None:
-                col = self.quantize_columns_uniform(x)
+                if self.rowwise:
+                    both = self.quantize_both_uniform(x)
+                col = self.quantize_columns_uniform(x) if both is None else both[1]
             elif x.dim() == 2:
                 if splits is None:
                     from ..splits import make_splits
@@ -172,10 +182,14 @@ class Quantizer:
                     kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
                 layout = column_layout(splits.split_sizes, splits.base_offsets, shape[0],
                                        self.align)
-                col = self.quantize_columns_split(x, layout, splits)
+                if self.rowwise:
+                    both = self.quantize_both_split(x, layout, splits)
+                col = self.quantize_columns_split(x, layout, splits) if both is None else both[1]
             else:
                 raise ValueError(f"columnwise quantization needs a 2-D or 3-D tensor, got "
                                  f"shape {shape}")
+        if self.rowwise:
+            row = self.quantize_rows(x) if both is None else both[0]
         out = QuantizedTensorStorage(num, tshape, x.dtype, None, rowwise_scale_inv=row[1],
                                      columnwise_data=col[0], columnwise_scale_inv=col[1], **kw)
         out.rowwise_data = row[0]
@@ -197,6 +211,12 @@ def _as_splits(splits: Any, x: torch.Tensor) -> Any:
     shape = f" of shape {tuple(splits.shape)}" if isinstance(splits, torch.Tensor) else ""
     raise TypeError("splits must be a GroupedSplits, a list of ints or a 1-D tensor of split "
                     f"sizes, got {type(splits).__name__}{shape}")
+
+
+#: A quantizer asked for both copies of a CUDA tensor makes them with one pair of Triton
+#: passes (``fp8_triton.fp8_both_grouped``: two reads instead of three); False makes them
+#: with the separate row-wise and column-wise kernels (same bytes; kept for measurements).
+BOTH_COPIES_ONE_KERNEL = True
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -227,6 +247,28 @@ class Float8CurrentScalingQuantizer(Quantizer):
             x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
             k * n, n, True)
         return out, sinv
+
+    def quantize_both_uniform(self, x3d):
+        if not BOTH_COPIES_ONE_KERNEL or fp8_triton.unsupported_reason(x3d) is not None:
+            return None
+        g, n, k = x3d.shape
+        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=x3d.device)
+        starts = torch.arange(g, device=x3d.device, dtype=torch.int64) * n
+        sinv, row, row_sinv = fp8_triton.fp8_both_grouped(
+            x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
+            k * n, n, True)
+        return (row.view(g, n, k), row_sinv.view(g, n)), (out, sinv)
+
+    def quantize_both_split(self, x2d, layout, splits):
+        if (not BOTH_COPIES_ONE_KERNEL or fp8_triton.unsupported_reason(x2d) is not None
+                or splits.num_groups == 0):
+            return None
+        k = x2d.shape[1]
+        out = torch.empty(k, layout.capacity, dtype=torch.float8_e4m3fn, device=x2d.device)
+        sinv, row, row_sinv = fp8_triton.fp8_both_grouped(
+            x2d, out, splits.base_offsets[:splits.num_groups], splits.split_sizes,
+            layout.starts, layout.capacity, self.align, 0, layout.capacity, False)
+        return (row, row_sinv), (out, sinv)
 
     def dequantize_rows(self, data, scale_inv, dtype):
         return numerics.fp8_dequantize_rows(data, scale_inv, dtype)
