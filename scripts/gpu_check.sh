@@ -84,11 +84,11 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 fi
 
 test_lane() {
-    step cuda_tests 150 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
+    step cuda_tests 260 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
     # The main job: eager vs --cuda-graph bf16 (same seed, curves must agree), then FP8 / MXFP8.
-    step main_job 240 "$PY" scripts/compare_main_job.py --out "$OUT" --recipes fp8,mxfp8
+    step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT" --recipes fp8,mxfp8
     # shellcheck disable=SC2086  # CPU_TESTS may name several paths
-    step cpu_tests 150 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
+    step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
 }
 
 BENCH_JSON="$OUT/grouped_mlp.jsonl"
