@@ -26,7 +26,7 @@ from ..kernels.grouped_gemm import (
 )
 from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
-from ..quantization.gemm import quantized_gemm_note
+from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..splits import GroupedSplits, make_splits
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
@@ -132,8 +132,12 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
 @functools.lru_cache(maxsize=64)
 def _recipe_note(recipe: Any, device: torch.device, dtype: torch.dtype, in_features: int,
                  out_features: int, backend_name: str) -> str:
-    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward)."""
-    return quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
+    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward), and
+    the GEMMs the recipe keeps in high precision."""
+    note = quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
+    keep = [g for g in ("fprop", "dgrad", "wgrad") if g in recipe.high_precision_gemms()]
+    return note + (f"; {', '.join(keep)} in high precision (recipe setting)"
+                   if keep else "")
 
 
 @dataclass
@@ -246,7 +250,7 @@ class GroupedLinearSaved:
     def wgrad_input(self) -> Any:
         """The wgrad GEMM's input operand: the saved (quantized) storage under a recipe, or the
         recomputed input quantized column-wise, or the plain (rows, in_features) input."""
-        if self.recipe is not None and self.x is not None:
+        if is_quantized(self.x):
             return self.x
         return quantize_operand(self.recipe, "input", self.input_2d(), self.splits,
                                 columnwise=True)
@@ -491,8 +495,8 @@ class GroupedLinear(BasicOperation):
         notes = [f"grouped GEMM backend: {_backend_text(choice)}"]
         recipe = getattr(info, "recipe", None)
         if recipe is not None:
-            notes.append(quantized_gemm_note(recipe, info.device, info.dtype, self.in_features,
-                                             self.out_features, choice.name))
+            notes.append(_recipe_note(recipe, info.device, info.dtype, self.in_features,
+                                      self.out_features, choice.name))
         return notes
 
     # ------------------------------------------------------------------ checks
@@ -568,11 +572,11 @@ class GroupedLinear(BasicOperation):
         need_x = any(w.requires_grad for w in self.weights())
         storage = None
         if need_x and recompute_x is None and x2d is not None:
-            storage = GroupedTensorStorage(
-                self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
-                split_sizes=splits.split_sizes, base_offsets=splits.base_offsets,
-            ) if recipe is None else quantize_operand(recipe, "input", x2d, splits,
-                                                      columnwise=True)
+            storage = quantize_operand(recipe, "input", x2d, splits, columnwise=True)
+            if not is_quantized(storage):  # no recipe, or one that keeps wgrad unquantized
+                storage = GroupedTensorStorage(
+                    self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
+                    split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
         return GroupedLinearSaved(
             splits=splits, x=storage, weights=self.weights(), biases=self.biases(),
             probs=probs if self.scale_bias else None, backend=backend,
