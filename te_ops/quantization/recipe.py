@@ -10,7 +10,7 @@ See docs/recipes.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .quantizer import Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
@@ -27,6 +27,7 @@ GEMM_OF_OPERAND = {
     ("input", "columnwise"): "wgrad", ("grad_output", "columnwise"): "wgrad",
 }
 _GEMMS = ("fprop", "dgrad", "wgrad")
+_BOOL_FIELDS = ("fast_accumulate_backward", *(f"{g}_high_precision" for g in _GEMMS))
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,10 @@ class Float8CurrentScaling(Recipe):
     wgrad_high_precision: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"Float8CurrentScaling: {f.name} must be a bool, got "
+                raise TypeError(f"Float8CurrentScaling: {name} must be a bool, got "
                                 f"{type(value).__name__} ({value!r})")
 
     def high_precision_gemms(self) -> frozenset[str]:
