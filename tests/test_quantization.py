@@ -51,6 +51,10 @@ from te_ops.recipe import Float8CurrentScaling, MXFP8BlockScaling
 from te_ops.splits import make_splits
 
 RECIPES = {"fp8": Float8CurrentScaling(), "mxfp8": MXFP8BlockScaling()}
+#: FP8 with some GEMMs kept in high precision (Float8CurrentScaling's *_high_precision flags).
+HP_RECIPES = {"fp8_wgrad_hp": Float8CurrentScaling(wgrad_high_precision=True),
+              "fp8_fprop_dgrad_hp": Float8CurrentScaling(fprop_high_precision=True,
+                                                         dgrad_high_precision=True)}
 QUANTIZERS = {"fp8": Float8CurrentScalingQuantizer, "mxfp8": MXFP8Quantizer}
 
 
@@ -326,7 +330,7 @@ def test_native_forced_where_it_cannot_run_raises(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ ops
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", list(RECIPES) + list(HP_RECIPES))
 @pytest.mark.parametrize("case_name", ["base", "padding_rows", "zero_token_groups", "empty_batch",
                                        "scale_bias", "nd_input_padding",
                                        "loop_backend_odd_dims"])
@@ -341,7 +345,7 @@ def test_four_combinations_bit_identical_under_recipe(monkeypatch, recipe, case_
         set_combo(monkeypatch, fwd, bwd)
         blk = make_block(case, dtype)
         blk.load_state_dict(master.state_dict())
-        with te_ops.autocast(recipe=RECIPES[recipe]):
+        with te_ops.autocast(recipe={**RECIPES, **HP_RECIPES}[recipe]):
             results[fwd, bwd] = run(blk, case, inp)
         fwd_types, bwd_types = plan_types(blk)
         assert (ForwardGroupedMLP in fwd_types) == fwd
@@ -350,7 +354,9 @@ def test_four_combinations_bit_identical_under_recipe(monkeypatch, recipe, case_
     for combo, result in results.items():
         assert_bitwise(result, results[False, False], f"{recipe} {combo} vs unfused")
     if case.rows and sum(case.sizes):  # the recipe really changed the numbers
-        assert not torch.equal(results[True, True][0], plain[0])
+        (y, grads), (y0, grads0) = results[True, True], plain
+        assert not torch.equal(y, y0) or any(
+            g is not None and not torch.equal(g, grads0[k]) for k, g in grads.items())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -395,6 +401,85 @@ def test_gradients_close_to_fp32(recipe):
             assert torch.equal(g1[k], g0[k]), k
         else:
             assert rel_err(g1[k], g0[k]) < GRAD_TOL[recipe]["grad"], (k, rel_err(g1[k], g0[k]))
+
+
+def _gemm_operands(gemm: str, keep: bool, a: torch.Tensor, b: torch.Tensor, splits
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp64 operands one GEMM of a GroupedLinear reads: the tensors themselves when the
+    recipe keeps the GEMM in high precision, else their FP8 copies along the reduced dim
+    (docs/recipes.md's table), dequantized."""
+    if keep:
+        return a.detach().double(), b.detach().double()
+    q = Float8CurrentScalingQuantizer
+    if gemm == "fprop":  # x row-wise, W (G, N, K) row-wise
+        return (q()(a).dequantize(torch.float64), q()(b).dequantize(torch.float64))
+    if gemm == "dgrad":  # dy row-wise, W column-wise (over N)
+        return (q()(a).dequantize(torch.float64),
+                q(rowwise=False, columnwise=True)(b).dequantize(torch.float64))
+    col = q(rowwise=False, columnwise=True)  # wgrad: x and dy per (expert, column)
+    return col(a, splits).dequantize(torch.float64), col(b, splits).dequantize(torch.float64)
+
+
+@pytest.mark.parametrize("keep", [("fprop",), ("dgrad",), ("wgrad",), ("fprop", "dgrad", "wgrad")])
+def test_high_precision_gemms_follow_the_recipe(keep):
+    """Each ``*_high_precision`` flag takes exactly its GEMM out of FP8: every GEMM of one
+    GroupedLinear matches the fp64 product of the operands it should read (unquantized for the
+    kept GEMMs, dequantized FP8 copies for the others)."""
+    torch.manual_seed(1)
+    sizes, rows = [5, 0, 19, 4], 30  # two padding rows
+    blk = te_ops.GroupedLinear(4, 32, 48, bias=False)
+    x = torch.randn(rows, 32, requires_grad=True)
+    dy = torch.randn(rows, 48)
+    dy[sum(sizes):] = 0  # padding rows get no gradient (their output is constant zero)
+    recipe = Float8CurrentScaling(**{f"{g}_high_precision": True for g in keep})
+    assert recipe.high_precision_gemms() == frozenset(keep)
+    with te_ops.autocast(recipe=recipe):
+        y = blk(x, torch.tensor(sizes))
+    y.backward(dy)
+    w = torch.stack([getattr(blk, f"weight{g}").detach() for g in range(4)])  # (G, N, K)
+    splits = make_splits(sizes, 4, rows, torch.device("cpu"))
+    xa, wa = _gemm_operands("fprop", "fprop" in keep, x, w, splits)
+    ref.assert_close(y, ref.grouped_linear(xa, list(wa.unbind(0)), None, sizes),
+                     torch.float32, "fprop")
+    dya, wc = _gemm_operands("dgrad", "dgrad" in keep, dy, w, splits)
+    ref.assert_close(x.grad, ref.grouped_linear(dya, [m.t() for m in wc.unbind(0)], None,
+                                                sizes), torch.float32, "dgrad")
+    xc, dyc = _gemm_operands("wgrad", "wgrad" in keep, x, dy, splits)
+    starts = itertools.accumulate([0] + sizes[:-1])
+    for g, (s, m) in enumerate(zip(starts, sizes)):
+        ref.assert_close(getattr(blk, f"weight{g}").grad, dyc[s:s + m].t() @ xc[s:s + m],
+                         torch.float32, f"wgrad {g}")
+
+
+def test_wgrad_high_precision_saves_the_input_unquantized():
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 32, 16))
+    x = torch.randn(20, 32, requires_grad=True)
+    with te_ops.autocast(recipe=Float8CurrentScaling(wgrad_high_precision=True)):
+        y = blk(x, torch.tensor([7, 13]))
+        text = blk.explain(x, torch.tensor([7, 13]))
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert not any(t.dtype == torch.float8_e4m3fn for t in saved)
+    assert any(t.dtype == torch.float32 and t.shape == (20, 32) for t in saved)
+    assert "wgrad in high precision" in text
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_recipe_quantizer_is_none_for_high_precision_gemms():
+    r = Float8CurrentScaling(wgrad_high_precision=True)
+    assert r.quantizer("input", rowwise=False, columnwise=True) is None
+    assert r.quantizer("grad_output", rowwise=False, columnwise=True) is None
+    assert r.quantizer("grad_output", rowwise=True, columnwise=False) is not None
+    # a copy that also feeds a quantized GEMM is still quantized
+    assert r.quantizer("input", rowwise=True, columnwise=True) is not None
+    assert MXFP8BlockScaling().high_precision_gemms() == frozenset()
+
+
+@pytest.mark.parametrize("field", ["fast_accumulate_backward", "fprop_high_precision",
+                                   "dgrad_high_precision", "wgrad_high_precision"])
+def test_recipe_flags_must_be_bools(field):
+    with pytest.raises(TypeError, match=f"{field} must be a bool, got int"):
+        Float8CurrentScaling(**{field: 1})
 
 
 def test_autocast_reaches_ops_and_replans():

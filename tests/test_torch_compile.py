@@ -221,11 +221,13 @@ def test_requires_grad_change_retraces():
 RECIPES = {"fp8": te_ops.recipe.Float8CurrentScaling,
            "fp8_fast_bwd": lambda: te_ops.recipe.Float8CurrentScaling(
                fast_accumulate_backward=True),
+           "fp8_wgrad_hp": lambda: te_ops.recipe.Float8CurrentScaling(
+               wgrad_high_precision=True),
            "mxfp8": te_ops.recipe.MXFP8BlockScaling}
 
 
 @pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
-@pytest.mark.parametrize("name", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_wgrad_hp", "mxfp8"])
 def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
     """FP8 / MXFP8 under te_ops.autocast (CPU: emulated, the same bytes as eager): one graph
     across routings and across new (equal) recipe objects per call."""
@@ -252,7 +254,7 @@ def test_recipe_change_retraces():
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend=cnt)
     x, splits, probs = _inputs(torch.bfloat16, [64, 0, 100, 60], host=False, rows=224)
-    for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "mxfp8"]):
+    for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "fp8_wgrad_hp", "mxfp8"]):
         ctx = te_ops.autocast(recipe=RECIPES[name]()) if name else te_ops.autocast(False)
         with ctx:
             ref = _step(fn, block, x, splits, probs)

@@ -145,8 +145,12 @@ def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single
 @functools.lru_cache(maxsize=64)
 def _recipe_note(recipe: Any, device: torch.device, dtype: torch.dtype, in_features: int,
                  out_features: int, backend_name: str) -> str:
-    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward)."""
-    return quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
+    """:func:`quantized_gemm_note`, cached per call configuration (it runs every forward), and
+    the GEMMs the recipe keeps in high precision."""
+    note = quantized_gemm_note(recipe, device, dtype, in_features, out_features, backend_name)
+    keep = [g for g in ("fprop", "dgrad", "wgrad") if g in recipe.high_precision_gemms()]
+    return note + (f"; {', '.join(keep)} in high precision (recipe setting)"
+                   if keep else "")
 
 
 @dataclass
@@ -271,7 +275,7 @@ class GroupedLinearSaved:
     def wgrad_input(self) -> Any:
         """The wgrad GEMM's input operand: the saved (quantized) storage under a recipe, or the
         recomputed input quantized column-wise, or the plain (rows, in_features) input."""
-        if self.recipe is not None and self.x is not None:
+        if is_quantized(self.x):
             return self.x
         return quantize_operand(self.recipe, "input", self.input_2d(), self.splits,
                                 columnwise=True)
@@ -516,8 +520,8 @@ class GroupedLinear(BasicOperation):
         notes = [f"grouped GEMM backend: {_backend_text(choice)}"]
         recipe = getattr(info, "recipe", None)
         if recipe is not None:
-            notes.append(quantized_gemm_note(recipe, info.device, info.dtype, self.in_features,
-                                             self.out_features, choice.name))
+            notes.append(_recipe_note(recipe, info.device, info.dtype, self.in_features,
+                                      self.out_features, choice.name))
         return notes
 
     # ------------------------------------------------------------------ checks
@@ -580,11 +584,14 @@ class GroupedLinear(BasicOperation):
         w = stacked(weights, self.single_grouped_weight)
         if recipe is None:
             return x2d, w
-        keep_x = (ctx.requires_grad and save_input
+        # Both copies from one call only when the recipe quantizes every GEMM (with a GEMM kept
+        # in high precision, each GEMM's operands are made, or passed plain, where it runs).
+        both = not recipe.high_precision_gemms()
+        keep_x = (both and ctx.requires_grad and save_input
                   and any(p.requires_grad for p in weights))
         # TransformerEngine's weight workspace, for one step: backward then never reads the
         # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
-        keep_w = (ctx.requires_grad and ctx.input_requires_grad
+        keep_w = (both and ctx.requires_grad and ctx.input_requires_grad
                   and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS"))
         x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
                                 columnwise=keep_x)
@@ -622,14 +629,14 @@ class GroupedLinear(BasicOperation):
         storage = weight_q = None
         x_in, w_in = operands if operands is not None else (None, None)
         if need_x and recompute_x is None and x2d is not None:
-            if recipe is None:
-                storage = GroupedTensorStorage(
-                    self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
-                    split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
-            elif is_quantized(x_in) and x_in.columnwise_data is not None:
+            if is_quantized(x_in) and x_in.columnwise_data is not None:
                 storage = columnwise_only(x_in)
             else:
                 storage = quantize_operand(recipe, "input", x2d, splits, columnwise=True)
+                if not is_quantized(storage):  # no recipe, or one that keeps wgrad unquantized
+                    storage = GroupedTensorStorage(
+                        self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
+                        split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
         if is_quantized(w_in) and w_in.columnwise_data is not None:
             weight_q = columnwise_only(w_in)
         return GroupedLinearSaved(
@@ -695,7 +702,7 @@ class GroupedLinear(BasicOperation):
         (each GEMM then quantizes its own copy). Pass it to :meth:`dgrad_math`, then to
         :meth:`param_grads_math` (which drops the row-wise copy after dgrad)."""
         policy = saved.training
-        if (saved.recipe is None or not need_dgrad
+        if (saved.recipe is None or not need_dgrad or saved.recipe.high_precision_gemms()
                 or (policy is not None and policy.delay_wgrad_compute)
                 or not any(w.requires_grad for w in saved.weights)):
             return None

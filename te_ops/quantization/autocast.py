@@ -67,7 +67,8 @@ def current_recipe() -> Recipe | None:
 def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any = None, *,
                      rowwise: bool = False, columnwise: bool = False) -> Any:
     """``tensor`` quantized by ``recipe``'s quantizer for ``role`` (``tensor`` itself without a
-    recipe). The ops call this and never look at the recipe's format."""
+    recipe, or when the recipe keeps the GEMM reading this copy in high precision). The ops
+    call this and never look at the recipe's format."""
     if recipe is None:
         return tensor
     dtype = getattr(tensor, "dtype", None)
@@ -75,4 +76,5 @@ def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any 
         raise TypeError(f"te_ops.autocast(recipe={type(recipe).__name__}()) needs float32 or "
                         f"bfloat16 parameters and inputs ({role} is {dtype}): cast the block "
                         "and its input with .to(torch.bfloat16) or .to(torch.float32)")
-    return recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)(tensor, splits)
+    quantizer = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
+    return tensor if quantizer is None else quantizer(tensor, splits)

@@ -145,7 +145,7 @@ def quantized_gemm_note(recipe: Any, device: torch.device | None, dtype: torch.d
                         in_features: int, out_features: int, backend_name: str) -> str:
     """One ``explain()`` line: how this GroupedLinear's GEMMs run under ``recipe``."""
     name = type(recipe).__name__
-    fmt = recipe.quantizer("input", rowwise=True, columnwise=False).format
+    fmt = recipe.format
     if device is None or dtype is None:
         return f"recipe {name}: GEMM path decided at the first call"
     reason = native_unsupported_reason(fmt, device, dtype, (in_features, out_features),

@@ -2,26 +2,45 @@
 
 A recipe is a frozen (hashable) dataclass; the fuser puts it in its plan key, so switching recipes
 re-plans. Enable one with :func:`te_ops.autocast`. Roles asked for by the ops: ``"input"`` (the
-activation a GroupedLinear reads), ``"weight"``, ``"grad_output"``. See docs/recipes.md.
+activation a GroupedLinear reads), ``"weight"``, ``"grad_output"``. A role and the copy asked for
+name the GEMM the operand feeds (:data:`GEMM_OF_OPERAND`), so a recipe can keep one GEMM in high
+precision: its quantizer is then ``None`` and the op passes the tensor on as it is.
+See docs/recipes.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .quantizer import Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
 
-__all__ = ["Recipe", "Float8CurrentScaling", "MXFP8BlockScaling"]
+__all__ = ["Recipe", "Float8CurrentScaling", "MXFP8BlockScaling", "GEMM_OF_OPERAND"]
 
 _ROLES = ("input", "weight", "grad_output")
+
+#: (role, copy) -> the GEMM that reads it: each GEMM reads a row-wise or column-wise copy of two
+#: roles (docs/recipes.md, "Which copy each GEMM reads").
+GEMM_OF_OPERAND = {
+    ("input", "rowwise"): "fprop", ("weight", "rowwise"): "fprop",
+    ("grad_output", "rowwise"): "dgrad", ("weight", "columnwise"): "dgrad",
+    ("input", "columnwise"): "wgrad", ("grad_output", "columnwise"): "wgrad",
+}
+_GEMMS = ("fprop", "dgrad", "wgrad")
+_BOOL_FIELDS = ("fast_accumulate_backward", *(f"{g}_high_precision" for g in _GEMMS))
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """Base class: a recipe hands out one quantizer per operand role and pass."""
+    """Base class: a recipe hands out one quantizer per operand role and pass. ``format``
+    names its quantizers' format (``"fp8"``, ``"mxfp8"``)."""
 
-    def quantizer(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer:
-        """The quantizer for ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``).
+    format: ClassVar[str] = ""
+
+    def quantizer(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer | None:
+        """The quantizer for ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``), or
+        ``None`` when every GEMM reading the requested copies runs in high precision
+        (:meth:`high_precision_gemms`).
 
         Raises
         ------
@@ -30,7 +49,15 @@ class Recipe:
         """
         if role not in _ROLES:
             raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+        copies = [c for c, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
+        keep = self.high_precision_gemms()
+        if copies and all(GEMM_OF_OPERAND[role, c] in keep for c in copies):
+            return None
         return self._make(rowwise=rowwise, columnwise=columnwise)
+
+    def high_precision_gemms(self) -> frozenset[str]:
+        """The GEMMs (``"fprop"``, ``"dgrad"``, ``"wgrad"``) this recipe leaves unquantized."""
+        return frozenset()
 
     def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
         raise NotImplementedError
@@ -48,16 +75,36 @@ class Float8CurrentScaling(Recipe):
         Let the native dgrad and wgrad FP8 GEMMs use Hopper's fast (reduced-precision)
         accumulation, as the forward does. Default False (as TransformerEngine: backward GEMMs
         accumulate in full precision); True is faster (docs/recipes.md has the numbers).
+    fprop_high_precision, dgrad_high_precision, wgrad_high_precision : bool
+        Run that GEMM in the parameters' precision, its operands unquantized: the three flags of
+        TransformerEngine's ``override_linear_precision=(fprop, dgrad, wgrad)``. Megatron-LM's
+        ``--no-fp8-wgrad`` and torchao's ``ROWWISE_WITH_GW_HP`` recipe keep wgrad in high
+        precision (the gradient's scale per column over all of an expert's tokens is the
+        coarsest scaling of the recipe; docs/recipes.md measures it). Default False. With
+        ``wgrad_high_precision`` the input is saved for backward unquantized (no FP8
+        column-wise copy).
+
+    Raises
+    ------
+    TypeError
+        A field is not a bool.
     """
 
+    format: ClassVar[str] = "fp8"
     fast_accumulate_backward: bool = False
+    fprop_high_precision: bool = False
+    dgrad_high_precision: bool = False
+    wgrad_high_precision: bool = False
 
     def __post_init__(self) -> None:
-        flag = self.fast_accumulate_backward
-        if not isinstance(flag, (bool, int)):
-            raise TypeError("fast_accumulate_backward must be a bool, got "
-                            f"{type(flag).__name__} ({flag!r})")
-        object.__setattr__(self, "fast_accumulate_backward", bool(flag))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"Float8CurrentScaling: {name} must be a bool, got "
+                                f"{type(value).__name__} ({value!r})")
+
+    def high_precision_gemms(self) -> frozenset[str]:
+        return frozenset(g for g in _GEMMS if getattr(self, f"{g}_high_precision"))
 
     def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
         q = Float8CurrentScalingQuantizer(rowwise=rowwise, columnwise=columnwise)
@@ -69,6 +116,8 @@ class Float8CurrentScaling(Recipe):
 class MXFP8BlockScaling(Recipe):
     """MXFP8 per OCP Microscaling Formats v1.0: E4M3 elements, one E8M0 scale per 32 consecutive
     elements along the reduction dim."""
+
+    format: ClassVar[str] = "mxfp8"
 
     def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
         return MXFP8Quantizer(rowwise=rowwise, columnwise=columnwise)
