@@ -347,11 +347,21 @@ if triton is not None:
             TRANS_BYTES=cfg["TRANS_BYTES"], **tiles)
         return (sinv, row_q, row_sinv) if with_rows else sinv
 
+    def _private_index_copies(*index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of the (G,)-sized group index tensors for the traced kernels. Triton's
+        mutation analysis (torch.compile) cannot prove the column-wise kernels only read them
+        and marks them mutated; ``sizes`` is the caller's split-size tensor, so inductor would
+        copy it back into that graph input, and CUDA-graph trees (``mode="reduce-overhead"``)
+        skip a graph with a mutated input. Measured on the H200: "skipping cudagraphs due to
+        mutated inputs". The copies are G elements each."""
+        return tuple(t.clone() for t in index)
+
     @torch.library.triton_op("te_ops::fp8_quantize_columns_grouped", mutates_args={"out"})
     def _fp8_cols_op(x: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
                      sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
                      out_g_stride: int, out_col_stride: int, row_in_group: bool
                      ) -> torch.Tensor:
+        starts, sizes, pstarts = _private_index_copies(starts, sizes, pstarts)
         return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                            out_col_stride, row_in_group, wrap=torch.library.wrap_triton)
 
@@ -360,6 +370,7 @@ if triton is not None:
                      sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
                      out_g_stride: int, out_col_stride: int, row_in_group: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        starts, sizes, pstarts = _private_index_copies(starts, sizes, pstarts)
         return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                            out_col_stride, row_in_group, wrap=torch.library.wrap_triton,
                            with_rows=True)
