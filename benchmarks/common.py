@@ -153,6 +153,14 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def append_jsonl(path: str | None, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to the JSON-lines file ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+
+
 class JsonLines:
     """Writes one JSON object per line to stdout and, when given, appends it to a file."""
 

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grouped_mlp  # noqa: E402
+from common import append_jsonl  # noqa: E402
 from fp8_cols_tiles import split_prep, time_ms  # noqa: E402
 
 from te_ops.quantization import fp8_triton  # noqa: E402
@@ -145,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants_out_prefix:
         variants(args.variants_out_prefix)
     if not args.skip_kernels:
-        lines = kernels(args.iters)
-        if args.out:
-            with open(args.out, "a") as f:
-                for rec in lines:
-                    f.write(json.dumps(rec) + "\n")
+        append_jsonl(args.out, kernels(args.iters))
     return 0
 
 

@@ -25,6 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_jsonl  # noqa: E402
 from grouped_mlp import SHAPES, make_problem  # noqa: E402
 
 from te_ops.quantization import fp8_triton, numerics  # noqa: E402
@@ -182,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
         lines.append(rec)
     lines += rows_settings(dh, args.iters)
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in lines:
-                f.write(json.dumps(rec) + "\n")
+    append_jsonl(args.out, lines)
     return 0
 
 
