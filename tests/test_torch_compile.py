@@ -151,11 +151,7 @@ def test_deepcopied_block_compiles():
 
 
 def test_changing_token_count_recompiles_at_most_once():
-    block = _block("mlp", torch.float32)
-    fn = _call(block, "mlp")
-    cnt = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    block, fn, cnt, compiled = _compiled_block("mlp", torch.float32)
     for rows in (12, 16, 20, 24):
         x, splits, probs = _inputs(torch.float32, [2, 3, 1, rows - 8], host=False, rows=rows)
         _assert_bit_exact(_step(compiled, block, x, splits, probs),
@@ -164,11 +160,7 @@ def test_changing_token_count_recompiles_at_most_once():
 
 
 def test_mark_dynamic_token_dim_compiles_once():
-    block = _block("mlp", torch.float32)
-    fn = _call(block, "mlp")
-    cnt = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    block, fn, cnt, compiled = _compiled_block("mlp", torch.float32)
     for rows in (12, 16, 20):
         x, splits, probs = _inputs(torch.float32, [2, 3, 1, rows - 8], host=False, rows=rows)
         _assert_bit_exact(_step(compiled, block, x, splits, probs, mark_dynamic=True),
@@ -176,13 +168,20 @@ def test_mark_dynamic_token_dim_compiles_once():
     assert cnt.frame_count == 1
 
 
-def _compiled_mlp():
-    block = _block("mlp", torch.float32)
-    fn = _call(block, "mlp")
+def _compiled_block(kind: str, dtype: torch.dtype):
+    """A fresh block, its eager call, a frame counter and the call compiled with
+    ``fullgraph=True`` on aot_eager (Dynamo's caches reset first)."""
+    block = _block(kind, dtype)
+    fn = _call(block, kind)
     cnt = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
+    return block, fn, cnt, torch.compile(fn, fullgraph=True, backend=cnt)
+
+
+def _compiled_mlp():
+    block, fn, cnt, compiled = _compiled_block("mlp", torch.float32)
     x, splits, probs = _inputs(torch.float32, ROUTINGS[0], host=False)
-    return block, fn, cnt, torch.compile(fn, fullgraph=True, backend=cnt), (x, splits, probs)
+    return block, fn, cnt, compiled, (x, splits, probs)
 
 
 def _traced_forward_ops(block) -> list[str]:
@@ -232,11 +231,7 @@ def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
     """FP8 / MXFP8 under te_ops.autocast (CPU: emulated, the same bytes as eager): one graph
     across routings and across new (equal) recipe objects per call."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
-    block = _block("mlp", torch.bfloat16)
-    fn = _call(block, "mlp")
-    cnt = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    block, fn, cnt, compiled = _compiled_block("mlp", torch.bfloat16)
     for sizes in ([64, 0, 100, 60], [0, 0, 224, 0], [56, 56, 56, 40]):
         x, splits, probs = _inputs(torch.bfloat16, sizes, host=False, rows=224)
         with te_ops.autocast(recipe=RECIPES[name]()):
@@ -248,11 +243,7 @@ def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
 
 def test_recipe_change_retraces():
     """No recipe -> FP8 -> FP8 with another setting -> MXFP8: each a new trace, bit-exact."""
-    block = _block("mlp", torch.bfloat16)
-    fn = _call(block, "mlp")
-    cnt = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    block, fn, cnt, compiled = _compiled_block("mlp", torch.bfloat16)
     x, splits, probs = _inputs(torch.bfloat16, [64, 0, 100, 60], host=False, rows=224)
     for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "fp8_wgrad_hp", "mxfp8"]):
         ctx = te_ops.autocast(recipe=RECIPES[name]()) if name else te_ops.autocast(False)
