@@ -24,6 +24,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--master-weights", default="fp32", choices=["fp32", "none"],
+                        help="the job's --master-weights (fp32 master weights with bf16)")
     parser.add_argument("--recipes", default="none,fp8", help="comma-separated: none, fp8, mxfp8")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=600)
@@ -39,10 +41,12 @@ def main() -> int:
         for recipe in recipes:
             m = train_moe.main(["--device", args.device, "--dtype", args.dtype, "--steps",
                                 str(args.steps), "--seed", str(seed), "--recipe", recipe,
+                                "--master-weights", args.master_weights,
                                 "--out-dir", f"{args.out}/seeds_{recipe}_{seed}"])
             loss[recipe, seed] = m["final_val_loss"]
             print(json.dumps({"recipe": recipe, "seed": seed, "device": args.device,
                               "dtype": args.dtype, "steps": args.steps,
+                              "master_weights": args.master_weights,
                               "final_val_loss": m["final_val_loss"]}), flush=True)
     print(f"\n{'recipe':<8}" + "".join(f"  seed {s:<14}" for s in seeds) + "  mean vs none")
     for recipe in recipes:

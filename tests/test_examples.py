@@ -99,3 +99,46 @@ def test_main_job_compiled_same_losses_as_eager(tmp_path: Path,
     assert curve == [(e["train_loss"], e["val_loss"]) for e in compiled["evals"]]
     assert eager["final_val_loss"] == compiled["final_val_loss"]
     assert compiled["config"]["compile"] is True
+
+
+def test_master_weights_step_matches_fp32_adamw_reference() -> None:
+    """``MasterWeights``: bf16 parameters end as the bf16 rounding of an fp32 AdamW step taken
+    on fp32 copies with the bf16 gradients cast to fp32 (reference built here, by hand)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    master = train_moe.MasterWeights(list(model.parameters()))
+    opt = torch.optim.AdamW(master.masters, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 8, dtype=torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.float()
+        master.take_grads()
+        opt.step()
+        ref_opt.step()
+        master.copy_back()
+        for r, m, p in zip(ref, master.masters, model.parameters()):
+            assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
+            torch.testing.assert_close(m.detach(), r.detach(), rtol=0, atol=0)
+            assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+    state = opt.state[master.masters[0]]
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_main_job_bf16_master_weights_flag(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--dtype bfloat16`` trains with fp32 master weights by default; ``--master-weights
+    none`` is the bf16-parameter update (a different run); both keep bf16 parameters."""
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
+    tiny = [*TINY, "--steps", "3", "--dtype", "bfloat16"]
+    fp32 = train_moe.main([*tiny, "--out-dir", str(tmp_path / "fp32")])
+    bf16 = train_moe.main([*tiny, "--master-weights", "none", "--out-dir", str(tmp_path / "b")])
+    assert fp32["config"]["master_weights"] == "fp32"
+    assert bf16["config"]["master_weights"] == "none"
+    assert math.isfinite(fp32["final_val_loss"]) and math.isfinite(bf16["final_val_loss"])
+    assert fp32["final_val_loss"] != bf16["final_val_loss"]
+    with pytest.raises(SystemExit):
+        train_moe.main([*tiny, "--master-weights", "fp16"])

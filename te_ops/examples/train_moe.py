@@ -38,7 +38,8 @@ from torch import nn
 
 import te_ops
 
-__all__ = ["MoEBlock", "MoELanguageModel", "load_corpus", "unigram_cross_entropy", "main"]
+__all__ = ["MasterWeights", "MoEBlock", "MoELanguageModel", "load_corpus",
+           "unigram_cross_entropy", "main"]
 
 
 # ---------------------------------------------------------------------------------- data
@@ -184,7 +185,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of init and data sampling")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="dtype of parameters and activations (no fp32 master weights)")
+                   help="dtype of parameters and activations (see --master-weights)")
+    p.add_argument("--master-weights", choices=("fp32", "none"), default="fp32",
+                   help="with --dtype bfloat16: fp32 (default) keeps fp32 master weights and "
+                        "fp32 AdamW state, the bf16 gradients are cast to fp32 and the updated "
+                        "masters are copied back into the bf16 parameters after each step "
+                        "(Megatron-LM's mixed-precision optimizer); none updates the bf16 "
+                        "parameters in place with bf16 AdamW state. No effect with float32")
     p.add_argument("--eval-every", type=int, default=50, help="steps between evals")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="fixed validation batches per periodic eval (the final eval uses the "
@@ -432,13 +439,43 @@ def show_progress() -> bool:
     return value == "1"
 
 
+class MasterWeights:
+    """fp32 master copies of low-precision parameters (``--master-weights fp32``).
+
+    The optimizer steps the masters; :meth:`take_grads` hands them the model's gradients cast
+    to fp32 and :meth:`copy_back` writes the updated masters into the model's parameters in
+    place (their storage does not move, so CUDA graphs that read them stay valid). This is the
+    scheme of Megatron-LM's ``Float16OptimizerWithFloat16Params`` (bf16 compute, fp32 weights
+    and optimizer state), which is how bf16 and FP8 models are trained in practice.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+
+    def take_grads(self) -> None:
+        """``master.grad = param.grad.float()`` (``None`` stays ``None``)."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """Round the masters into the parameters (in place)."""
+        torch._foreach_copy_(self.params, self.masters)
+
+
 def train_loop(model: MoELanguageModel, train: torch.Tensor,
                eval_batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
                device: torch.device, start: float) -> tuple[list[dict[str, float]], float]:
     """AdamW training with periodic evals; returns (eval records, seconds spent training)."""
     from tqdm.auto import tqdm
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    params = list(model.parameters())
+    master = None
+    if args.master_weights == "fp32" and any(p.dtype != torch.float32 for p in params):
+        master = MasterWeights(params)
+    optimizer = torch.optim.AdamW(master.masters if master else params, lr=args.lr,
+                                  weight_decay=0.1)
     forward = model
     if args.compile:  # training forward only; evaluation runs the eager model
         forward = torch.compile(model, fullgraph=args.recipe == "none",
@@ -457,9 +494,13 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
         with recipe_context(args):
             logits, aux = forward(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         (loss + args.aux_coef * aux).backward()
+        if master is not None:
+            master.take_grads()
         optimizer.step()
+        if master is not None:
+            master.copy_back()
         running += loss.detach()
         running_steps += 1
         log_now = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
