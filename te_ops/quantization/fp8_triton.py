@@ -157,7 +157,7 @@ if triton is not None:
                               pstarts_ptr, G, K, P, M, ALIGN, CHUNK: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                               G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
-                              ROWS: tl.constexpr):
+                              ROWS: tl.constexpr, PREFETCH: tl.constexpr = False):
         # Pass 1: per (group, column) largest finite magnitude. Each program streams CHUNK
         # destination rows x BLOCK_C columns once and folds its part of each group into
         # amax (fp32 bits as int32: the order of non-negative floats is that of their bits).
@@ -176,11 +176,15 @@ if triton is not None:
             lo = tl.maximum(p_lo, ps)
             hi = tl.minimum(p_hi, ps + tl.load(sizes_ptr + g).to(tl.int64))
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            if PREFETCH:  # the first tile's load, issued before the loop
+                nxt = _load_tile(x_ptr, src0, lo, hi, cols, cmask, K, BLOCK_R)
             for p0 in range(lo, hi, BLOCK_R):
                 pr = p0 + tl.arange(0, BLOCK_R)
-                mask = (pr < hi)[:, None] & cmask[None, :]
-                v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
+                if PREFETCH:  # issue the next tile's load before working on this one
+                    v = nxt.to(tl.float32)
+                    nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi, cols, cmask, K, BLOCK_R)
+                else:
+                    v = _load_tile(x_ptr, src0, p0, hi, cols, cmask, K, BLOCK_R).to(tl.float32)
                 fa = _finite_abs(v)
                 acc = tl.maximum(acc, tl.max(fa, 0))
                 if ROWS:
@@ -200,6 +204,14 @@ if triton is not None:
                             mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 tl.atomic_max(row_amax_ptr + src, tl.max(_finite_abs(v), 1).to(
                     tl.int32, bitcast=True), mask=rmask, sem="relaxed")
+
+    @triton.jit
+    def _load_tile(x_ptr, src0, p0, hi, cols, cmask, K, BLOCK_R: tl.constexpr):
+        # Destination rows p0 .. p0 + BLOCK_R - 1 below hi (source rows src0 + p), in the
+        # input's dtype; rows at or past hi read as zeros.
+        pr = p0 + tl.arange(0, BLOCK_R)
+        return tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :],
+                       mask=(pr < hi)[:, None] & cmask[None, :], other=0.0)
 
     @triton.jit
     def _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
@@ -233,7 +245,8 @@ if triton is not None:
                                ROW_IN_GROUP: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
-                               TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr):
+                               TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                               PREFETCH: tl.constexpr = False):
         # Pass 2: quantize with the finished amax; writes every destination byte (alignment
         # gaps and the tail past the last group get zeros), so `out` needs no zero fill.
         # ROWS: the same tiles also give the row-wise copy (row_q (M, K), row_sinv (M,)),
@@ -260,12 +273,19 @@ if triton is not None:
             base = tl.cast(g, tl.int64) * OUT_G_STRIDE
             if ROW_IN_GROUP:
                 base -= ps
+            hi_src = tl.minimum(hi, ps + sz)  # rows past it are alignment gaps: zeros
+            if PREFETCH:  # the first tile's load, issued before the loop
+                nxt = _load_tile(x_ptr, src0, lo, hi_src, cols, cmask, K, BLOCK_R)
             for p0 in range(lo, hi, BLOCK_R):
                 pr = p0 + tl.arange(0, BLOCK_R)
                 pmask = pr < hi
-                lmask = (pmask & (pr < ps + sz))[:, None] & cmask[None, :]
-                v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=lmask,
-                            other=0.0).to(tl.float32)
+                if PREFETCH:  # issue the next tile's load before working on this one
+                    v = nxt.to(tl.float32)
+                    nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi_src, cols, cmask, K,
+                                     BLOCK_R)
+                else:
+                    v = _load_tile(x_ptr, src0, p0, hi_src, cols, cmask, K,
+                                   BLOCK_R).to(tl.float32)
                 if ROWS:
                     _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src0 + pr,
                                 pmask & (pr < ps + sz), cols, cmask, K, pid_c == 0)
@@ -310,9 +330,23 @@ if triton is not None:
 
     #: Column-wise launch: CHUNK destination rows x BLOCK_C columns per program, tiles of
     #: BLOCK_R rows; TRANS_BYTES moves the converted 1-byte tile through shared memory
-    #: instead of the fp32 one. Measured on an H200 (benchmarks/fp8_cols_tiles.py).
+    #: instead of the fp32 one; PREFETCH issues each tile's load one tile ahead (inside a
+    #: group's rows). "AMAX" overrides the tile settings of pass 1 (amax) alone: the passes
+    #: share only the amax buffers, so their grids may differ. Measured on an H200
+    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py).
     COLS_CONFIG = {"CHUNK": 512, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
-                   "TRANS_BYTES": False, "COLS_FIRST": True}
+                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": False, "AMAX": {}}
+
+    def _cols_grid(cfg, num_rows, k, g, with_rows):
+        """Grid and launch keywords of one column-wise pass under tile settings ``cfg``."""
+        grid = (triton.cdiv(num_rows, cfg["CHUNK"]), triton.cdiv(k, cfg["BLOCK_C"]))
+        cols_first = cfg["COLS_FIRST"] and grid[0] <= 65535  # grid axis 1 holds <= 65535
+        if cols_first:
+            grid = grid[::-1]
+        return grid, {"CHUNK": cfg["CHUNK"], "BLOCK_R": cfg["BLOCK_R"],
+                      "BLOCK_C": cfg["BLOCK_C"], "G_BLOCK": triton.next_power_of_2(g),
+                      "COLS_FIRST": cols_first, "ROWS": with_rows,
+                      "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
 
     def launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                     out_col_stride, row_in_group, config=None, wrap=lambda k: k,
@@ -321,6 +355,7 @@ if triton is not None:
         with ``with_rows`` (scale_inv, row-wise data (M, K), row-wise scale_inv (M,)) from the
         same two passes."""
         cfg = {**COLS_CONFIG, **(config or {})}
+        cfg_amax = {**cfg, **cfg["AMAX"]}
         g, k = sizes.numel(), x.shape[-1]
         m = x.shape[0]
         amax = torch.zeros(g, k, dtype=torch.int32, device=x.device)
@@ -331,16 +366,10 @@ if triton is not None:
             row_sinv = torch.empty(m, dtype=torch.float32, device=x.device)
         else:  # unused pointers (the ROWS branches are compiled out)
             row_amax, row_q, row_sinv = amax, out, sinv
-        grid = (triton.cdiv(num_rows, cfg["CHUNK"]), triton.cdiv(k, cfg["BLOCK_C"]))
-        if cfg["COLS_FIRST"] and grid[0] <= 65535:  # grid axis 1 holds at most 65535
-            grid = grid[::-1]
-        else:
-            cfg["COLS_FIRST"] = False
-        tiles = {"CHUNK": cfg["CHUNK"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"],
-                 "G_BLOCK": triton.next_power_of_2(g), "COLS_FIRST": cfg["COLS_FIRST"],
-                 "ROWS": with_rows, "num_warps": cfg["num_warps"]}
+        grid, tiles = _cols_grid(cfg_amax, num_rows, k, g, with_rows)
         wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
                                           num_rows, m, align, **tiles)
+        grid, tiles = _cols_grid(cfg, num_rows, k, g, with_rows)
         wrap(_fp8_cols_quant_kernel)[grid](
             x, out, amax, sinv, row_amax, row_q, row_sinv, starts, sizes, pstarts, g, k,
             num_rows, m, align, out_g_stride, out_col_stride, ROW_IN_GROUP=row_in_group,
