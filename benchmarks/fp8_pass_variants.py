@@ -32,16 +32,30 @@ from grouped_mlp import SHAPES, make_problem  # noqa: E402
 
 from te_ops.quantization import fp8_triton  # noqa: E402
 
-VARIANTS: list[dict] = [
-    {},
-    {"PREFETCH": True},
-    {"AMAX": {"BLOCK_C": 128, "BLOCK_R": 64}},
-    {"AMAX": {"BLOCK_C": 256, "BLOCK_R": 32}},
-    {"AMAX": {"CHUNK": 1024, "PREFETCH": True}},
-    {"PREFETCH": True, "BLOCK_R": 64},
-    {"PREFETCH": True, "CHUNK": 1024},
-    {"PREFETCH": True, "BLOCK_C": 128, "BLOCK_R": 64, "num_warps": 8},
-]
+#: Variant 0 is the library's default (``fp8_triton.COLS_CONFIG``); ``--set before`` times the
+#: settings measured before PREFETCH / separate pass-1 tiles (2026-11-30 run 1), ``--set more``
+#: the ones tried after.
+VARIANT_SETS: dict[str, list[dict]] = {
+    "before": [
+        {"CHUNK": 512, "PREFETCH": False},
+        {"CHUNK": 512, "PREFETCH": True},
+        {"CHUNK": 512, "AMAX": {"BLOCK_C": 128, "BLOCK_R": 64}},
+        {"CHUNK": 512, "AMAX": {"BLOCK_C": 256, "BLOCK_R": 32}},
+        {"CHUNK": 512, "AMAX": {"CHUNK": 1024, "PREFETCH": True}},
+        {"CHUNK": 512, "PREFETCH": True, "BLOCK_R": 64},
+        {"PREFETCH": True, "CHUNK": 1024},
+        {"PREFETCH": True, "BLOCK_C": 128, "BLOCK_R": 64, "num_warps": 8},
+    ],
+    "more": [
+        {},
+        {"TRANS_BYTES": True},
+        {"CHUNK": 2048},
+        {"num_warps": 8},
+        {"BLOCK_C": 32},
+        {"AMAX": {"CHUNK": 2048}},
+        {"PREFETCH": False, "AMAX": {"PREFETCH": True}},
+    ],
+}
 
 
 def run_case(t: torch.Tensor, prep, with_rows: bool, cfg: dict) -> tuple:
@@ -89,6 +103,7 @@ def pass_times(fn, iters: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--set", default="more", choices=list(VARIANT_SETS))
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     args = parser.parse_args(argv)
     name = "E8_T16384_H4096_FF14336"
@@ -104,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
              "a": (a, split_prep(a, sizes), False), "dh": (dh, split_prep(dh, sizes), True)}
     ref: dict[str, tuple] = {}
     lines = []
-    for i, cfg in enumerate(VARIANTS):
-        rec: dict = {"bench": "fp8_pass_variants", "variant": i, "config": cfg, "check": "ok"}
+    for i, cfg in enumerate(VARIANT_SETS[args.set]):
+        rec: dict = {"bench": "fp8_pass_variants", "set": args.set, "variant": i,
+                     "config": cfg, "check": "ok"}
         try:
             tot = {"amax": 0.0, "quant": 0.0}
             for op, (t, prep, rows) in cases.items():

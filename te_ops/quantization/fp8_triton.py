@@ -334,16 +334,23 @@ if triton is not None:
     #: group's rows). "AMAX" overrides the tile settings of pass 1 (amax) alone: the passes
     #: share only the amax buffers, so their grids may differ. Measured on an H200
     #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py).
-    COLS_CONFIG = {"CHUNK": 512, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
-                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": False, "AMAX": {}}
+    COLS_CONFIG = {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
+                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": True, "AMAX": {}}
+    #: CHUNK is halved (down to BLOCK_R) while a pass would launch fewer programs than this
+    #: (about 8 per SM of an H200's 132): small operands keep the whole GPU busy.
+    COLS_MIN_PROGRAMS = 1024
 
     def _cols_grid(cfg, num_rows, k, g, with_rows):
         """Grid and launch keywords of one column-wise pass under tile settings ``cfg``."""
-        grid = (triton.cdiv(num_rows, cfg["CHUNK"]), triton.cdiv(k, cfg["BLOCK_C"]))
+        chunk, col_blocks = cfg["CHUNK"], triton.cdiv(k, cfg["BLOCK_C"])
+        while chunk > cfg["BLOCK_R"] and triton.cdiv(num_rows, chunk) * col_blocks < \
+                COLS_MIN_PROGRAMS:
+            chunk //= 2
+        grid = (triton.cdiv(num_rows, chunk), col_blocks)
         cols_first = cfg["COLS_FIRST"] and grid[0] <= 65535  # grid axis 1 holds <= 65535
         if cols_first:
             grid = grid[::-1]
-        return grid, {"CHUNK": cfg["CHUNK"], "BLOCK_R": cfg["BLOCK_R"],
+        return grid, {"CHUNK": chunk, "BLOCK_R": cfg["BLOCK_R"],
                       "BLOCK_C": cfg["BLOCK_C"], "G_BLOCK": triton.next_power_of_2(g),
                       "COLS_FIRST": cols_first, "ROWS": with_rows,
                       "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
