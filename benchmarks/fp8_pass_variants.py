@@ -14,6 +14,9 @@ pass 1 alone), the bytes and scales must equal the default's (which ``benchmarks
 fp8_cols_tiles.py`` and ``tests/test_quantization_cuda.py`` check against the PyTorch
 reference); each pass's kernel time comes from ``torch.profiler`` (mean over ``--iters``
 calls) with its streaming rate (pass 1: one read; pass 2: one read + the bytes written).
+Then the forward's row-wise quantize of W1 / W2: the row-wise kernel against the row-wise +
+column-amax kernel (``fp8_triton.fp8_rows_column_amax``), and backward's column-wise copy
+from that amax (pass 2 alone), bytes checked against both passes.
 """
 
 from __future__ import annotations
@@ -100,6 +103,57 @@ def pass_times(fn, iters: int) -> dict[str, float]:
     return out
 
 
+def kernel_ms(fn, names: tuple[str, ...], iters: int) -> float:
+    """Mean CUDA time (ms) per call of ``fn`` summed over the kernels named ``names``."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(ev.device_time_total for ev in prof.key_averages() if ev.key in names
+               ) / 1e3 / iters
+
+
+def weight_rows(ws: dict[str, torch.Tensor], iters: int) -> list[dict]:
+    """Forward's row-wise weights quantize: the row-wise kernel alone, and the row-wise +
+    column-amax kernel (bytes checked equal); then backward's column-wise copy from that amax
+    (pass 2 alone) against both passes."""
+    lines = []
+    for op, w in ws.items():
+        rec: dict = {"bench": "fp8_weight_rows", "operand": op, "shape": list(w.shape)}
+        d0, s0 = fp8_triton.fp8_rows(w)
+        d1, s1, amax = fp8_triton.fp8_rows_column_amax(w)
+        rec["check"] = "ok" if (torch.equal(d0.view(torch.uint8), d1.view(torch.uint8))
+                                and torch.equal(s0, s1)) else "bytes differ"
+        del d0, s0, d1, s1
+        rd = w.numel() * w.element_size()
+        rec["rows_ms"] = round(kernel_ms(lambda w=w: fp8_triton.fp8_rows(w),
+                                         ("_fp8_rows_kernel",), iters), 4)
+        rec["rows_colamax_ms"] = round(kernel_ms(
+            lambda w=w: fp8_triton.fp8_rows_column_amax(w), ("_fp8_rows_colamax_kernel",),
+            iters), 4)
+        rec["rows_TBps"] = round((rd + w.numel()) / rec["rows_ms"] / 1e9, 2)
+        rec["rows_colamax_TBps"] = round((rd + w.numel()) / rec["rows_colamax_ms"] / 1e9, 2)
+        ref = run_case(w, None, False, {})
+        g, n, k = w.shape
+        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=w.device)
+        starts = torch.arange(g, device=w.device, dtype=torch.int64) * n
+
+        def given(w=w, out=out, starts=starts, amax=amax, g=g, n=n, k=k):
+            return (out, fp8_triton.launch_cols(w.reshape(g * n, k), out, starts,
+                                                torch.full_like(starts, n), starts, g * n, 1,
+                                                k * n, n, True, amax=amax))
+        got = given()
+        if not same(got, ref):
+            rec["check"] = "column copy from the given amax differs"
+        rec["cols_given_amax_ms"] = round(kernel_ms(given, ("_fp8_cols_quant_kernel",
+                                                            "_fp8_cols_amax_kernel"), iters), 4)
+        print(json.dumps(rec), flush=True)
+        lines.append(rec)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
@@ -146,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(json.dumps(rec), flush=True)
         lines.append(rec)
+    lines += weight_rows({"W1": w1.detach(), "W2": w2.detach()}, args.iters)
     append_jsonl(args.out, lines)
     return 0
 
