@@ -190,6 +190,10 @@ class GroupedLinearSaved:
     weight_q : QuantizedTensorStorage | None
         Under a recipe, the stacked weights' column-wise quantized copy (G, in, out) made by
         the forward for dgrad (``None``: backward quantizes the weights itself).
+    weight_amax : torch.Tensor | None
+        FP8 current scaling without ``weight_q``: the stacked weights' column amax (G, in)
+        fp32, recorded by the forward's row-wise quantize; dgrad's column-wise copy is then
+        made in one pass (``None``: backward computes it).
     """
 
     splits: GroupedSplits
@@ -205,6 +209,7 @@ class GroupedLinearSaved:
     recipe: Any = None
     training: WgradPolicy | None = None
     weight_q: Any = None
+    weight_amax: torch.Tensor | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -220,7 +225,7 @@ class GroupedLinearSaved:
         if self.weight_q is not None:
             w_tensors, w_storage = self.weight_q.prepare_for_saving()
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
-                              *self.biases, self.probs, *w_tensors)
+                              *self.biases, self.probs, self.weight_amax, *w_tensors)
         ctx.grouped_linear_layout = {
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
@@ -257,12 +262,13 @@ class GroupedLinearSaved:
             x.split_sizes, x.base_offsets = splits.split_sizes, splits.base_offsets
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
+        weight_amax = rest[nw + nb + 1]
         weight_q = meta["w_storage"]
         if weight_q is not None:
-            weight_q.restore_from_saved(rest[nw + nb + 1:])
+            weight_q.restore_from_saved(rest[nw + nb + 2:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"], meta["training"], weight_q)
+                   meta["recipe"], meta["training"], weight_q, weight_amax)
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -591,11 +597,16 @@ class GroupedLinear(BasicOperation):
                   and any(p.requires_grad for p in weights))
         # TransformerEngine's weight workspace, for one step: backward then never reads the
         # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
-        keep_w = (both and ctx.requires_grad and ctx.input_requires_grad
-                  and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS"))
+        dgrad = ctx.requires_grad and ctx.input_requires_grad
+        keep_w = both and dgrad and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS")
         x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
                                 columnwise=keep_x)
-        return x_in, quantize_operand(recipe, "weight", w, rowwise=True, columnwise=keep_w)
+        # Else, when backward quantizes the weights for dgrad: their column amax from this
+        # read (GroupedLinearSaved.weight_amax), so that copy is one pass there.
+        return x_in, quantize_operand(
+            recipe, "weight", w, rowwise=True, columnwise=keep_w,
+            record_columnwise_amax=dgrad and not keep_w
+            and "dgrad" not in recipe.high_precision_gemms())
 
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None,
@@ -626,7 +637,7 @@ class GroupedLinear(BasicOperation):
         forward's ``operands`` when they hold it, as is the weights' column-wise copy)."""
         weights, biases = self._param_lists()
         need_x = any(map(_REQUIRES_GRAD, weights))
-        storage = weight_q = None
+        storage = weight_q = weight_amax = None
         x_in, w_in = operands if operands is not None else (None, None)
         if need_x and recompute_x is None and x2d is not None:
             if is_quantized(x_in) and x_in.columnwise_data is not None:
@@ -639,6 +650,8 @@ class GroupedLinear(BasicOperation):
                         split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
         if is_quantized(w_in) and w_in.columnwise_data is not None:
             weight_q = columnwise_only(w_in)
+        elif is_quantized(w_in) and ctx.input_requires_grad:
+            weight_amax = w_in.columnwise_amax
         return GroupedLinearSaved(
             splits=splits, x=storage, weights=list(weights), biases=list(biases),
             probs=probs if self.scale_bias else None, backend=backend,
@@ -648,6 +661,7 @@ class GroupedLinear(BasicOperation):
             recipe=recipe,
             training=self._call_policy(weights, biases),
             weight_q=weight_q,
+            weight_amax=weight_amax,
         )
 
     def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]
@@ -720,7 +734,7 @@ class GroupedLinear(BasicOperation):
         dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
                                                                dy2d, rowwise=True)
         w_in = saved.weight_q if saved.weight_q is not None else quantize_operand(
-            saved.recipe, "weight", weights, columnwise=True)
+            saved.recipe, "weight", weights, columnwise=True, columnwise_amax=saved.weight_amax)
         return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod

@@ -65,10 +65,11 @@ def current_recipe() -> Recipe | None:
 
 
 def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any = None, *,
-                     rowwise: bool = False, columnwise: bool = False) -> Any:
+                     rowwise: bool = False, columnwise: bool = False, **options: Any) -> Any:
     """``tensor`` quantized by ``recipe``'s quantizer for ``role`` (``tensor`` itself without a
     recipe, or when the recipe keeps the GEMM reading this copy in high precision). The ops
-    call this and never look at the recipe's format."""
+    call this and never look at the recipe's format. ``options`` go to the quantizer's call
+    (``columnwise_amax``, ``record_columnwise_amax``: :class:`~te_ops.quantization.Quantizer`)."""
     if recipe is None:
         return tensor
     dtype = getattr(tensor, "dtype", None)
@@ -77,4 +78,4 @@ def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any 
                         f"bfloat16 parameters and inputs ({role} is {dtype}): cast the block "
                         "and its input with .to(torch.bfloat16) or .to(torch.float32)")
     quantizer = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
-    return tensor if quantizer is None else quantizer(tensor, splits)
+    return tensor if quantizer is None else quantizer(tensor, splits, **options)

@@ -17,9 +17,16 @@ the fp32 bits), the second streams it again, quantizes with the finished scales,
 each tile in registers so its stores are contiguous, and writes every destination byte
 (zeros in the alignment gaps and the layout's tail: no zero-fill pass).
 
+Each column-wise program issues its next tile's load before working on the current one
+(``PREFETCH``): pass 1 then streams at about 4 TB/s on the weights (H200), against 2.8 without.
+
 * :func:`fp8_rows`: along the last dim of a contiguous (rows, K) tensor.
+* :func:`fp8_rows_column_amax`: the same for (G, N, K) weights, plus their column amax
+  (per (g, k) over N) folded from the same read, so the later column-wise copy needs pass 2
+  only.
 * :func:`fp8_columns_grouped`: per group of rows, along the rows, written transposed: the
-  column-wise copy of split activations (into the group-aligned layout) and of (G, N, K) weights.
+  column-wise copy of split activations (into the group-aligned layout) and of (G, N, K) weights
+  (pass 2 alone when given the amax).
 
 Registered with ``torch.library.triton_op`` so ``torch.compile`` sees them as ops with fake
 kernels (eager calls launch the same kernels directly, without the op dispatch's host time);
@@ -37,7 +44,8 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
     tl = None
 
-__all__ = ["unsupported_reason", "fp8_rows", "fp8_columns_grouped", "fp8_both_grouped"]
+__all__ = ["unsupported_reason", "fp8_rows", "fp8_rows_column_amax", "fp8_columns_grouped",
+           "fp8_both_grouped"]
 
 
 def tracing() -> bool:
@@ -116,6 +124,31 @@ if triton is not None:
                 tl.store(q_ptr + base + offs, _to_e4m3(v, scale), mask=mask)
 
     @triton.jit
+    def _fp8_rows_colamax_kernel(x_ptr, q_ptr, sinv_ptr, camax_ptr, N, K,
+                                 ROWS_PER_PROG: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Row-wise bytes of ROWS_PER_PROG whole rows (read once each, in registers; the next
+        # row's load issued before this one is worked on), and the rows' column maxima
+        # folded into camax[g, :] (fp32 bits as int32, atomic_max) once per program: the
+        # rows of one program lie in one group g of N rows (ROWS_PER_PROG divides N).
+        r0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROG
+        offs = tl.arange(0, BLOCK_K)
+        mask = offs < K
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        nxt = tl.load(x_ptr + r0 * K + offs, mask=mask, other=0.0)
+        for i in range(ROWS_PER_PROG):
+            row = r0 + i
+            v = nxt.to(tl.float32)
+            nxt = tl.load(x_ptr + (row + 1) * K + offs, mask=mask & (i + 1 < ROWS_PER_PROG),
+                          other=0.0)
+            fa = _finite_abs(v)
+            acc = tl.maximum(acc, fa)
+            scale, sinv = _pow2_scale(tl.max(fa, 0))
+            tl.store(sinv_ptr + row, sinv)
+            tl.store(q_ptr + row * K + offs, _to_e4m3(v, scale), mask=mask)
+        tl.atomic_max(camax_ptr + (r0 // N) * K + offs, acc.to(tl.int32, bitcast=True),
+                      mask=mask, sem="relaxed")
+
+    @triton.jit
     def _group_range(pstarts_ptr, sizes_ptr, G, p_lo, p_hi, ALIGN, G_BLOCK: tl.constexpr):
         """First and last group whose destination rows [pstart, pstart + round_up(size,
         ALIGN)) meet [p_lo, p_hi) (pstarts are non-decreasing); first > last when none."""
@@ -157,7 +190,7 @@ if triton is not None:
                               pstarts_ptr, G, K, P, M, ALIGN, CHUNK: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                               G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
-                              ROWS: tl.constexpr):
+                              ROWS: tl.constexpr, PREFETCH: tl.constexpr = False):
         # Pass 1: per (group, column) largest finite magnitude. Each program streams CHUNK
         # destination rows x BLOCK_C columns once and folds its part of each group into
         # amax (fp32 bits as int32: the order of non-negative floats is that of their bits).
@@ -176,11 +209,15 @@ if triton is not None:
             lo = tl.maximum(p_lo, ps)
             hi = tl.minimum(p_hi, ps + tl.load(sizes_ptr + g).to(tl.int64))
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            if PREFETCH:  # the first tile's load, issued before the loop
+                nxt = _load_tile(x_ptr, src0, lo, hi, cols, cmask, K, BLOCK_R)
             for p0 in range(lo, hi, BLOCK_R):
                 pr = p0 + tl.arange(0, BLOCK_R)
-                mask = (pr < hi)[:, None] & cmask[None, :]
-                v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
+                if PREFETCH:  # issue the next tile's load before working on this one
+                    v = nxt.to(tl.float32)
+                    nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi, cols, cmask, K, BLOCK_R)
+                else:
+                    v = _load_tile(x_ptr, src0, p0, hi, cols, cmask, K, BLOCK_R).to(tl.float32)
                 fa = _finite_abs(v)
                 acc = tl.maximum(acc, tl.max(fa, 0))
                 if ROWS:
@@ -200,6 +237,14 @@ if triton is not None:
                             mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 tl.atomic_max(row_amax_ptr + src, tl.max(_finite_abs(v), 1).to(
                     tl.int32, bitcast=True), mask=rmask, sem="relaxed")
+
+    @triton.jit
+    def _load_tile(x_ptr, src0, p0, hi, cols, cmask, K, BLOCK_R: tl.constexpr):
+        # Destination rows p0 .. p0 + BLOCK_R - 1 below hi (source rows src0 + p), in the
+        # input's dtype; rows at or past hi read as zeros.
+        pr = p0 + tl.arange(0, BLOCK_R)
+        return tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :],
+                       mask=(pr < hi)[:, None] & cmask[None, :], other=0.0)
 
     @triton.jit
     def _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
@@ -233,7 +278,8 @@ if triton is not None:
                                ROW_IN_GROUP: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
-                               TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr):
+                               TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                               PREFETCH: tl.constexpr = False):
         # Pass 2: quantize with the finished amax; writes every destination byte (alignment
         # gaps and the tail past the last group get zeros), so `out` needs no zero fill.
         # ROWS: the same tiles also give the row-wise copy (row_q (M, K), row_sinv (M,)),
@@ -260,12 +306,19 @@ if triton is not None:
             base = tl.cast(g, tl.int64) * OUT_G_STRIDE
             if ROW_IN_GROUP:
                 base -= ps
+            hi_src = tl.minimum(hi, ps + sz)  # rows past it are alignment gaps: zeros
+            if PREFETCH:  # the first tile's load, issued before the loop
+                nxt = _load_tile(x_ptr, src0, lo, hi_src, cols, cmask, K, BLOCK_R)
             for p0 in range(lo, hi, BLOCK_R):
                 pr = p0 + tl.arange(0, BLOCK_R)
                 pmask = pr < hi
-                lmask = (pmask & (pr < ps + sz))[:, None] & cmask[None, :]
-                v = tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :], mask=lmask,
-                            other=0.0).to(tl.float32)
+                if PREFETCH:  # issue the next tile's load before working on this one
+                    v = nxt.to(tl.float32)
+                    nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi_src, cols, cmask, K,
+                                     BLOCK_R)
+                else:
+                    v = _load_tile(x_ptr, src0, p0, hi_src, cols, cmask, K,
+                                   BLOCK_R).to(tl.float32)
                 if ROWS:
                     _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src0 + pr,
                                 pmask & (pr < ps + sz), cols, cmask, K, pid_c == 0)
@@ -308,22 +361,83 @@ if triton is not None:
     def _fp8_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return launch_rows(x, wrap=torch.library.wrap_triton)
 
+    #: Rows per program of the row-wise + column-amax kernel: the largest power of two up to
+    #: this that divides the group's row count N; below ROWS_COLAMAX_MIN (too many atomics
+    #: per byte) the column amax is not made there.
+    ROWS_COLAMAX_PER_PROG = 32
+    ROWS_COLAMAX_MIN = 8
+
+    def rows_colamax_per_prog(n: int, k: int) -> int:
+        """Rows per program for (G, N, K) weights, 0 when the kernel does not take them."""
+        if triton.next_power_of_2(k) > ROWS_ONE_PASS_MAX:
+            return 0
+        r = ROWS_COLAMAX_PER_PROG
+        while r >= ROWS_COLAMAX_MIN and n % r:
+            r //= 2
+        return r if r >= ROWS_COLAMAX_MIN else 0
+
+    def launch_rows_colamax(x3d, wrap=lambda k: k):
+        """Row-wise copy of (G, N, K) contiguous ``x3d`` plus its column amax: (data (G, N, K),
+        scale_inv (G, N), amax (G, K) fp32). Needs ``rows_colamax_per_prog(N, K) > 0``."""
+        g, n, k = x3d.shape
+        per_prog = rows_colamax_per_prog(n, k)
+        q = torch.empty(x3d.shape, dtype=torch.float8_e4m3fn, device=x3d.device)
+        sinv = torch.empty(g, n, dtype=torch.float32, device=x3d.device)
+        camax = torch.zeros(g, k, dtype=torch.int32, device=x3d.device)
+        block = triton.next_power_of_2(k)
+        wrap(_fp8_rows_colamax_kernel)[(g * n // per_prog,)](
+            x3d, q, sinv, camax, n, k, ROWS_PER_PROG=per_prog, BLOCK_K=block,
+            num_warps=8 if block <= 8192 else 16)
+        return q, sinv, camax.view(torch.float32)
+
+    @torch.library.triton_op("te_ops::fp8_quantize_rows_column_amax", mutates_args={})
+    def _fp8_rows_colamax_op(x3d: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return launch_rows_colamax(x3d, wrap=torch.library.wrap_triton)
+
     #: Column-wise launch: CHUNK destination rows x BLOCK_C columns per program, tiles of
     #: BLOCK_R rows; TRANS_BYTES moves the converted 1-byte tile through shared memory
-    #: instead of the fp32 one. Measured on an H200 (benchmarks/fp8_cols_tiles.py).
-    COLS_CONFIG = {"CHUNK": 512, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
-                   "TRANS_BYTES": False, "COLS_FIRST": True}
+    #: instead of the fp32 one; PREFETCH issues each tile's load one tile ahead (inside a
+    #: group's rows). "AMAX" overrides the tile settings of pass 1 (amax) alone: the passes
+    #: share only the amax buffers, so their grids may differ. Measured on an H200
+    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py).
+    COLS_CONFIG = {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
+                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": True, "AMAX": {}}
+    #: CHUNK is halved (down to BLOCK_R) while a pass would launch fewer programs than this
+    #: (about 8 per SM of an H200's 132): small operands keep the whole GPU busy.
+    COLS_MIN_PROGRAMS = 1024
+
+    def _cols_grid(cfg, num_rows, k, g, with_rows):
+        """Grid and launch keywords of one column-wise pass under tile settings ``cfg``."""
+        chunk, col_blocks = cfg["CHUNK"], triton.cdiv(k, cfg["BLOCK_C"])
+        while chunk > cfg["BLOCK_R"] and triton.cdiv(num_rows, chunk) * col_blocks < \
+                COLS_MIN_PROGRAMS:
+            chunk //= 2
+        grid = (triton.cdiv(num_rows, chunk), col_blocks)
+        cols_first = cfg["COLS_FIRST"] and grid[0] <= 65535  # grid axis 1 holds <= 65535
+        if cols_first:
+            grid = grid[::-1]
+        return grid, {"CHUNK": chunk, "BLOCK_R": cfg["BLOCK_R"],
+                      "BLOCK_C": cfg["BLOCK_C"], "G_BLOCK": triton.next_power_of_2(g),
+                      "COLS_FIRST": cols_first, "ROWS": with_rows,
+                      "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
 
     def launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                     out_col_stride, row_in_group, config=None, wrap=lambda k: k,
-                    with_rows=False):
+                    with_rows=False, amax=None):
         """Both column-wise passes (amax, then quantize); returns scale_inv (G, K) fp32, or
         with ``with_rows`` (scale_inv, row-wise data (M, K), row-wise scale_inv (M,)) from the
-        same two passes."""
+        same two passes. ``amax`` (G, K) fp32, the finished column amax (not with
+        ``with_rows``): pass 2 alone."""
         cfg = {**COLS_CONFIG, **(config or {})}
+        cfg_amax = {**cfg, **cfg["AMAX"]}
         g, k = sizes.numel(), x.shape[-1]
         m = x.shape[0]
-        amax = torch.zeros(g, k, dtype=torch.int32, device=x.device)
+        given = amax is not None
+        if given:
+            amax = amax.contiguous().view(torch.int32)  # non-negative: bits order as values
+        else:
+            amax = torch.zeros(g, k, dtype=torch.int32, device=x.device)
         sinv = torch.empty(g, k, dtype=torch.float32, device=x.device)
         if with_rows:
             row_amax = torch.zeros(m, dtype=torch.int32, device=x.device)
@@ -331,16 +445,11 @@ if triton is not None:
             row_sinv = torch.empty(m, dtype=torch.float32, device=x.device)
         else:  # unused pointers (the ROWS branches are compiled out)
             row_amax, row_q, row_sinv = amax, out, sinv
-        grid = (triton.cdiv(num_rows, cfg["CHUNK"]), triton.cdiv(k, cfg["BLOCK_C"]))
-        if cfg["COLS_FIRST"] and grid[0] <= 65535:  # grid axis 1 holds at most 65535
-            grid = grid[::-1]
-        else:
-            cfg["COLS_FIRST"] = False
-        tiles = {"CHUNK": cfg["CHUNK"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"],
-                 "G_BLOCK": triton.next_power_of_2(g), "COLS_FIRST": cfg["COLS_FIRST"],
-                 "ROWS": with_rows, "num_warps": cfg["num_warps"]}
-        wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
-                                          num_rows, m, align, **tiles)
+        if not given:
+            grid, tiles = _cols_grid(cfg_amax, num_rows, k, g, with_rows)
+            wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
+                                              num_rows, m, align, **tiles)
+        grid, tiles = _cols_grid(cfg, num_rows, k, g, with_rows)
         wrap(_fp8_cols_quant_kernel)[grid](
             x, out, amax, sinv, row_amax, row_q, row_sinv, starts, sizes, pstarts, g, k,
             num_rows, m, align, out_g_stride, out_col_stride, ROW_IN_GROUP=row_in_group,
@@ -365,6 +474,16 @@ if triton is not None:
         return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                            out_col_stride, row_in_group, wrap=torch.library.wrap_triton)
 
+    @torch.library.triton_op("te_ops::fp8_quantize_columns_given_amax", mutates_args={"out"})
+    def _fp8_cols_given_op(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor,
+                           starts: torch.Tensor, sizes: torch.Tensor, pstarts: torch.Tensor,
+                           num_rows: int, align: int, out_g_stride: int, out_col_stride: int,
+                           row_in_group: bool) -> torch.Tensor:
+        starts, sizes, pstarts, amax = _private_index_copies(starts, sizes, pstarts, amax)
+        return launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
+                           out_col_stride, row_in_group, wrap=torch.library.wrap_triton,
+                           amax=amax)
+
     @torch.library.triton_op("te_ops::fp8_quantize_both_grouped", mutates_args={"out"})
     def _fp8_both_op(x: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
                      sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
@@ -384,10 +503,26 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return launch_rows(x)  # eager: skip the custom-op dispatch (host time per call)
 
 
+def fp8_rows_column_amax(x3d: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Row-wise FP8 of (G, N, K) contiguous ``x3d`` (as :func:`fp8_rows`) and, from the same
+    read, its column amax: the largest finite magnitude of each (g, k) over N, (G, K) fp32 --
+    what :func:`fp8_columns_grouped` with ``amax`` needs for the column-wise copy of the same
+    tensor. Returns (data (G, N, K) float8_e4m3fn, scale_inv (G, N) fp32, amax), or ``None``
+    when the kernel does not take the shape (no power of two from 8 to 32 divides N, or rows
+    longer than ``ROWS_ONE_PASS_MAX``)."""
+    g, n, k = x3d.shape
+    if g * n == 0 or not rows_colamax_per_prog(n, k):
+        return None
+    if tracing():
+        return _fp8_rows_colamax_op(x3d)
+    return launch_rows_colamax(x3d)
+
+
 def fp8_columns_grouped(x2d: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
                         sizes: torch.Tensor, pstarts: torch.Tensor, num_rows: int, align: int,
-                        out_g_stride: int, out_col_stride: int, row_in_group: bool
-                        ) -> torch.Tensor:
+                        out_g_stride: int, out_col_stride: int, row_in_group: bool,
+                        amax: torch.Tensor | None = None) -> torch.Tensor:
     """Column-wise FP8 per group of rows of ``x2d`` (rows, K), written transposed into ``out``.
 
     Destination rows ``0 .. num_rows - 1`` are split by group: group ``g`` owns
@@ -397,13 +532,18 @@ def fp8_columns_grouped(x2d: torch.Tensor, out: torch.Tensor, starts: torch.Tens
     out_col_stride + p`` of ``out`` (``p - pstarts[g]`` with ``row_in_group``); rows past the
     last group's end are zero (``row_in_group=False`` only). Every byte of the destination is
     written, so ``out`` (float8_e4m3fn) may come from ``torch.empty``. Two passes, each one
-    streaming read of the group rows: the (G, K) amax, then the bytes. Returns scale_inv
-    (G, K) fp32.
+    streaming read of the group rows: the (G, K) amax, then the bytes; given ``amax`` (G, K)
+    fp32 (the largest finite magnitude per group and column, e.g. from
+    :func:`fp8_rows_column_amax`), the second alone. Returns scale_inv (G, K) fp32.
     """
     if sizes.numel() == 0:
         return torch.empty(0, x2d.shape[-1], dtype=torch.float32, device=x2d.device)
     args = (x2d, out, starts, sizes, pstarts, num_rows, align, out_g_stride, out_col_stride,
             row_in_group)
+    if amax is not None:
+        if tracing():
+            return _fp8_cols_given_op(x2d, out, amax, *args[2:])
+        return launch_cols(*args, amax=amax)
     if tracing():
         return _fp8_cols_op(*args)
     return launch_cols(*args)  # eager: skip the custom-op dispatch (host time per call)

@@ -44,6 +44,10 @@ class QuantizedTensorStorage(GroupedTensorStorage):
 
     quantizer: Quantizer
     shape: tuple[int, ...]
+    #: FP8 current scaling, weights: the (G, K) fp32 column amax recorded by a row-wise call
+    #: with ``record_columnwise_amax=True`` (``None`` when not made); a later column-wise call
+    #: on the same tensor takes it as ``columnwise_amax`` and skips the amax pass.
+    columnwise_amax: torch.Tensor | None = None
 
     @property
     def format(self) -> str:
@@ -136,9 +140,19 @@ class Quantizer:
     def dequantize_columns_uniform(self, data, scale_inv, dtype) -> torch.Tensor:
         return self.dequantize_rows(data, scale_inv, dtype)
 
-    def quantize_columns_uniform(self, x3d) -> tuple[torch.Tensor, torch.Tensor]:
-        """(G, N, K) -> data (G, K, N) quantized along N, and its scales."""
+    def quantize_columns_uniform(self, x3d, amax=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, N, K) -> data (G, K, N) quantized along N, and its scales. ``amax``: see
+        :meth:`quantize_rows_column_amax` (formats whose scales come from it only)."""
+        if amax is not None:
+            raise ValueError(f"{type(self).__name__} takes no columnwise_amax (its column-wise "
+                             "scales are not one amax per column), got a tensor")
         return self.quantize_rows(x3d.transpose(-2, -1).contiguous())
+
+    def quantize_rows_column_amax(self, x3d) -> tuple[tuple, torch.Tensor | None]:
+        """Row-wise copy of (G, N, K) ``x3d`` and, where this format's column-wise scales come
+        from one amax per (g, k) over N, that amax ((G, K) fp32) from the same read; ``None``
+        for the amax where not made."""
+        return self.quantize_rows(x3d), None
 
     # Both copies in one go: subclasses with a kernel that writes both copies from one pair of
     # reads return ((row data, row scale_inv), (column data, column scale_inv)) with the bytes
@@ -149,7 +163,14 @@ class Quantizer:
     def quantize_both_split(self, x2d, layout, splits) -> tuple[tuple, tuple] | None:
         return None
 
-    def __call__(self, x: torch.Tensor, splits: Any = None) -> QuantizedTensorStorage:
+    def __call__(self, x: torch.Tensor, splits: Any = None, *,
+                 columnwise_amax: torch.Tensor | None = None,
+                 record_columnwise_amax: bool = False) -> QuantizedTensorStorage:
+        """Quantize ``x`` (see the class docstring). For (G, N, K) ``x`` without ``splits``:
+        ``record_columnwise_amax`` (row-wise only) also records the column amax on the result
+        (``columnwise_amax``, FP8 current scaling); ``columnwise_amax`` (G, K) fp32 makes the
+        column-wise copy from that amax (it must be the amax of this very tensor, e.g.
+        recorded by the forward's row-wise call) instead of reading ``x`` for it."""
         if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"x must be a float32 or bfloat16 tensor, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -158,7 +179,10 @@ class Quantizer:
                              "0-d tensor")
         shape = tuple(x.shape)
         row = col = (None, None)
-        both = None
+        both = col_amax = None
+        uniform = x.dim() == 3 and splits is None
+        if columnwise_amax is not None:
+            _check_column_amax(columnwise_amax, x, uniform and self.columnwise)
         kw: dict[str, Any] = {}
         if splits is not None:
             if x.dim() != 2:
@@ -171,10 +195,11 @@ class Quantizer:
         else:
             num, tshape = 1, (x.numel() // max(shape[-1], 1) if shape else 1, shape[-1])
         if self.columnwise:
-            if x.dim() == 3 and splits is None:
-                if self.rowwise:
+            if uniform:
+                if self.rowwise and columnwise_amax is None:
                     both = self.quantize_both_uniform(x)
-                col = self.quantize_columns_uniform(x) if both is None else both[1]
+                col = (self.quantize_columns_uniform(x, columnwise_amax) if both is None
+                       else both[1])
             elif x.dim() == 2:
                 if splits is None:
                     from ..splits import make_splits
@@ -188,14 +213,34 @@ class Quantizer:
             else:
                 raise ValueError(f"columnwise quantization needs a 2-D or 3-D tensor, got "
                                  f"shape {shape}")
-        if self.rowwise:
+        if self.rowwise and both is None and record_columnwise_amax and uniform \
+                and not self.columnwise:
+            row, col_amax = self.quantize_rows_column_amax(x)
+        elif self.rowwise:
             row = self.quantize_rows(x) if both is None else both[0]
         out = QuantizedTensorStorage(num, tshape, x.dtype, None, rowwise_scale_inv=row[1],
                                      columnwise_data=col[0], columnwise_scale_inv=col[1], **kw)
         out.rowwise_data = row[0]
         out.quantizer = self
         out.shape = shape
+        out.columnwise_amax = col_amax
         return out
+
+
+def _check_column_amax(amax: Any, x: torch.Tensor, applies: bool) -> None:
+    """Raise unless ``amax`` is a (G, K) fp32 tensor on ``x``'s device, given for the
+    column-wise copy of (G, N, K) ``x`` (``applies``)."""
+    if not applies:
+        raise ValueError("columnwise_amax is for the column-wise copy of a (G, N, K) tensor "
+                         "without splits (a quantizer with columnwise=True); got x of shape "
+                         f"{tuple(x.shape)}")
+    expected = (x.shape[0], x.shape[2])
+    if not isinstance(amax, torch.Tensor) or tuple(amax.shape) != expected \
+            or amax.dtype != torch.float32 or amax.device != x.device:
+        got = (f"{tuple(amax.shape)} {amax.dtype} on {amax.device}"
+               if isinstance(amax, torch.Tensor) else type(amax).__name__)
+        raise ValueError(f"columnwise_amax must be a float32 tensor of shape {expected} on "
+                         f"{x.device}, got {got}")
 
 
 def _as_splits(splits: Any, x: torch.Tensor) -> Any:
@@ -218,6 +263,12 @@ def _as_splits(splits: Any, x: torch.Tensor) -> Any:
 #: with the separate row-wise and column-wise kernels (same bytes; kept for measurements).
 BOTH_COPIES_ONE_KERNEL = True
 
+#: A row-wise FP8 call on (G, N, K) weights with ``record_columnwise_amax=True`` folds the
+#: column amax into the row-wise read (``fp8_triton.fp8_rows_column_amax``), so the later
+#: column-wise copy (dgrad, in backward) is one pass instead of two; False leaves the amax to
+#: that pass (same bytes; kept for measurements).
+WEIGHT_COLUMN_AMAX_FROM_ROWWISE = True
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """FP8 E4M3 with fp32 power-of-two scales from the current amax.
@@ -237,16 +288,32 @@ class Float8CurrentScalingQuantizer(Quantizer):
             return fp8_triton.fp8_rows(x)
         return numerics.fp8_quantize_rows(x)
 
-    def quantize_columns_uniform(self, x3d):
+    def quantize_columns_uniform(self, x3d, amax=None):
         if fp8_triton.unsupported_reason(x3d) is not None:
-            return super().quantize_columns_uniform(x3d)
+            if amax is None:
+                return super().quantize_columns_uniform(x3d)
+            scale = numerics.pow2_scale_from_amax(amax)  # (G, K): the bytes of the line above
+            data = numerics.to_e4m3(x3d.transpose(-2, -1).float() * scale.unsqueeze(-1))
+            return data, scale.reciprocal()
         g, n, k = x3d.shape
         out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=x3d.device)
         starts = torch.arange(g, device=x3d.device, dtype=torch.int64) * n
         sinv = fp8_triton.fp8_columns_grouped(
             x3d.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
-            k * n, n, True)
+            k * n, n, True, amax=amax)
         return out, sinv
+
+    def quantize_rows_column_amax(self, x3d):
+        if not WEIGHT_COLUMN_AMAX_FROM_ROWWISE:
+            return self.quantize_rows(x3d), None
+        if fp8_triton.unsupported_reason(x3d) is None:
+            res = fp8_triton.fp8_rows_column_amax(x3d)
+            if res is None:  # shape the kernel does not take: the column pass makes it later
+                return self.quantize_rows(x3d), None
+            return (res[0], res[1]), res[2]
+        amax = (numerics.finite_abs(x3d).amax(1) if x3d.shape[1] else
+                x3d.new_zeros(x3d.shape[0], x3d.shape[2], dtype=torch.float32))
+        return self.quantize_rows(x3d), amax
 
     def quantize_both_uniform(self, x3d):
         if not BOTH_COPIES_ONE_KERNEL or fp8_triton.unsupported_reason(x3d) is not None:
