@@ -16,6 +16,12 @@ Backends
 ``loop``
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
+``triton``
+    te_ops' Triton kernels for few rows per group (``kernels/grouped_gemm_triton.py``), with
+    device offsets (graph-safe). Auto picks it only where it was measured faster than
+    ``torch._grouped_mm`` on the H200: CUDA SM90, bfloat16, at most
+    ``grouped_gemm_triton.MAX_ROWS_PER_GROUP`` rows (padding included) per group on average
+    (the caller passes ``rows_per_group``); forced, it runs for bf16/fp16 on any CUDA GPU.
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -33,6 +39,8 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from .grouped_gemm_triton import MAX_ROWS_PER_GROUP, triton_dgrad, triton_fprop, triton_wgrad
+from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .padding import padding_backend, zero_padding_rows_
 
 __all__ = [
@@ -53,7 +61,7 @@ _PROBE_CACHE: dict[tuple[str, int | None, torch.dtype], str | None] = {}
 class BackendChoice:
     """The grouped GEMM backend picked for a call, and why."""
 
-    name: str  # "grouped_mm" | "loop"
+    name: str  # "grouped_mm" | "loop" | "triton"
     reason: str
     graph_safe: bool
 
@@ -128,13 +136,17 @@ def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
-                   out_features: int, device_split_sizes: bool) -> BackendChoice:
+                   out_features: int, device_split_sizes: bool,
+                   rows_per_group: float | None = None) -> BackendChoice:
     """Pick the grouped GEMM backend for one grouped linear call.
 
     Parameters
     ----------
     device_split_sizes : bool
         Whether the split sizes are a device tensor (the loop backend then needs a host sync).
+    rows_per_group : float, optional
+        The call's rows (padding included) over its groups; ``None`` (not known, e.g. when
+        planning) keeps auto off the ``triton`` backend.
 
     Raises
     ------
@@ -145,11 +157,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe)
+    few_rows = rows_per_group is not None and rows_per_group <= MAX_ROWS_PER_GROUP
+    key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
+           few_rows)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe)
+                                 forced, graph_safe, few_rows)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -165,11 +179,18 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
-                    graph_safe: str) -> BackendChoice:
+                    graph_safe: str, few_rows: bool = False) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
-    if forced == "grouped_mm":
+    auto_triton = None if forced != "auto" else triton_auto_reason(device, dtype, few_rows)
+    if forced == "triton":
+        why = triton_unsupported_reason(device, dtype)
+        if why is not None:
+            raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
+        choice = BackendChoice("triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
+                               graph_safe=device_split_sizes)
+    elif forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
         choice = BackendChoice("grouped_mm", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
@@ -178,9 +199,16 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
+    elif auto_triton is None:
+        choice = BackendChoice(
+            "triton", f"at most {MAX_ROWS_PER_GROUP} rows per group on SM90 in bfloat16: the "
+            "Triton kernels were measured faster than torch._grouped_mm there",
+            graph_safe=device_split_sizes)
     elif reason is None:
-        choice = BackendChoice("grouped_mm", "device, dtype and alignment allow it",
-                               graph_safe=mm_graph_safe)
+        why = "device, dtype and alignment allow it"
+        if device.type == "cuda" and auto_triton is not None:
+            why += f"; triton not taken: {auto_triton}"
+        choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
     if graph_safe == "1" and not choice.graph_safe:
@@ -189,6 +217,24 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             + _graph_safe_reason(choice, device_split_sizes, sync_reason)
         )
     return choice
+
+
+def triton_auto_reason(device: torch.device, dtype: torch.dtype, few_rows: bool
+                       ) -> str | None:
+    """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
+    measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
+    why = triton_unsupported_reason(device, dtype)
+    if why is not None:
+        return why
+    if dtype != torch.bfloat16:
+        return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"measured faster on SM90 only, not SM{major}{minor}"
+    if not few_rows:
+        return (f"more than {MAX_ROWS_PER_GROUP} rows per group (or not known), where "
+                "torch._grouped_mm is as fast or faster")
+    return None
 
 
 def _graph_safe_reason(choice: BackendChoice, device_split_sizes: bool,
@@ -259,6 +305,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
+    if backend.name == "triton":
+        return triton_fprop(x, weights, splits.offsets)
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
@@ -275,6 +323,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
+    if backend.name == "triton":
+        return triton_dgrad(dy, weights, splits.offsets)
     if backend.name == "grouped_mm":
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
@@ -291,6 +341,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
+    if backend.name == "triton":
+        return triton_wgrad(x, dy, splits.offsets)
     if backend.name == "grouped_mm":
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
