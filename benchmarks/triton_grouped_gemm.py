@@ -99,16 +99,16 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     for layer, (n, k) in (("fc1", (2 * ffn, hidden)), ("fc2", (hidden, ffn))):
         for rows in args.rows:
             x, dy, w, offs, _ = _operands(groups, n, k, rows, args.seed)
-            bm = [16, 32] if rows <= 16 else [32, 64]
+            bm = [16] if rows <= 16 else [32, 64]
             for block_m, bj, br, warps, stages in itertools.product(
-                    bm, [32, 64, 128], [64, 128, 256], [4, 8], [3, 4]):
+                    bm, [32, 64, 128], [64, 128, 256], [4], [3, 4]):
                 cfg = {"BLOCK_M": block_m, "BLOCK_J": bj, "BLOCK_R": br,
                        "num_warps": warps, "num_stages": stages}
                 for kind in ("fprop", "dgrad"):
                     fn = _calls(x, dy, w, offs, (cfg, None))[kind][1]
                     records.append(_sweep_rec(layer, kind, rows, cfg, fn))
             for block_m, bn, bk, warps, stages in itertools.product(
-                    bm, [32, 64, 128], [64, 128, 256], [4, 8], [2, 3]):
+                    bm, [32, 64, 128], [64, 128, 256], [4], [2, 3]):
                 cfg = {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk,
                        "num_warps": warps, "num_stages": stages}
                 fn = _calls(x, dy, w, offs, (None, cfg))["wgrad"][1]

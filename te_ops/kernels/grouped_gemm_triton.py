@@ -85,13 +85,17 @@ def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype, device: tor
         raise ValueError(f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
 
-def _check_offsets(offsets: torch.Tensor, groups: int, device: torch.device) -> None:
+def _check_offsets(offsets: torch.Tensor, groups: int, device: torch.device,
+                   dtype: torch.dtype) -> None:
     if offsets.dim() != 1 or offsets.shape[0] != groups:
         raise ValueError(f"offsets must have shape ({groups},) (one end row per group), got "
                          f"{tuple(offsets.shape)}")
     if offsets.device != device or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32/int64 on {device}, got {offsets.dtype} on "
                          f"{offsets.device}")
+    why = unsupported_reason(device, dtype)
+    if why is not None:
+        raise RuntimeError(f"the Triton grouped GEMMs cannot run: {why}")
 
 
 if triton is not None:
@@ -218,7 +222,7 @@ def triton_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if x.shape[1] != weights.shape[2]:
         raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
                          f"{weights.shape[2]}")
-    _check_offsets(offsets, weights.shape[0], x.device)
+    _check_offsets(offsets, weights.shape[0], x.device, x.dtype)
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_gemm_rows(x, weights, offsets, "fprop")
     return _fprop(x, weights, offsets, config)
@@ -238,7 +242,7 @@ def triton_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if dy.shape[1] != weights.shape[1]:
         raise ValueError(f"dy has {dy.shape[1]} columns, weights (G, N, K) have N="
                          f"{weights.shape[1]}")
-    _check_offsets(offsets, weights.shape[0], dy.device)
+    _check_offsets(offsets, weights.shape[0], dy.device, dy.dtype)
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_gemm_rows(dy, weights, offsets, "dgrad")
     return _dgrad(dy, weights, offsets, config)
@@ -262,7 +266,7 @@ def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if offsets.dim() != 1:
         raise ValueError(f"offsets must be 1-D (one end row per group), got shape "
                          f"{tuple(offsets.shape)}")
-    _check_offsets(offsets, offsets.shape[0], x.device)
+    _check_offsets(offsets, offsets.shape[0], x.device, x.dtype)
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_wgrad_rows(x, dy, offsets)
     return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, config, _wgrad_kernel)
