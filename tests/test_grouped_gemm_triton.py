@@ -29,7 +29,7 @@ def test_auto_never_picks_triton_on_cpu():
     choice = select_backend(torch.device("cpu"), torch.bfloat16, 64, 64, True,
                             rows_per_group=1.0)
     assert choice.name == "grouped_mm"
-    reason = triton_auto_reason(torch.device("cpu"), torch.bfloat16, True)
+    reason = triton_auto_reason(torch.device("cpu"), torch.bfloat16, ("fprop",))
     assert reason is not None and ("cpu" in reason or "triton is not installed" in reason)
 
 
@@ -85,9 +85,21 @@ def test_valid_call_off_cuda_raises_the_reason():
 
 
 def test_launch_configs_grow_with_rows():
-    assert tg.rows_config(1, 1536)["BLOCK_M"] <= tg.rows_config(512, 1536)["BLOCK_M"]
+    small, large = tg.rows_config("fprop", 1, 1536, 64, 64), \
+        tg.rows_config("fprop", 512, 1536, 64, 512 * 64)
+    assert small["BLOCK_M"] <= large["BLOCK_M"] and small["SPLIT"] == 4
+    assert tg.rows_config("dgrad", 1, 1, 2, 1)["SPLIT"] == 1
     assert tg.wgrad_config(1, 1536, 2048)["BLOCK_M"] <= tg.wgrad_config(512, 1536, 2048)[
         "BLOCK_M"]
+
+
+@pytest.mark.parametrize("rows, kinds", [(None, ()), (1, ("fprop", "dgrad", "wgrad")),
+                                         (4, ("fprop", "dgrad", "wgrad")), (8, ("wgrad",)),
+                                         (32, ("wgrad",)), (33, ())])
+def test_rule_per_gemm_kind(rows, kinds):
+    """The measured rule (docs/benchmarks.md): fprop/dgrad up to 4 rows per group, wgrad up
+    to 32."""
+    assert tg.triton_kinds(rows) == kinds
 
 
 # ------------------------------------------------------------------------- CUDA: numerics

@@ -19,9 +19,11 @@ Backends
 ``triton``
     te_ops' Triton kernels for few rows per group (``kernels/grouped_gemm_triton.py``), with
     device offsets (graph-safe). Auto picks it only where it was measured faster than
-    ``torch._grouped_mm`` on the H200: CUDA SM90, bfloat16, at most
-    ``grouped_gemm_triton.MAX_ROWS_PER_GROUP`` rows (padding included) per group on average
-    (the caller passes ``rows_per_group``); forced, it runs for bf16/fp16 on any CUDA GPU.
+    ``torch._grouped_mm`` on the H200, per GEMM kind (``BackendChoice.triton_kinds``): CUDA
+    SM90, bfloat16, rows (padding included) per group on average at most
+    ``grouped_gemm_triton.MAX_ROWS_PER_GROUP[kind]`` (the caller passes ``rows_per_group``);
+    the other kinds of the call run in ``torch._grouped_mm``. Forced, all three kinds run in
+    Triton, for bf16/fp16 on any CUDA GPU.
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -39,7 +41,13 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
-from .grouped_gemm_triton import MAX_ROWS_PER_GROUP, triton_dgrad, triton_fprop, triton_wgrad
+from .grouped_gemm_triton import (
+    MAX_ROWS_PER_GROUP,
+    triton_dgrad,
+    triton_fprop,
+    triton_kinds,
+    triton_wgrad,
+)
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .padding import padding_backend, zero_padding_rows_
 
@@ -64,6 +72,9 @@ class BackendChoice:
     name: str  # "grouped_mm" | "loop" | "triton"
     reason: str
     graph_safe: bool
+    #: With ``name == "triton"``: the GEMM kinds ("fprop", "dgrad", "wgrad") that run in
+    #: Triton; the others run in ``torch._grouped_mm``.
+    triton_kinds: tuple[str, ...] = ()
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -157,13 +168,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    few_rows = rows_per_group is not None and rows_per_group <= MAX_ROWS_PER_GROUP
+    kinds = triton_kinds(rows_per_group)
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           few_rows)
+           kinds)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, few_rows)
+                                 forced, graph_safe, kinds)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -179,17 +190,18 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
-                    graph_safe: str, few_rows: bool = False) -> BackendChoice:
+                    graph_safe: str, kinds: tuple[str, ...] = ()) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
-    auto_triton = None if forced != "auto" else triton_auto_reason(device, dtype, few_rows)
+    auto_triton = None if forced != "auto" else triton_auto_reason(device, dtype, kinds)
     if forced == "triton":
         why = triton_unsupported_reason(device, dtype)
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
         choice = BackendChoice("triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
-                               graph_safe=device_split_sizes)
+                               graph_safe=device_split_sizes,
+                               triton_kinds=("fprop", "dgrad", "wgrad"))
     elif forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
@@ -199,11 +211,14 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
-    elif auto_triton is None:
+    elif auto_triton is None and reason is None:
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in kinds]
         choice = BackendChoice(
-            "triton", f"at most {MAX_ROWS_PER_GROUP} rows per group on SM90 in bfloat16: the "
-            "Triton kernels were measured faster than torch._grouped_mm there",
-            graph_safe=device_split_sizes)
+            "triton", f"{'/'.join(kinds)} in Triton (few rows per group, SM90, bfloat16: "
+            "measured faster than torch._grouped_mm there, rule MAX_ROWS_PER_GROUP="
+            f"{MAX_ROWS_PER_GROUP})" + (f"; {'/'.join(rest)} in torch._grouped_mm" if rest
+                                        else ""),
+            graph_safe=mm_graph_safe, triton_kinds=kinds)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None:
@@ -219,7 +234,7 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     return choice
 
 
-def triton_auto_reason(device: torch.device, dtype: torch.dtype, few_rows: bool
+def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[str, ...]
                        ) -> str | None:
     """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
     measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
@@ -231,9 +246,9 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, few_rows: bool
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"measured faster on SM90 only, not SM{major}{minor}"
-    if not few_rows:
-        return (f"more than {MAX_ROWS_PER_GROUP} rows per group (or not known), where "
-                "torch._grouped_mm is as fast or faster")
+    if not kinds:
+        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
+                "known), where torch._grouped_mm was measured as fast or faster")
     return None
 
 
@@ -305,9 +320,9 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
-    if backend.name == "triton":
+    if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
-    if backend.name == "grouped_mm":
+    if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
         out = grouped_mm(x, weights.transpose(-2, -1), splits.offsets)
@@ -323,9 +338,9 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
-    if backend.name == "triton":
+    if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
-    if backend.name == "grouped_mm":
+    if backend.name in ("grouped_mm", "triton"):
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
         out = grouped_mm(dy, weights, splits.offsets)
@@ -341,9 +356,9 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
-    if backend.name == "triton":
+    if "wgrad" in backend.triton_kinds:
         return triton_wgrad(x, dy, splits.offsets)
-    if backend.name == "grouped_mm":
+    if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
         return grouped_mm(dy.t(), x, splits.offsets)

@@ -39,15 +39,16 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "triton_fprop", "triton_dgrad",
-           "triton_wgrad", "rows_config", "wgrad_config"]
+__all__ = ["MAX_ROWS_PER_GROUP", "triton_kinds", "unsupported_reason", "triton_fprop",
+           "triton_dgrad", "triton_wgrad", "rows_config", "wgrad_config"]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
 
-#: Auto dispatch takes the Triton kernels when a call's rows (tokens, padding included) per
-#: group are at most this many (and on SM90, bf16, device split sizes): the per-GEMM
-#: measurements of ``benchmarks/triton_grouped_gemm.py`` on the H200 (docs/benchmarks.md).
-MAX_ROWS_PER_GROUP = 16
+#: Auto dispatch runs a GEMM kind in Triton when the call's rows (tokens, padding included)
+#: per group are at most this many (SM90, bf16): where ``benchmarks/triton_grouped_gemm.py``
+#: measured it faster than ``torch._grouped_mm`` on the H200 for the E64 and E128 H2048 FF768
+#: layers (docs/benchmarks.md). wgrad (write-bound: every dW_g tile written once) wins further.
+MAX_ROWS_PER_GROUP = {"fprop": 4, "dgrad": 4, "wgrad": 32}
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -62,16 +63,36 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def rows_config(rows_per_group: float, j: int) -> dict[str, int]:
-    """Launch parameters of the fprop/dgrad kernel for ``rows_per_group`` mean rows and ``j``
-    output columns (tuned on the H200 by ``benchmarks/triton_grouped_gemm.py --sweep``)."""
+def triton_kinds(rows_per_group: float | None) -> tuple[str, ...]:
+    """The GEMM kinds auto dispatch runs in Triton at ``rows_per_group`` (see
+    :data:`MAX_ROWS_PER_GROUP`; none when not known)."""
+    if rows_per_group is None:
+        return ()
+    return tuple(k for k, r in MAX_ROWS_PER_GROUP.items() if rows_per_group <= r)
+
+
+def rows_config(kind: str, rows_per_group: float, j: int, groups: int,
+                rows: int) -> dict[str, int]:
+    """Launch parameters of the fprop (``kind="fprop"``) or dgrad kernel for ``rows`` rows in
+    ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns: the fastest of
+    ``benchmarks/triton_grouped_gemm.py --sweep`` on the H200 (E64 fc1, 4 rows per group),
+    with ``BLOCK_J`` halved where the grid would have fewer than 1024 programs, and up to
+    ``SPLIT = 4`` programs sharing one (group, column tile), each taking every SPLIT-th row
+    block (a skewed group's rows in parallel; its weight tile then comes from L2)."""
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
-    return {"BLOCK_M": block_m, "BLOCK_J": 64, "BLOCK_R": 128, "num_warps": 4,
-            "num_stages": 4}
+    if kind == "fprop":
+        block_j, block_r = 32, 256
+    else:
+        block_j, block_r = 64, 128
+        if (groups + 1) * -(-j // block_j) < 1024:
+            block_j = 32
+    split = max(1, min(4, -(-rows // block_m)))
+    return {"BLOCK_M": block_m, "BLOCK_J": block_j, "BLOCK_R": block_r, "SPLIT": split,
+            "num_warps": 4, "num_stages": 3}
 
 
 def wgrad_config(rows_per_group: float, n: int, k: int) -> dict[str, int]:
-    """Launch parameters of the wgrad kernel (tuned like :func:`rows_config`)."""
+    """Launch parameters of the wgrad kernel (the fastest of the same sweep)."""
     block_m = 16 if rows_per_group <= 16 else 32
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
             "num_stages": 3}
@@ -113,16 +134,18 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, J, R, G,
                      stride_bg, stride_br, stride_bj,
-                     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+                     SPLIT: tl.constexpr):
         """out[m, j] = sum_r a[m, r] * B[g, r, j] for the rows m of group g; a (M, R) and
-        out (M, J) contiguous. Program (g, j-tile); g == G zeroes the padding rows."""
+        out (M, J) contiguous. Program (g, j-tile, s) takes the group's row blocks s,
+        s + SPLIT, ...; g == G zeroes the padding rows."""
         g = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         col_ok = cols < J
         start, end = _group_rows(offs_ptr, g, G, M)
         rk = tl.arange(0, BLOCK_R)
         b_base = b_ptr + g.to(tl.int64) * stride_bg
-        for m0 in range(start, end, BLOCK_M):
+        for m0 in range(start + tl.program_id(2) * BLOCK_M, end, SPLIT * BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < end
             acc = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
@@ -163,7 +186,7 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-def _rows_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, j: int,
+def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, j: int,
                  strides: tuple[int, int, int], config: dict[str, int] | None,
                  kernel) -> torch.Tensor:
     """out (M, j) = per-group a_g @ B_g, B_g[r, c] at ``b + g*s0 + r*s1 + c*s2``."""
@@ -172,8 +195,9 @@ def _rows_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, j: int
     out = torch.empty(m, j, device=a.device, dtype=a.dtype)
     if m == 0 or j == 0:
         return out
-    cfg = dict(config or rows_config(m / groups, j))
-    grid = (groups + 1, triton.cdiv(j, cfg["BLOCK_J"]))
+    cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
+    cfg.setdefault("SPLIT", 1)
+    grid = (groups + 1, triton.cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
     kernel[grid](a, b, out, offsets, m, j, r, groups, *strides, **cfg)
     return out
 
@@ -194,14 +218,14 @@ def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 def _fprop(x, weights, offsets, config=None, kernel=None):
     w = weights
-    return _rows_launch(x.contiguous(), w, offsets, w.shape[1],
+    return _rows_launch("fprop", x.contiguous(), w, offsets, w.shape[1],
                         (w.stride(0), w.stride(2), w.stride(1)), config,
                         kernel or _rows_kernel)
 
 
 def _dgrad(dy, weights, offsets, config=None, kernel=None):
     w = weights
-    return _rows_launch(dy.contiguous(), w, offsets, w.shape[2],
+    return _rows_launch("dgrad", dy.contiguous(), w, offsets, w.shape[2],
                         (w.stride(0), w.stride(1), w.stride(2)), config,
                         kernel or _rows_kernel)
 
