@@ -168,7 +168,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    kinds = triton_kinds(rows_per_group)
+    # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
+    kinds = (triton_kinds(rows_per_group) if forced == "auto" and device.type == "cuda"
+             else ())
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
            kinds)
     choice = _CHOICES.get(key)
