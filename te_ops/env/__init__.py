@@ -54,8 +54,8 @@ ENV_VARS: dict[str, EnvVar] = {
             ("auto", "grouped_mm", "loop", "triton"),
             "Grouped GEMM backend: auto picks torch._grouped_mm where device, dtype and "
             "alignment allow it (with te_ops' Triton GEMMs for few rows per group on SM90 in "
-            "bf16, where measured faster: fprop/dgrad <= 4, wgrad <= 32 rows per group on "
-            "average), else a per-group loop; grouped_mm keeps Triton off, triton runs all "
+            "bf16, where measured faster: fprop <= 8, dgrad <= 4, wgrad <= 32 rows per group "
+            "on average), else a per-group loop; grouped_mm keeps Triton off, triton runs all "
             "three GEMMs in Triton; a forced backend that cannot run raises with the reason.",
         ),
         EnvVar(

@@ -45,10 +45,12 @@ __all__ = ["MAX_ROWS_PER_GROUP", "triton_kinds", "unsupported_reason", "triton_f
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
 
 #: Auto dispatch runs a GEMM kind in Triton when the call's rows (tokens, padding included)
-#: per group are at most this many (SM90, bf16): where ``benchmarks/triton_grouped_gemm.py``
-#: measured it faster than ``torch._grouped_mm`` on the H200 for the E64 and E128 H2048 FF768
-#: layers (docs/benchmarks.md). wgrad (write-bound: every dW_g tile written once) wins further.
-MAX_ROWS_PER_GROUP = {"fprop": 4, "dgrad": 4, "wgrad": 32}
+#: per group are at most this many (SM90, bf16): the largest of 1, 2, 4, 8, 16, 32 where
+#: ``benchmarks/triton_grouped_gemm.py`` measured it faster than ``torch._grouped_mm`` on the
+#: H200 for the fc1 and fc2 layers of E64 and E128 H2048 FF768 (docs/benchmarks.md; dgrad at 4
+#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2). wgrad (write-bound: every dW_g tile is
+#: written once) wins furthest.
+MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
