@@ -76,11 +76,14 @@ def triton_kinds(rows_per_group: float | None) -> tuple[str, ...]:
 def rows_config(kind: str, rows_per_group: float, j: int, groups: int,
                 rows: int) -> dict[str, int]:
     """Launch parameters of the fprop (``kind="fprop"``) or dgrad kernel for ``rows`` rows in
-    ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns: the fastest of
-    ``benchmarks/triton_grouped_gemm.py --sweep`` on the H200 (E64 fc1, 4 rows per group),
-    with ``BLOCK_J`` halved where the grid would have fewer than 1024 programs, and up to
-    ``SPLIT = 4`` programs sharing one (group, column tile), each taking every SPLIT-th row
-    block (a skewed group's rows in parallel; its weight tile then comes from L2)."""
+    ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns.
+
+    ``BLOCK_J`` / ``BLOCK_R`` / stages are the fastest of ``benchmarks/triton_grouped_gemm.py
+    --sweep`` on the H200 (E64 fc1, 4 rows per group). Added after that sweep and measured
+    only through the per-GEMM comparison (not swept): dgrad's ``BLOCK_J`` halved where the grid
+    would have fewer than 1024 programs, and up to ``SPLIT = 4`` programs sharing one (group,
+    column tile), each taking every SPLIT-th row block (a skewed group's rows in parallel; its
+    weight tile then comes from L2)."""
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
     if kind == "fprop":
         block_j, block_r = 32, 256
