@@ -269,3 +269,44 @@ def test_block_forced_triton_compiles_and_captures_bitwise(fusion, monkeypatch):
         test_torch_compile_cuda._check_compiled_bitwise(
             test_torch_compile_cuda._block(fusion, monkeypatch), mode)
     test_cuda_graphs.test_replay_matches_eager_bitwise(monkeypatch, fusion, torch.bfloat16)
+
+
+# ------------------------------------------------------------- CPU: routing of a mixed choice
+def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
+    """Auto with the rule satisfied (Triton's availability faked on CPU): the choice names the
+    Triton kinds and says why; fprop/dgrad outside ``triton_kinds`` run in torch._grouped_mm
+    (checked against the fp64 reference), wgrad inside them goes to the Triton kernel (which
+    then refuses the CPU tensor with its reason)."""
+    from te_ops.kernels import grouped_gemm
+    from te_ops.kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+    from te_ops.splits import make_splits
+
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.float32, 16, 32, True, "auto", "auto",
+                                          ("wgrad",))
+    assert choice.name == "triton" and choice.triton_kinds == ("wgrad",)
+    assert "wgrad in Triton" in choice.reason and "fprop/dgrad in torch._grouped_mm" in \
+        choice.reason
+    sizes = [3, 0, 5]
+    x, dy = torch.randn(10, 16), torch.randn(10, 32)
+    w = torch.randn(3, 32, 16)
+    splits = make_splits(torch.tensor(sizes), 3, 10, cpu)
+    want = _reference(x, dy, w, sizes)
+    assert_close(grouped_fprop(x, w, splits, choice), want[0], torch.float32, "fprop")
+    assert_close(grouped_dgrad(dy, w, splits, choice), want[1], torch.float32, "dgrad")
+    with pytest.raises(RuntimeError, match="Triton grouped GEMMs cannot run"):
+        grouped_wgrad(x, dy, splits, choice)
+
+
+def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
+    """The row-count rule is read only for auto on CUDA (a traced row count is not guarded on
+    CPU), and the choice cache key holds the Triton kinds."""
+    from te_ops.kernels import grouped_gemm
+
+    calls = []
+    monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append(rows) or ())
+    select_backend(torch.device("cpu"), torch.float32, 8, 8, True, rows_per_group=2.0)
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
+    select_backend(torch.device("meta"), torch.bfloat16, 8, 8, True, rows_per_group=2.0)
+    assert calls == []

@@ -213,7 +213,7 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
-    elif auto_triton is None and reason is None:
+    elif auto_triton is None and reason is None and kinds:
         rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in kinds]
         choice = BackendChoice(
             "triton", f"{'/'.join(kinds)} in Triton (few rows per group, SM90, bfloat16: "
