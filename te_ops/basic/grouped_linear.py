@@ -563,7 +563,8 @@ class GroupedLinear(BasicOperation):
         """Choose the grouped GEMM backend for this call, once (saved in the layout for the
         backward, recorded for ``explain()``)."""
         choice = select_backend(input_.device, input_.dtype, self.in_features,
-                                self.out_features, device_split_sizes=splits.on_device)
+                                self.out_features, device_split_sizes=splits.on_device,
+                                rows_per_group=splits.num_rows / max(splits.num_groups, 1))
         self.record_dispatch("grouped GEMM backend", _backend_text(choice))
         return choice
 

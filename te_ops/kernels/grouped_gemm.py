@@ -16,6 +16,14 @@ Backends
 ``loop``
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
+``triton``
+    te_ops' Triton kernels for few rows per group (``kernels/grouped_gemm_triton.py``), with
+    device offsets (graph-safe). Auto picks it only where it was measured faster than
+    ``torch._grouped_mm`` on the H200, per GEMM kind (``BackendChoice.triton_kinds``): CUDA
+    SM90, bfloat16, rows (padding included) per group on average at most
+    ``grouped_gemm_triton.MAX_ROWS_PER_GROUP[kind]`` (the caller passes ``rows_per_group``);
+    the other kinds of the call run in ``torch._grouped_mm``. Forced, all three kinds run in
+    Triton, for bf16/fp16 on any CUDA GPU.
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -33,6 +41,14 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from .grouped_gemm_triton import (
+    MAX_ROWS_PER_GROUP,
+    triton_dgrad,
+    triton_fprop,
+    triton_kinds,
+    triton_wgrad,
+)
+from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .padding import padding_backend, zero_padding_rows_
 
 __all__ = [
@@ -53,9 +69,12 @@ _PROBE_CACHE: dict[tuple[str, int | None, torch.dtype], str | None] = {}
 class BackendChoice:
     """The grouped GEMM backend picked for a call, and why."""
 
-    name: str  # "grouped_mm" | "loop"
+    name: str  # "grouped_mm" | "loop" | "triton"
     reason: str
     graph_safe: bool
+    #: With ``name == "triton"``: the GEMM kinds ("fprop", "dgrad", "wgrad") that run in
+    #: Triton; the others run in ``torch._grouped_mm``.
+    triton_kinds: tuple[str, ...] = ()
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -128,13 +147,17 @@ def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
-                   out_features: int, device_split_sizes: bool) -> BackendChoice:
+                   out_features: int, device_split_sizes: bool,
+                   rows_per_group: float | None = None) -> BackendChoice:
     """Pick the grouped GEMM backend for one grouped linear call.
 
     Parameters
     ----------
     device_split_sizes : bool
         Whether the split sizes are a device tensor (the loop backend then needs a host sync).
+    rows_per_group : float, optional
+        The call's rows (padding included) over its groups; ``None`` (not known, e.g. when
+        planning) keeps auto off the ``triton`` backend.
 
     Raises
     ------
@@ -145,11 +168,15 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe)
+    # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
+    kinds = (triton_kinds(rows_per_group) if forced == "auto" and device.type == "cuda"
+             else ())
+    key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
+           kinds)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe)
+                                 forced, graph_safe, kinds)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -165,11 +192,19 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
-                    graph_safe: str) -> BackendChoice:
+                    graph_safe: str, kinds: tuple[str, ...] = ()) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
-    if forced == "grouped_mm":
+    auto_triton = None if forced != "auto" else triton_auto_reason(device, dtype, kinds)
+    if forced == "triton":
+        why = triton_unsupported_reason(device, dtype)
+        if why is not None:
+            raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
+        choice = BackendChoice("triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
+                               graph_safe=device_split_sizes,
+                               triton_kinds=("fprop", "dgrad", "wgrad"))
+    elif forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
         choice = BackendChoice("grouped_mm", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
@@ -178,9 +213,19 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
+    elif auto_triton is None and reason is None and kinds:
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in kinds]
+        choice = BackendChoice(
+            "triton", f"{'/'.join(kinds)} in Triton (few rows per group, SM90, bfloat16: "
+            "measured faster than torch._grouped_mm there, rule MAX_ROWS_PER_GROUP="
+            f"{MAX_ROWS_PER_GROUP})" + (f"; {'/'.join(rest)} in torch._grouped_mm" if rest
+                                        else ""),
+            graph_safe=mm_graph_safe, triton_kinds=kinds)
     elif reason is None:
-        choice = BackendChoice("grouped_mm", "device, dtype and alignment allow it",
-                               graph_safe=mm_graph_safe)
+        why = "device, dtype and alignment allow it"
+        if device.type == "cuda" and auto_triton is not None:
+            why += f"; triton not taken: {auto_triton}"
+        choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
     if graph_safe == "1" and not choice.graph_safe:
@@ -189,6 +234,24 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             + _graph_safe_reason(choice, device_split_sizes, sync_reason)
         )
     return choice
+
+
+def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[str, ...]
+                       ) -> str | None:
+    """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
+    measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
+    why = triton_unsupported_reason(device, dtype)
+    if why is not None:
+        return why
+    if dtype != torch.bfloat16:
+        return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"measured faster on SM90 only, not SM{major}{minor}"
+    if not kinds:
+        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
+                "known), where torch._grouped_mm was measured as fast or faster")
+    return None
 
 
 def _graph_safe_reason(choice: BackendChoice, device_split_sizes: bool,
@@ -259,7 +322,9 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
-    if backend.name == "grouped_mm":
+    if "fprop" in backend.triton_kinds:
+        return triton_fprop(x, weights, splits.offsets)
+    if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
         out = grouped_mm(x, weights.transpose(-2, -1), splits.offsets)
@@ -275,7 +340,9 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
-    if backend.name == "grouped_mm":
+    if "dgrad" in backend.triton_kinds:
+        return triton_dgrad(dy, weights, splits.offsets)
+    if backend.name in ("grouped_mm", "triton"):
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
         out = grouped_mm(dy, weights, splits.offsets)
@@ -291,7 +358,9 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
-    if backend.name == "grouped_mm":
+    if "wgrad" in backend.triton_kinds:
+        return triton_wgrad(x, dy, splits.offsets)
+    if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])
         return grouped_mm(dy.t(), x, splits.offsets)

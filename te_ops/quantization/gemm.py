@@ -63,7 +63,7 @@ def native_unsupported_reason(fmt: str, device: torch.device, dtype: torch.dtype
         return f"the FP8 grouped GEMM writes bfloat16; parameters are {dtype}"
     if any(d % 16 for d in dims):
         return f"in/out features {dims} are not multiples of 16 (FP8 kernel alignment)"
-    if backend_name != "grouped_mm":
+    if backend_name not in ("grouped_mm", "triton"):
         return f"the high-precision backend is {backend_name} (forced or unavailable)"
     return None
 

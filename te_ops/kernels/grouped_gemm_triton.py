@@ -1,0 +1,319 @@
+"""Triton grouped GEMMs for few rows per group (the MoE decode regime), with device offsets.
+
+With a handful of tokens per expert, a grouped linear layer's GEMMs are bound by the weight
+bytes (fprop and dgrad read every ``W_g``, wgrad writes every ``dW_g``), not by math. Tiles
+made for large M waste that bandwidth. These kernels give each program one group and one
+tile of weight columns and loop over the group's rows in small row blocks, so each weight
+tile is read (or each weight-gradient tile written) once per row block, by many programs at
+a time.
+
+For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total):
+
+* fprop  ``y_g  = x_g @ W_g^T``  x (M, K), W (G, N, K) -> (M, N)
+* dgrad  ``dx_g = dy_g @ W_g``   dy (M, N), W (G, N, K) -> (M, K)
+* wgrad  ``dW_g = dy_g^T @ x_g`` x (M, K), dy (M, N) -> (G, N, K), zero for empty groups
+
+bf16 / fp16 operands, fp32 accumulation, outputs in the operands' dtype. fprop and dgrad share
+one kernel (``_rows_kernel``: ``out_g = a_g @ B_g`` with ``B_g`` given by strides, so ``W_g^T``
+is a free view); one extra program column (group index ``G``) writes zeros to the padding rows
+past ``offsets[-1]``, so no separate fill runs. Split sizes are read on the device only: no
+host sync, launch sizes known on the host, so the calls are graph-safe.
+
+Registered as ``torch.library.triton_op`` (``te_ops::grouped_gemm_rows``,
+``te_ops::grouped_wgrad_rows``): under ``torch.compile`` the calls go through them (the body,
+run on FakeTensors, is the fake kernel); eager calls launch the kernels directly (a custom-op
+dispatch costs host time). Dispatch lives in :mod:`te_ops.kernels.grouped_gemm` (backend
+``triton``); the measured rule is in :data:`MAX_ROWS_PER_GROUP`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+
+try:  # Triton is optional: CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["MAX_ROWS_PER_GROUP", "triton_kinds", "unsupported_reason", "triton_fprop",
+           "triton_dgrad", "triton_wgrad", "rows_config", "wgrad_config"]
+
+_DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
+
+#: Auto dispatch runs a GEMM kind in Triton when the call's rows (tokens, padding included)
+#: per group are at most this many (SM90, bf16): the largest of 1, 2, 4, 8, 16, 32 where
+#: ``benchmarks/triton_grouped_gemm.py`` measured it faster than ``torch._grouped_mm`` on the
+#: H200 for the fc1 and fc2 layers of E64 and E128 H2048 FF768 (docs/benchmarks.md; dgrad at 4
+#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2). wgrad (write-bound: every dW_g tile is
+#: written once) wins furthest.
+MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the Triton grouped GEMMs cannot run for ``dtype`` operands on ``device``
+    (``None`` when they can)."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type != "cuda":
+        return f"device type {device.type} is not cuda (the Triton grouped GEMMs need a GPU)"
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not one of {list(_DTYPES)}"
+    return None
+
+
+def triton_kinds(rows_per_group: float | None) -> tuple[str, ...]:
+    """The GEMM kinds auto dispatch runs in Triton at ``rows_per_group`` (see
+    :data:`MAX_ROWS_PER_GROUP`; none when not known)."""
+    if rows_per_group is None:
+        return ()
+    return tuple(k for k, r in MAX_ROWS_PER_GROUP.items() if rows_per_group <= r)
+
+
+def rows_config(kind: str, rows_per_group: float, j: int, groups: int,
+                rows: int) -> dict[str, int]:
+    """Launch parameters of the fprop (``kind="fprop"``) or dgrad kernel for ``rows`` rows in
+    ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns.
+
+    ``BLOCK_J`` / ``BLOCK_R`` / stages are the fastest of ``benchmarks/triton_grouped_gemm.py
+    --sweep`` on the H200 (E64 fc1, 4 rows per group). Added after that sweep and measured
+    only through the per-GEMM comparison (not swept): dgrad's ``BLOCK_J`` halved where the grid
+    would have fewer than 1024 programs, and up to ``SPLIT = 4`` programs sharing one (group,
+    column tile), each taking every SPLIT-th row block (a skewed group's rows in parallel; its
+    weight tile then comes from L2)."""
+    block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
+    if kind == "fprop":
+        block_j, block_r = 32, 256
+    else:
+        block_j, block_r = 64, 128
+        if (groups + 1) * -(-j // block_j) < 1024:
+            block_j = 32
+    split = max(1, min(4, -(-rows // block_m)))
+    return {"BLOCK_M": block_m, "BLOCK_J": block_j, "BLOCK_R": block_r, "SPLIT": split,
+            "num_warps": 4, "num_stages": 3}
+
+
+def wgrad_config(rows_per_group: float, n: int, k: int) -> dict[str, int]:
+    """Launch parameters of the wgrad kernel (the fastest of the same sweep)."""
+    block_m = 16 if rows_per_group <= 16 else 32
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
+            "num_stages": 3}
+
+
+def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype, device: torch.device
+           ) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+
+
+def _check_offsets(offsets: torch.Tensor, groups: int, device: torch.device,
+                   dtype: torch.dtype) -> None:
+    if offsets.dim() != 1 or offsets.shape[0] != groups:
+        raise ValueError(f"offsets must have shape ({groups},) (one end row per group), got "
+                         f"{tuple(offsets.shape)}")
+    if offsets.device != device or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be int32/int64 on {device}, got {offsets.dtype} on "
+                         f"{offsets.device}")
+    why = unsupported_reason(device, dtype)
+    if why is not None:
+        raise RuntimeError(f"the Triton grouped GEMMs cannot run: {why}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _group_rows(offs_ptr, g, G, M):
+        """Rows [start, end) of program group ``g``; ``g == G`` is the padding tail."""
+        prev = tl.maximum(g - 1, 0)
+        start = tl.load(offs_ptr + prev).to(tl.int64)
+        start = tl.where(g == 0, 0, start)
+        end = tl.load(offs_ptr + tl.minimum(g, G - 1)).to(tl.int64)
+        end = tl.where(g == G, M, end)
+        return start, end
+
+    @triton.jit
+    def _rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, J, R, G,
+                     stride_bg, stride_br, stride_bj,
+                     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+                     SPLIT: tl.constexpr):
+        """out[m, j] = sum_r a[m, r] * B[g, r, j] for the rows m of group g; a (M, R) and
+        out (M, J) contiguous. Program (g, j-tile, s) takes the group's row blocks s,
+        s + SPLIT, ...; g == G zeroes the padding rows."""
+        g = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        col_ok = cols < J
+        start, end = _group_rows(offs_ptr, g, G, M)
+        rk = tl.arange(0, BLOCK_R)
+        b_base = b_ptr + g.to(tl.int64) * stride_bg
+        for m0 in range(start + tl.program_id(2) * BLOCK_M, end, SPLIT * BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            acc = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+            if g < G:
+                for r0 in range(0, R, BLOCK_R):
+                    r = r0 + rk
+                    r_ok = r < R
+                    a = tl.load(a_ptr + rows[:, None] * R + r[None, :],
+                                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+                    b = tl.load(b_base + r[:, None] * stride_br + cols[None, :] * stride_bj,
+                                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+                    acc = tl.dot(a, b, acc)
+            tl.store(out_ptr + rows[:, None] * J + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, M, N, K, G,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[g, n, k] = sum over group g's rows m of dy[m, n] * x[m, k]; x (M, K), dy (M, N),
+        out (G, N, K) contiguous. Program (g, n-tile, k-tile) writes its tile once (zeros for
+        an empty group)."""
+        g = tl.program_id(0)
+        ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+        n_ok = ns < N
+        k_ok = ks < K
+        start, end = _group_rows(offs_ptr, g, G, M)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            dyt = tl.load(dy_ptr + rows[None, :] * N + ns[:, None],
+                          mask=n_ok[:, None] & row_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(dyt, x, acc)
+        out = out_ptr + g.to(tl.int64) * N * K + ns[:, None].to(tl.int64) * K + ks[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, j: int,
+                 strides: tuple[int, int, int], config: dict[str, int] | None,
+                 kernel) -> torch.Tensor:
+    """out (M, j) = per-group a_g @ B_g, B_g[r, c] at ``b + g*s0 + r*s1 + c*s2``."""
+    m, r = a.shape
+    groups = offsets.shape[0]
+    out = torch.empty(m, j, device=a.device, dtype=a.dtype)
+    if m == 0 or j == 0:
+        return out
+    cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
+    cfg.setdefault("SPLIT", 1)
+    grid = (groups + 1, triton.cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+    kernel[grid](a, b, out, offsets, m, j, r, groups, *strides, **cfg)
+    return out
+
+
+def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                  config: dict[str, int] | None, kernel) -> torch.Tensor:
+    m, k = x.shape
+    n = dy.shape[1]
+    groups = offsets.shape[0]
+    out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
+    if out.numel() == 0:
+        return out
+    cfg = dict(config or wgrad_config(m / groups, n, k))
+    grid = (groups, triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    kernel[grid](x, dy, out, offsets, m, n, k, groups, **cfg)
+    return out
+
+
+def _fprop(x, weights, offsets, config=None, kernel=None):
+    w = weights
+    return _rows_launch("fprop", x.contiguous(), w, offsets, w.shape[1],
+                        (w.stride(0), w.stride(2), w.stride(1)), config,
+                        kernel or _rows_kernel)
+
+
+def _dgrad(dy, weights, offsets, config=None, kernel=None):
+    w = weights
+    return _rows_launch("dgrad", dy.contiguous(), w, offsets, w.shape[2],
+                        (w.stride(0), w.stride(1), w.stride(2)), config,
+                        kernel or _rows_kernel)
+
+
+def triton_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                 config: dict[str, int] | None = None) -> torch.Tensor:
+    """``y_g = x_g @ W_g^T``: x (M, K), weights (G, N, K) any strides, offsets (G,) int32/int64
+    cumulative group ends on x's device -> y (M, N) in x's dtype; rows past ``offsets[-1]``
+    are zero. ``config`` overrides :func:`rows_config` (benchmarks).
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
+    """
+    _check("weights", weights, 3, x.dtype, x.device)
+    _check("x", x, 2, x.dtype, x.device)
+    if x.shape[1] != weights.shape[2]:
+        raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
+                         f"{weights.shape[2]}")
+    _check_offsets(offsets, weights.shape[0], x.device, x.dtype)
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_gemm_rows(x, weights, offsets, "fprop")
+    return _fprop(x, weights, offsets, config)
+
+
+def triton_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                 config: dict[str, int] | None = None) -> torch.Tensor:
+    """``dx_g = dy_g @ W_g``: dy (M, N), weights (G, N, K) -> dx (M, K); padding rows zero.
+
+    Raises
+    ------
+    ValueError
+        As :func:`triton_fprop`.
+    """
+    _check("weights", weights, 3, dy.dtype, dy.device)
+    _check("dy", dy, 2, dy.dtype, dy.device)
+    if dy.shape[1] != weights.shape[1]:
+        raise ValueError(f"dy has {dy.shape[1]} columns, weights (G, N, K) have N="
+                         f"{weights.shape[1]}")
+    _check_offsets(offsets, weights.shape[0], dy.device, dy.dtype)
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_gemm_rows(dy, weights, offsets, "dgrad")
+    return _dgrad(dy, weights, offsets, config)
+
+
+def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                 config: dict[str, int] | None = None) -> torch.Tensor:
+    """``dW_g = dy_g^T @ x_g``: x (M, K), dy (M, N) -> (G, N, K) in x's dtype, G =
+    ``offsets.shape[0]``; zero for empty groups; rows past ``offsets[-1]`` do not contribute.
+
+    Raises
+    ------
+    ValueError
+        As :func:`triton_fprop` (x and dy must have the same rows).
+    """
+    _check("x", x, 2, x.dtype, x.device)
+    _check("dy", dy, 2, x.dtype, x.device)
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"x and dy must have the same rows, got {x.shape[0]} and "
+                         f"{dy.shape[0]}")
+    if offsets.dim() != 1:
+        raise ValueError(f"offsets must be 1-D (one end row per group), got shape "
+                         f"{tuple(offsets.shape)}")
+    _check_offsets(offsets, offsets.shape[0], x.device, x.dtype)
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_wgrad_rows(x, dy, offsets)
+    return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, config, _wgrad_kernel)
+
+
+if triton is not None:
+
+    @torch.library.triton_op("te_ops::grouped_gemm_rows", mutates_args={})
+    def _grouped_gemm_rows_op(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                              kind: str) -> torch.Tensor:
+        """fprop (``kind="fprop"``) or dgrad of :func:`triton_fprop` / :func:`triton_dgrad`
+        as an op; the body, run on FakeTensors, is also the fake kernel."""
+        fn = _fprop if kind == "fprop" else _dgrad
+        return fn(a, weights, offsets, None, torch.library.wrap_triton(_rows_kernel))
+
+    @torch.library.triton_op("te_ops::grouped_wgrad_rows", mutates_args={})
+    def _grouped_wgrad_rows_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
+                               ) -> torch.Tensor:
+        """:func:`triton_wgrad` as an op."""
+        return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, None,
+                             torch.library.wrap_triton(_wgrad_kernel))
