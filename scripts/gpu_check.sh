@@ -20,6 +20,8 @@
 #                 -> "$OUT/grouped_mlp_fp8.jsonl"
 #     bench_interleaved  the peer and te_ops fused (per-expert, single weight) on the three large
 #                 shapes, one step of each in turn -> "$OUT/grouped_mlp_interleaved.jsonl"
+#     bench_e64   the E64 T256 decode shape, 3 interleaved rounds: the peer, te_ops single weight
+#                 eager and graphed (issue 10's decode goals) -> "$OUT/grouped_mlp_e64.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
@@ -42,7 +44,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds bench bench_fp8 bench_interleaved profile memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds bench bench_fp8 bench_e64 bench_interleaved profile memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -100,14 +102,19 @@ BENCH_JSON="$OUT/grouped_mlp.jsonl"
 FP8_JSON="$OUT/grouped_mlp_fp8.jsonl"
 PROFILE_JSON="$OUT/profile.jsonl"
 ILV_JSON="$OUT/grouped_mlp_interleaved.jsonl"
+E64_JSON="$OUT/grouped_mlp_e64.jsonl"
 bench_lane() {
-    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON" "$ILV_JSON"
+    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON" "$ILV_JSON" "$E64_JSON"
     # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
     step bench 200 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
     step bench_fp8 150 "$PY" benchmarks/grouped_mlp.py --peers torch_grouped_mm,te_ops_fused \
         --recipe none,fp8,fp8fast --iters 10 --warmup 3 --out "$FP8_JSON" ${BENCH_ARGS:-}
+    # shellcheck disable=SC2086
+    step bench_e64 60 "$PY" benchmarks/grouped_mlp.py --shapes E64_T256_H2048_FF768 --rounds 3 \
+        --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused_single_graph_noclone \
+        --iters 50 --warmup 10 --out "$E64_JSON" ${BENCH_ARGS:-}
     # Peers timed one step each in turn (A, B, C, A, ...): no order / clock drift between peers.
     # shellcheck disable=SC2086
     step bench_interleaved 100 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
@@ -139,7 +146,7 @@ fi
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    for f in "$BENCH_JSON" "$FP8_JSON" "$ILV_JSON"; do
+    for f in "$BENCH_JSON" "$FP8_JSON" "$E64_JSON" "$ILV_JSON"; do
         if [ -s "$f" ]; then
             echo
             "$PY" benchmarks/grouped_mlp.py --summarize "$f"
