@@ -81,6 +81,7 @@ def columnwise_only(storage: Any) -> Any:
     return kept
 
 
+@functools.lru_cache(maxsize=64)
 def _backend_text(choice: BackendChoice) -> str:
     safe = "graph-safe" if choice.graph_safe else "not graph-safe"
     return f"{choice.name} ({choice.reason}; {safe})"
@@ -275,7 +276,9 @@ class GroupedLinearSaved:
             return self.x.as_2d()
         if self.recompute_x is None:
             raise RuntimeError("GroupedLinear context holds no input and no way to recompute it")
-        return self.recompute_x().reshape(-1, self.in_shape[-1])
+        x = self.recompute_x()
+        cols = self.in_shape[-1]
+        return x if x.dim() == 2 and x.shape[1] == cols else x.reshape(-1, cols)
 
     def wgrad_input(self) -> Any:
         """The wgrad GEMM's input operand: the saved (quantized) storage under a recipe, or the
