@@ -35,7 +35,7 @@ from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
-from .splits import host_read_scope
+from .splits import close_host_read_scope, open_host_read_scope
 
 __all__ = [
     "OperationFuser",
@@ -471,8 +471,11 @@ def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
 
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
                  groups: list[tuple[Any, ...]], recipe: Any):
-    with host_read_scope():  # ops fed by one split-size tensor copy it to the host once
+    token = open_host_read_scope()  # ops fed by one split-size tensor copy it to the host once
+    try:
         return _walk_forward(plan, ctxs, input_, groups, recipe)
+    finally:
+        close_host_read_scope(token)
 
 
 def _walk_forward(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
