@@ -87,9 +87,10 @@ def device_like() -> None:
     te_ops.splits._cpu_has_padding = lambda ends, num_rows: None
     gg = te_ops.kernels.grouped_gemm
     gg.zero_padding_rows_ = _as_launch("zero_rows", gg.zero_padding_rows_)
-    fused = te_ops.fused.grouped_mlp
-    fused.swiglu_forward = _as_launch("swiglu_fwd", te_ops.basic.swiglu.swiglu_forward)
-    fused.swiglu_backward = _as_launch("swiglu_bwd", te_ops.basic.swiglu.swiglu_backward)
+    fwd = _as_launch("swiglu_fwd", te_ops.basic.swiglu.swiglu_forward)
+    bwd = _as_launch("swiglu_bwd", te_ops.basic.swiglu.swiglu_backward)
+    for module in (te_ops.fused.grouped_mlp, te_ops.basic.swiglu):  # fused and unfused callers
+        module.swiglu_forward, module.swiglu_backward = fwd, bwd
 
 
 _STUB_LIB: list = []

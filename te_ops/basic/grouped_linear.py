@@ -573,8 +573,11 @@ class GroupedLinear(BasicOperation):
         """Record for ``explain()`` how this call's GEMMs ran under ``recipe`` (or drop the
         record of an earlier call's recipe)."""
         records = self.__dict__.setdefault("_dispatch_records", {})
+        if recipe is None and not self.__dict__.get("_recipe_recorded"):
+            return  # no recipe now and no recipe record to drop (the per-step common case)
         for kind in [k for k in records if k.startswith("recipe ")]:
             del records[kind]
+        self.__dict__["_recipe_recorded"] = recipe is not None
         if recipe is not None:
             kind, decision = _recipe_note(recipe, x2d.device, x2d.dtype, self.in_features,
                                           self.out_features, backend.name).split(": ", 1)

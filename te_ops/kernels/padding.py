@@ -41,9 +41,10 @@ _BLOCK_M = 32
 def padding_backend(out: torch.Tensor) -> str:
     """Which path :func:`zero_padding_rows_` takes for ``out``: ``triton``, ``slice`` or
     ``mask``."""
-    if out.device.type == "cuda" and triton is not None and out.dim() == 2 and out.stride(1) == 1:
+    kind = out.device.type
+    if kind == "cuda" and triton is not None and out.dim() == 2 and out.stride(1) == 1:
         return "triton"
-    if out.device.type == "cpu" and not tracing():
+    if kind == "cpu" and not tracing():
         return "slice"
     return "mask"
 
