@@ -181,3 +181,17 @@ def test_same_source_rejects_other_dtype_before_comparing_memory():
     assert same_source(t, t.detach())
     assert not same_source(t, t.view(torch.float64))  # same memory, another dtype
     assert not same_source(t, t.clone())
+
+
+def test_recipe_record_is_dropped_by_the_next_call_without_a_recipe():
+    """The per-call recipe record (``explain()``) is skipped when there is no recipe and
+    nothing to drop, and still dropped after a call under a recipe."""
+    lin = te_ops.GroupedLinear(2, 16, 16)
+    x = torch.randn(6, 16)
+    lin(x, [3, 3])
+    assert not any(r.startswith("recipe ") for r in lin.dispatch_records())
+    with te_ops.autocast(recipe=te_ops.recipe.Float8CurrentScaling()):
+        lin(x, [3, 3])
+    assert any(r.startswith("recipe Float8CurrentScaling") for r in lin.dispatch_records())
+    lin(x, [3, 3])
+    assert not any(r.startswith("recipe ") for r in lin.dispatch_records())
