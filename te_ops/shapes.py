@@ -27,11 +27,12 @@ def rows_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def as_shape(t: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """``t.view(shape)``: ``t`` itself when it already has ``shape``.
+    """``t.reshape(shape)``: ``t`` itself when it already has ``shape``. (A view whenever the
+    strides allow one, as for the contiguous GEMM outputs it is used on; else a copy.)
 
     Raises
     ------
     RuntimeError
-        From ``view``, when ``t``'s strides do not allow the view (as ``Tensor.view``).
+        From ``reshape``, when ``shape`` does not have ``t.numel()`` elements.
     """
-    return t if t.shape == shape else t.view(shape)
+    return t if t.shape == shape else t.reshape(shape)

@@ -64,14 +64,16 @@ def test_rows_2d_returns_the_tensor_itself_only_when_nothing_changes():
     assert out is not strided and out.is_contiguous() and torch.equal(out, strided)
 
 
-def test_as_shape_views_only_when_the_shape_differs():
+def test_as_shape_reshapes_only_when_the_shape_differs():
     x = torch.randn(6, 4)
     assert as_shape(x, (6, 4)) is x
     assert as_shape(x, torch.Size([6, 4])) is x
     y = as_shape(x, (2, 3, 4))
-    assert y._base is x and torch.equal(y.reshape(6, 4), x)
-    with pytest.raises(RuntimeError, match="view"):
-        as_shape(x.t(), (24,))  # as Tensor.view: a transposed tensor cannot be flattened
+    assert y._base is x and torch.equal(y.reshape(6, 4), x)  # a view where strides allow
+    flat = as_shape(x.t(), (24,))  # a transposed tensor is copied, as by Tensor.reshape
+    assert torch.equal(flat, x.t().reshape(24))
+    with pytest.raises(RuntimeError, match="invalid for input of size 24"):
+        as_shape(x, (5, 5))
 
 
 # -------------------------------------------------------------------------- op counts
