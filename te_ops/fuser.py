@@ -35,7 +35,7 @@ from . import env
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
-from .splits import host_read_scope
+from .splits import close_host_read_scope, open_host_read_scope
 
 __all__ = [
     "OperationFuser",
@@ -437,7 +437,7 @@ class OperationFuser:
 
         outputs = _FuserFunction.apply(
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
-            tuple(map(len, params)), *flat_params, *flat_extra,
+            tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
         return outputs if sum(self.num_extra_outputs) else outputs[0]
 
@@ -471,8 +471,11 @@ def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
 
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
                  groups: list[tuple[Any, ...]], recipe: Any):
-    with host_read_scope():  # ops fed by one split-size tensor copy it to the host once
+    token = open_host_read_scope()  # ops fed by one split-size tensor copy it to the host once
+    try:
         return _walk_forward(plan, ctxs, input_, groups, recipe)
+    finally:
+        close_host_read_scope(token)
 
 
 def _walk_forward(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
@@ -526,9 +529,9 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, extra_grad,
-                param_counts, *params_and_extra):
-        num_params = sum(param_counts)  # per basic op, how many parameters it was given
-        groups = fuser._split_extra_inputs(params_and_extra[num_params:])
+                param_counts, groups, *params_and_extra):
+        # ``groups``: the extra inputs per basic op, as split by the caller (the same objects
+        # as the flat tail of ``params_and_extra``, which autograd sees as inputs).
         op_ctxs = [OperationContext() for _ in fuser.basic_ops]
         for i, c in enumerate(op_ctxs):
             c.requires_grad = requires_grad[i]
@@ -546,7 +549,9 @@ class _FuserFunction(torch.autograd.Function):
         # A view made here (grad mode is off) of a tensor the caller may modify in place would
         # unpack as torch's "view created in no_grad mode" error: save its base and re-view it
         # in backward, so the version counter names the in-place op (as nn.Linear's does).
-        ctx.views = [None if t is None or not t._is_view() else
+        # Views of tensors that need no grad (split offsets, the ops' own buffers) are saved
+        # as they are: that error needs a base that requires grad.
+        ctx.views = [None if t is None or not t._is_view() or not t._base.requires_grad else
                      (t.size(), t.stride(), t.storage_offset()) for t in to_save]
         ctx.save_for_backward(*[t._base if v is not None else t
                                 for t, v in zip(to_save, ctx.views)])
@@ -615,6 +620,7 @@ class _FuserFunction(torch.autograd.Function):
             ge = grad_extra[i] or [None] * n
             flat_grad_extra.extend(ge)
         # Gradients of extra tensor inputs take their input's shape (e.g. (B, S) probs).
-        flat_grad_extra = [None if shape is None or g is None else g.reshape(shape)
+        flat_grad_extra = [None if shape is None or g is None else
+                           g if g.shape == shape else g.reshape(shape)
                            for g, shape in zip(flat_grad_extra, ctx.extra_shapes)]
-        return (dx, *[None] * 7, *flat_grad_params, *flat_grad_extra)
+        return (dx, *[None] * 8, *flat_grad_params, *flat_grad_extra)

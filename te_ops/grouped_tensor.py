@@ -126,7 +126,8 @@ class GroupedTensorStorage:
         """Split grouping: the (rows, cols) matrix; uniform: (num_tensors * rows, cols)."""
         rows, cols = self.tensor_shape
         if self.is_split:
-            return self._data().view(rows, cols)
+            data = self._data()
+            return data if data.shape == (rows, cols) else data.view(rows, cols)
         return self._data().view(self.num_tensors * rows, cols)
 
     def as_3d(self) -> torch.Tensor:

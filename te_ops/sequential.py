@@ -217,7 +217,7 @@ class Sequential(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
         groups = self._groups()
-        per_op = iter(self.signature().split(extra_inputs))
+        per_op = iter(self.__dict__["_signature"].split(extra_inputs))  # built by _groups()
         x = input_
         extra_outputs: list[torch.Tensor] = []
         for g in groups:

@@ -36,9 +36,11 @@ def same_source(a: Any, b: Any) -> bool:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype:  # the cheap test first (e.g. probs vs split sizes)
+        return False
     if torch.compiler.is_compiling() or a.device.type == "meta":
         return False  # no addresses to compare (fake / meta tensors)
-    if (a.device, a.dtype, a.shape, a.stride()) != (b.device, b.dtype, b.shape, b.stride()):
+    if (a.device, a.shape, a.stride()) != (b.device, b.shape, b.stride()):
         return False
     try:
         return a.data_ptr() == b.data_ptr()

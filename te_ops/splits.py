@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import numbers
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ import torch
 
 from . import env
 
-__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type", "host_read_scope"]
+__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type", "host_read_scope",
+           "open_host_read_scope", "close_host_read_scope"]
 
 #: Host copies of device split sizes made during one fuser forward, by ``id`` of the caller's
 #: tensor (the tensor is kept alive by the call), so ops fed by one tensor read it once.
@@ -35,11 +37,22 @@ _HOST_COPIES: contextvars.ContextVar[dict[int, list[int]] | None] = contextvars.
 def host_read_scope() -> Iterator[None]:
     """Within this scope (one fuser forward), device split sizes copied to the host by the
     loop backend are copied once per caller's tensor, whichever op asks first."""
-    token = _HOST_COPIES.set({})
+    token = open_host_read_scope()
     try:
         yield
     finally:
-        _HOST_COPIES.reset(token)
+        close_host_read_scope(token)
+
+
+def open_host_read_scope() -> contextvars.Token:
+    """:func:`host_read_scope` without the context manager (the fuser's per-step path):
+    open it; pass the token to :func:`close_host_read_scope` in a ``finally``."""
+    return _HOST_COPIES.set({})
+
+
+def close_host_read_scope(token: contextvars.Token) -> None:
+    """Close a scope opened by :func:`open_host_read_scope`."""
+    _HOST_COPIES.reset(token)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -246,7 +259,8 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     check_split_sizes_type(split_sizes, num_groups, device, name)
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
-        sizes = split_sizes.to(torch.int64)  # floating sizes: cast on the device
+        sizes = (split_sizes if split_sizes.dtype is torch.int64
+                 else split_sizes.to(torch.int64))  # floating sizes: cast on the device
         ends = torch.cumsum(sizes, 0)
         # [0, ends, sizes] in one buffer: base_offsets is its head (a view), and one
         # range check covers every size (so the int64 cumsum cannot wrap) and every end
@@ -262,11 +276,7 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
             if split_sizes.is_floating_point():  # whole numbers only
                 valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
             torch._assert_async(
-                valid,
-                f"{name} must be {'whole, ' if split_sizes.is_floating_point() else ''}"
-                f"non-negative and sum to at most the input's rows ({num_rows}); set "
-                "TE_OPS_CHECK_SPLIT_SIZES=1 for an eager check that names the values",
-            )
+                valid, _device_check_message(name, split_sizes.is_floating_point(), num_rows))
         # On the CPU (eager) the total is in host memory: reading it is no sync, and knowing
         # there is no padding spares every padding-row pass of the step.
         has_padding = _cpu_has_padding(ends, num_rows)
@@ -290,6 +300,21 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding=has_padding,
         source=split_sizes if host_sizes is None else None,
     )
+
+
+def _device_check_message(name: str, floating: bool, num_rows: int) -> str:
+    """The device-side assert's message (made once per name, kind and row count; a SymInt
+    row count of a torch.compile trace is not hashable, so that text is made each time)."""
+    if isinstance(num_rows, int):
+        return _cached_check_message(name, floating, num_rows)
+    return _cached_check_message.__wrapped__(name, floating, num_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_check_message(name: str, floating: bool, num_rows: int) -> str:
+    return (f"{name} must be {'whole, ' if floating else ''}non-negative and sum to at most "
+            f"the input's rows ({num_rows}); set TE_OPS_CHECK_SPLIT_SIZES=1 for an eager check "
+            "that names the values")
 
 
 def _cpu_has_padding(ends: torch.Tensor, num_rows: int) -> bool | None:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .kernels.grouped_gemm import BackendChoice
+from .kernels.grouped_gemm import BackendChoice, grouped_wgrad
 from .kernels.wgrad_into import grouped_wgrad_into
 from .quantization.autocast import quantize_operand
 from .splits import GroupedSplits
@@ -187,12 +187,10 @@ def _main_grad_targets(policy: WgradPolicy, weights: list[torch.Tensor], single:
 
 def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | None]:
     """Weight grads of one job: into ``main_grad`` (returning ``None``s), or plain tensors."""
-    from .basic.grouped_linear import per_param
-    from .kernels.grouped_gemm import grouped_wgrad
-
     weights = job.weights
     if not any(map(_REQUIRES_GRAD, weights)):
         return [None] * len(weights)
+    from .basic.grouped_linear import per_param  # (basic.grouped_linear imports this module)
     dy = job.dy_q if job.dy_q is not None else quantize_operand(
         job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
     if policy.accumulate_into_main_grad:
@@ -208,10 +206,9 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
 
 
 def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
-    from .basic.grouped_linear import group_bias_grad, per_param
-
     if not any(map(_REQUIRES_GRAD, job.biases)):
         return [None] * len(job.biases)
+    from .basic.grouped_linear import group_bias_grad, per_param
     grads = per_param(group_bias_grad(job.dy, job.splits, job.probs), job.single)
     return [g if b.requires_grad else None for g, b in zip(grads, job.biases)]
 

@@ -30,6 +30,7 @@ from ..kernels.grouped_gemm import (
 from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
 from ..quantization.gemm import is_quantized, quantized_gemm_note
+from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 
@@ -55,17 +56,21 @@ def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "pr
     shapes = [(num_rows,)]
     if lead_shape is not None and tuple(lead_shape) != (num_rows,):
         shapes.append(tuple(lead_shape))
-    expected = " or ".join(str(s) for s in shapes)
     if not isinstance(probs, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, got "
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_shapes_text(shapes)}, got "
                         f"{type(probs).__name__}")
     if tuple(probs.shape) not in shapes:
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(probs.shape)}")
+        raise ValueError(f"{name} must have shape {_shapes_text(shapes)}, got "
+                         f"{tuple(probs.shape)}")
     if not probs.is_floating_point():
         raise TypeError(f"{name} must have a floating-point dtype, got {probs.dtype}")
     if probs.device != device:
         raise ValueError(f"{name} must be on the input's device {device}, got {probs.device}")
-    return probs.reshape(num_rows)
+    return probs if probs.dim() == 1 else probs.reshape(num_rows)
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    return " or ".join(str(s) for s in shapes)
 
 
 def columnwise_only(storage: Any) -> Any:
@@ -76,6 +81,7 @@ def columnwise_only(storage: Any) -> Any:
     return kept
 
 
+@functools.lru_cache(maxsize=64)
 def _backend_text(choice: BackendChoice) -> str:
     safe = "graph-safe" if choice.graph_safe else "not graph-safe"
     return f"{choice.name} ({choice.reason}; {safe})"
@@ -276,7 +282,9 @@ class GroupedLinearSaved:
             return self.x.as_2d()
         if self.recompute_x is None:
             raise RuntimeError("GroupedLinear context holds no input and no way to recompute it")
-        return self.recompute_x().reshape(-1, self.in_shape[-1])
+        x = self.recompute_x()
+        cols = self.in_shape[-1]
+        return x if x.dim() == 2 and x.shape[1] == cols else x.reshape(-1, cols)
 
     def wgrad_input(self) -> Any:
         """The wgrad GEMM's input operand: the saved (quantized) storage under a recipe, or the
@@ -572,8 +580,11 @@ class GroupedLinear(BasicOperation):
         """Record for ``explain()`` how this call's GEMMs ran under ``recipe`` (or drop the
         record of an earlier call's recipe)."""
         records = self.__dict__.setdefault("_dispatch_records", {})
+        if recipe is None and not self.__dict__.get("_recipe_recorded"):
+            return  # no recipe now and no recipe record to drop (the per-step common case)
         for kind in [k for k in records if k.startswith("recipe ")]:
             del records[kind]
+        self.__dict__["_recipe_recorded"] = recipe is not None
         if recipe is not None:
             kind, decision = _recipe_note(recipe, x2d.device, x2d.dtype, self.in_features,
                                           self.out_features, backend.name).split(": ", 1)
@@ -768,21 +779,21 @@ class GroupedLinear(BasicOperation):
             probs = check_probs(probs, splits.num_rows, input_.device,
                                 lead_shape=tuple(input_.shape[:-1]))
         backend = self.select_backend(input_, splits)
-        x2d = input_.reshape(-1, self.in_features).contiguous()
+        x2d = rows_2d(input_, self.in_features)
         operands = self.forward_operands(ctx, x2d, splits, recipe)
         y = self.forward_math(x2d, splits, backend, probs, recipe, operands)
         if ctx.requires_grad:
             self.make_saved(ctx, x2d, splits, backend, probs, input_.shape,
                             recipe=recipe, operands=operands).save(ctx)
         del operands
-        return y.view(*input_.shape[:-1], self.out_features), [()]
+        return as_shape(y, (*input_.shape[:-1], self.out_features)), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
         saved = GroupedLinearSaved.load(ctx)
-        dy2d = grad_output.reshape(-1, self.out_features).contiguous()
+        dy2d = rows_2d(grad_output, self.out_features)
         dgrad, param_grads, grad_probs = self.backward_math(saved, dy2d, ctx.input_requires_grad)
         if dgrad is not None:
-            dgrad = dgrad.view(saved.in_shape)
+            dgrad = as_shape(dgrad, saved.in_shape)
         extra_grads = [None, grad_probs] if self.scale_bias else [None]
         return dgrad, [param_grads], [extra_grads]

@@ -21,6 +21,7 @@ import torch
 from ..kernels import swiglu_triton
 from ..kernels.swiglu_triton import ActivationChoice
 from ..op import BasicOperation, OperationContext
+from ..shapes import as_shape
 from .grouped_linear import check_probs
 
 __all__ = ["SwiGLU", "ScaledSwiGLU", "SwiGLUSaved", "swiglu_forward", "swiglu_backward"]
@@ -249,7 +250,8 @@ class ScaledSwiGLU(SwiGLU):
         (probs,) = basic_op_extra_inputs[0]
         self.check_input(input_)
         probs = check_probs(probs, input_.numel() // input_.shape[-1], input_.device,
-                            lead_shape=tuple(input_.shape[:-1])).view(input_.shape[:-1])
+                            lead_shape=tuple(input_.shape[:-1]))
+        probs = as_shape(probs, input_.shape[:-1])
         backend = self.select_backend(input_)
         if ctx.requires_grad:
             SwiGLUSaved(input_, probs, backend).save(ctx)
@@ -259,4 +261,4 @@ class ScaledSwiGLU(SwiGLU):
         saved = SwiGLUSaved.load(basic_op_ctxs[0])
         grad_input, grad_probs = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
                                                  saved.probs, backend=saved.backend)
-        return grad_input, [[]], [[grad_probs.reshape(-1)]]
+        return grad_input, [[]], [[as_shape(grad_probs, (grad_probs.numel(),))]]

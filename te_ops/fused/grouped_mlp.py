@@ -35,6 +35,7 @@ from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_prob
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window
 from ..op import FusedOperation, FusibleOperation
+from ..shapes import as_shape, rows_2d
 
 __all__ = [
     "ForwardGroupedMLP",
@@ -147,23 +148,23 @@ class ForwardGroupedMLP(FusedOperation):
             for name, p in (("fc1 probs", probs1), ("probs", probs_act), ("fc2 probs", probs2))
         )
 
-        x2d = input_.reshape(-1, fc1.in_features).contiguous()
+        x2d = rows_2d(input_, fc1.in_features)
         backend1 = fc1.select_backend(x2d, splits)
         ops1 = fc1.forward_operands(ctx1, x2d, splits, recipe)
         h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
-        h = h.view(*lead, fc1.out_features)
+        h = as_shape(h, (*lead, fc1.out_features))
         act.check_input(h)
         if probs_act is not None:
-            probs_act = probs_act.view(lead)
+            probs_act = as_shape(probs_act, lead)
         backend_act = act.select_backend(h)
         a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
         backend2 = fc2.select_backend(a, splits)
+        a2d = as_shape(a, (rows, fc2.in_features))
         # fc2's input is recomputed in backward when the activation saves its input: no
         # column-wise copy of it here then.
-        ops2 = fc2.forward_operands(ctx2, a.reshape(-1, fc2.in_features), splits, recipe,
+        ops2 = fc2.forward_operands(ctx2, a2d, splits, recipe,
                                     save_input=not ctx_act.requires_grad)
-        y = fc2.forward_math(a.reshape(-1, fc2.in_features), splits, backend2, probs2, recipe,
-                             ops2)
+        y = fc2.forward_math(a2d, splits, backend2, probs2, recipe, ops2)
 
         if ctx1.requires_grad:
             fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
@@ -175,10 +176,9 @@ class ForwardGroupedMLP(FusedOperation):
             if ctx_act.requires_grad:
                 def recompute() -> torch.Tensor:
                     return act.recompute_output(SwiGLUSaved.load(ctx_act))
-            a2d = None if recompute else a.reshape(-1, fc2.in_features)
-            fc2.make_saved(ctx2, a2d, splits, backend2, probs2, a.shape,
+            fc2.make_saved(ctx2, None if recompute else a2d, splits, backend2, probs2, a.shape,
                            recompute_x=recompute, recipe=recipe, operands=ops2).save(ctx2)
-        return y.view(*lead, fc2.out_features), [(), (), ()]
+        return as_shape(y, (*lead, fc2.out_features)), [(), (), ()]
 
 
 class BackwardGroupedMLP(FusedOperation):
@@ -194,7 +194,7 @@ class BackwardGroupedMLP(FusedOperation):
         # The gate guarantees fc1 and fc2 share one split-size source: share the derived
         # tensors (padding mask, one-hot for bias grads) instead of building them twice.
         s2.splits = s1.splits
-        dy2d = grad_output.reshape(-1, fc2.out_features).contiguous()
+        dy2d = rows_2d(grad_output, fc2.out_features)
         # Order: fc2 dgrad, then ONE activation-backward pass that also yields the activation
         # output when the forward did not save fc2's input, then fc2's weight grads with it.
         dy_q2 = GroupedLinear.quantize_grad_output(s2, dy2d, True)  # both copies, one go
@@ -205,7 +205,7 @@ class BackwardGroupedMLP(FusedOperation):
         # less at the peak). Its version is bumped, so a second backward through a retained
         # graph raises torch's "modified by an inplace operation" error instead of reading dh.
         in_place = sa.backend.name == "triton"  # the forward's recorded choice
-        act_result = swiglu_backward(sa.x, dgrad2.view(s2.in_shape), act.glu_interleave_size,
+        act_result = swiglu_backward(sa.x, as_shape(dgrad2, s2.in_shape), act.glu_interleave_size,
                                      sa.probs, with_output=need_out, backend=sa.backend,
                                      grad_into_input=in_place)
         if in_place:
@@ -219,11 +219,12 @@ class BackwardGroupedMLP(FusedOperation):
         dy_q2 = None
         s2.recompute_x = None  # free fc2's input (the activation output) before fc1's GEMMs
         act_result = act_out = None
-        dh2d = dh.reshape(-1, fc1.out_features)
+        dh2d = as_shape(dh, (dh.numel() // fc1.out_features, fc1.out_features))
         dgrad1, grads1, gprobs1 = GroupedLinear.backward_math(s1, dh2d, ctx1.input_requires_grad)
         if dgrad1 is not None:
-            dgrad1 = dgrad1.view(s1.in_shape)
+            dgrad1 = as_shape(dgrad1, s1.in_shape)
         extra1 = [None, gprobs1] if fc1.scale_bias else [None]
-        extra_act = [gprobs_act.reshape(-1)] if isinstance(act, ScaledSwiGLU) else []
+        extra_act = ([as_shape(gprobs_act, (gprobs_act.numel(),))]
+                     if isinstance(act, ScaledSwiGLU) else [])
         extra2 = [None, gprobs2] if fc2.scale_bias else [None]
         return dgrad1, [grads1, [], grads2], [extra1, extra_act, extra2]

@@ -49,7 +49,7 @@ from .grouped_gemm_triton import (
     triton_wgrad,
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
-from .padding import padding_backend, zero_padding_rows_
+from .padding import zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
@@ -307,9 +307,9 @@ def _remember(key: tuple, ptrs: list[int]) -> bool:
 def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
     if splits.has_padding is False:
         return out
-    # Only the rows past the device-side total are written (see kernels/padding.py).
-    mask = splits.padding_rows() if padding_backend(out) == "mask" else None
-    return zero_padding_rows_(out, splits.offsets, mask)
+    # Only the rows past the device-side total are written (see kernels/padding.py); the
+    # shared padding mask is built only if the mask path runs.
+    return zero_padding_rows_(out, splits.offsets, splits.padding_rows)
 
 
 def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,

@@ -20,6 +20,8 @@ otherwise (``meta``, CPU under ``torch.compile``, CUDA without Triton)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .compiled_ops import tracing
@@ -39,15 +41,17 @@ _BLOCK_M = 32
 def padding_backend(out: torch.Tensor) -> str:
     """Which path :func:`zero_padding_rows_` takes for ``out``: ``triton``, ``slice`` or
     ``mask``."""
-    if out.device.type == "cuda" and triton is not None and out.dim() == 2 and out.stride(1) == 1:
+    kind = out.device.type
+    if kind == "cuda" and triton is not None and out.dim() == 2 and out.stride(1) == 1:
         return "triton"
-    if out.device.type == "cpu" and not tracing():
+    if kind == "cpu" and not tracing():
         return "slice"
     return "mask"
 
 
 def zero_padding_rows_(out: torch.Tensor, offsets: torch.Tensor,
-                       padding_rows: torch.Tensor | None = None) -> torch.Tensor:
+                       padding_rows: torch.Tensor | Callable[[], torch.Tensor] | None = None
+                       ) -> torch.Tensor:
     """Set rows ``offsets[-1]:`` of ``out`` to zero, in place; return ``out``.
 
     Parameters
@@ -57,8 +61,10 @@ def zero_padding_rows_(out: torch.Tensor, offsets: torch.Tensor,
     offsets : torch.Tensor
         Shape (G,), integer, on ``out``'s device: cumulative group ends (``offsets[-1]`` is
         the number of real rows, at most M; ``GroupedSplits.offsets``).
-    padding_rows : torch.Tensor, optional
-        Shape (M, 1) bool mask of the padding rows, used by the mask path (built when absent).
+    padding_rows : torch.Tensor or callable, optional
+        Shape (M, 1) bool mask of the padding rows, used by the mask path (built when absent),
+        or a function returning it (called only on the mask path, e.g.
+        ``GroupedSplits.padding_rows``).
 
     Raises
     ------
@@ -81,6 +87,8 @@ def zero_padding_rows_(out: torch.Tensor, offsets: torch.Tensor,
     elif path == "slice":
         out[int(offsets[-1]):].zero_()
     else:
+        if callable(padding_rows):
+            padding_rows = padding_rows()
         if padding_rows is None:
             rows = torch.arange(out.shape[0], device=out.device)
             padding_rows = (rows >= offsets[-1]).unsqueeze(-1)
