@@ -142,3 +142,38 @@ def test_main_job_bf16_master_weights_flag(tmp_path: Path,
     assert fp32["final_val_loss"] != bf16["final_val_loss"]
     with pytest.raises(SystemExit):
         train_moe.main([*tiny, "--master-weights", "fp16"])
+
+
+def test_master_weights_takes_a_generator() -> None:
+    """``MasterWeights(model.parameters())`` (a generator) must hold every parameter: a
+    generator stored as is was consumed by the masters, then ``take_grads`` / ``copy_back``
+    zipped over nothing and the model silently never trained."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    master = train_moe.MasterWeights(model.parameters())
+    assert len(master.params) == len(master.masters) == 2
+    opt = torch.optim.SGD(master.masters, lr=1.0)
+    model(torch.randn(5, 8, dtype=torch.bfloat16)).sum().backward()
+    master.take_grads()
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in master.masters)
+    # Reference: one SGD step by hand in fp32, rounded to bf16.
+    expected = [(b.float() - p.grad.float()).to(torch.bfloat16)
+                for b, p in zip(before, model.parameters())]
+    opt.step()
+    master.copy_back()
+    for e, p in zip(expected, model.parameters()):
+        assert torch.equal(p.detach(), e)
+
+
+def test_master_weights_bad_params_raise() -> None:
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"iterable of parameters.*one tensor of shape \(3,\)"):
+        train_moe.MasterWeights(w)
+    with pytest.raises(TypeError, match=r"params\[1\] must be a floating-point tensor, got "
+                                        r"torch.int64"):
+        train_moe.MasterWeights([w, torch.zeros(2, dtype=torch.int64)])
+    with pytest.raises(TypeError, match=r"params\[0\] must be .* got float"):
+        train_moe.MasterWeights([1.0])
+    with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
+        train_moe.MasterWeights([w, w])
