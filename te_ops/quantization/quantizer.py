@@ -103,10 +103,13 @@ class Quantizer:
     ------
     TypeError
         ``x`` is not a floating tensor of dtype fp32 / bf16, ``splits`` is of another type, or
-        ``rowwise`` / ``columnwise`` is not a bool.
+        ``rowwise`` / ``columnwise`` / ``record_columnwise_amax`` is not a bool.
     ValueError
-        Neither copy requested, ``x`` is 0-d, or a column-wise copy of a tensor that is neither
-        3-D nor 2-D.
+        Neither copy requested, ``x`` is 0-d, a column-wise copy of a tensor that is neither
+        3-D nor 2-D, ``columnwise_amax`` that is not a (G, K) fp32 tensor on ``x``'s device or
+        given where no uniform column-wise copy is made (or to a format without per-column
+        amax), or ``record_columnwise_amax=True`` on a call that is not a row-wise-only
+        quantize of (G, N, K) ``x`` without splits.
     """
 
     format = ""
