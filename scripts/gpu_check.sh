@@ -33,7 +33,7 @@
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
-# the profile script), STEPS (space-separated step names to run; default all).
+# the profile script), STEPS (space-separated step names to run; default all but cpu_tests).
 
 set -uo pipefail
 

@@ -139,3 +139,39 @@ def test_block_bitwise_equal_with_and_without_recorded_amax(fusion, monkeypatch)
     assert seen and all(a is None for a in seen)
     for a, b in zip(with_amax, without):
         assert torch.equal(a, b)
+
+
+def test_record_amax_where_it_cannot_apply_raises():
+    """``record_columnwise_amax=True`` on a call that cannot record it raised nothing and gave
+    ``columnwise_amax=None`` (a silent no-op); now it names the shape / quantizer."""
+    w = awkward_weights(torch.float32)
+    qr = Float8CurrentScalingQuantizer(rowwise=True)
+    with pytest.raises(ValueError, match=r"\(G, N, K\) tensor without splits, got x of shape "
+                                         r"\(6, 4\)"):
+        qr(torch.zeros(6, 4), record_columnwise_amax=True)
+    with pytest.raises(ValueError, match=r"got x of shape \(6, 4\)"):
+        qr(torch.zeros(6, 4), [3, 3], record_columnwise_amax=True)
+    for cw in (dict(rowwise=True, columnwise=True), dict(rowwise=False, columnwise=True)):
+        with pytest.raises(ValueError, match=r"row-wise-only quantizer"):
+            Float8CurrentScalingQuantizer(**cw)(w, record_columnwise_amax=True)
+    with pytest.raises(TypeError, match="record_columnwise_amax must be a bool, got str"):
+        qr(w, record_columnwise_amax="no")
+    # A format that makes no such amax answers None (documented), and False records nothing.
+    mx = MXFP8Quantizer(rowwise=True)(torch.zeros(2, 32, 32), record_columnwise_amax=True)
+    assert mx.columnwise_amax is None
+    assert qr(w, record_columnwise_amax=False).columnwise_amax is None
+
+
+def test_columnwise_amax_wrong_device_or_type_raises():
+    w = awkward_weights(torch.float32)
+    q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)
+    with pytest.raises(ValueError, match=r"shape \(3, 10\) on cpu, got \(3, 10\) "
+                                         r"torch.float32 on meta"):
+        q(w, columnwise_amax=torch.zeros(3, 10, device="meta"))
+    with pytest.raises(ValueError, match=r"on cpu, got list"):
+        q(w, columnwise_amax=[[0.0] * 10] * 3)
+    # A non-contiguous amax with the right values gives the same bytes.
+    amax = ref_column_amax(w).t().contiguous().t()
+    assert not amax.is_contiguous()
+    assert torch.equal(q(w, columnwise_amax=amax).columnwise_data.view(U8),
+                       q(w).columnwise_data.view(U8))

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -25,7 +26,7 @@ pytestmark = [
     # (tests/test_quantization_cuda.py); the interpreter of the Triton there (H200 box, torch
     # 2.11) cannot run the kernels' loops over device-loaded group bounds ("only 0-dimensional
     # arrays can be converted to Python scalars").
-    pytest.mark.skipif("torch.cuda.is_available()",
+    pytest.mark.skipif(torch.cuda.is_available(),
                        reason="CUDA present: tests/test_quantization_cuda.py runs the kernels"),
 ]
 

@@ -310,3 +310,20 @@ def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
     select_backend(torch.device("meta"), torch.bfloat16, 8, 8, True, rows_per_group=2.0)
     assert calls == []
+
+
+def test_unsupported_reason_names_the_device_and_dtype_first(monkeypatch):
+    """Forced ``triton`` on the CPU said "triton is not installed" where triton was missing,
+    which is not why it cannot run there; the device and dtype come first now."""
+    from te_ops.kernels import grouped_gemm_triton as gt
+
+    monkeypatch.setattr(gt, "triton", None)
+    assert gt.unsupported_reason(torch.device("cpu"), torch.bfloat16) == (
+        "device type cpu is not cuda (the Triton grouped GEMMs need a GPU)")
+    assert "dtype torch.float32 is not one of" in gt.unsupported_reason(
+        torch.device("cuda"), torch.float32)
+    assert gt.unsupported_reason(torch.device("cuda"), torch.bfloat16) == (
+        "triton is not installed")
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="triton cannot run: device type cpu is not cuda"):
+        select_backend(torch.device("cpu"), torch.float32, 64, 64, True, rows_per_group=1.0)

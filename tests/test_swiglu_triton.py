@@ -46,3 +46,15 @@ def test_triton_matches_torch(monkeypatch, dtype, with_probs, rows, ffn):
     if with_probs:
         pscale = max(1.0, ref_dp.abs().max().item() if rows else 1.0)
         torch.testing.assert_close(dp.double(), ref_dp, rtol=tol, atol=tol * pscale * 4)
+
+
+def test_cpu_reason_names_the_device_not_the_install(monkeypatch):
+    """Forced Triton SwiGLU on the CPU without triton said "triton is not installed", which is
+    not why it cannot run there: the device comes first."""
+    monkeypatch.setattr(swiglu_triton, "triton", None)
+    x = torch.randn(4, 8)
+    assert swiglu_triton.unsupported_reason(x, None) == "device type cpu is not cuda"
+    assert swiglu_triton.unsupported_reason(x.to("meta"), None) == "device type meta is not cuda"
+    monkeypatch.setenv("TE_OPS_ACTIVATION_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="triton cannot run: device type cpu is not cuda"):
+        swiglu_triton.select_backend(x, None)

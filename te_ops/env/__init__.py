@@ -56,7 +56,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "alignment allow it (with te_ops' Triton GEMMs for few rows per group on SM90 in "
             "bf16, where measured faster: fprop <= 8, dgrad <= 4, wgrad <= 32 rows per group "
             "on average), else a per-group loop; grouped_mm keeps Triton off, triton runs all "
-            "three GEMMs in Triton; a forced backend that cannot run raises with the reason.",
+            "three high-precision GEMMs in Triton (native FP8 GEMMs under a recipe stay "
+            "torch._scaled_grouped_mm, an fp32 main_grad wgrad torch._grouped_mm); a forced "
+            "backend that cannot run raises with the reason.",
         ),
         EnvVar(
             "TE_OPS_ACTIVATION_BACKEND",

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -447,11 +448,37 @@ class MasterWeights:
     place (their storage does not move, so CUDA graphs that read them stay valid). This is the
     scheme of Megatron-LM's ``Float16OptimizerWithFloat16Params`` (bf16 compute, fp32 weights
     and optimizer state), which is how bf16 and FP8 models are trained in practice.
+
+    Parameters
+    ----------
+    params : iterable of torch.Tensor
+        The model's floating-point parameters, each once (``model.parameters()`` or a list);
+        taken into a list, so a generator is read once here.
+
+    Raises
+    ------
+    TypeError
+        An element is not a tensor, or not floating point (its dtype is named).
+    ValueError
+        The same tensor appears twice (its position is named: two masters would diverge).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of parameters (e.g. "
+                            "model.parameters()), got one tensor of shape "
+                            f"{tuple(params.shape)}")
+        self.params = list(params)
+        seen: dict[int, int] = {}
+        for i, p in enumerate(self.params):
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"params[{i}] must be a floating-point tensor, got {got}")
+            if id(p) in seen:
+                raise ValueError(f"params[{i}] is the same tensor as params[{seen[id(p)]}]: "
+                                 "pass each parameter once")
+            seen[id(p)] = i
+        self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
 
     def take_grads(self) -> None:
         """``master.grad = param.grad.float()`` (``None`` stays ``None``)."""

@@ -56,12 +56,14 @@ MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the Triton grouped GEMMs cannot run for ``dtype`` operands on ``device``
     (``None`` when they can)."""
-    if triton is None:
-        return "triton is not installed"
+    # The device and dtype first: they are what the caller can change (a CPU run must not be
+    # told that installing triton would help).
     if device.type != "cuda":
         return f"device type {device.type} is not cuda (the Triton grouped GEMMs need a GPU)"
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not one of {list(_DTYPES)}"
+    if triton is None:
+        return "triton is not installed"
     return None
 
 

@@ -39,10 +39,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def unsupported_reason(x: torch.Tensor, interleave: int | None) -> str | None:
     """Why the Triton SwiGLU kernels cannot take ``x`` (``None`` when they can)."""
-    if triton is None:
-        return "triton is not installed"
+    # The device first: a CPU run must not be told that installing triton would help.
     if x.device.type != "cuda":
         return f"device type {x.device.type} is not cuda"
+    if triton is None:
+        return "triton is not installed"
     if interleave is not None:
         return "glu_interleave_size is set (the Triton kernels handle the halves layout only)"
     if x.dtype not in _DTYPES:

@@ -103,10 +103,13 @@ class Quantizer:
     ------
     TypeError
         ``x`` is not a floating tensor of dtype fp32 / bf16, ``splits`` is of another type, or
-        ``rowwise`` / ``columnwise`` is not a bool.
+        ``rowwise`` / ``columnwise`` / ``record_columnwise_amax`` is not a bool.
     ValueError
-        Neither copy requested, ``x`` is 0-d, or a column-wise copy of a tensor that is neither
-        3-D nor 2-D.
+        Neither copy requested, ``x`` is 0-d, a column-wise copy of a tensor that is neither
+        3-D nor 2-D, ``columnwise_amax`` that is not a (G, K) fp32 tensor on ``x``'s device or
+        given where no uniform column-wise copy is made (or to a format without per-column
+        amax), or ``record_columnwise_amax=True`` on a call that is not a row-wise-only
+        quantize of (G, N, K) ``x`` without splits.
     """
 
     format = ""
@@ -183,6 +186,9 @@ class Quantizer:
         uniform = x.dim() == 3 and splits is None
         if columnwise_amax is not None:
             _check_column_amax(columnwise_amax, x, uniform and self.columnwise)
+        if record_columnwise_amax is not False:
+            _check_record_amax(record_columnwise_amax, x, uniform,
+                               self.rowwise and not self.columnwise)
         kw: dict[str, Any] = {}
         if splits is not None:
             if x.dim() != 2:
@@ -241,6 +247,25 @@ def _check_column_amax(amax: Any, x: torch.Tensor, applies: bool) -> None:
                if isinstance(amax, torch.Tensor) else type(amax).__name__)
         raise ValueError(f"columnwise_amax must be a float32 tensor of shape {expected} on "
                          f"{x.device}, got {got}")
+
+
+def _check_record_amax(record: Any, x: torch.Tensor, uniform: bool, rowwise_only: bool
+                       ) -> None:
+    """Raise unless ``record`` is a bool and, when True, the call can record the column amax:
+    a row-wise-only quantizer on (G, N, K) ``x`` without splits (``uniform``). A format that
+    does not make this amax (MXFP8) still records ``None``: that is its documented answer."""
+    if not isinstance(record, bool):
+        raise TypeError(f"record_columnwise_amax must be a bool, got {type(record).__name__}")
+    if not record:
+        return
+    if not uniform:
+        raise ValueError("record_columnwise_amax=True needs a (G, N, K) tensor without splits, "
+                         f"got x of shape {tuple(x.shape)}"
+                         + ("" if x.dim() != 3 else " with splits"))
+    if not rowwise_only:
+        raise ValueError("record_columnwise_amax=True needs a row-wise-only quantizer "
+                         "(rowwise=True, columnwise=False): a column-wise copy made in the same "
+                         "call needs no recorded amax")
 
 
 def _as_splits(splits: Any, x: torch.Tensor) -> Any:
