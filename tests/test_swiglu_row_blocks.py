@@ -1,0 +1,65 @@
+"""The torch (CPU) SwiGLU runs in L2-sized row blocks (``te_ops.basic.swiglu.CPU_BLOCK_ELEMENTS``).
+
+The other tests' shapes fit in one block; here the block is shrunk to a few rows (with a ragged
+last block) so that the block loop itself is tested: forward and backward against the
+independent fp64 reference, the fused grouped MLP's four fused/unfused combinations still
+bit-identical, and gradcheck in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import test_basic_ops
+import test_fused_grouped_mlp
+import torch
+
+from te_ops.basic import swiglu
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks of 3 rows at 4 columns per half (fewer rows at the wider halves here), so most
+    shapes end in a ragged block."""
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cpu")
+
+
+def test_blocks_cover_the_rows():
+    for rows, half in ((0, 4), (1, 4), (7, 4), (9, 2), (5, 100)):
+        blocks = swiglu._row_blocks(rows, half, torch.device("cpu"))
+        covered = [i for r in blocks for i in range(rows)[r]]
+        assert covered == list(range(rows)), (rows, half, blocks)
+    assert swiglu._row_blocks(7, 4, torch.device("meta")) == [slice(0, 7)]
+
+
+@pytest.mark.parametrize("with_output", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("interleave", [None, 2])
+def test_backward_with_output_matches_forward(dtype, interleave, with_output):
+    # The fused backward's recomputed output is bitwise the forward's, block by block; the
+    # gradients match the fp64 reference.
+    torch.manual_seed(0)
+    x = (2 * torch.randn(2, 5, 16)).to(dtype)
+    probs = torch.rand(2, 5, dtype=torch.promote_types(dtype, torch.float32))
+    dy = torch.randn(2, 5, 8).to(dtype)
+    y = swiglu.swiglu_forward(x, interleave, probs)
+    res = swiglu.swiglu_backward(x, dy, interleave, probs, with_output=with_output)
+    if with_output:
+        assert torch.equal(res[2], y)
+    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
+    out, grads = ref.forward_backward(
+        lambda t: ref.scaled_swiglu(t["x"], t["probs"], interleave), leaves, dy)
+    ref.assert_close(y, out, dtype, "output")
+    ref.assert_close(res[0], grads["x"], dtype, "grad of input")
+    ref.assert_close(res[1], grads["probs"], dtype, "grad of probs")
+
+
+# The existing reference, gradcheck and four-way tests, run again with small blocks.
+test_swiglu_matches_reference = test_basic_ops.test_swiglu_matches_reference
+test_gradcheck_scaled_swiglu = test_basic_ops.test_gradcheck_scaled_swiglu
+test_four_combinations_bit_identical = test_fused_grouped_mlp.test_four_combinations_bit_identical
