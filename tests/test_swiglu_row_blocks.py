@@ -14,6 +14,7 @@ import test_basic_ops
 import test_fused_grouped_mlp
 import torch
 
+import te_ops
 from te_ops.basic import swiglu
 
 
@@ -57,6 +58,38 @@ def test_backward_with_output_matches_forward(dtype, interleave, with_output):
     ref.assert_close(y, out, dtype, "output")
     ref.assert_close(res[0], grads["x"], dtype, "grad of input")
     ref.assert_close(res[1], grads["probs"], dtype, "grad of probs")
+    # Written over the inputs (as the fused backward does): the same values, bitwise.
+    x_in, dy_in = x.clone(), dy.clone()
+    res_in = swiglu.swiglu_backward(x_in, dy_in, interleave, probs, with_output=with_output,
+                                    grad_into_input=True, output_into_grad=True)
+    for want, got in zip(res, res_in):
+        assert torch.equal(want, got)
+    assert res_in[0].data_ptr() == x_in.data_ptr()
+    if with_output:
+        assert res_in[2].data_ptr() == dy_in.data_ptr()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_second_backward_through_retained_graph(monkeypatch, fused):
+    # The fused backward writes dh over the activation's saved input (CPU too): a second
+    # backward raises torch's in-place error instead of reading dh; unfused it still works.
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "1" if fused else "0")
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(2, 8, 8))
+    x = torch.randn(7, 8, requires_grad=True)
+    probs = torch.rand(7, requires_grad=True)
+    split = torch.tensor([3, 4])
+    y = blk(x, split, probs, split)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    first = x.grad.clone()
+    if fused:
+        with pytest.raises(RuntimeError, match="inplace operation"):
+            y.backward(dy)
+    else:
+        y.backward(dy)
+        torch.testing.assert_close(x.grad, 2 * first)
 
 
 # The existing reference, gradcheck and four-way tests, run again with small blocks.

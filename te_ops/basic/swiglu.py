@@ -96,15 +96,20 @@ def _parts(xb: torch.Tensor, interleave: int | None, scratch: _Scratch):
 def _scaled_product(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
                     dest: torch.Tensor, scratch: _Scratch,
                     silu_b: torch.Tensor | None = None) -> None:
-    """``dest = (SiLU(a) * b) * probs`` cast to ``dest.dtype``; ``silu_b``: the product, already
-    computed (in ``dest`` when the dtypes match, else in scratch), scaled here in place."""
+    """``dest = (SiLU(a) * b) * probs``, rounded as written, cast to ``dest.dtype``;
+    ``silu_b``: the product ``SiLU(a) * b``, already computed."""
+    same = dest.dtype == silu.dtype
+    target = dest if same else scratch("out", *silu.shape)
     if silu_b is None:
-        same = dest.dtype == silu.dtype
-        silu_b = torch.mul(silu, b, out=dest if same else scratch("silu_b", *silu.shape))
-    if probs is not None:
-        silu_b.mul_(probs)
-    if dest.dtype != silu_b.dtype:
-        dest.copy_(silu_b)
+        torch.mul(silu, b, out=target)
+        if probs is not None:
+            target.mul_(probs)
+    elif probs is not None:
+        torch.mul(silu_b, probs, out=target)
+    else:
+        target.copy_(silu_b)
+    if not same:
+        dest.copy_(target)
 
 
 def _setup(x: torch.Tensor, probs: torch.Tensor | None):
@@ -131,28 +136,28 @@ def _forward_torch(x: torch.Tensor, interleave: int | None,
 def _backward_block(xb, dyb, p, interleave, gx, gp, out, scratch: _Scratch) -> None:
     """One row block of the backward: ``gx`` (grad of x), ``gp`` (grad of probs, compute
     dtype), ``out`` (the forward output) written in place. Each of the few passes reads
-    operands that the previous pass left in cache."""
+    operands that the previous pass left in cache. ``gx`` may be ``xb`` and ``out`` may be
+    ``dyb``: each is written only after the last read of what it overwrites."""
     a, b, silu = _parts(xb, interleave, scratch)
     n, half = silu.shape
     dy = scratch.cast("dy", dyb)
     silu_b = None
+    if p is not None or out is not None:
+        silu_b = torch.mul(silu, b, out=scratch("silu_b", n, half))
     if p is not None:  # grad_probs = rowsum(SiLU(a) * b * dy), then dy scaled by probs
-        in_out = out is not None and out.dtype == silu.dtype
-        silu_b = torch.mul(silu, b, out=out if in_out else scratch("silu_b", n, half))
         torch.sum(torch.mul(silu_b, dy, out=scratch("prod", n, half)), dim=-1, out=gp)
         dy = torch.mul(dy, p, out=scratch("dy_p", n, half))
+    dy_b = torch.mul(dy, b, out=scratch("dy_b", n, half))
     direct = interleave is None and gx.dtype == silu.dtype
     g = gx if direct else scratch("grad", n, 2 * half)
-    da, db = g[:, :half], g[:, half:]
-    # aten's silu_backward computes dy * s * (1 + a * (1 - s)), s = sigmoid(a), in one pass,
-    # here in place over dy * b.
-    torch.ops.aten.silu_backward.grad_input(torch.mul(dy, b, out=da), a, grad_input=da)
-    torch.mul(dy, silu, out=db)
+    torch.mul(dy, silu, out=g[:, half:])  # b is dead from here on
+    # aten's silu_backward computes dy_b * s * (1 + a * (1 - s)), s = sigmoid(a), in one pass.
+    torch.ops.aten.silu_backward.grad_input(dy_b, a, grad_input=g[:, :half])
     if interleave is not None:
-        gx.copy_(_join(da, db, interleave))
+        gx.copy_(_join(g[:, :half], g[:, half:], interleave))
     elif not direct:
         gx.copy_(g)
-    if out is not None:
+    if out is not None:  # dy is dead too
         _scaled_product(silu, b, p, out, scratch, silu_b)
 
 
@@ -175,7 +180,7 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
                     *, with_output: bool = False, backend: ActivationChoice | None = None,
-                    grad_into_input: bool = False):
+                    grad_into_input: bool = False, output_into_grad: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
@@ -184,10 +189,12 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     With ``with_output=True`` a third result is the forward output, bitwise equal to
     :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
     grouped-MLP backward uses it as fc2's wgrad input). ``backend``: the forward's choice
-    (saved in :class:`SwiGLUSaved`); chosen here when ``None``. ``grad_into_input=True`` lets
-    the Triton kernel write ``grad_x`` over ``x`` (``x`` is then lost; the torch path ignores it).
-    The torch path runs in the forward's row blocks, each pass reading what the previous one
-    left in cache.
+    (saved in :class:`SwiGLUSaved`); chosen here when ``None``. ``grad_into_input=True``
+    writes ``grad_x`` over ``x`` (``x`` is then lost): one (..., 2F) buffer less, and on the
+    CPU the gradient's stores hit the cache lines the same block just read.
+    ``output_into_grad=True`` (torch path; Triton allocates the output) likewise writes the
+    output over ``grad_output`` when their dtypes match. The torch path runs in the forward's
+    row blocks, each pass reading what the previous one left in cache.
     """
     backend = backend or swiglu_triton.select_backend(x, interleave)
     if backend.name == "triton":
@@ -197,9 +204,13 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     x2, blocks, scratch, p2 = _setup(x, probs)
     n, half = x2.shape[0], x.shape[-1] // 2
     dy2 = grad_output.reshape(n, half)
-    grad_x = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    grad_x = x2 if grad_into_input else torch.empty_like(
+        x2, memory_format=torch.contiguous_format)
     gp = None if p2 is None else torch.empty(n, dtype=p2.dtype, device=x.device)
-    out = torch.empty(n, half, dtype=x.dtype, device=x.device) if with_output else None
+    out = None
+    if with_output:
+        out = dy2 if output_into_grad and dy2.dtype == x.dtype else torch.empty(
+            n, half, dtype=x.dtype, device=x.device)
     for r in blocks:
         _backward_block(x2[r], dy2[r], None if p2 is None else p2[r], interleave, grad_x[r],
                         None if gp is None else gp[r], None if out is None else out[r],
