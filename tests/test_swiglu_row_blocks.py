@@ -22,7 +22,7 @@ from te_ops.basic import swiglu
 def small_blocks(monkeypatch):
     """Blocks of 3 rows at 4 columns per half (fewer rows at the wider halves here), so most
     shapes end in a ragged block."""
-    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12 // torch.get_num_threads())
 
 
 @pytest.fixture

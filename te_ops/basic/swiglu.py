@@ -43,11 +43,12 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
         *da.shape[:-1], 2 * da.shape[-1])
 
 
-#: Elements per operand in one row block of the torch (CPU) SwiGLU passes: a block's handful of
-#: fp32 temporaries (64 Ki elements, 256 KiB each) stays in a core's L2 cache from one pass to
-#: the next, so only the inputs and results travel to and from memory. Measured on a 2-core
-#: Xeon (2 MiB L2 per core), E8 T4096 FF512 fp32: 128-row blocks take the SwiGLU backward from
-#: ~18 to ~11 ms (benchmarks/results/cpu2core_grouped_mlp_2026-11-30_cpux*.jsonl).
+#: Elements per operand and intra-op thread in one row block of the torch (CPU) SwiGLU passes:
+#: a block's handful of fp32 temporaries (64 Ki elements, 256 KiB each per thread) stays in the
+#: cores' L2 caches from one pass to the next, so only the inputs and results travel to and
+#: from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
+#: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks beat whole-tensor passes;
+#: 64-256 rows are equal within noise.
 CPU_BLOCK_ELEMENTS = 65536
 
 
@@ -57,7 +58,7 @@ def _row_blocks(rows: int, half: int, device: torch.device) -> list[slice]:
     (a Python loop over data-dependent row counts does not belong in a graph)."""
     if device.type != "cpu" or torch.compiler.is_compiling() or rows == 0:
         return [slice(0, rows)]
-    step = max(1, CPU_BLOCK_ELEMENTS // max(half, 1))
+    step = max(1, CPU_BLOCK_ELEMENTS * torch.get_num_threads() // max(half, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
