@@ -31,11 +31,14 @@ def device() -> torch.device:
 
 
 def test_blocks_cover_the_rows():
+    # Several blocks (ragged last one) on the CPU, in order; one block on other devices.
     for rows, half in ((0, 4), (1, 4), (7, 4), (9, 2), (5, 100)):
-        blocks = swiglu._row_blocks(rows, half, torch.device("cpu"))
-        covered = [i for r in blocks for i in range(rows)[r]]
-        assert covered == list(range(rows)), (rows, half, blocks)
-    assert swiglu._row_blocks(7, 4, torch.device("meta")) == [slice(0, 7)]
+        blk = swiglu._Blocks(torch.zeros(rows, 2 * half), None, None)
+        parts = blk.split(torch.arange(rows))
+        assert torch.equal(torch.cat(parts), torch.arange(rows)), (rows, half)
+        assert len(parts) == len(blk.split(None)) == max(1, -(-rows // blk.step))
+        assert rows <= blk.step or len(parts) > 1
+    assert swiglu._block_rows(7, 4, torch.device("meta")) == 7
 
 
 @pytest.mark.parametrize("with_output", [False, True])

@@ -52,14 +52,13 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
 CPU_BLOCK_ELEMENTS = 65536
 
 
-def _row_blocks(rows: int, half: int, device: torch.device) -> list[slice]:
-    """Row slices for the torch SwiGLU passes: L2-sized blocks on the CPU; one block elsewhere
-    (a CUDA launch per block would cost more than it saves) and while ``torch.compile`` traces
-    (a Python loop over data-dependent row counts does not belong in a graph)."""
+def _block_rows(rows: int, half: int, device: torch.device) -> int:
+    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU; all rows elsewhere (a
+    CUDA launch per block would cost more than it saves) and while ``torch.compile`` traces (a
+    Python loop over data-dependent row counts does not belong in a graph)."""
     if device.type != "cpu" or torch.compiler.is_compiling() or rows == 0:
-        return [slice(0, rows)]
-    step = max(1, CPU_BLOCK_ELEMENTS * torch.get_num_threads() // max(half, 1))
-    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+        return max(rows, 1)
+    return max(1, CPU_BLOCK_ELEMENTS * torch.get_num_threads() // max(half, 1))
 
 
 class _Scratch:
@@ -75,7 +74,7 @@ class _Scratch:
         if buf is None:
             buf = torch.empty(self.rows, width, dtype=self.dtype, device=self.device)
             self._bufs[(name, width)] = buf
-        return buf[:n]
+        return buf if n == self.rows else buf[:n]
 
     def cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` in the compute dtype: itself, or a copy in a scratch buffer."""
@@ -84,14 +83,33 @@ class _Scratch:
         return self(name, t.shape[0], t.shape[-1]).copy_(t)
 
 
-def _parts(xb: torch.Tensor, interleave: int | None, scratch: _Scratch):
-    """``a``, ``b`` and ``SiLU(a)`` of one row block ``xb`` (n, 2F), in the compute dtype (one
-    ``silu`` pass); every SwiGLU path (forward, backward, fused recompute) derives its values
-    from these, block by block, so they agree bitwise."""
-    a, b = _halves(xb, interleave)
+class _Blocks:
+    """The row blocks of one SwiGLU call: ``x`` as (n, 2F) rows, its halves, probs as an (n, 1)
+    column in the compute dtype, and the scratch every block reuses."""
+
+    def __init__(self, x: torch.Tensor, interleave: int | None,
+                 probs: torch.Tensor | None) -> None:
+        self.x2 = x.reshape(-1, x.shape[-1])
+        self.rows, self.half = self.x2.shape[0], x.shape[-1] // 2
+        self.compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
+        self.step = _block_rows(self.rows, self.half, x.device)
+        self.scratch = _Scratch(min(self.step, self.rows), self.compute, x.device)
+        self.probs = None if probs is None else probs.reshape(-1, 1).to(self.compute)
+        self.a, self.b = _halves(self.x2, interleave)
+
+    def split(self, t: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """``t`` (rows first) in the blocks' rows; ``None`` for every block when ``t`` is."""
+        if t is None:
+            return [None] * -(-max(self.rows, 1) // self.step)
+        return list(t.split(self.step))
+
+
+def _parts(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch):
+    """``a``, ``b`` and ``SiLU(a)`` of one row block, in the compute dtype (one ``silu``
+    pass); every SwiGLU path (forward, backward, fused recompute) derives its values from
+    these, block by block, so they agree bitwise."""
     a, b = scratch.cast("a", a), scratch.cast("b", b)
-    silu = torch.ops.aten.silu.out(a, out=scratch("silu", a.shape[0], a.shape[-1]))
-    return a, b, silu
+    return a, b, torch.ops.aten.silu.out(a, out=scratch("silu", a.shape[0], a.shape[1]))
 
 
 def _scaled_product(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
@@ -113,33 +131,24 @@ def _scaled_product(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | N
         dest.copy_(target)
 
 
-def _setup(x: torch.Tensor, probs: torch.Tensor | None):
-    """Rows as a 2-D view, the row blocks, their scratch and probs as an (n, 1) column."""
-    x2 = x.reshape(-1, x.shape[-1])
-    compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
-    blocks = _row_blocks(x2.shape[0], x.shape[-1] // 2, x.device)
-    scratch = _Scratch(blocks[0].stop - blocks[0].start, compute, x.device)
-    p2 = None if probs is None else probs.reshape(-1, 1).to(compute)
-    return x2, blocks, scratch, p2
-
-
 def _forward_torch(x: torch.Tensor, interleave: int | None,
                    probs: torch.Tensor | None) -> torch.Tensor:
-    x2, blocks, scratch, p2 = _setup(x, probs)
-    half = x.shape[-1] // 2
-    out = torch.empty(x2.shape[0], half, dtype=x.dtype, device=x.device)
-    for r in blocks:
-        _, b, silu = _parts(x2[r], interleave, scratch)
-        _scaled_product(silu, b, None if p2 is None else p2[r], out[r], scratch)
-    return out.view(*x.shape[:-1], half)
+    blk = _Blocks(x, interleave, probs)
+    out = torch.empty(blk.rows, blk.half, dtype=x.dtype, device=x.device)
+    for a, b, p, o in zip(blk.split(blk.a), blk.split(blk.b), blk.split(blk.probs),
+                          blk.split(out)):
+        _, b, silu = _parts(a, b, blk.scratch)
+        _scaled_product(silu, b, p, o, blk.scratch)
+    return out.view(*x.shape[:-1], blk.half)
 
 
-def _backward_block(xb, dyb, p, interleave, gx, gp, out, scratch: _Scratch) -> None:
-    """One row block of the backward: ``gx`` (grad of x), ``gp`` (grad of probs, compute
-    dtype), ``out`` (the forward output) written in place. Each of the few passes reads
-    operands that the previous pass left in cache. ``gx`` may be ``xb`` and ``out`` may be
-    ``dyb``: each is written only after the last read of what it overwrites."""
-    a, b, silu = _parts(xb, interleave, scratch)
+def _backward_block(a, b, dyb, p, ga, gb, gp, out, scratch: _Scratch) -> None:
+    """One row block of the backward: ``ga`` / ``gb`` (grads of the halves), ``gp`` (grad of
+    probs, compute dtype), ``out`` (the forward output) written in place. Each of the few
+    passes reads operands that the previous pass left in cache. ``ga`` / ``gb`` may be ``a`` /
+    ``b`` and ``out`` may be ``dyb``: each is written after the last read of what it
+    overwrites."""
+    a, b, silu = _parts(a, b, scratch)
     n, half = silu.shape
     dy = scratch.cast("dy", dyb)
     silu_b = None
@@ -149,17 +158,42 @@ def _backward_block(xb, dyb, p, interleave, gx, gp, out, scratch: _Scratch) -> N
         torch.sum(torch.mul(silu_b, dy, out=scratch("prod", n, half)), dim=-1, out=gp)
         dy = torch.mul(dy, p, out=scratch("dy_p", n, half))
     dy_b = torch.mul(dy, b, out=scratch("dy_b", n, half))
-    direct = interleave is None and gx.dtype == silu.dtype
-    g = gx if direct else scratch("grad", n, 2 * half)
-    torch.mul(dy, silu, out=g[:, half:])  # b is dead from here on
+    torch.mul(dy, silu, out=gb)  # b is dead from here on
     # aten's silu_backward computes dy_b * s * (1 + a * (1 - s)), s = sigmoid(a), in one pass.
-    torch.ops.aten.silu_backward.grad_input(dy_b, a, grad_input=g[:, :half])
-    if interleave is not None:
-        gx.copy_(_join(g[:, :half], g[:, half:], interleave))
-    elif not direct:
-        gx.copy_(g)
+    torch.ops.aten.silu_backward.grad_input(dy_b, a, grad_input=ga)
     if out is not None:  # dy is dead too
         _scaled_product(silu, b, p, out, scratch, silu_b)
+
+
+def _backward_torch(x, grad_output, interleave, probs, with_output, grad_into_input,
+                    output_into_grad):
+    blk = _Blocks(x, interleave, probs)
+    n, half = blk.rows, blk.half
+    dy2 = grad_output.reshape(n, half)
+    # Gradient halves in the compute dtype: written straight into grad_x (over x with
+    # grad_into_input) when its layout and dtype allow, else in scratch and copied per block.
+    grad_x = blk.x2 if grad_into_input else torch.empty_like(
+        blk.x2, memory_format=torch.contiguous_format)
+    direct = interleave is None and x.dtype == blk.compute
+    gp = None if probs is None else torch.empty(n, dtype=blk.compute, device=x.device)
+    out = None
+    if with_output:
+        out = dy2 if output_into_grad and dy2.dtype == x.dtype else torch.empty(
+            n, half, dtype=x.dtype, device=x.device)
+    sc = blk.scratch
+    for a, b, dy, p, gx, gp_b, o in zip(blk.split(blk.a), blk.split(blk.b), blk.split(dy2),
+                                         blk.split(blk.probs), blk.split(grad_x),
+                                         blk.split(gp), blk.split(out)):
+        g = gx if direct else sc("grad", a.shape[0], 2 * half)
+        _backward_block(a, b, dy, p, g[:, :half], g[:, half:], gp_b, o, sc)
+        if interleave is not None:
+            gx.copy_(_join(g[:, :half], g[:, half:], interleave))
+        elif not direct:
+            gx.copy_(g)
+    lead = x.shape[:-1]
+    grad_probs = None if gp is None else gp.view(lead).to(probs.dtype)
+    out = None if out is None else out.view(*lead, half)
+    return grad_x.view(x.shape), grad_probs, out
 
 
 def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
@@ -202,26 +236,9 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
         grad_x, grad_probs, out = swiglu_triton.swiglu_backward(
             x, grad_output, probs, write_output=with_output, grad_into_input=grad_into_input)
         return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
-    x2, blocks, scratch, p2 = _setup(x, probs)
-    n, half = x2.shape[0], x.shape[-1] // 2
-    dy2 = grad_output.reshape(n, half)
-    grad_x = x2 if grad_into_input else torch.empty_like(
-        x2, memory_format=torch.contiguous_format)
-    gp = None if p2 is None else torch.empty(n, dtype=p2.dtype, device=x.device)
-    out = None
-    if with_output:
-        out = dy2 if output_into_grad and dy2.dtype == x.dtype else torch.empty(
-            n, half, dtype=x.dtype, device=x.device)
-    for r in blocks:
-        _backward_block(x2[r], dy2[r], None if p2 is None else p2[r], interleave, grad_x[r],
-                        None if gp is None else gp[r], None if out is None else out[r],
-                        scratch)
-    lead = x.shape[:-1]
-    grad_x = grad_x.view(x.shape)
-    grad_probs = None if gp is None else gp.view(lead).to(probs.dtype)
-    if with_output:
-        return grad_x, grad_probs, out.view(*lead, half)
-    return grad_x, grad_probs
+    grad_x, grad_probs, out = _backward_torch(x, grad_output, interleave, probs, with_output,
+                                              grad_into_input, output_into_grad)
+    return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
 
 
 @dataclass
