@@ -20,9 +20,13 @@ from te_ops.basic import swiglu
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """Blocks of 3 rows at 4 columns per half (fewer rows at the wider halves here), so most
-    shapes end in a ragged block."""
-    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12 // torch.get_num_threads())
+    """One intra-op thread (blocks are used only then) and blocks of 3 rows at 4 columns per
+    half (fewer rows at the wider halves here), so most shapes end in a ragged block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -39,6 +43,8 @@ def test_blocks_cover_the_rows():
         assert len(parts) == len(blk.split(None)) == max(1, -(-rows // blk.step))
         assert rows <= blk.step or len(parts) > 1
     assert swiglu._block_rows(7, 4, torch.device("meta")) == 7
+    torch.set_num_threads(2)  # several intra-op threads: one block
+    assert swiglu._block_rows(7, 4, torch.device("cpu")) == 7
 
 
 @pytest.mark.parametrize("with_output", [False, True])

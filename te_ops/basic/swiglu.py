@@ -43,22 +43,26 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
         *da.shape[:-1], 2 * da.shape[-1])
 
 
-#: Elements per operand and intra-op thread in one row block of the torch (CPU) SwiGLU passes:
-#: a block's handful of fp32 temporaries (64 Ki elements, 256 KiB each per thread) stays in the
-#: cores' L2 caches from one pass to the next, so only the inputs and results travel to and
-#: from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
-#: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks beat whole-tensor passes;
-#: 64-256 rows are equal within noise.
+#: Elements per operand in one row block of the torch SwiGLU passes on the CPU with one
+#: intra-op thread: a block's handful of fp32 temporaries (64 Ki elements, 256 KiB each) stays
+#: in the core's L2 cache from one pass to the next, so only the inputs and results travel to
+#: and from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
+#: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks take the fused activation
+#: backward from 14-20 to ~10.5 ms; 32-128 Ki elements are equal within noise.
 CPU_BLOCK_ELEMENTS = 65536
 
 
 def _block_rows(rows: int, half: int, device: torch.device) -> int:
-    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU; all rows elsewhere (a
-    CUDA launch per block would cost more than it saves) and while ``torch.compile`` traces (a
-    Python loop over data-dependent row counts does not belong in a graph)."""
-    if device.type != "cpu" or torch.compiler.is_compiling() or rows == 0:
+    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU with one intra-op thread;
+    all rows otherwise. With several threads every op is split over them already, and a loop
+    of small parallel regions stalls whenever one thread is descheduled (measured on a loaded
+    2-core host: steps several times slower). On CUDA a launch per block would cost more than
+    it saves; under ``torch.compile`` a Python loop over data-dependent row counts does not
+    belong in a graph."""
+    if (device.type != "cpu" or rows == 0 or torch.get_num_threads() != 1
+            or torch.compiler.is_compiling()):
         return max(rows, 1)
-    return max(1, CPU_BLOCK_ELEMENTS * torch.get_num_threads() // max(half, 1))
+    return max(1, CPU_BLOCK_ELEMENTS // max(half, 1))
 
 
 class _Scratch:
