@@ -48,7 +48,7 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
 #: in the core's L2 cache from one pass to the next, so only the inputs and results travel to
 #: and from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
 #: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks take the fused activation
-#: backward from 14-20 to ~10.5 ms; 32-128 Ki elements are equal within noise.
+#: backward from 14-20 to 9-10.5 ms (64 Ki best: 9.1 ms against 9.5-9.8 at 96-128 Ki).
 CPU_BLOCK_ELEMENTS = 65536
 
 
@@ -146,7 +146,9 @@ def _forward_torch(x: torch.Tensor, interleave: int | None,
     return out.view(*x.shape[:-1], blk.half)
 
 
-def _backward_block(a, b, dyb, p, ga, gb, gp, out, scratch: _Scratch) -> None:
+def _backward_block(a: torch.Tensor, b: torch.Tensor, dyb: torch.Tensor, p: torch.Tensor | None,
+                    ga: torch.Tensor, gb: torch.Tensor, gp: torch.Tensor | None,
+                    out: torch.Tensor | None, scratch: _Scratch) -> None:
     """One row block of the backward: ``ga`` / ``gb`` (grads of the halves), ``gp`` (grad of
     probs, compute dtype), ``out`` (the forward output) written in place. Each of the few
     passes reads operands that the previous pass left in cache. ``ga`` / ``gb`` may be ``a`` /
@@ -169,8 +171,9 @@ def _backward_block(a, b, dyb, p, ga, gb, gp, out, scratch: _Scratch) -> None:
         _scaled_product(silu, b, p, out, scratch, silu_b)
 
 
-def _backward_torch(x, grad_output, interleave, probs, with_output, grad_into_input,
-                    output_into_grad):
+def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int | None,
+                    probs: torch.Tensor | None, with_output: bool, grad_into_input: bool,
+                    output_into_grad: bool):
     blk = _Blocks(x, interleave, probs)
     n, half = blk.rows, blk.half
     dy2 = grad_output.reshape(n, half)
