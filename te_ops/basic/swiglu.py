@@ -44,21 +44,164 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
         *da.shape[:-1], 2 * da.shape[-1])
 
 
-def _parts(x: torch.Tensor, interleave: int | None):
-    """fp32 ``a``, ``b`` and ``SiLU(a)`` (one ``F.silu`` pass); every SwiGLU path (forward,
-    backward, fused recompute) derives its values from these, so they agree bitwise."""
-    a, b = _halves(x, interleave)
-    compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
-    a, b = a.to(compute), b.to(compute)
-    return a, b, torch.nn.functional.silu(a)
+#: Elements per operand in one row block of the torch SwiGLU passes on the CPU with one
+#: intra-op thread: a block's handful of fp32 temporaries (64 Ki elements, 256 KiB each) stays
+#: in the core's L2 cache from one pass to the next, so only the inputs and results travel to
+#: and from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
+#: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks take the fused activation
+#: backward from 14-20 to 9-10.5 ms (64 Ki best: 9.1 ms against 9.5-9.8 at 96-128 Ki).
+CPU_BLOCK_ELEMENTS = 65536
 
 
-def _output(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
-            dtype: torch.dtype, silu_b: torch.Tensor | None = None) -> torch.Tensor:
-    out = silu * b if silu_b is None else silu_b  # a fresh tensor either way: scaled in place
-    if probs is not None:
-        out.mul_(probs.to(out.dtype).unsqueeze(-1))
-    return out.to(dtype)
+def _block_rows(rows: int, half: int, device: torch.device) -> int:
+    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU with one intra-op thread;
+    all rows otherwise. With several threads every op is split over them already, and a loop
+    of small parallel regions stalls whenever one thread is descheduled (measured on a loaded
+    2-core host: steps several times slower). On CUDA a launch per block would cost more than
+    it saves; under ``torch.compile`` a Python loop over data-dependent row counts does not
+    belong in a graph."""
+    if (device.type != "cpu" or rows == 0 or torch.get_num_threads() != 1
+            or torch.compiler.is_compiling()):
+        return max(rows, 1)
+    return max(1, CPU_BLOCK_ELEMENTS // max(half, 1))
+
+
+class _Scratch:
+    """Buffers of one row block in the compute dtype, allocated once per call and reused by
+    every block (no allocator traffic inside the loop)."""
+
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.dtype, self.device = rows, dtype, device
+        self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, name: str, n: int, width: int) -> torch.Tensor:
+        buf = self._bufs.get((name, width))
+        if buf is None:
+            buf = torch.empty(self.rows, width, dtype=self.dtype, device=self.device)
+            self._bufs[(name, width)] = buf
+        return buf if n == self.rows else buf[:n]
+
+    def cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the compute dtype: itself, or a copy in a scratch buffer."""
+        if t.dtype == self.dtype:
+            return t
+        return self(name, t.shape[0], t.shape[-1]).copy_(t)
+
+
+class _Blocks:
+    """The row blocks of one SwiGLU call: ``x`` as (n, 2F) rows, its halves, probs as an (n, 1)
+    column in the compute dtype, and the scratch every block reuses."""
+
+    def __init__(self, x: torch.Tensor, interleave: int | None,
+                 probs: torch.Tensor | None) -> None:
+        self.x2 = x.reshape(-1, x.shape[-1])
+        self.rows, self.half = self.x2.shape[0], x.shape[-1] // 2
+        self.compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
+        self.step = _block_rows(self.rows, self.half, x.device)
+        self.scratch = _Scratch(min(self.step, self.rows), self.compute, x.device)
+        self.probs = None if probs is None else probs.reshape(-1, 1).to(self.compute)
+        self.a, self.b = _halves(self.x2, interleave)
+
+    def split(self, t: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """``t`` (rows first) in the blocks' rows; ``None`` for every block when ``t`` is."""
+        if t is None:
+            return [None] * -(-max(self.rows, 1) // self.step)
+        return list(t.split(self.step))
+
+
+def _parts(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch):
+    """``a``, ``b`` and ``SiLU(a)`` of one row block, in the compute dtype (one ``silu``
+    pass); every SwiGLU path (forward, backward, fused recompute) derives its values from
+    these, block by block, so they agree bitwise."""
+    a, b = scratch.cast("a", a), scratch.cast("b", b)
+    return a, b, torch.ops.aten.silu.out(a, out=scratch("silu", a.shape[0], a.shape[1]))
+
+
+def _scaled_product(silu: torch.Tensor, b: torch.Tensor, probs: torch.Tensor | None,
+                    dest: torch.Tensor, scratch: _Scratch,
+                    silu_b: torch.Tensor | None = None) -> None:
+    """``dest = (SiLU(a) * b) * probs``, rounded as written, cast to ``dest.dtype``;
+    ``silu_b``: the product ``SiLU(a) * b``, already computed."""
+    same = dest.dtype == silu.dtype
+    target = dest if same else scratch("out", *silu.shape)
+    if silu_b is None:
+        torch.mul(silu, b, out=target)
+        if probs is not None:
+            target.mul_(probs)
+    elif probs is not None:
+        torch.mul(silu_b, probs, out=target)
+    else:
+        target.copy_(silu_b)
+    if not same:
+        dest.copy_(target)
+
+
+def _forward_torch(x: torch.Tensor, interleave: int | None,
+                   probs: torch.Tensor | None) -> torch.Tensor:
+    blk = _Blocks(x, interleave, probs)
+    out = torch.empty(blk.rows, blk.half, dtype=x.dtype, device=x.device)
+    for a, b, p, o in zip(blk.split(blk.a), blk.split(blk.b), blk.split(blk.probs),
+                          blk.split(out)):
+        _, b, silu = _parts(a, b, blk.scratch)
+        _scaled_product(silu, b, p, o, blk.scratch)
+    return out.view(*x.shape[:-1], blk.half)
+
+
+def _backward_block(a: torch.Tensor, b: torch.Tensor, dyb: torch.Tensor, p: torch.Tensor | None,
+                    ga: torch.Tensor, gb: torch.Tensor, gp: torch.Tensor | None,
+                    out: torch.Tensor | None, scratch: _Scratch) -> None:
+    """One row block of the backward: ``ga`` / ``gb`` (grads of the halves), ``gp`` (grad of
+    probs, compute dtype), ``out`` (the forward output) written in place. Each of the few
+    passes reads operands that the previous pass left in cache. ``ga`` / ``gb`` may be ``a`` /
+    ``b`` and ``out`` may be ``dyb``: each is written after the last read of what it
+    overwrites."""
+    a, b, silu = _parts(a, b, scratch)
+    n, half = silu.shape
+    dy = scratch.cast("dy", dyb)
+    silu_b = None
+    if p is not None or out is not None:
+        silu_b = torch.mul(silu, b, out=scratch("silu_b", n, half))
+    if p is not None:  # grad_probs = rowsum(SiLU(a) * b * dy), then dy scaled by probs
+        torch.sum(torch.mul(silu_b, dy, out=scratch("prod", n, half)), dim=-1, out=gp)
+        dy = torch.mul(dy, p, out=scratch("dy_p", n, half))
+    dy_b = torch.mul(dy, b, out=scratch("dy_b", n, half))
+    torch.mul(dy, silu, out=gb)  # b is dead from here on
+    # aten's silu_backward computes dy_b * s * (1 + a * (1 - s)), s = sigmoid(a), in one pass.
+    torch.ops.aten.silu_backward.grad_input(dy_b, a, grad_input=ga)
+    if out is not None:  # dy is dead too
+        _scaled_product(silu, b, p, out, scratch, silu_b)
+
+
+def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int | None,
+                    probs: torch.Tensor | None, with_output: bool, grad_into_input: bool,
+                    output_into_grad: bool):
+    blk = _Blocks(x, interleave, probs)
+    n, half = blk.rows, blk.half
+    dy2 = grad_output.reshape(n, half)
+    # Gradient halves in the compute dtype: written straight into grad_x (over x with
+    # grad_into_input) when its layout and dtype allow, else in scratch and copied per block.
+    grad_x = blk.x2 if grad_into_input else torch.empty_like(
+        blk.x2, memory_format=torch.contiguous_format)
+    direct = interleave is None and x.dtype == blk.compute
+    gp = None if probs is None else torch.empty(n, dtype=blk.compute, device=x.device)
+    out = None
+    if with_output:
+        out = dy2 if output_into_grad and dy2.dtype == x.dtype else torch.empty(
+            n, half, dtype=x.dtype, device=x.device)
+    sc = blk.scratch
+    for a, b, dy, p, gx, gp_b, o in zip(blk.split(blk.a), blk.split(blk.b), blk.split(dy2),
+                                         blk.split(blk.probs), blk.split(grad_x),
+                                         blk.split(gp), blk.split(out)):
+        g = gx if direct else sc("grad", a.shape[0], 2 * half)
+        _backward_block(a, b, dy, p, g[:, :half], g[:, half:], gp_b, o, sc)
+        if interleave is not None:
+            gx.copy_(_join(g[:, :half], g[:, half:], interleave))
+        elif not direct:
+            gx.copy_(g)
+    lead = x.shape[:-1]
+    grad_probs = None if gp is None else gp.view(lead).to(probs.dtype)
+    out = None if out is None else out.view(*lead, half)
+    return grad_x.view(x.shape), grad_probs, out
 
 
 def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
@@ -68,19 +211,19 @@ def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
 
     Shapes: x (..., 2F), probs (...) -> (..., F). On CUDA this runs one Triton kernel
     (``te_ops.kernels.swiglu_triton``) where it applies; ``backend`` is the choice made for
-    this call (``swiglu_triton.select_backend``; chosen here when ``None``).
+    this call (``swiglu_triton.select_backend``; chosen here when ``None``). The torch path
+    runs in L2-sized row blocks on the CPU (``CPU_BLOCK_ELEMENTS``).
     """
     backend = backend or swiglu_triton.select_backend(x, interleave)
     if backend.name == "triton":
         return swiglu_triton.swiglu_forward(x, probs)
-    _, b, silu = _parts(x, interleave)
-    return _output(silu, b, probs, x.dtype)
+    return _forward_torch(x, interleave, probs)
 
 
 def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
                     interleave: int | None = None, probs: torch.Tensor | None = None,
                     *, with_output: bool = False, backend: ActivationChoice | None = None,
-                    grad_into_input: bool = False):
+                    grad_into_input: bool = False, output_into_grad: bool = False):
     """Gradients of :func:`swiglu_forward` w.r.t. ``x`` and ``probs``.
 
     With ``s = sigmoid(a)``: ``d/da SiLU(a) = s * (1 + a * (1 - s))``.
@@ -89,36 +232,21 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
     With ``with_output=True`` a third result is the forward output, bitwise equal to
     :func:`swiglu_forward`'s, computed from the same intermediates in the same pass (the fused
     grouped-MLP backward uses it as fc2's wgrad input). ``backend``: the forward's choice
-    (saved in :class:`SwiGLUSaved`); chosen here when ``None``. ``grad_into_input=True`` lets
-    the Triton kernel write ``grad_x`` over ``x`` (``x`` is then lost; the torch path ignores it).
+    (saved in :class:`SwiGLUSaved`); chosen here when ``None``. ``grad_into_input=True``
+    writes ``grad_x`` over ``x`` (``x`` is then lost): one (..., 2F) buffer less, and on the
+    CPU the gradient's stores hit the cache lines the same block just read.
+    ``output_into_grad=True`` (torch path; Triton allocates the output) likewise writes the
+    output over ``grad_output`` when their dtypes match. The torch path runs in the forward's
+    row blocks, each pass reading what the previous one left in cache.
     """
     backend = backend or swiglu_triton.select_backend(x, interleave)
     if backend.name == "triton":
         grad_x, grad_probs, out = swiglu_triton.swiglu_backward(
             x, grad_output, probs, write_output=with_output, grad_into_input=grad_into_input)
         return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
-    # Few full passes (the CPU cost): aten's silu_backward computes dy * s * (1 + a * (1 - s))
-    # in one kernel; the probs gradient is one fused multiply-and-sum per row.
-    a, b, silu = _parts(x, interleave)
-    dy = grad_output.to(a.dtype)
-    grad_probs = silu_b = None
-    if probs is not None:
-        silu_b = silu * b
-        grad_probs = torch.linalg.vecdot(silu_b, dy).to(probs.dtype)
-        dy = dy * probs.to(a.dtype).unsqueeze(-1)
-    if interleave is None:  # write both halves in place: no concatenation pass
-        half = silu.shape[-1]
-        grad_x = torch.empty(*silu.shape[:-1], 2 * half, dtype=a.dtype, device=a.device)
-        da = grad_x[..., :half]  # dy * b, then dSiLU applied in place (no temporaries)
-        torch.ops.aten.silu_backward.grad_input(torch.mul(dy, b, out=da), a, grad_input=da)
-        torch.mul(dy, silu, out=grad_x[..., half:])
-        grad_x = grad_x.to(x.dtype)
-    else:
-        da = torch.ops.aten.silu_backward(dy * b, a)
-        grad_x = _join(da, dy * silu, interleave).to(x.dtype)
-    if with_output:
-        return grad_x, grad_probs, _output(silu, b, probs, x.dtype, silu_b)
-    return grad_x, grad_probs
+    grad_x, grad_probs, out = _backward_torch(x, grad_output, interleave, probs, with_output,
+                                              grad_into_input, output_into_grad)
+    return (grad_x, grad_probs, out) if with_output else (grad_x, grad_probs)
 
 
 @dataclass

@@ -201,15 +201,15 @@ class BackwardGroupedMLP(FusedOperation):
         dgrad2 = GroupedLinear.dgrad_math(s2, dy2d, dy_q2)
         need_out = s2.x is None and s2.recompute_x is not None
         # The activation's input is dead after this pass, but the autograd node holds it until
-        # the whole backward ends: the Triton kernel writes dh over it (one (T, 2FF) buffer
-        # less at the peak). Its version is bumped, so a second backward through a retained
+        # the whole backward ends: the activation backward (Triton kernel or torch path) writes
+        # dh over it (one (T, 2FF) buffer less at the peak; on the CPU the stores hit lines the
+        # pass just read). Its version is bumped, so a second backward through a retained
         # graph raises torch's "modified by an inplace operation" error instead of reading dh.
-        in_place = sa.backend.name == "triton"  # the forward's recorded choice
+        # The activation output (fc2's wgrad input) goes over dgrad2, dead after this pass too.
         act_result = swiglu_backward(sa.x, as_shape(dgrad2, s2.in_shape), act.glu_interleave_size,
                                      sa.probs, with_output=need_out, backend=sa.backend,
-                                     grad_into_input=in_place)
-        if in_place:
-            torch.autograd.graph.increment_version(sa.x)
+                                     grad_into_input=True, output_into_grad=True)
+        torch.autograd.graph.increment_version(sa.x)
         del dgrad2  # free before fc1's GEMMs
         dh, gprobs_act = act_result[0], act_result[1]
         if need_out:

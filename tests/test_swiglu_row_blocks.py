@@ -1,0 +1,107 @@
+"""The torch (CPU) SwiGLU runs in L2-sized row blocks (``te_ops.basic.swiglu.CPU_BLOCK_ELEMENTS``).
+
+The other tests' shapes fit in one block; here the block is shrunk to a few rows (with a ragged
+last block) so that the block loop itself is tested: forward and backward against the
+independent fp64 reference, the fused grouped MLP's four fused/unfused combinations still
+bit-identical, and gradcheck in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import test_basic_ops
+import test_fused_grouped_mlp
+import torch
+
+import te_ops
+from te_ops.basic import swiglu
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """One intra-op thread (blocks are used only then) and blocks of 3 rows at 4 columns per
+    half (fewer rows at the wider halves here), so most shapes end in a ragged block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cpu")
+
+
+def test_blocks_cover_the_rows():
+    # Several blocks (ragged last one) on the CPU, in order; one block on other devices.
+    for rows, half in ((0, 4), (1, 4), (7, 4), (9, 2), (5, 100)):
+        blk = swiglu._Blocks(torch.zeros(rows, 2 * half), None, None)
+        parts = blk.split(torch.arange(rows))
+        assert torch.equal(torch.cat(parts), torch.arange(rows)), (rows, half)
+        assert len(parts) == len(blk.split(None)) == max(1, -(-rows // blk.step))
+        assert rows <= blk.step or len(parts) > 1
+    assert swiglu._block_rows(7, 4, torch.device("meta")) == 7
+    torch.set_num_threads(2)  # several intra-op threads: one block
+    assert swiglu._block_rows(7, 4, torch.device("cpu")) == 7
+
+
+@pytest.mark.parametrize("with_output", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("interleave", [None, 2])
+def test_backward_with_output_matches_forward(dtype, interleave, with_output):
+    # The fused backward's recomputed output is bitwise the forward's, block by block; the
+    # gradients match the fp64 reference.
+    torch.manual_seed(0)
+    x = (2 * torch.randn(2, 5, 16)).to(dtype)
+    probs = torch.rand(2, 5, dtype=torch.promote_types(dtype, torch.float32))
+    dy = torch.randn(2, 5, 8).to(dtype)
+    y = swiglu.swiglu_forward(x, interleave, probs)
+    res = swiglu.swiglu_backward(x, dy, interleave, probs, with_output=with_output)
+    if with_output:
+        assert torch.equal(res[2], y)
+    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
+    out, grads = ref.forward_backward(
+        lambda t: ref.scaled_swiglu(t["x"], t["probs"], interleave), leaves, dy)
+    ref.assert_close(y, out, dtype, "output")
+    ref.assert_close(res[0], grads["x"], dtype, "grad of input")
+    ref.assert_close(res[1], grads["probs"], dtype, "grad of probs")
+    # Written over the inputs (as the fused backward does): the same values, bitwise.
+    x_in, dy_in = x.clone(), dy.clone()
+    res_in = swiglu.swiglu_backward(x_in, dy_in, interleave, probs, with_output=with_output,
+                                    grad_into_input=True, output_into_grad=True)
+    for want, got in zip(res, res_in):
+        assert torch.equal(want, got)
+    assert res_in[0].data_ptr() == x_in.data_ptr()
+    if with_output:
+        assert res_in[2].data_ptr() == dy_in.data_ptr()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_second_backward_through_retained_graph(monkeypatch, fused):
+    # The fused backward writes dh over the activation's saved input (CPU too): a second
+    # backward raises torch's in-place error instead of reading dh; unfused it still works.
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "1" if fused else "0")
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16), te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(2, 8, 8))
+    x = torch.randn(7, 8, requires_grad=True)
+    probs = torch.rand(7, requires_grad=True)
+    split = torch.tensor([3, 4])
+    y = blk(x, split, probs, split)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    first = x.grad.clone()
+    if fused:
+        with pytest.raises(RuntimeError, match="inplace operation"):
+            y.backward(dy)
+    else:
+        y.backward(dy)
+        torch.testing.assert_close(x.grad, 2 * first)
+
+
+# The existing reference, gradcheck and four-way tests, run again with small blocks.
+test_swiglu_matches_reference = test_basic_ops.test_swiglu_matches_reference
+test_gradcheck_scaled_swiglu = test_basic_ops.test_gradcheck_scaled_swiglu
+test_four_combinations_bit_identical = test_fused_grouped_mlp.test_four_combinations_bit_identical
