@@ -88,7 +88,7 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 fi
 
 test_lane() {
-    step cuda_tests 260 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
+    step cuda_tests 300 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
     # The main job: eager vs --cuda-graph bf16 (same seed, curves must agree), then FP8 / MXFP8.
     step main_job 150 "$PY" scripts/compare_main_job.py --out "$OUT" --recipes fp8,mxfp8
     # Issue 9's loss goal: FP8 within 2 % of bf16 on the same seed (fp32 master weights).
