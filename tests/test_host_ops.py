@@ -105,7 +105,10 @@ def test_fused_single_weight_step_op_budget():
     sizes = torch.tensor([3, 1, 5, 3])
     counts = _counted_step(block, x, probs, sizes)
     assert counts["_grouped_mm"] == 6
-    assert sum(counts.values()) <= 48, counts  # 68 before issue 10 item 3 (docs/benchmarks.md)
+    # 68 before issue 10 item 3's second pass, 48 after it; the CPU SwiGLU's row blocks (L2
+    # reuse, docs/benchmarks.md "CPU shape (item 5)") allocate their scratch buffers once per
+    # call and split x into halves: 6 more ops on this path (the Triton kernels run on CUDA).
+    assert sum(counts.values()) <= 54, counts
 
 
 # ------------------------------------------------------------------------------ values

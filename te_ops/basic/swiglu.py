@@ -94,18 +94,21 @@ class _Blocks:
 
     def __init__(self, x: torch.Tensor, interleave: int | None,
                  probs: torch.Tensor | None) -> None:
-        self.x2 = x.reshape(-1, x.shape[-1])
+        self.x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         self.rows, self.half = self.x2.shape[0], x.shape[-1] // 2
         self.compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
         self.step = _block_rows(self.rows, self.half, x.device)
         self.scratch = _Scratch(min(self.step, self.rows), self.compute, x.device)
-        self.probs = None if probs is None else probs.reshape(-1, 1).to(self.compute)
+        self.probs = None if probs is None else (
+            probs.unsqueeze(-1) if probs.dim() == 1 else probs.reshape(-1, 1)).to(self.compute)
         self.a, self.b = _halves(self.x2, interleave)
 
     def split(self, t: torch.Tensor | None) -> list[torch.Tensor | None]:
         """``t`` (rows first) in the blocks' rows; ``None`` for every block when ``t`` is."""
         if t is None:
             return [None] * -(-max(self.rows, 1) // self.step)
+        if self.step >= self.rows:  # one block (CUDA, several threads): no split op
+            return [t]
         return list(t.split(self.step))
 
 
@@ -144,7 +147,7 @@ def _forward_torch(x: torch.Tensor, interleave: int | None,
                           blk.split(out)):
         _, b, silu = _parts(a, b, blk.scratch)
         _scaled_product(silu, b, p, o, blk.scratch)
-    return out.view(*x.shape[:-1], blk.half)
+    return as_shape(out, (*x.shape[:-1], blk.half))
 
 
 def _backward_block(a: torch.Tensor, b: torch.Tensor, dyb: torch.Tensor, p: torch.Tensor | None,
@@ -177,7 +180,7 @@ def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int 
                     output_into_grad: bool):
     blk = _Blocks(x, interleave, probs)
     n, half = blk.rows, blk.half
-    dy2 = grad_output.reshape(n, half)
+    dy2 = as_shape(grad_output, (n, half))
     # Gradient halves in the compute dtype: written straight into grad_x (over x with
     # grad_into_input) when its layout and dtype allow, else in scratch and copied per block.
     grad_x = blk.x2 if grad_into_input else torch.empty_like(
@@ -199,9 +202,9 @@ def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int 
         elif not direct:
             gx.copy_(g)
     lead = x.shape[:-1]
-    grad_probs = None if gp is None else gp.view(lead).to(probs.dtype)
-    out = None if out is None else out.view(*lead, half)
-    return grad_x.view(x.shape), grad_probs, out
+    grad_probs = None if gp is None else as_shape(gp, lead).to(probs.dtype)
+    out = None if out is None else as_shape(out, (*lead, half))
+    return as_shape(grad_x, x.shape), grad_probs, out
 
 
 def swiglu_forward(x: torch.Tensor, interleave: int | None = None,
