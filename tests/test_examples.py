@@ -213,3 +213,33 @@ def test_master_weights_keep_the_parameter_objects_and_storage() -> None:
     sd = model.state_dict()
     assert sd["weight"].data_ptr() == ptrs[0] and sd["weight"].dtype == torch.bfloat16
     assert torch.equal(sd["weight"], master.masters[0].detach().to(torch.bfloat16))
+
+
+def test_master_weights_state_dict_round_trip_and_errors() -> None:
+    """``MasterWeights.state_dict`` / ``load_state_dict``: the fp32 masters come back exactly
+    (in place: the optimizer's references stay valid) and are rounded into the parameters;
+    a wrong length or shape raises naming the index and the expected value."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = train_moe.MasterWeights(model.parameters())
+    with torch.no_grad():
+        for m in master.masters:
+            m.add_(1e-3)  # below bf16's resolution near 1: only the masters hold it
+    saved = master.state_dict()
+    other = train_moe.MasterWeights(model.parameters())
+    ids = [id(m) for m in other.masters]
+    other.load_state_dict(saved)
+    assert [id(m) for m in other.masters] == ids  # loaded in place
+    for m, t, p in zip(other.masters, saved["masters"], model.parameters()):
+        assert torch.equal(m.detach(), t) and m.dtype == torch.float32
+        assert torch.equal(p.detach(), t.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"list of 2 tensors, got 1"):
+        other.load_state_dict({"masters": saved["masters"][:1]})
+    with pytest.raises(ValueError, match=r"state\['masters'\]\[0\] must have shape \(3, 4\)"):
+        other.load_state_dict({"masters": [torch.zeros(4, 3), saved["masters"][1]]})
+
+
+def test_main_job_records_whether_fp32_masters_were_kept(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
+    m = train_moe.main([*TINY, "--steps", "1", "--out-dir", str(tmp_path)])
+    assert m["config"]["master_weights"] == "fp32" and m["fp32_master_weights"] is False

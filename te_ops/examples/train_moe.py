@@ -400,6 +400,8 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     wall = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "config": dict(vars(args)),
+        # Whether fp32 masters were kept: --master-weights fp32 has no effect with float32.
+        "fp32_master_weights": args.master_weights == "fp32" and dtype != torch.float32,
         "evals": evals,
         "final_val_loss": final_val,
         "unigram_baseline": baseline,
@@ -489,6 +491,36 @@ class MasterWeights:
     def copy_back(self) -> None:
         """Round the masters into the parameters (in place)."""
         torch._foreach_copy_(self.params, self.masters)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """``{"masters": [fp32 tensors]}`` in ``params`` order (save it with the optimizer's:
+        the bf16 parameters alone lose the masters' low bits on resume)."""
+        return {"masters": [m.detach().clone() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Restore the masters (in place, so the optimizer keeps its references) and round
+        them into the parameters.
+
+        Raises
+        ------
+        ValueError
+            ``state["masters"]`` has another length, or an entry another shape than its
+            master (the index, expected and actual values are named).
+        """
+        saved = state.get("masters") if isinstance(state, dict) else None
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.masters):
+            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(f"state['masters'] must be a list of {len(self.masters)} "
+                             f"tensors, got {got}")
+        for i, (m, t) in enumerate(zip(self.masters, saved)):
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state['masters'][{i}] must have shape {tuple(m.shape)}, "
+                                 f"got {got}")
+        for m, t in zip(self.masters, saved):
+            m.copy_(t)
+        self.copy_back()
 
 
 def train_loop(model: MoELanguageModel, train: torch.Tensor,
