@@ -21,10 +21,12 @@ from te_ops.basic import swiglu
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """One intra-op thread (blocks are used only then) and blocks of 3 rows at 4 columns per
-    half (fewer rows at the wider halves here), so most shapes end in a ragged block."""
+    half (fewer rows at the wider halves here; no alignment), so most shapes end in a ragged
+    block."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 12)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ALIGN", 1)
     yield
     torch.set_num_threads(threads)
 
@@ -78,6 +80,35 @@ def test_backward_with_output_matches_forward(dtype, interleave, with_output):
         assert res_in[2].data_ptr() == dy_in.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(("half", "interleave"), [(40, None), (40, 4), (20, 4), (7, 7),
+                                                  (130, None), (96, 32)])
+def test_blocks_bitwise_equal_to_one_block(monkeypatch, dtype, half, interleave):
+    # aten's contiguous elementwise loops round their scalar remainder differently from the
+    # vector steps (silu: 1 ulp), so ragged blocks made the values depend on the block size
+    # (and eager differ from torch.compile's one block). Aligned blocks: bitwise one block's.
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ALIGN", 64)
+    torch.manual_seed(half)
+    rows = 301
+    x = (4 * torch.randn(rows, 2 * half)).to(dtype)
+    probs = torch.rand(rows)
+    dy = torch.randn(rows, half).to(dtype)
+    results = {}
+    for elements in (100, 10**12):  # several blocks; one block
+        monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", elements)
+        step = swiglu._block_rows(rows, half, x.device)
+        assert (step * half) % 64 == 0 or step >= rows
+        y = swiglu.swiglu_forward(x, interleave, probs)
+        grads = swiglu.swiglu_backward(x.clone(), dy.clone(), interleave, probs,
+                                       with_output=True, grad_into_input=True,
+                                       output_into_grad=True)
+        results[elements] = (step, y, *grads)
+    (step, *blocked), (whole, *one) = results.values()
+    assert step < rows and whole >= rows
+    for name, a, b in zip(("output", "grad_x", "grad_probs", "recomputed output"), blocked, one):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_second_backward_through_retained_graph(monkeypatch, fused):
     # The fused backward writes dh over the activation's saved input (CPU too): a second
@@ -105,3 +136,32 @@ def test_second_backward_through_retained_graph(monkeypatch, fused):
 test_swiglu_matches_reference = test_basic_ops.test_swiglu_matches_reference
 test_gradcheck_scaled_swiglu = test_basic_ops.test_gradcheck_scaled_swiglu
 test_four_combinations_bit_identical = test_fused_grouped_mlp.test_four_combinations_bit_identical
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("dtype", "interleave"), [(torch.float32, 4), (torch.float32, None),
+                                                   (torch.bfloat16, 4)])
+def test_eager_matches_compiled(monkeypatch, threads, dtype, interleave):
+    # torch.compile traces the SwiGLU as one block of functional ops; eager runs it in row
+    # blocks (one thread) with out= ops: the block MLP's output and gradients agree bitwise.
+    # They did not with ragged blocks, nor (any thread count) while the interleaved backward
+    # wrote silu_backward into a strided half of a scratch buffer.
+    torch.set_num_threads(threads)  # the fixture restores it
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ALIGN", 64)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 20)
+    case = test_fused_grouped_mlp.Case(hidden=16, ffn=40, out=8, sizes=(10, 20, 37), lead=(77,),
+                                       interleave=interleave)
+    torch.manual_seed(0)
+    inp = test_fused_grouped_mlp.make_inputs(case, dtype, "tensor")
+    inp.x.data.mul_(3)
+    torch.manual_seed(5)
+    blk = test_fused_grouped_mlp.make_block(case, dtype)
+    eager = test_fused_grouped_mlp.run(blk, case, inp)
+    params = dict(blk.named_parameters())
+    for p in params.values():
+        p.grad = None
+    torch._dynamo.reset()
+    y, grads = test_fused_grouped_mlp.run(torch.compile(blk, backend="aot_eager",
+                                                        fullgraph=True), case, inp)
+    grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}
+    test_fused_grouped_mlp.assert_bitwise(eager, (y, grads), "compiled vs eager")

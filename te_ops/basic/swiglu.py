@@ -14,6 +14,7 @@ dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,18 +53,29 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
 #: backward from 14-20 to 9-10.5 ms (64 Ki best: 9.1 ms against 9.5-9.8 at 96-128 Ki).
 CPU_BLOCK_ELEMENTS = 65536
 
+#: Every block but the last holds a multiple of this many elements per operand. aten's CPU
+#: elementwise loops run a contiguous range in vector steps (up to 2 x 16 fp32 lanes with
+#: AVX512) and the remainder in scalar code, and ``silu`` / ``silu_backward`` round the two
+#: differently (1 ulp): with ragged blocks the values would depend on the block size, and the
+#: eager (blocked) result would differ from the one-block result of ``torch.compile``.
+CPU_BLOCK_ALIGN = 64
+
 
 def _block_rows(rows: int, half: int, device: torch.device) -> int:
-    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU with one intra-op thread;
-    all rows otherwise. With several threads every op is split over them already, and a loop
-    of small parallel regions stalls whenever one thread is descheduled (measured on a loaded
-    2-core host: steps several times slower). On CUDA a launch per block would cost more than
-    it saves; under ``torch.compile`` a Python loop over data-dependent row counts does not
-    belong in a graph."""
+    """Rows per block of the torch SwiGLU passes: L2-sized on the CPU with one intra-op thread
+    (rounded so a block holds a multiple of :data:`CPU_BLOCK_ALIGN` elements: the vector and
+    scalar parts of each contiguous pass fall where they fall over all rows, so the values are
+    bitwise those of one block); all rows otherwise. With several threads every op is split
+    over them already, and a loop of small parallel regions stalls whenever one thread is
+    descheduled (measured on a loaded 2-core host: steps several times slower). On CUDA a
+    launch per block would cost more than it saves; under ``torch.compile`` a Python loop over
+    data-dependent row counts does not belong in a graph."""
     if (device.type != "cpu" or rows == 0 or torch.get_num_threads() != 1
             or torch.compiler.is_compiling()):
         return max(rows, 1)
-    return max(1, CPU_BLOCK_ELEMENTS // max(half, 1))
+    half = max(half, 1)
+    unit = CPU_BLOCK_ALIGN // math.gcd(half, CPU_BLOCK_ALIGN)  # rows per aligned unit
+    return max(unit, CPU_BLOCK_ELEMENTS // half // unit * unit)
 
 
 class _Scratch:
@@ -195,12 +207,18 @@ def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int 
     for a, b, dy, p, gx, gp_b, o in zip(blk.split(blk.a), blk.split(blk.b), blk.split(dy2),
                                          blk.split(blk.probs), blk.split(grad_x),
                                          blk.split(gp), blk.split(out)):
-        g = gx if direct else sc("grad", a.shape[0], 2 * half)
-        _backward_block(a, b, dy, p, g[:, :half], g[:, half:], gp_b, o, sc)
+        # Not direct: each half in a contiguous scratch of its own, so a pass over contiguous
+        # operands runs as one range, as the functional ops of a torch.compile trace do (into
+        # strided halves aten runs row by row, whose scalar remainders round silu_backward
+        # differently: 1 ulp).
+        ga, gb = ((gx[:, :half], gx[:, half:]) if direct else
+                  (sc("grad_a", a.shape[0], half), sc("grad_b", a.shape[0], half)))
+        _backward_block(a, b, dy, p, ga, gb, gp_b, o, sc)
         if interleave is not None:
-            gx.copy_(_join(g[:, :half], g[:, half:], interleave))
+            gx.copy_(_join(ga, gb, interleave))
         elif not direct:
-            gx.copy_(g)
+            gx[:, :half].copy_(ga)
+            gx[:, half:].copy_(gb)
     lead = x.shape[:-1]
     grad_probs = None if gp is None else as_shape(gp, lead).to(probs.dtype)
     out = None if out is None else as_shape(out, (*lead, half))
