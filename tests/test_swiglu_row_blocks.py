@@ -165,3 +165,17 @@ def test_eager_matches_compiled(monkeypatch, threads, dtype, interleave):
                                                         fullgraph=True), case, inp)
     grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}
     test_fused_grouped_mlp.assert_bitwise(eager, (y, grads), "compiled vs eager")
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 0), (0, 2, 0), (2, 0, 4), (5, 0)])
+def test_zero_width_and_empty_nd_inputs(shape):
+    # (..., 0) inputs: the blocks' 2-D view named its rows explicitly (reshape(-1, 0) of an
+    # N-D input raised "ambiguous"); output, grads of x and probs have the input's shapes.
+    op = te_ops.ScaledSwiGLU()
+    x = torch.randn(*shape, requires_grad=True)
+    probs = torch.rand(shape[:-1], requires_grad=True)
+    y = te_ops.Sequential(op)(x, probs)
+    assert y.shape == (*shape[:-1], shape[-1] // 2)
+    y.backward(torch.randn_like(y))
+    assert x.grad.shape == x.shape and probs.grad.shape == probs.shape
+    assert torch.equal(probs.grad, torch.zeros_like(probs))

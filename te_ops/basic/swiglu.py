@@ -106,7 +106,7 @@ class _Blocks:
 
     def __init__(self, x: torch.Tensor, interleave: int | None,
                  probs: torch.Tensor | None) -> None:
-        self.x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        self.x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         self.rows, self.half = self.x2.shape[0], x.shape[-1] // 2
         self.compute = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs keep fp64
         self.step = _block_rows(self.rows, self.half, x.device)
@@ -398,7 +398,7 @@ class ScaledSwiGLU(SwiGLU):
         ctx = basic_op_ctxs[0]
         (probs,) = basic_op_extra_inputs[0]
         self.check_input(input_)
-        probs = check_probs(probs, input_.numel() // input_.shape[-1], input_.device,
+        probs = check_probs(probs, math.prod(input_.shape[:-1]), input_.device,
                             lead_shape=tuple(input_.shape[:-1]))
         probs = as_shape(probs, input_.shape[:-1])
         backend = self.select_backend(input_)
