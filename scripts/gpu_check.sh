@@ -117,13 +117,13 @@ bench_lane() {
         --iters 50 --warmup 10 --out "$E64_JSON" ${BENCH_ARGS:-}
     # Peers timed one step each in turn (A, B, C, A, ...): no order / clock drift between peers.
     # shellcheck disable=SC2086
-    step bench_interleaved 100 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
+    step bench_interleaved 60 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
         --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$ILV_JSON" \
         --shapes E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048 \
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
-    step profile 80 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
-    step memory 50 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
+    step profile 50 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+    step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
 }
 
