@@ -10,25 +10,9 @@ shapes (empty groups, padding rows, sizes not multiples of 16, one group, weight
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
+from interpret import interpreter_marks, run_interpreted
 
-import pytest
-import torch
-
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                       reason="triton is not installed"),
-    # On a GPU machine the compiled kernels are checked byte for byte instead
-    # (tests/test_quantization_cuda.py); the interpreter of the Triton there (H200 box, torch
-    # 2.11) cannot run the kernels' loops over device-loaded group bounds ("only 0-dimensional
-    # arrays can be converted to Python scalars").
-    pytest.mark.skipif(torch.cuda.is_available(),
-                       reason="CUDA present: tests/test_quantization_cuda.py runs the kernels"),
-]
+pytestmark = interpreter_marks("tests/test_quantization_cuda.py")
 
 SCRIPT = r'''
 import torch
@@ -90,9 +74,4 @@ print("ok")
 
 
 def test_both_copies_kernel_equals_separate_kernels_interpreted():
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(SCRIPT)

@@ -10,21 +10,9 @@ offsets, non-contiguous weights.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
+from interpret import interpreter_marks, run_interpreted
 
-import pytest
-import torch
-
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                       reason="triton is not installed"),
-    pytest.mark.skipif(torch.cuda.is_available(),
-                       reason="CUDA present: tests/test_grouped_gemm_triton.py runs the kernels"),
-]
+pytestmark = interpreter_marks("tests/test_grouped_gemm_triton.py")
 
 SCRIPT = r'''
 import torch
@@ -76,9 +64,4 @@ print("ok")
 
 
 def test_triton_grouped_gemms_interpreted():
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(SCRIPT)
