@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grouped_mlp  # noqa: E402
 from common import append_jsonl  # noqa: E402
-from fp8_cols_tiles import split_prep, time_ms  # noqa: E402
+from fp8_cols_tiles import split_prep, time_ms, weight_cols_args  # noqa: E402
 
 from te_ops.quantization import fp8_triton  # noqa: E402
 from te_ops.quantization import quantizer as qmod  # noqa: E402
@@ -50,13 +50,8 @@ def separate(t: torch.Tensor, prep: tuple | None) -> tuple:
     """Row-wise kernel, then the column-wise pass pair (the library's path before)."""
     rq, rs = fp8_triton.launch_rows(t)
     if prep is None:
-        g, n, k = t.shape
-        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=t.device)
-        starts = torch.arange(g, device=t.device, dtype=torch.int64) * n
-        sinv = fp8_triton.launch_cols(t.reshape(g * n, k), out, starts,
-                                      torch.full_like(starts, n), starts, g * n, 1, k * n, n,
-                                      True)
-        return rq, rs, out, sinv
+        out, args = weight_cols_args(t)
+        return rq, rs, out, fp8_triton.launch_cols(*args)
     splits, layout = prep
     g = splits.num_groups
     out = torch.empty(t.shape[1], layout.capacity, dtype=torch.float8_e4m3fn, device=t.device)
@@ -68,11 +63,8 @@ def separate(t: torch.Tensor, prep: tuple | None) -> tuple:
 def both(t: torch.Tensor, prep: tuple | None, cfg: dict) -> tuple:
     if prep is None:  # (G, N, K) weights
         g, n, k = t.shape
-        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=t.device)
-        starts = torch.arange(g, device=t.device, dtype=torch.int64) * n
-        sinv, rq, rs = fp8_triton.launch_cols(t.reshape(g * n, k), out, starts,
-                                              torch.full_like(starts, n), starts, g * n, 1,
-                                              k * n, n, True, cfg, with_rows=True)
+        out, args = weight_cols_args(t)
+        sinv, rq, rs = fp8_triton.launch_cols(*args, cfg, with_rows=True)
         return rq.view(g, n, k), rs.view(g, n), out, sinv
     splits, layout = prep
     g = splits.num_groups

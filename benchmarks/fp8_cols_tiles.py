@@ -63,14 +63,20 @@ def split_case(x: torch.Tensor, prep: tuple, cfg: dict) -> tuple:
     return out, sinv
 
 
-def uniform_case(w: torch.Tensor, cfg: dict) -> tuple:
-    """Column-wise copy of (G, N, K) weights: (G, K, N)."""
+def weight_cols_args(w: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(G, N, K) weights -> (the (G, K, N) FP8 buffer of their column-wise copy,
+    ``fp8_triton.launch_cols``'s positional arguments that write it: one group per expert)."""
     g, n, k = w.shape
     out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=w.device)
     starts = torch.arange(g, device=w.device, dtype=torch.int64) * n
-    sinv = fp8_triton.launch_cols(w.reshape(g * n, k), out, starts, torch.full_like(starts, n),
-                                  starts, g * n, 1, k * n, n, True, cfg)
-    return out, sinv
+    return out, (w.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
+                 k * n, n, True)
+
+
+def uniform_case(w: torch.Tensor, cfg: dict) -> tuple:
+    """Column-wise copy of (G, N, K) weights: (G, K, N)."""
+    out, args = weight_cols_args(w)
+    return out, fp8_triton.launch_cols(*args, cfg)
 
 
 def check(cfg: dict) -> str | None:

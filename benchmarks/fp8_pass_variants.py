@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl  # noqa: E402
-from fp8_cols_tiles import split_prep  # noqa: E402
+from fp8_cols_tiles import split_prep, weight_cols_args  # noqa: E402
 from grouped_mlp import SHAPES, make_problem  # noqa: E402
 
 from te_ops.quantization import fp8_triton  # noqa: E402
@@ -64,12 +64,8 @@ VARIANT_SETS: dict[str, list[dict]] = {
 def run_case(t: torch.Tensor, prep, with_rows: bool, cfg: dict) -> tuple:
     """One pass pair on ``t`` (weights (G, N, K) when ``prep`` is None, else split)."""
     if prep is None:
-        g, n, k = t.shape
-        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=t.device)
-        starts = torch.arange(g, device=t.device, dtype=torch.int64) * n
-        res = fp8_triton.launch_cols(t.reshape(g * n, k), out, starts,
-                                     torch.full_like(starts, n), starts, g * n, 1, k * n, n,
-                                     True, cfg, with_rows=with_rows)
+        out, args = weight_cols_args(t)
+        res = fp8_triton.launch_cols(*args, cfg, with_rows=with_rows)
     else:
         splits, layout = prep
         g = splits.num_groups
@@ -87,32 +83,28 @@ def same(a: tuple, b: tuple) -> bool:
                for x, y in zip(a, b))
 
 
-def pass_times(fn, iters: int) -> dict[str, float]:
-    """Mean CUDA time (ms) per call of each kernel of ``fn``."""
+def _kernel_times(fn, iters: int) -> dict[str, float]:
+    """Mean CUDA time (ms) per call of ``fn`` of each kernel it launches, by kernel name."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        for key, name in (("amax", "_fp8_cols_amax_kernel"), ("quant", "_fp8_cols_quant_kernel")):
-            if ev.key == name:
-                out[key] = ev.device_time_total / 1e3 / iters
-    return out
+    return {ev.key: ev.device_time_total / 1e3 / iters for ev in prof.key_averages()}
+
+
+def pass_times(fn, iters: int) -> dict[str, float]:
+    """Mean CUDA time (ms) per call of each kernel of ``fn``."""
+    times = _kernel_times(fn, iters)
+    return {key: times[name] for key, name in (("amax", "_fp8_cols_amax_kernel"),
+                                               ("quant", "_fp8_cols_quant_kernel"))
+            if name in times}
 
 
 def kernel_ms(fn, names: tuple[str, ...], iters: int) -> float:
     """Mean CUDA time (ms) per call of ``fn`` summed over the kernels named ``names``."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(ev.device_time_total for ev in prof.key_averages() if ev.key in names
-               ) / 1e3 / iters
+    return sum(ms for key, ms in _kernel_times(fn, iters).items() if key in names)
 
 
 def weight_rows(ws: dict[str, torch.Tensor], iters: int) -> list[dict]:
@@ -136,14 +128,10 @@ def weight_rows(ws: dict[str, torch.Tensor], iters: int) -> list[dict]:
         rec["rows_TBps"] = round((rd + w.numel()) / rec["rows_ms"] / 1e9, 2)
         rec["rows_colamax_TBps"] = round((rd + w.numel()) / rec["rows_colamax_ms"] / 1e9, 2)
         ref = run_case(w, None, False, {})
-        g, n, k = w.shape
-        out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=w.device)
-        starts = torch.arange(g, device=w.device, dtype=torch.int64) * n
+        out, args = weight_cols_args(w)
 
-        def given(w=w, out=out, starts=starts, amax=amax, g=g, n=n, k=k):
-            return (out, fp8_triton.launch_cols(w.reshape(g * n, k), out, starts,
-                                                torch.full_like(starts, n), starts, g * n, 1,
-                                                k * n, n, True, amax=amax))
+        def given(out=out, args=args, amax=amax):
+            return (out, fp8_triton.launch_cols(*args, amax=amax))
         got = given()
         if not same(got, ref):
             rec["check"] = "column copy from the given amax differs"

@@ -248,15 +248,7 @@ def triton_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     ValueError
         Shapes, dtypes or devices of the arguments do not match (the message names them).
     """
-    _check("weights", weights, 3, x.dtype, x.device)
-    _check("x", x, 2, x.dtype, x.device)
-    if x.shape[1] != weights.shape[2]:
-        raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
-                         f"{weights.shape[2]}")
-    _check_offsets(offsets, weights.shape[0], x.device, x.dtype)
-    if tracing() and config is None:
-        return torch.ops.te_ops.grouped_gemm_rows(x, weights, offsets, "fprop")
-    return _fprop(x, weights, offsets, config)
+    return _rows_call("fprop", "x", x, weights, offsets, config)
 
 
 def triton_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -268,15 +260,23 @@ def triton_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     ValueError
         As :func:`triton_fprop`.
     """
-    _check("weights", weights, 3, dy.dtype, dy.device)
-    _check("dy", dy, 2, dy.dtype, dy.device)
-    if dy.shape[1] != weights.shape[1]:
-        raise ValueError(f"dy has {dy.shape[1]} columns, weights (G, N, K) have N="
-                         f"{weights.shape[1]}")
-    _check_offsets(offsets, weights.shape[0], dy.device, dy.dtype)
+    return _rows_call("dgrad", "dy", dy, weights, offsets, config)
+
+
+def _rows_call(kind: str, name: str, a: torch.Tensor, weights: torch.Tensor,
+               offsets: torch.Tensor, config: dict[str, int] | None) -> torch.Tensor:
+    """Checks and dispatch of :func:`triton_fprop` / :func:`triton_dgrad` (``a`` is x or dy,
+    called ``name`` in errors; its columns must match the weights' K or N)."""
+    _check("weights", weights, 3, a.dtype, a.device)
+    _check(name, a, 2, a.dtype, a.device)
+    dim, label = (2, "K") if kind == "fprop" else (1, "N")
+    if a.shape[1] != weights.shape[dim]:
+        raise ValueError(f"{name} has {a.shape[1]} columns, weights (G, N, K) have {label}="
+                         f"{weights.shape[dim]}")
+    _check_offsets(offsets, weights.shape[0], a.device, a.dtype)
     if tracing() and config is None:
-        return torch.ops.te_ops.grouped_gemm_rows(dy, weights, offsets, "dgrad")
-    return _dgrad(dy, weights, offsets, config)
+        return torch.ops.te_ops.grouped_gemm_rows(a, weights, offsets, kind)
+    return (_fprop if kind == "fprop" else _dgrad)(a, weights, offsets, config)
 
 
 def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
