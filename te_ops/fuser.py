@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import env
+from .call_scope import close_call_scope, open_call_scope
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
@@ -435,7 +436,12 @@ class OperationFuser:
             out, extra_out = _forward_ops(plan, ctxs, input_, groups, recipe)
             return _pack_outputs(out, extra_out)
 
-        outputs = _FuserFunction.apply(
+        # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
+        # unwrapping: one generator step per parameter, 128+ with per-expert weights); it
+        # matters only under functorch transforms, so the C apply is called directly without.
+        apply = (_FuserFunction.apply if torch._C._are_functorch_transforms_active()
+                 else _APPLY)
+        outputs = apply(
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
@@ -472,9 +478,11 @@ def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
                  groups: list[tuple[Any, ...]], recipe: Any):
     token = open_host_read_scope()  # ops fed by one split-size tensor copy it to the host once
+    call = open_call_scope()  # per-call host caches (te_ops/call_scope.py)
     try:
         return _walk_forward(plan, ctxs, input_, groups, recipe)
     finally:
+        close_call_scope(call)
         close_host_read_scope(token)
 
 
@@ -624,3 +632,9 @@ class _FuserFunction(torch.autograd.Function):
                            g if g.shape == shape else g.reshape(shape)
                            for g, shape in zip(flat_grad_extra, ctx.extra_shapes)]
         return (dx, *[None] * 8, *flat_grad_params, *flat_grad_extra)
+
+
+#: ``torch._C._FunctionBase.apply`` bound to :class:`_FuserFunction`: what
+#: ``torch.autograd.Function.apply`` calls when no functorch transform is active (its Python
+#: part then only rebuilds the argument tuple; ``_FuserFunction`` has no ``setup_context``).
+_APPLY = super(torch.autograd.Function, _FuserFunction).apply

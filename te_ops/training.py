@@ -202,6 +202,8 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
                 w.grad_added_to_main_grad = True
         return [None] * len(weights)
     grads = per_param(grouped_wgrad(job.x, dy, job.splits, job.backend), job.single)
+    if all(map(_REQUIRES_GRAD, weights)):  # the common case: no per-weight pass
+        return grads
     return [g if w.requires_grad else None for g, w in zip(grads, weights)]
 
 
@@ -210,6 +212,8 @@ def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
         return [None] * len(job.biases)
     from .basic.grouped_linear import group_bias_grad, per_param
     grads = per_param(group_bias_grad(job.dy, job.splits, job.probs), job.single)
+    if all(map(_REQUIRES_GRAD, job.biases)):
+        return grads
     return [g if b.requires_grad else None for g, b in zip(grads, job.biases)]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import env
+from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
 from ..kernels.grouped_gemm import (
     BackendChoice,
@@ -200,6 +201,12 @@ class GroupedLinearSaved:
         FP8 current scaling without ``weight_q``: the stacked weights' column amax (G, in)
         fp32, recorded by the forward's row-wise quantize; dgrad's column-wise copy is then
         made in one pass (``None``: backward computes it).
+    weights_view : torch.Tensor | None
+        Per-group weights (not ``single``): the forward's (G, out, in) view of them (their
+        buffer, no copy), which dgrad reads instead of stacking them again; a plain reference
+        in the layout (``weights`` are the saved tensors, whose versions autograd checks).
+        ``None`` when stacking them took a copy (weights not adjacent), under a recipe, or
+        while tracing.
     """
 
     splits: GroupedSplits
@@ -216,6 +223,7 @@ class GroupedLinearSaved:
     training: WgradPolicy | None = None
     weight_q: Any = None
     weight_amax: torch.Tensor | None = None
+    weights_view: torch.Tensor | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -249,6 +257,7 @@ class GroupedLinearSaved:
             "recipe": self.recipe,
             "training": self.training,
             "w_storage": w_storage,
+            "weights_view": self.weights_view,
         }
 
     @classmethod
@@ -274,7 +283,8 @@ class GroupedLinearSaved:
             weight_q.restore_from_saved(rest[nw + nb + 2:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"], meta["training"], weight_q, weight_amax)
+                   meta["recipe"], meta["training"], weight_q, weight_amax,
+                   meta["weights_view"])
 
     def input_2d(self) -> torch.Tensor:
         """The (rows, in_features) input, from the storage or recomputed."""
@@ -482,17 +492,24 @@ class GroupedLinear(BasicOperation):
 
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
-        # re-assignment swap entries, so the identities are the key).
-        key = tuple(map(id, self._parameters.values()))
+        # re-assignment swap entries, so the identities are the key). Within one fuser
+        # forward call the dict cannot change, so the key is checked once per call
+        # (te_ops/call_scope.py): with per-expert weights it is 2 x num_groups ids.
         cached = self.__dict__.get("_param_lists_cache")
+        call = current_call()
+        if cached is not None and call is not None and cached[3] is call:
+            return cached[1], cached[2]
+        key = tuple(map(id, self._parameters.values()))
         if cached is None or cached[0] != key:
             names = (["weight"], ["bias"]) if self.single_grouped_weight else (
                 [f"weight{g}" for g in range(self.num_groups)],
                 [f"bias{g}" for g in range(self.num_groups)])
             weights = [self._parameters[n] for n in names[0]]
             biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
-            cached = (key, weights, biases)
-            self.__dict__["_param_lists_cache"] = cached
+            cached = (key, weights, biases, call)
+        elif call is not None:
+            cached = (key, cached[1], cached[2], call)
+        self.__dict__["_param_lists_cache"] = cached
         return cached[1], cached[2]
 
     def weights(self) -> list[torch.Tensor]:
@@ -664,6 +681,12 @@ class GroupedLinear(BasicOperation):
             weight_q = columnwise_only(w_in)
         elif is_quantized(w_in) and ctx.input_requires_grad:
             weight_amax = w_in.columnwise_amax
+        # Per-group weights: keep fprop's (G, out, in) view of them for dgrad (no second
+        # stack; a copy made for non-adjacent weights is not kept alive until backward).
+        weights_view = None
+        if (not self.single_grouped_weight and ctx.input_requires_grad
+                and isinstance(w_in, torch.Tensor) and w_in._is_view()):
+            weights_view = w_in
         return GroupedLinearSaved(
             splits=splits, x=storage, weights=list(weights), biases=list(biases),
             probs=probs if self.scale_bias else None, backend=backend,
@@ -674,6 +697,7 @@ class GroupedLinear(BasicOperation):
             training=self._call_policy(weights, biases),
             weight_q=weight_q,
             weight_amax=weight_amax,
+            weights_view=weights_view,
         )
 
     def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]
@@ -742,7 +766,8 @@ class GroupedLinear(BasicOperation):
         recipe the GEMM reads ``dy_q`` (from :meth:`quantize_grad_output`) or ``dy2d``
         quantized row-wise here, and the forward's saved column-wise weights (or the weights
         quantized column-wise here)."""
-        weights = stacked(saved.weights, saved.single)
+        weights = (saved.weights_view if saved.weights_view is not None
+                   else stacked(saved.weights, saved.single))
         dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
                                                                dy2d, rowwise=True)
         w_in = saved.weight_q if saved.weight_q is not None else quantize_operand(
