@@ -38,7 +38,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def split_cols(x, sizes, cfg, with_rows):
     g = len(sizes)
-    sp = make_splits(torch.tensor(sizes, device=DEV), g, x.shape[0], DEV)
+    sp = make_splits(torch.tensor(sizes, device=x.device), g, x.shape[0], x.device)
     lay = column_layout(sp.split_sizes, sp.base_offsets, x.shape[0], 16)
     out = torch.empty(x.shape[1], lay.capacity, dtype=torch.float8_e4m3fn, device=DEV)
     res = fp8_triton.launch_cols(x, out, sp.base_offsets[:g], sp.split_sizes, lay.starts,

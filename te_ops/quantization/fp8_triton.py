@@ -19,6 +19,9 @@ each tile in registers so its stores are contiguous, and writes every destinatio
 
 Each column-wise program issues its next tile's load before working on the current one
 (``PREFETCH``): pass 1 then streams at about 4 TB/s on the weights (H200), against 2.8 without.
+Pass 2 packs the bytes of four destination rows into one 32-bit word before the transpose
+(``PACK4``, where the layout's rows and strides are multiples of 4): 3.5 TB/s on the weights
+against 2.7 byte-wise.
 
 * :func:`fp8_rows`: along the last dim of a contiguous (rows, K) tensor.
 * :func:`fp8_rows_column_amax`: the same for (G, N, K) weights, plus their column amax
