@@ -35,6 +35,7 @@ from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_prob
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window
 from ..op import FusedOperation, FusibleOperation
+from ..quantization.autocast import check_operand_dtype
 from ..shapes import as_shape, rows_2d
 
 __all__ = [
@@ -143,6 +144,7 @@ class ForwardGroupedMLP(FusedOperation):
         # docs/benchmarks.md).
         w_ops1 = w_ops2 = None
         if recipe is not None:
+            check_operand_dtype(recipe, "input", input_)  # the input's error first, as unfused
             w_ops1 = fc1.forward_weight_operand(ctx1, recipe)
             w_ops2 = fc2.forward_weight_operand(ctx2, recipe)
         splits = fc1.prepare_splits(input_, ex1[0])
