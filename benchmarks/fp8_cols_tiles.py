@@ -69,8 +69,8 @@ def weight_cols_args(w: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     g, n, k = w.shape
     out = torch.empty(g, k, n, dtype=torch.float8_e4m3fn, device=w.device)
     starts = torch.arange(g, device=w.device, dtype=torch.int64) * n
-    return out, (w.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n, 1,
-                 k * n, n, True)
+    return out, (w.reshape(g * n, k), out, starts, torch.full_like(starts, n), starts, g * n,
+                 4 if n % 4 == 0 else 1, k * n, n, True)
 
 
 def uniform_case(w: torch.Tensor, cfg: dict) -> tuple:

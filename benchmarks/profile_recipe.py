@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="E8_T16384_H4096_FF14336", choices=list(SHAPES))
     parser.add_argument("--recipe", default="fp8", choices=list(RECIPES))
     parser.add_argument("--rows", type=int, default=25, help="kernels to print")
+    parser.add_argument("--calls", action="store_true",
+                        help="also print every kernel launch in order (start, duration, idle "
+                             "time before it) and the step's GPU idle time")
     args = parser.parse_args(argv)
     problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"), torch.bfloat16,
                            0)
@@ -41,7 +44,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
                                     max_name_column_width=70))
+    if args.calls:
+        print_calls(prof)
     return 0
+
+
+def print_calls(prof: torch.profiler.profile, min_us: float = 5.0) -> None:
+    """Every CUDA kernel of the profiled step in start order: start (us from the first),
+    duration, the GPU's idle time before it; kernels shorter than ``min_us`` with less idle
+    time than that before them are counted, not printed. Then busy / idle totals."""
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return
+    t0 = kernels[0].time_range.start
+    end = t0
+    idle = hidden = 0.0
+    print(f"{'start_us':>10} {'dur_us':>9} {'idle_us':>9}  kernel")
+    for e in kernels:
+        gap = max(0.0, e.time_range.start - end)
+        idle += gap
+        dur = e.time_range.end - e.time_range.start
+        if dur >= min_us or gap >= min_us:
+            print(f"{e.time_range.start - t0:10.1f} {dur:9.1f} {gap:9.1f}  {e.name[:90]}")
+        else:
+            hidden += 1
+        end = max(end, e.time_range.end)
+    print(f"span {end - t0:.1f} us, GPU idle {idle:.1f} us, {len(kernels)} kernels "
+          f"({int(hidden)} short ones not printed)")
 
 
 if __name__ == "__main__":

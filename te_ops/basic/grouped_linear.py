@@ -609,30 +609,45 @@ class GroupedLinear(BasicOperation):
 
     # ------------------------------------------------------------------ math
     def forward_operands(self, ctx: OperationContext, x2d: torch.Tensor, splits: GroupedSplits,
-                         recipe: Any, save_input: bool = True) -> tuple[Any, Any]:
+                         recipe: Any, save_input: bool = True, weight_operand: Any = None
+                         ) -> tuple[Any, Any]:
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
         when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
-        one quantize call (one pair of passes on CUDA). :meth:`make_saved` takes the result."""
+        one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
+        operand made earlier by :meth:`forward_weight_operand` (same context and recipe).
+        :meth:`make_saved` takes the result."""
         weights, _ = self._param_lists()
-        w = stacked(weights, self.single_grouped_weight)
         if recipe is None:
-            return x2d, w
+            return x2d, stacked(weights, self.single_grouped_weight)
         # Both copies from one call only when the recipe quantizes every GEMM (with a GEMM kept
         # in high precision, each GEMM's operands are made, or passed plain, where it runs).
         both = not recipe.high_precision_gemms()
         keep_x = (both and ctx.requires_grad and save_input
                   and any(p.requires_grad for p in weights))
+        x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
+                                columnwise=keep_x)
+        if weight_operand is None:
+            weight_operand = self.forward_weight_operand(ctx, recipe)
+        return x_in, weight_operand
+
+    def forward_weight_operand(self, ctx: OperationContext, recipe: Any) -> Any:
+        """The stacked weights as fprop reads them (see :meth:`forward_operands`). Needs no
+        split sizes, so a fused forward makes it first: the GPU then quantizes the weights
+        while the host builds the split and layout tensors."""
+        weights, _ = self._param_lists()
+        w = stacked(weights, self.single_grouped_weight)
+        if recipe is None:
+            return w
+        both = not recipe.high_precision_gemms()
         # TransformerEngine's weight workspace, for one step: backward then never reads the
         # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
         dgrad = ctx.requires_grad and ctx.input_requires_grad
         keep_w = both and dgrad and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS")
-        x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
-                                columnwise=keep_x)
         # Else, when backward quantizes the weights for dgrad: their column amax from this
         # read (GroupedLinearSaved.weight_amax), so that copy is one pass there.
-        return x_in, quantize_operand(
+        return quantize_operand(
             recipe, "weight", w, rowwise=True, columnwise=keep_w,
             record_columnwise_amax=dgrad and not keep_w
             and "dgrad" not in recipe.high_precision_gemms())

@@ -64,6 +64,16 @@ def current_recipe() -> Recipe | None:
     return _RECIPE.get()
 
 
+def check_operand_dtype(recipe: Recipe, role: str, tensor: Any) -> None:
+    """Raise ``TypeError`` (naming ``role``, its dtype and the fix) when ``recipe`` cannot
+    quantize ``tensor``: only float32 and bfloat16 tensors are taken."""
+    dtype = getattr(tensor, "dtype", None)
+    if isinstance(tensor, torch.Tensor) and dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"te_ops.autocast(recipe={type(recipe).__name__}()) needs float32 or "
+                        f"bfloat16 parameters and inputs ({role} is {dtype}): cast the block "
+                        "and its input with .to(torch.bfloat16) or .to(torch.float32)")
+
+
 def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any = None, *,
                      rowwise: bool = False, columnwise: bool = False, **options: Any) -> Any:
     """``tensor`` quantized by ``recipe``'s quantizer for ``role`` (``tensor`` itself without a
@@ -72,10 +82,6 @@ def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any 
     (``columnwise_amax``, ``record_columnwise_amax``: :class:`~te_ops.quantization.Quantizer`)."""
     if recipe is None:
         return tensor
-    dtype = getattr(tensor, "dtype", None)
-    if isinstance(tensor, torch.Tensor) and dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"te_ops.autocast(recipe={type(recipe).__name__}()) needs float32 or "
-                        f"bfloat16 parameters and inputs ({role} is {dtype}): cast the block "
-                        "and its input with .to(torch.bfloat16) or .to(torch.float32)")
+    check_operand_dtype(recipe, role, tensor)
     quantizer = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
     return tensor if quantizer is None else quantizer(tensor, splits, **options)

@@ -19,6 +19,9 @@ each tile in registers so its stores are contiguous, and writes every destinatio
 
 Each column-wise program issues its next tile's load before working on the current one
 (``PREFETCH``): pass 1 then streams at about 4 TB/s on the weights (H200), against 2.8 without.
+Pass 2 packs the bytes of four destination rows into one 32-bit word before the transpose
+(``PACK4``, where the layout's rows and strides are multiples of 4): 3.5 TB/s on the weights
+against 2.7 byte-wise.
 
 * :func:`fp8_rows`: along the last dim of a contiguous (rows, K) tensor.
 * :func:`fp8_rows_column_amax`: the same for (G, N, K) weights, plus their column amax
@@ -125,26 +128,31 @@ if triton is not None:
 
     @triton.jit
     def _fp8_rows_colamax_kernel(x_ptr, q_ptr, sinv_ptr, camax_ptr, N, K,
-                                 ROWS_PER_PROG: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Row-wise bytes of ROWS_PER_PROG whole rows (read once each, in registers; the next
-        # row's load issued before this one is worked on), and the rows' column maxima
-        # folded into camax[g, :] (fp32 bits as int32, atomic_max) once per program: the
-        # rows of one program lie in one group g of N rows (ROWS_PER_PROG divides N).
+                                 ROWS_PER_PROG: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 ROWS_TILE: tl.constexpr = 1):
+        # Row-wise bytes of ROWS_PER_PROG whole rows (read once each, in registers, ROWS_TILE
+        # rows at a time; the next tile's load issued before this one is worked on), and the
+        # rows' column maxima folded into camax[g, :] (fp32 bits as int32, atomic_max) once
+        # per program: the rows of one program lie in one group g of N rows (ROWS_PER_PROG
+        # divides N; ROWS_TILE divides ROWS_PER_PROG).
         r0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROG
         offs = tl.arange(0, BLOCK_K)
+        rr = tl.arange(0, ROWS_TILE)
         mask = offs < K
+        mask2 = mask[None, :] & (rr < ROWS_TILE)[:, None]
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        nxt = tl.load(x_ptr + r0 * K + offs, mask=mask, other=0.0)
-        for i in range(ROWS_PER_PROG):
-            row = r0 + i
+        nxt = tl.load(x_ptr + (r0 + rr)[:, None] * K + offs[None, :], mask=mask2, other=0.0)
+        for i in range(0, ROWS_PER_PROG, ROWS_TILE):
+            rows = r0 + i + rr
             v = nxt.to(tl.float32)
-            nxt = tl.load(x_ptr + (row + 1) * K + offs, mask=mask & (i + 1 < ROWS_PER_PROG),
-                          other=0.0)
+            nxt = tl.load(x_ptr + (rows + ROWS_TILE)[:, None] * K + offs[None, :],
+                          mask=mask2 & (i + ROWS_TILE < ROWS_PER_PROG), other=0.0)
             fa = _finite_abs(v)
-            acc = tl.maximum(acc, fa)
-            scale, sinv = _pow2_scale(tl.max(fa, 0))
-            tl.store(sinv_ptr + row, sinv)
-            tl.store(q_ptr + row * K + offs, _to_e4m3(v, scale), mask=mask)
+            acc = tl.maximum(acc, tl.max(fa, 0))
+            scale, sinv = _pow2_scale(tl.max(fa, 1))
+            tl.store(sinv_ptr + rows, sinv)
+            tl.store(q_ptr + rows[:, None] * K + offs[None, :], _to_e4m3(v, scale[:, None]),
+                     mask=mask2)
         tl.atomic_max(camax_ptr + (r0 // N) * K + offs, acc.to(tl.int32, bitcast=True),
                       mask=mask, sem="relaxed")
 
@@ -272,6 +280,70 @@ if triton is not None:
             tl.store(row_sinv_ptr + src, sinv, mask=rmask)
 
     @triton.jit
+    def _load_tile4(x_ptr, src0, p0, hi, cols, cmask, K, BLOCK_R: tl.constexpr):
+        # Destination rows p0 .. p0 + BLOCK_R - 1 as four (BLOCK_R / 4, cols) tiles: tile s
+        # holds rows p0 + 4 j + s (rows at or past hi read as zeros).
+        pq = p0 + 4 * tl.arange(0, BLOCK_R // 4)
+        t0 = _load_tile_rows(x_ptr, src0, pq, hi, cols, cmask, K)
+        t1 = _load_tile_rows(x_ptr, src0, pq + 1, hi, cols, cmask, K)
+        t2 = _load_tile_rows(x_ptr, src0, pq + 2, hi, cols, cmask, K)
+        t3 = _load_tile_rows(x_ptr, src0, pq + 3, hi, cols, cmask, K)
+        return t0, t1, t2, t3
+
+    @triton.jit
+    def _load_tile_rows(x_ptr, src0, pr, hi, cols, cmask, K):
+        return tl.load(x_ptr + (src0 + pr)[:, None] * K + cols[None, :],
+                       mask=(pr < hi)[:, None] & cmask[None, :], other=0.0)
+
+    @triton.jit
+    def _e4m3_bits(v, scale):
+        return _to_e4m3(v, scale[None, :]).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+    @triton.jit
+    def _quant_group_pack4(x_ptr, q_ptr, row_amax_ptr, row_q_ptr, row_sinv_ptr, scale, base,
+                           src0, lo, hi, hi_src, cols, cmask, K, OUT_COL_STRIDE,
+                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+                           WRITE_SINV):
+        # Pass 2 of one group's destination rows [lo, hi) with the bytes of four consecutive
+        # destination rows packed into one 32-bit word (little-endian: row p + s in byte s)
+        # before the in-register transpose: the transpose moves a quarter of the fp32
+        # variant's data, and each column's run is stored as 32-bit words. Needs lo, hi,
+        # base and OUT_COL_STRIDE to be multiples of 4 (checked by the launcher).
+        q32 = q_ptr.to(tl.pointer_type(tl.uint32))
+        col_off = base // 4 + cols[:, None].to(tl.int64) * (OUT_COL_STRIDE // 4)
+        if PREFETCH:
+            n0, n1, n2, n3 = _load_tile4(x_ptr, src0, lo, hi_src, cols, cmask, K, BLOCK_R)
+        for p0 in range(lo, hi, BLOCK_R):
+            pq = p0 + 4 * tl.arange(0, BLOCK_R // 4)
+            if PREFETCH:
+                v0 = n0.to(tl.float32)
+                v1 = n1.to(tl.float32)
+                v2 = n2.to(tl.float32)
+                v3 = n3.to(tl.float32)
+                n0, n1, n2, n3 = _load_tile4(x_ptr, src0, p0 + BLOCK_R, hi_src, cols, cmask, K,
+                                             BLOCK_R)
+            else:
+                t0, t1, t2, t3 = _load_tile4(x_ptr, src0, p0, hi_src, cols, cmask, K, BLOCK_R)
+                v0 = t0.to(tl.float32)
+                v1 = t1.to(tl.float32)
+                v2 = t2.to(tl.float32)
+                v3 = t3.to(tl.float32)
+            if ROWS:
+                _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v0, src0 + pq,
+                            pq < hi_src, cols, cmask, K, WRITE_SINV)
+                _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v1, src0 + pq + 1,
+                            pq + 1 < hi_src, cols, cmask, K, WRITE_SINV)
+                _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v2, src0 + pq + 2,
+                            pq + 2 < hi_src, cols, cmask, K, WRITE_SINV)
+                _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v3, src0 + pq + 3,
+                            pq + 3 < hi_src, cols, cmask, K, WRITE_SINV)
+            w = (_e4m3_bits(v0, scale) | (_e4m3_bits(v1, scale) << 8)
+                 | (_e4m3_bits(v2, scale) << 16) | (_e4m3_bits(v3, scale) << 24))
+            words = p0 // 4 + tl.arange(0, BLOCK_R // 4)
+            tl.store(q32 + col_off + words[None, :], tl.trans(w),
+                     mask=cmask[:, None] & (pq < hi)[None, :])
+
+    @triton.jit
     def _fp8_cols_quant_kernel(x_ptr, q_ptr, amax_ptr, sinv_ptr, row_amax_ptr, row_q_ptr,
                                row_sinv_ptr, starts_ptr, sizes_ptr, pstarts_ptr, G, K, P, M,
                                ALIGN, OUT_G_STRIDE, OUT_COL_STRIDE,
@@ -279,7 +351,7 @@ if triton is not None:
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
                                TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                               PREFETCH: tl.constexpr = False):
+                               PREFETCH: tl.constexpr = False, PACK4: tl.constexpr = False):
         # Pass 2: quantize with the finished amax; writes every destination byte (alignment
         # gaps and the tail past the last group get zeros), so `out` needs no zero fill.
         # ROWS: the same tiles also give the row-wise copy (row_q (M, K), row_sinv (M,)),
@@ -307,23 +379,28 @@ if triton is not None:
             if ROW_IN_GROUP:
                 base -= ps
             hi_src = tl.minimum(hi, ps + sz)  # rows past it are alignment gaps: zeros
-            if PREFETCH:  # the first tile's load, issued before the loop
-                nxt = _load_tile(x_ptr, src0, lo, hi_src, cols, cmask, K, BLOCK_R)
-            for p0 in range(lo, hi, BLOCK_R):
-                pr = p0 + tl.arange(0, BLOCK_R)
-                pmask = pr < hi
-                if PREFETCH:  # issue the next tile's load before working on this one
-                    v = nxt.to(tl.float32)
-                    nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi_src, cols, cmask, K,
-                                     BLOCK_R)
-                else:
-                    v = _load_tile(x_ptr, src0, p0, hi_src, cols, cmask, K,
-                                   BLOCK_R).to(tl.float32)
-                if ROWS:
-                    _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src0 + pr,
-                                pmask & (pr < ps + sz), cols, cmask, K, pid_c == 0)
-                _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
-                            TRANS_BYTES)
+            if PACK4:
+                _quant_group_pack4(x_ptr, q_ptr, row_amax_ptr, row_q_ptr, row_sinv_ptr, scale,
+                                   base, src0, lo, hi, hi_src, cols, cmask, K, OUT_COL_STRIDE,
+                                   BLOCK_R, ROWS, PREFETCH, pid_c == 0)
+            else:
+                if PREFETCH:  # the first tile's load, issued before the loop
+                    nxt = _load_tile(x_ptr, src0, lo, hi_src, cols, cmask, K, BLOCK_R)
+                for p0 in range(lo, hi, BLOCK_R):
+                    pr = p0 + tl.arange(0, BLOCK_R)
+                    pmask = pr < hi
+                    if PREFETCH:  # issue the next tile's load before working on this one
+                        v = nxt.to(tl.float32)
+                        nxt = _load_tile(x_ptr, src0, p0 + BLOCK_R, hi_src, cols, cmask, K,
+                                         BLOCK_R)
+                    else:
+                        v = _load_tile(x_ptr, src0, p0, hi_src, cols, cmask, K,
+                                       BLOCK_R).to(tl.float32)
+                    if ROWS:
+                        _store_rows(row_q_ptr, row_amax_ptr, row_sinv_ptr, v, src0 + pr,
+                                    pmask & (pr < ps + sz), cols, cmask, K, pid_c == 0)
+                    _store_cols(q_ptr, v, scale, base, pr, pmask, cols, cmask, OUT_COL_STRIDE,
+                                TRANS_BYTES)
         # Rows past the last group's aligned end (the layout's tail): zeros.
         t0, s_end = _tail_start(starts_ptr, sizes_ptr, pstarts_ptr, G, ALIGN)
         for p0 in range(tl.maximum(p_lo, t0), p_hi, BLOCK_R):
@@ -361,17 +438,27 @@ if triton is not None:
     def _fp8_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return launch_rows(x, wrap=torch.library.wrap_triton)
 
-    #: Rows per program of the row-wise + column-amax kernel: the largest power of two up to
-    #: this that divides the group's row count N; below ROWS_COLAMAX_MIN (too many atomics
-    #: per byte) the column amax is not made there.
-    ROWS_COLAMAX_PER_PROG = 32
+    #: Row-wise + column-amax kernel settings by row length: (largest BLOCK_K (row length
+    #: rounded up to a power of two), most rows per program, rows per tile). A program takes
+    #: the largest power of two up to "most rows" that divides the group's row count N, ROWS
+    #: per tile at a time (each tile's load issued before the previous tile is worked on);
+    #: below ROWS_COLAMAX_MIN rows (too many atomics per byte) the column amax is not made
+    #: there. Measured on an H200 (benchmarks/fp8q_variants.py): W1 rows (4096) 0.83 ms with
+    #: 64 rows / tiles of 2 against 0.95 with 32 / 1; W2 rows (14336) keep 32 / 1 (0.52 ms;
+    #: tiles of 2 spill: 0.82).
+    ROWS_COLAMAX_SETTINGS: tuple[tuple[int, int, int], ...] = ((8192, 64, 2), (32768, 32, 1))
     ROWS_COLAMAX_MIN = 8
+
+    def _rows_colamax_setting(k: int) -> tuple[int, int]:
+        block = triton.next_power_of_2(k)
+        for max_block, most, tile in ROWS_COLAMAX_SETTINGS:
+            if block <= min(max_block, ROWS_ONE_PASS_MAX):
+                return most, tile
+        return 0, 1
 
     def rows_colamax_per_prog(n: int, k: int) -> int:
         """Rows per program for (G, N, K) weights, 0 when the kernel does not take them."""
-        if triton.next_power_of_2(k) > ROWS_ONE_PASS_MAX:
-            return 0
-        r = ROWS_COLAMAX_PER_PROG
+        r, _ = _rows_colamax_setting(k)
         while r >= ROWS_COLAMAX_MIN and n % r:
             r //= 2
         return r if r >= ROWS_COLAMAX_MIN else 0
@@ -385,8 +472,9 @@ if triton is not None:
         sinv = torch.empty(g, n, dtype=torch.float32, device=x3d.device)
         camax = torch.zeros(g, k, dtype=torch.int32, device=x3d.device)
         block = triton.next_power_of_2(k)
+        tile = min(_rows_colamax_setting(k)[1], per_prog)
         wrap(_fp8_rows_colamax_kernel)[(g * n // per_prog,)](
-            x3d, q, sinv, camax, n, k, ROWS_PER_PROG=per_prog, BLOCK_K=block,
+            x3d, q, sinv, camax, n, k, ROWS_PER_PROG=per_prog, BLOCK_K=block, ROWS_TILE=tile,
             num_warps=8 if block <= 8192 else 16)
         return q, sinv, camax.view(torch.float32)
 
@@ -398,11 +486,18 @@ if triton is not None:
     #: Column-wise launch: CHUNK destination rows x BLOCK_C columns per program, tiles of
     #: BLOCK_R rows; TRANS_BYTES moves the converted 1-byte tile through shared memory
     #: instead of the fp32 one; PREFETCH issues each tile's load one tile ahead (inside a
-    #: group's rows). "AMAX" overrides the tile settings of pass 1 (amax) alone: the passes
-    #: share only the amax buffers, so their grids may differ. Measured on an H200
-    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py).
+    #: group's rows); PACK4 packs four destination rows' bytes into one 32-bit word before
+    #: the transpose (where ``pack4_ok``; else byte-wise as TRANS_BYTES says). "AMAX"
+    #: overrides the tile settings of pass 1 (amax) alone: the passes share only the amax
+    #: buffers, so their grids may differ; "COLS_ONLY" those of a packed pass 2 that writes
+    #: no row-wise copy (weights, fc2's input). Measured on an H200
+    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py,
+    #: benchmarks/fp8q_variants.py: PACK4 2.62 ms for the six pass-2 calls against 2.92,
+    #: 2.44 with 512-row tiles where no row-wise copy is written: W1 / W2 0.79 / 0.40 ms
+    #: against 1.03 / 0.52; 256-row tiles with the row-wise copy: dh 1.35 against 0.77).
     COLS_CONFIG = {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
-                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": True, "AMAX": {}}
+                   "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": True, "PACK4": True,
+                   "AMAX": {}, "COLS_ONLY": {"BLOCK_R": 512}}
     #: CHUNK is halved (down to BLOCK_R) while a pass would launch fewer programs than this
     #: (about 8 per SM of an H200's 132): small operands keep the whole GPU busy.
     COLS_MIN_PROGRAMS = 1024
@@ -421,6 +516,21 @@ if triton is not None:
                       "BLOCK_C": cfg["BLOCK_C"], "G_BLOCK": triton.next_power_of_2(g),
                       "COLS_FIRST": cols_first, "ROWS": with_rows,
                       "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
+
+    #: Column blocks with which the packed pass 2 runs. On the H200 (Triton 3.6) 32-column
+    #: blocks with the row-wise copy wrote wrong column-wise bytes (benchmarks/results/
+    #: h200_fp8q_variants_2026-11-30.jsonl, variant 5) while the interpreter's bytes of the
+    #: same kernel agree with the byte-wise pass (tests/test_fp8q_interpret.py): cause not
+    #: found, so other blocks keep the byte-wise stores.
+    PACK4_BLOCK_C = (64,)
+
+    def pack4_ok(align, num_rows, out_g_stride, out_col_stride, block_c=64):
+        """Whether pass 2 may store four destination rows per 32-bit word: every group's
+        first and last aligned row, the chunk bounds and the output strides are multiples of
+        4 (``align`` a multiple of 4: callers with uniform groups of ``n % 4 == 0`` rows pass
+        ``align=4``, the same layout as 1), and ``block_c`` is in ``PACK4_BLOCK_C``."""
+        return (align % 4 == 0 and num_rows % 4 == 0 and out_g_stride % 4 == 0
+                and out_col_stride % 4 == 0 and block_c in PACK4_BLOCK_C)
 
     def launch_cols(x, out, starts, sizes, pstarts, num_rows, align, out_g_stride,
                     out_col_stride, row_in_group, config=None, wrap=lambda k: k,
@@ -449,11 +559,17 @@ if triton is not None:
             grid, tiles = _cols_grid(cfg_amax, num_rows, k, g, with_rows)
             wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
                                               num_rows, m, align, **tiles)
+        if cfg["PACK4"] and not with_rows:
+            cfg = {**cfg, **cfg["COLS_ONLY"]}
+        pack4 = cfg["PACK4"] and pack4_ok(align, num_rows, out_g_stride, out_col_stride,
+                                          cfg["BLOCK_C"])
+        if not pack4:  # the byte-wise pass 2 keeps its own tiles
+            cfg = {**COLS_CONFIG, **(config or {})}
         grid, tiles = _cols_grid(cfg, num_rows, k, g, with_rows)
         wrap(_fp8_cols_quant_kernel)[grid](
             x, out, amax, sinv, row_amax, row_q, row_sinv, starts, sizes, pstarts, g, k,
             num_rows, m, align, out_g_stride, out_col_stride, ROW_IN_GROUP=row_in_group,
-            TRANS_BYTES=cfg["TRANS_BYTES"], **tiles)
+            TRANS_BYTES=cfg["TRANS_BYTES"], PACK4=pack4, **tiles)
         return (sinv, row_q, row_sinv) if with_rows else sinv
 
     def _private_index_copies(*index: torch.Tensor) -> tuple[torch.Tensor, ...]:
