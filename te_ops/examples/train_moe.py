@@ -171,7 +171,7 @@ class MoELanguageModel(nn.Module):
 # ---------------------------------------------------------------------------------- training
 #: The job's default length. At 600 steps the loss was still falling ~0.07 nats per 50 steps
 #: and a one-ulp change of one initial weight moved the final loss by up to 4 % (H200, bf16,
-#: seeds 0-2); at 2000 it ends on a plateau and the same changes move it by at most 0.64 %
+#: seeds 0-2); at 2000 it ends on a plateau and the same change moves it by at most 0.64 %
 #: (docs/recipes.md, benchmarks/main_job_noise.py).
 DEFAULT_STEPS = 2000
 #: --hf-model trains two models (te_ops and HF eager experts) and compares their curves: it
@@ -183,8 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps (default {DEFAULT_STEPS}, where the validation loss "
-                        "ends on a plateau and repeats to <1 %% under rounding changes; at 600 "
-                        "it moved by up to 4 %%: docs/recipes.md. With --hf-model the default "
+                        "ends on a plateau and moved by <1 %% under a one-ulp change of one "
+                        "initial weight; at 600 it moved by up to 4 %%: docs/recipes.md. With --hf-model the default "
                         f"is {DEFAULT_HF_STEPS})")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
