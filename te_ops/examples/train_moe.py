@@ -184,8 +184,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps (default {DEFAULT_STEPS}, where the validation loss "
                         "ends on a plateau and moved by <1 %% under a one-ulp change of one "
-                        "initial weight; at 600 it moved by up to 4 %%: docs/recipes.md. With --hf-model the default "
-                        f"is {DEFAULT_HF_STEPS})")
+                        "initial weight; at 600 it moved by up to 4 %%: docs/recipes.md. "
+                        f"With --hf-model the default is {DEFAULT_HF_STEPS})")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--layers", type=int, default=2, help="transformer layers")
