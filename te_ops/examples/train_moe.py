@@ -505,19 +505,29 @@ class MasterWeights:
         Raises
         ------
         ValueError
-            ``state["masters"]`` has another length, or an entry another shape than its
-            master (the index, expected and actual values are named).
+            ``state`` is not a dict with a ``"masters"`` entry (its type or keys are named),
+            ``state["masters"]`` has another length, or an entry is not a float32 tensor of
+            its master's shape (the index, expected and actual values are named: a bf16
+            entry would load without the low bits the masters exist to keep). Nothing is
+            loaded when it raises.
         """
-        saved = state.get("masters") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or "masters" not in state:
+            got = (f"a dict with keys {sorted(map(str, state))[:8]}" if isinstance(state, dict)
+                   else type(state).__name__)
+            raise ValueError("state must be a dict with a 'masters' entry (from "
+                             f"MasterWeights.state_dict()), got {got}")
+        saved = state["masters"]
         if not isinstance(saved, (list, tuple)) or len(saved) != len(self.masters):
-            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            got = (f"{len(saved)}" if isinstance(saved, (list, tuple))
+                   else type(saved).__name__)
             raise ValueError(f"state['masters'] must be a list of {len(self.masters)} "
                              f"tensors, got {got}")
         for i, (m, t) in enumerate(zip(self.masters, saved)):
-            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state['masters'][{i}] must have shape {tuple(m.shape)}, "
-                                 f"got {got}")
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape or t.dtype != m.dtype:
+                got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"state['masters'][{i}] must be a {m.dtype} tensor of shape "
+                                 f"{tuple(m.shape)}, got {got}")
         for m, t in zip(self.masters, saved):
             m.copy_(t)
         self.copy_back()
