@@ -179,6 +179,24 @@ def test_master_weights_bad_params_raise() -> None:
         train_moe.MasterWeights([w, w])
 
 
+def test_master_weights_bad_containers_raise() -> None:
+    """An empty iterable used to construct (then ``copy_back`` failed inside
+    ``torch._foreach_copy_``); a module or optimizer param groups failed with torch's
+    "object is not iterable" or a bare "got dict": each now names what came."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    gen = model.parameters()
+    list(gen)  # exhausted
+    with pytest.raises(ValueError, match=r"at least one parameter, got an empty iterable"):
+        train_moe.MasterWeights(gen)
+    with pytest.raises(ValueError, match=r"at least one parameter"):
+        train_moe.MasterWeights([])
+    with pytest.raises(TypeError, match=r"model.parameters\(\)\), got a Linear module"):
+        train_moe.MasterWeights(model)
+    with pytest.raises(TypeError, match=r"params\[0\] must be a floating-point tensor, got a "
+                                        r"dict with keys \['params', 'weight_decay'\]"):
+        train_moe.MasterWeights([{"params": list(model.parameters()), "weight_decay": 0.0}])
+
+
 def test_main_job_bf16_master_weights_compiled_same_losses_as_eager(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp32 masters (the bf16 default) keep ``--compile --compile-backend aot_eager``

@@ -460,19 +460,30 @@ class MasterWeights:
     Raises
     ------
     TypeError
-        An element is not a tensor, or not floating point (its dtype is named).
+        ``params`` is one tensor or a module, or an element is not a tensor (an optimizer's
+        param-group dict is named as such), or not floating point (its dtype is named).
     ValueError
-        The same tensor appears twice (its position is named: two masters would diverge).
+        ``params`` is empty (e.g. an exhausted generator), or the same tensor appears twice
+        (its position is named: two masters would diverge).
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        if isinstance(params, torch.Tensor):
+        if isinstance(params, (torch.Tensor, nn.Module)):
+            got = (f"one tensor of shape {tuple(params.shape)}"
+                   if isinstance(params, torch.Tensor) else f"a {type(params).__name__} module")
             raise TypeError("params must be an iterable of parameters (e.g. "
-                            "model.parameters()), got one tensor of shape "
-                            f"{tuple(params.shape)}")
+                            f"model.parameters()), got {got}")
         self.params = list(params)
+        if not self.params:
+            raise ValueError("params must hold at least one parameter, got an empty iterable "
+                             "(an exhausted model.parameters() generator?)")
         seen: dict[int, int] = {}
         for i, p in enumerate(self.params):
+            if isinstance(p, dict):
+                raise TypeError(f"params[{i}] must be a floating-point tensor, got a dict "
+                                f"with keys {sorted(map(str, p))[:8]} (optimizer param "
+                                "groups are not taken: pass the tensors, then build the "
+                                "groups from .masters)")
             if not isinstance(p, torch.Tensor) or not p.is_floating_point():
                 got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
                 raise TypeError(f"params[{i}] must be a floating-point tensor, got {got}")
