@@ -138,6 +138,7 @@ def test_main_job_bf16_master_weights_flag(tmp_path: Path,
     bf16 = train_moe.main([*tiny, "--master-weights", "none", "--out-dir", str(tmp_path / "b")])
     assert fp32["config"]["master_weights"] == "fp32"
     assert bf16["config"]["master_weights"] == "none"
+    assert fp32["fp32_master_weights"] is True and bf16["fp32_master_weights"] is False
     assert math.isfinite(fp32["final_val_loss"]) and math.isfinite(bf16["final_val_loss"])
     assert fp32["final_val_loss"] != bf16["final_val_loss"]
     with pytest.raises(SystemExit):

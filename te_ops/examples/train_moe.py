@@ -400,8 +400,7 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     wall = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "config": dict(vars(args)),
-        # Whether fp32 masters were kept: --master-weights fp32 has no effect with float32.
-        "fp32_master_weights": args.master_weights == "fp32" and dtype != torch.float32,
+        "fp32_master_weights": keeps_fp32_masters(args),
         "evals": evals,
         "final_val_loss": final_val,
         "unigram_baseline": baseline,
@@ -426,6 +425,12 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     print(explain_text)
     print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'loss.png'}")
     return metrics
+
+
+def keeps_fp32_masters(args: argparse.Namespace) -> bool:
+    """Whether :func:`train_loop` keeps fp32 master weights (``--master-weights fp32`` with a
+    low-precision ``--dtype``; no effect with float32): recorded in every job's metrics."""
+    return args.master_weights == "fp32" and args.dtype != "float32"
 
 
 def show_progress() -> bool:
@@ -552,7 +557,7 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
 
     params = list(model.parameters())
     master = None
-    if args.master_weights == "fp32" and any(p.dtype != torch.float32 for p in params):
+    if keeps_fp32_masters(args) and any(p.dtype != torch.float32 for p in params):
         master = MasterWeights(params)
     optimizer = torch.optim.AdamW(master.masters if master else params, lr=args.lr,
                                   weight_decay=0.1)
