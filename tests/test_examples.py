@@ -138,6 +138,7 @@ def test_main_job_bf16_master_weights_flag(tmp_path: Path,
     bf16 = train_moe.main([*tiny, "--master-weights", "none", "--out-dir", str(tmp_path / "b")])
     assert fp32["config"]["master_weights"] == "fp32"
     assert bf16["config"]["master_weights"] == "none"
+    assert fp32["fp32_master_weights"] is True and bf16["fp32_master_weights"] is False
     assert math.isfinite(fp32["final_val_loss"]) and math.isfinite(bf16["final_val_loss"])
     assert fp32["final_val_loss"] != bf16["final_val_loss"]
     with pytest.raises(SystemExit):
@@ -177,6 +178,24 @@ def test_master_weights_bad_params_raise() -> None:
         train_moe.MasterWeights([1.0])
     with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
         train_moe.MasterWeights([w, w])
+
+
+def test_master_weights_bad_containers_raise() -> None:
+    """An empty iterable used to construct (then ``copy_back`` failed inside
+    ``torch._foreach_copy_``); a module or optimizer param groups failed with torch's
+    "object is not iterable" or a bare "got dict": each now names what came."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    gen = model.parameters()
+    list(gen)  # exhausted
+    with pytest.raises(ValueError, match=r"at least one parameter, got an empty iterable"):
+        train_moe.MasterWeights(gen)
+    with pytest.raises(ValueError, match=r"at least one parameter"):
+        train_moe.MasterWeights([])
+    with pytest.raises(TypeError, match=r"model.parameters\(\)\), got a Linear module"):
+        train_moe.MasterWeights(model)
+    with pytest.raises(TypeError, match=r"params\[0\] must be a floating-point tensor, got a "
+                                        r"dict with keys \['params', 'weight_decay'\]"):
+        train_moe.MasterWeights([{"params": list(model.parameters()), "weight_decay": 0.0}])
 
 
 def test_main_job_bf16_master_weights_compiled_same_losses_as_eager(
@@ -234,8 +253,43 @@ def test_master_weights_state_dict_round_trip_and_errors() -> None:
         assert torch.equal(p.detach(), t.to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"list of 2 tensors, got 1"):
         other.load_state_dict({"masters": saved["masters"][:1]})
-    with pytest.raises(ValueError, match=r"state\['masters'\]\[0\] must have shape \(3, 4\)"):
+    with pytest.raises(ValueError, match=r"state\['masters'\]\[0\] must be a torch.float32 "
+                                         r"tensor of shape \(3, 4\), got torch.float32 of "
+                                         r"shape \(4, 3\)"):
         other.load_state_dict({"masters": [torch.zeros(4, 3), saved["masters"][1]]})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int64])
+def test_master_weights_load_state_dict_rejects_other_dtypes(dtype: torch.dtype) -> None:
+    """A non-fp32 entry (e.g. the bf16 parameters' own state_dict values) used to load
+    silently, losing the low bits the masters keep; it raises naming index, expected and
+    actual dtype, and loads nothing (the entry before it keeps its value)."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = train_moe.MasterWeights(model.parameters())
+    before = [m.detach().clone() for m in master.masters]
+    good = torch.full((3, 4), 0.5)
+    with pytest.raises(ValueError, match=rf"state\['masters'\]\[1\] must be a torch.float32 "
+                                         rf"tensor of shape \(3,\), got {dtype} of shape \(3,\)"):
+        master.load_state_dict({"masters": [good, torch.zeros(3, dtype=dtype)]})
+    assert all(torch.equal(m.detach(), b) for m, b in zip(master.masters, before))
+
+
+@pytest.mark.parametrize(("state", "got"), [
+    ({"master": []}, r"got a dict with keys \['master'\]"),
+    ({"weight": torch.zeros(3, 4), "bias": torch.zeros(3)},
+     r"got a dict with keys \['bias', 'weight'\]"),  # a model's state_dict
+    ([torch.zeros(3, 4), torch.zeros(3)], r"got list"),
+    (None, r"got NoneType"),
+])
+def test_master_weights_load_state_dict_names_a_wrong_container(state, got: str) -> None:
+    """A state without a 'masters' entry used to be reported as "state['masters'] must be a
+    list of 2 tensors, got NoneType" whatever it was; the message now names what came."""
+    master = train_moe.MasterWeights(torch.nn.Linear(4, 3).to(torch.bfloat16).parameters())
+    with pytest.raises(ValueError, match=r"state must be a dict with a 'masters' entry .*" + got):
+        master.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['masters'\] must be a list of 2 tensors, "
+                                         r"got Tensor"):
+        master.load_state_dict({"masters": torch.zeros(2)})
 
 
 def test_main_job_records_whether_fp32_masters_were_kept(tmp_path: Path,

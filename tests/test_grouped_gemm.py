@@ -188,6 +188,32 @@ def test_select_backend_forced_and_graph_safe_toggles(device, monkeypatch):
     assert not host.graph_safe
 
 
+@pytest.mark.parametrize("device_sizes", [True, False])
+def test_graph_safe_0_with_forced_grouped_mm_raises(monkeypatch, device_sizes: bool):
+    """TE_OPS_GRAPH_SAFE=0 with TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm and device split sizes
+    used to run grouped_mm on the device offsets (graph-safe; make_graphed_callable accepted
+    it), against "0 forbids it": the conflict raises naming both variables. Host lists are
+    not graph-safe anyway and run. Values checked against the per-expert F.linear loop."""
+    cpu = torch.device("cpu")
+    if grouped_mm_unsupported_reason(cpu, torch.float32, 16, 32) is not None:
+        pytest.skip("grouped_mm does not run here")
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
+    monkeypatch.setenv("TE_OPS_GRAPH_SAFE", "0")
+    lin = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 32))
+    x = torch.randn(7, 16)
+    sizes = [3, 0, 4]
+    split = torch.tensor(sizes) if device_sizes else sizes
+    if device_sizes:
+        with pytest.raises(RuntimeError, match=r"TE_OPS_GRAPH_SAFE=0 forbids the graph-safe "
+                                               r"path, but TE_OPS_GROUPED_GEMM_BACKEND="
+                                               r"grouped_mm keeps"):
+            lin(x, split)
+        return
+    expected = ref.grouped_linear(ref.leaf(x), [ref.leaf(w) for w in lin[0].weights()],
+                                  [ref.leaf(b) for b in lin[0].biases()], sizes)
+    assert_close(lin(x, split), expected, torch.float32)
+
+
 def test_graph_safe_on_cpu_with_device_split_sizes(monkeypatch):
     """CPU has no host/device boundary: grouped_mm with tensor split sizes is graph-safe."""
     cpu = torch.device("cpu")

@@ -329,6 +329,8 @@ def test_main_job_hf_model_trains_both_and_final_losses_agree(tmp_path, monkeypa
     assert metrics["final_val_loss_rel_diff"] < 0.01
     assert metrics["fusions"]["forward"] == ["ForwardGroupedMLP"]
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "metrics.json").exists()
+    # Recorded as in the te_ops job (the HF runs share its train_loop): float32, no masters.
+    assert metrics["fp32_master_weights"] is False
 
 
 def test_main_job_hf_model_rejects_cuda_graph():

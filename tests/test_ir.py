@@ -289,6 +289,26 @@ def test_explain_checks_sample_inputs():
 
 
 # ---------------------------------------------------------------------------- to_dot
+def test_explain_with_the_main_input_only_says_split_sizes_are_unknown():
+    """``explain(x)`` without the extra inputs used to give "fc1 and fc2 split sizes are not
+    the same source" and "not graph-safe": both read as faults of a call that was not
+    described. It now says the split sizes are unknown and what graph safety depends on;
+    with the extras the old texts stay."""
+    x, splits, probs = _inputs()
+    text = explain(_mlp(), x)
+    assert "split sizes not known (planned without the extra inputs" in text
+    assert "not the same source" not in text
+    assert text.count("graph-safe only with split sizes as a device tensor") == 2
+    text = explain(_mlp(), x.double())  # the loop backend: never graph-safe
+    assert "only with split sizes" not in text and "not graph-safe" in text
+    lists = explain(_mlp(), x, [3, 0, 4, 3], probs, [3, 0, 4, 3])
+    assert "only with split sizes" not in lists and lists.count("; not graph-safe)") == 2
+    assert explain(_mlp(), x, splits, probs, splits).count("; graph-safe)") == 2
+    with pytest.warns(UserWarning, match="two different tensor objects"):
+        two = explain(_mlp(), x, splits, probs, splits.clone())
+    assert "fc1 and fc2 split sizes are not the same source" in two
+
+
 def test_to_dot_text():
     block = _mlp()
     dot = to_dot(block)

@@ -88,6 +88,15 @@ def _backend_text(choice: BackendChoice) -> str:
     return f"{choice.name} ({choice.reason}; {safe})"
 
 
+def _graph_safe_with_device_sizes(info: Any, op: GroupedLinear) -> bool:
+    """Whether ``op``'s backend would be graph-safe with split sizes as a device tensor."""
+    try:
+        return select_backend(info.device, info.dtype, op.in_features, op.out_features,
+                              True).graph_safe
+    except RuntimeError:
+        return False
+
+
 def stacked(params: list[torch.Tensor], single: bool) -> torch.Tensor:
     """The parameters as one (G, ...) tensor: the single grouped parameter itself, or the
     per-group parameters stacked (a free view when they are adjacent, see ``stack_weights``)."""
@@ -548,7 +557,12 @@ class GroupedLinear(BasicOperation):
                                     self.out_features, device_sizes)
         except RuntimeError as exc:
             return [f"grouped GEMM backend: error: {exc}"]
-        notes = [f"grouped GEMM backend: {_backend_text(choice)}"]
+        text = _backend_text(choice)
+        if (sig is None or sig == ("none",)) and _graph_safe_with_device_sizes(info, self):
+            # Planned without the extra inputs: the split-size kind decides graph safety.
+            text = text.replace("; not graph-safe)",
+                                "; graph-safe only with split sizes as a device tensor)")
+        notes = [f"grouped GEMM backend: {text}"]
         recipe = getattr(info, "recipe", None)
         if recipe is not None:
             notes.append(_recipe_note(recipe, info.device, info.dtype, self.in_features,

@@ -74,7 +74,8 @@ ENV_VARS: dict[str, EnvVar] = {
             ("auto", "0", "1"),
             "1 forces the graph-safe path (no host sync; raises with the reason where a "
             "configuration cannot take it); 0 forbids it (device split sizes are copied to the "
-            "host and the per-group loop runs); auto takes it whenever split sizes are a device "
+            "host and the per-group loop runs; raises where TE_OPS_GROUPED_GEMM_BACKEND forces a "
+            "backend that would take it); auto takes it whenever split sizes are a device "
             "tensor and the backend allows.",
         ),
         EnvVar(

@@ -112,7 +112,8 @@ def run(args: argparse.Namespace, start: float) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "config": dict(vars(args)), "hf_model": args.hf_model, "runs": runs,
         "evals": runs["te_ops"]["evals"], "final_val_loss": runs["te_ops"]["final_val_loss"],
-        "final_val_loss_rel_diff": rel, "unigram_baseline": baseline,
+        "final_val_loss_rel_diff": rel, "fp32_master_weights": job.keeps_fp32_masters(args),
+        "unigram_baseline": baseline,
         "unigram_train_entropy": entropy, "wall_time_s": time.perf_counter() - start,
         "fusions": fusions,
         "versions": {"te_ops": te_ops.__version__, "torch": torch.__version__,

@@ -415,8 +415,7 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     wall = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "config": dict(vars(args)),
-        # Whether fp32 masters were kept: --master-weights fp32 has no effect with float32.
-        "fp32_master_weights": args.master_weights == "fp32" and dtype != torch.float32,
+        "fp32_master_weights": keeps_fp32_masters(args),
         "evals": evals,
         "final_val_loss": final_val,
         "unigram_baseline": baseline,
@@ -441,6 +440,12 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     print(explain_text)
     print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'loss.png'}")
     return metrics
+
+
+def keeps_fp32_masters(args: argparse.Namespace) -> bool:
+    """Whether :func:`train_loop` keeps fp32 master weights (``--master-weights fp32`` with a
+    low-precision ``--dtype``; no effect with float32): recorded in every job's metrics."""
+    return args.master_weights == "fp32" and args.dtype != "float32"
 
 
 def show_progress() -> bool:
@@ -475,19 +480,30 @@ class MasterWeights:
     Raises
     ------
     TypeError
-        An element is not a tensor, or not floating point (its dtype is named).
+        ``params`` is one tensor or a module, or an element is not a tensor (an optimizer's
+        param-group dict is named as such), or not floating point (its dtype is named).
     ValueError
-        The same tensor appears twice (its position is named: two masters would diverge).
+        ``params`` is empty (e.g. an exhausted generator), or the same tensor appears twice
+        (its position is named: two masters would diverge).
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        if isinstance(params, torch.Tensor):
+        if isinstance(params, (torch.Tensor, nn.Module)):
+            got = (f"one tensor of shape {tuple(params.shape)}"
+                   if isinstance(params, torch.Tensor) else f"a {type(params).__name__} module")
             raise TypeError("params must be an iterable of parameters (e.g. "
-                            "model.parameters()), got one tensor of shape "
-                            f"{tuple(params.shape)}")
+                            f"model.parameters()), got {got}")
         self.params = list(params)
+        if not self.params:
+            raise ValueError("params must hold at least one parameter, got an empty iterable "
+                             "(an exhausted model.parameters() generator?)")
         seen: dict[int, int] = {}
         for i, p in enumerate(self.params):
+            if isinstance(p, dict):
+                raise TypeError(f"params[{i}] must be a floating-point tensor, got a dict "
+                                f"with keys {sorted(map(str, p))[:8]} (optimizer param "
+                                "groups are not taken: pass the tensors, then build the "
+                                "groups from .masters)")
             if not isinstance(p, torch.Tensor) or not p.is_floating_point():
                 got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
                 raise TypeError(f"params[{i}] must be a floating-point tensor, got {got}")
@@ -520,19 +536,29 @@ class MasterWeights:
         Raises
         ------
         ValueError
-            ``state["masters"]`` has another length, or an entry another shape than its
-            master (the index, expected and actual values are named).
+            ``state`` is not a dict with a ``"masters"`` entry (its type or keys are named),
+            ``state["masters"]`` has another length, or an entry is not a float32 tensor of
+            its master's shape (the index, expected and actual values are named: a bf16
+            entry would load without the low bits the masters exist to keep). Nothing is
+            loaded when it raises.
         """
-        saved = state.get("masters") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or "masters" not in state:
+            got = (f"a dict with keys {sorted(map(str, state))[:8]}" if isinstance(state, dict)
+                   else type(state).__name__)
+            raise ValueError("state must be a dict with a 'masters' entry (from "
+                             f"MasterWeights.state_dict()), got {got}")
+        saved = state["masters"]
         if not isinstance(saved, (list, tuple)) or len(saved) != len(self.masters):
-            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            got = (f"{len(saved)}" if isinstance(saved, (list, tuple))
+                   else type(saved).__name__)
             raise ValueError(f"state['masters'] must be a list of {len(self.masters)} "
                              f"tensors, got {got}")
         for i, (m, t) in enumerate(zip(self.masters, saved)):
-            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state['masters'][{i}] must have shape {tuple(m.shape)}, "
-                                 f"got {got}")
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape or t.dtype != m.dtype:
+                got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"state['masters'][{i}] must be a {m.dtype} tensor of shape "
+                                 f"{tuple(m.shape)}, got {got}")
         for m, t in zip(self.masters, saved):
             m.copy_(t)
         self.copy_back()
@@ -546,7 +572,7 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
 
     params = list(model.parameters())
     master = None
-    if args.master_weights == "fp32" and any(p.dtype != torch.float32 for p in params):
+    if keeps_fp32_masters(args) and any(p.dtype != torch.float32 for p in params):
         master = MasterWeights(params)
     optimizer = torch.optim.AdamW(master.masters if master else params, lr=args.lr,
                                   weight_decay=0.1)

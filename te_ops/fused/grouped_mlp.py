@@ -88,7 +88,9 @@ def grouped_mlp_unsupported_reason(fc1: GroupedLinear, act: SwiGLU, fc2: Grouped
         return f"device type {info.device.type} is not one of {list(_FUSED_DEVICES)}"
     i1, i2 = info.index(fc1), info.index(fc2)
     s1, s2 = info.extra_inputs[i1][0], info.extra_inputs[i2][0]
-    if s1 is None or s2 is None or not info.same_source(s1, s2):
+    if s1 is None or s2 is None:  # explain(x) / plan(x) without the extra inputs
+        return "split sizes not known (planned without the extra inputs: pass them too)"
+    if not info.same_source(s1, s2):
         if isinstance(s1, torch.Tensor) and isinstance(s2, torch.Tensor) and not backward:
             warnings.warn(SPLIT_COPIES_WARNING, UserWarning, stacklevel=2)
         return "fc1 and fc2 split sizes are not the same source (pass one tensor or equal lists)"

@@ -163,8 +163,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     ------
     RuntimeError
         ``TE_OPS_GROUPED_GEMM_BACKEND`` forces ``grouped_mm`` where it cannot run, or
-        ``TE_OPS_GRAPH_SAFE=1`` forces the graph-safe path where it cannot be taken; the message
-        gives the reason.
+        ``TE_OPS_GRAPH_SAFE=1`` forces the graph-safe path where it cannot be taken, or
+        ``TE_OPS_GRAPH_SAFE=0`` forbids it where a forced backend takes it; the message gives
+        the reason.
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
@@ -228,6 +229,11 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
+    if graph_safe == "0" and choice.graph_safe:  # only a forced backend gets here
+        raise RuntimeError(
+            f"TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path, but TE_OPS_GROUPED_GEMM_BACKEND="
+            f"{forced} keeps the device split sizes on the device (graph-safe): unset one of "
+            "the two, or pass split sizes as a host list")
     if graph_safe == "1" and not choice.graph_safe:
         raise RuntimeError(
             "TE_OPS_GRAPH_SAFE=1 but the graph-safe path is unsupported: "
