@@ -166,6 +166,25 @@ class GroupedSplits:
             self.__dict__[key] = cached
         return cached
 
+    def column_layout(self, align: int):
+        """The group-aligned row layout of these splits for column-wise quantized copies
+        (:func:`te_ops.quantization.layout.column_layout` with ``num_rows`` rows), cached per
+        ``align``: the column-wise quantize calls and wgrad GEMMs of one step that share these
+        splits build it once (about 20 small device ops each, one launch apiece on a GPU).
+
+        Returns
+        -------
+        te_ops.quantization.layout.ColumnLayout
+        """
+        key = f"_column_layout_{align}"
+        cached = self.__dict__.get(key)
+        if cached is None:
+            from .quantization.layout import column_layout
+
+            cached = column_layout(self.split_sizes, self.base_offsets, self.num_rows, align)
+            self.__dict__[key] = cached
+        return cached
+
     def to_tensors(self) -> list[torch.Tensor]:
         """The device tensors, for ``save_for_backward`` (group ids: ``None`` if not built)."""
         return [self.split_sizes, self.offsets, self.base_offsets, self._group_ids]

@@ -211,8 +211,9 @@ class Quantizer:
                     from ..splits import make_splits
                     splits = make_splits([shape[0]], 1, shape[0], x.device)
                     kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
-                layout = column_layout(splits.split_sizes, splits.base_offsets, shape[0],
-                                       self.align)
+                layout = (splits.column_layout(self.align) if splits.num_rows == shape[0]
+                          else column_layout(splits.split_sizes, splits.base_offsets, shape[0],
+                                             self.align))
                 if self.rowwise:
                     both = self.quantize_both_split(x, layout, splits)
                 col = self.quantize_columns_split(x, layout, splits) if both is None else both[1]
