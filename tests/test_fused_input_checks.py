@@ -110,3 +110,15 @@ def test_messages_name_the_weights_dtype_and_the_fix():
         _call(block, torch.float32, 8, False)
     assert re.search(r"move the input with x.to\(torch.float16\) \(or the layer with "
                      r".to\(torch.float32\)\)", str(info.value))
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"])
+def test_fc2_on_another_device_names_the_device(fusion, monkeypatch):
+    """fc2's weights on another device than the input (``meta`` stands in for a second GPU)."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _block(torch.float32, torch.float32)
+    block[2].to("meta")
+    with pytest.raises(ValueError, match=r"input must match the weights' dtype torch.float32 and "
+                                         r"device meta, got torch.float32 on cpu: move the "
+                                         r"input with x.to\('meta'\)"):
+        _call(block, torch.float32, 8, False)
