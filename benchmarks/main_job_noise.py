@@ -22,7 +22,7 @@ runs over seeds and step counts:
 Each run prints one JSON line (final whole-split validation loss, the periodic evals, wall
 time); the driver prints a table of every run's loss relative to ``none:base`` on its seed and
 step count, and the noise floor: the largest and mean absolute change of the ``none:*``
-perturbations. Usage::
+perturbations; it exits with status 1 when a run failed (the run is named). Usage::
 
     python benchmarks/main_job_noise.py --device cuda --runs none:base,none:ulp,fp8:base \\
         --seeds 0,1,2 --steps 600,1200 --parallel 8 --out DIR
@@ -61,6 +61,22 @@ def parse_runs(text: str) -> list[tuple[str, str]]:
             raise ValueError(f"--runs entry {item!r}: emulate needs a recipe (fp8 or mxfp8)")
         runs.append((recipe, variant))
     return runs
+
+
+def int_list(text: str, name: str, minimum: int | None = None) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``. Raises ValueError naming the argument ``name``, the
+    entry, and what was expected (integers, at least ``minimum`` where given)."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"{name}: expected comma-separated integers, got {item!r} in "
+                             f"{text!r}") from None
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name}: each value must be >= {minimum}, got {value}")
+        values.append(value)
+    return values
 
 
 def nudge_one_ulp(t: Any) -> None:
@@ -183,10 +199,20 @@ def main() -> int:
         runs = parse_runs(args.runs)
     except ValueError as exc:
         p.error(str(exc))
-    if args.parallel < 1:
-        p.error(f"--parallel must be >= 1, got {args.parallel}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    steps = [int(s) for s in args.steps.split(",")]
+    for name in ("parallel", "threads", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        seeds = int_list(args.seeds, "--seeds")
+        steps = int_list(args.steps, "--steps", minimum=1)
+    except ValueError as exc:
+        p.error(str(exc))
+    for name, values in (("--runs", [f"{r}:{v}" for r, v in runs]), ("--seeds", seeds),
+                         ("--steps", steps)):
+        twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if twice:  # two runs would write one directory at once
+            p.error(f"{name}: each value once (every run writes its own directory), got "
+                    f"{twice} more than once in {values}")
     # Longest first, so the pool's tail is short runs.
     jobs = sorted(((r, v, s, n) for (r, v), s, n in itertools.product(runs, seeds, steps)),
                   key=lambda j: -j[3] * (2 if j[0] != "none" else 1))
@@ -198,7 +224,7 @@ def main() -> int:
             print(json.dumps(records[-1]), flush=True)
     report(records)
     print(f"\n{len(jobs)} runs, {args.parallel} at once, {time.perf_counter() - start:.0f} s")
-    return 0
+    return 1 if any("error" in r for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,22 @@ def run_job(argv: list[str], log: str, threads: int) -> float:
         return train_moe.main(argv)["final_val_loss"]
 
 
+def int_list(text: str, name: str, minimum: int | None = None) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``. Raises ValueError naming the argument ``name``, the
+    entry, and what was expected (integers, at least ``minimum`` where given)."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"{name}: expected comma-separated integers, got {item!r} in "
+                             f"{text!r}") from None
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name}: each value must be >= {minimum}, got {value}")
+        values.append(value)
+    return values
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
@@ -55,7 +71,15 @@ def main() -> int:
     parser.add_argument("--out", default="runs")
     args = parser.parse_args()
     recipes = args.recipes.split(",")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = int_list(args.seeds, "--seeds")
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name, values in (("--recipes", recipes), ("--seeds", seeds)):
+        twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if twice:  # two runs would write one directory at once
+            parser.error(f"{name}: each value once (every run writes its own directory), got "
+                         f"{twice} more than once in {values}")
     if "none" not in recipes:
         parser.error(f"--recipes must include none (the bf16 baseline), got {recipes}")
     bad = [r for r in recipes if r not in train_moe.RECIPES]
@@ -64,6 +88,14 @@ def main() -> int:
     if args.parallel < 0:
         parser.error(f"--parallel must be >= 0, got {args.parallel}")
     jobs = [(recipe, seed) for seed in seeds for recipe in recipes]
+
+    def job_argv(recipe: str, seed: int) -> list[str]:
+        return ["--device", args.device, "--dtype", args.dtype, "--steps", str(args.steps),
+                "--seed", str(seed), "--recipe", recipe, "--master-weights",
+                args.master_weights, "--out-dir", f"{args.out}/seeds_{recipe}_{seed}"]
+
+    for recipe, seed in jobs:  # the job's own argument errors once, here, before any run
+        train_moe.parse_args(job_argv(recipe, seed))
     parallel = args.parallel or (min(len(jobs), 8) if args.device == "cuda" else 1)
     threads = max(1, (os.cpu_count() or 1) // parallel)
     loss: dict[tuple[str, int], float] = {}
@@ -71,13 +103,16 @@ def main() -> int:
     with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {}
         for recipe, seed in jobs:
-            out = f"{args.out}/seeds_{recipe}_{seed}"
-            argv = ["--device", args.device, "--dtype", args.dtype, "--steps", str(args.steps),
-                    "--seed", str(seed), "--recipe", recipe,
-                    "--master-weights", args.master_weights, "--out-dir", out]
-            futures[recipe, seed] = pool.submit(run_job, argv, f"{out}/train.log", threads)
+            log = f"{args.out}/seeds_{recipe}_{seed}/train.log"
+            futures[recipe, seed] = pool.submit(run_job, job_argv(recipe, seed), log, threads)
         for (recipe, seed), future in futures.items():
-            loss[recipe, seed] = future.result()
+            try:
+                loss[recipe, seed] = future.result()
+            except Exception as exc:  # name the run; runs not started yet are dropped
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise SystemExit(
+                    f"run --recipe {recipe} --seed {seed} failed: {type(exc).__name__}: {exc} "
+                    f"(its output: {args.out}/seeds_{recipe}_{seed}/train.log)") from exc
             print(json.dumps({"recipe": recipe, "seed": seed, "device": args.device,
                               "dtype": args.dtype, "steps": args.steps,
                               "master_weights": args.master_weights,

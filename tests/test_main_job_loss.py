@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,100 @@ def test_main_job_seeds_run_job_logs_and_matches_the_job(tmp_path, monkeypatch) 
     want = train_moe.main([*TINY, "--out-dir", str(tmp_path / "b")])["final_val_loss"]
     assert got == want
     assert "final validation loss (whole split)" in log.read_text()
+
+
+# ------------------------------------------------------------- review: CLI errors, failures
+@pytest.mark.parametrize("argv,message", [
+    (["--seeds", "0,x"], "--seeds: expected comma-separated integers, got 'x' in '0,x'"),
+    (["--seeds", ""], "--seeds: expected comma-separated integers, got '' in ''"),
+    (["--seeds", "0,1,0"], "--seeds: each value once (every run writes its own directory), "
+                           "got [0] more than once in [0, 1, 0]"),
+    (["--recipes", "none,fp8,none"], "--recipes: each value once (every run writes its own "
+                                     "directory), got ['none'] more than once"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_main_job_seeds_rejects_bad_lists_before_any_run(argv, message, monkeypatch, capsys):
+    """Bad seeds were a bare int() traceback; repeated values started two runs writing one
+    directory; the job's own errors (--steps 0) came from every worker process."""
+    def no_pool(*a, **k):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(seeds, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(sys, "argv", ["main_job_seeds.py", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit):
+        seeds.main()
+    assert message in capsys.readouterr().err
+
+
+class _ThreadPool(ThreadPoolExecutor):
+    """The seeds script's process pool, as threads (``mp_context`` ignored)."""
+
+    def __init__(self, workers: int, mp_context=None) -> None:
+        super().__init__(workers)
+
+
+def _fake_runs(losses: dict[tuple[str, str], float]):
+    def run_job(argv, log, threads):
+        key = (argv[argv.index("--recipe") + 1], argv[argv.index("--seed") + 1])
+        if key not in losses:
+            raise RuntimeError("boom")
+        return losses[key]
+    return run_job
+
+
+def test_main_job_seeds_table_is_relative_to_bf16_on_each_seed(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(seeds, "ProcessPoolExecutor", _ThreadPool)
+    monkeypatch.setattr(seeds, "run_job", _fake_runs(
+        {("none", "0"): 2.0, ("fp8", "0"): 2.1, ("none", "1"): 4.0, ("fp8", "1"): 3.8}))
+    monkeypatch.setattr(sys, "argv", ["main_job_seeds.py", "--device", "cpu", "--seeds", "0,1",
+                                      "--out", str(tmp_path)])
+    assert seeds.main() == 0
+    out = capsys.readouterr().out
+    # fp8 vs none: 2.1 / 2.0 - 1 = +5.0 %, 3.8 / 4.0 - 1 = -5.0 %, mean 0.00 %
+    assert "2.1000 (+5.0%)" in out and "3.8000 (-5.0%)" in out and "+0.00%" in out
+
+
+def test_main_job_seeds_failed_run_is_named(monkeypatch, tmp_path):
+    """A failing run re-raised the worker's exception with no word of which run it was."""
+    monkeypatch.setattr(seeds, "ProcessPoolExecutor", _ThreadPool)
+    monkeypatch.setattr(seeds, "run_job", _fake_runs({("none", "0"): 2.0}))
+    monkeypatch.setattr(sys, "argv", ["main_job_seeds.py", "--device", "cpu", "--seeds", "0",
+                                      "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"run --recipe fp8 --seed 0 failed: RuntimeError: "
+                                         r"boom \(its output: .*seeds_fp8_0/train.log\)"):
+        seeds.main()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seeds", "0,x"], "--seeds: expected comma-separated integers, got 'x' in '0,x'"),
+    (["--steps", "600,a"], "--steps: expected comma-separated integers, got 'a' in '600,a'"),
+    (["--steps", "0"], "--steps: each value must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+    (["--runs", "none:base,none"], "--runs: each value once (every run writes its own "
+                                   "directory), got ['none:base'] more than once"),
+    (["--steps", "5,5"], "--steps: each value once"),
+])
+def test_main_job_noise_argument_errors(argv, message, monkeypatch, capsys):
+    """Bad seeds / steps were a bare int() traceback, --threads 0 failed in every child,
+    repeated runs wrote one directory at once."""
+    monkeypatch.setattr(noise, "spawn", lambda *a: pytest.fail("a run was started"))
+    monkeypatch.setattr(sys, "argv", ["main_job_noise.py", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit):
+        noise.main()
+    assert message in capsys.readouterr().err
+
+
+def test_main_job_noise_exit_status_says_a_run_failed(monkeypatch, capsys):
+    def spawn(job, args):
+        recipe, variant, seed, steps = job
+        rec = {"recipe": recipe, "variant": variant, "seed": seed, "steps": steps}
+        return {**rec, "error": "boom"} if variant == "ulp" else {**rec, "final_val_loss": 2.0}
+
+    monkeypatch.setattr(noise, "spawn", spawn)
+    argv = ["main_job_noise.py", "--device", "cpu", "--seeds", "0", "--steps", "3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--runs", "none:base,none:ulp"])
+    assert noise.main() == 1
+    assert "FAILED none:ulp seed 0 steps 3: boom" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv, "--runs", "none:base"])
+    assert noise.main() == 0

@@ -30,6 +30,7 @@ from ..kernels.grouped_gemm import (
 )
 from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
+from ..quantization.autocast import check_operand_dtype
 from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
@@ -580,21 +581,33 @@ class GroupedLinear(BasicOperation):
         reason = self.unsupported_reason(input_)
         if reason:
             raise TypeError(f"input: {reason}")
+        self.check_input_dtype(input_.dtype, input_.device)
+
+    def check_input_dtype(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ValueError when an input of ``dtype`` on ``device`` does not match the
+        weights' dtype and device (the check of :meth:`check_input`; a fused op runs it for
+        an inner op's input before that input exists)."""
         w = self._param_lists()[0][0]
-        if input_.dtype != w.dtype or input_.device != w.device:
-            target = ", ".join(([f"'{w.device}'"] if input_.device != w.device else [])
-                               + ([str(w.dtype)] if input_.dtype != w.dtype else []))
-            source = ", ".join(([f"'{input_.device}'"] if input_.device != w.device else [])
-                               + ([str(input_.dtype)] if input_.dtype != w.dtype else []))
+        if dtype != w.dtype or device != w.device:
+            target = ", ".join(([f"'{w.device}'"] if device != w.device else [])
+                               + ([str(w.dtype)] if dtype != w.dtype else []))
+            source = ", ".join(([f"'{device}'"] if device != w.device else [])
+                               + ([str(dtype)] if dtype != w.dtype else []))
             raise ValueError(
                 f"input must match the weights' dtype {w.dtype} and device {w.device}, got "
-                f"{input_.dtype} on {input_.device}: move the input with "
+                f"{dtype} on {device}: move the input with "
                 f"x.to({target}) (or the layer with .to({source}))"
             )
 
-    def prepare_splits(self, input_: torch.Tensor, split_sizes: Any) -> GroupedSplits:
-        """Validate the input and split sizes; derive offsets and group ids on the device."""
-        self.check_input(input_)
+    def prepare_splits(self, input_: torch.Tensor, split_sizes: Any, recipe: Any = None,
+                       checked: bool = False) -> GroupedSplits:
+        """Validate the input (unless ``checked``: the caller ran :meth:`check_input`; under
+        ``recipe`` also its dtype, before the split sizes, in the order of the fused forward)
+        and split sizes; derive offsets and group ids on the device."""
+        if not checked:
+            self.check_input(input_)
+            if recipe is not None:
+                check_operand_dtype(recipe, "input", input_)
         rows = input_.numel() // self.in_features
         return make_splits(split_sizes, self.num_groups, rows, input_.device)
 
@@ -826,7 +839,7 @@ class GroupedLinear(BasicOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
         ctx = basic_op_ctxs[0]
         extra = basic_op_extra_inputs[0]
-        splits = self.prepare_splits(input_, extra[0])
+        splits = self.prepare_splits(input_, extra[0], recipe)
         probs = None
         if self.scale_bias:
             probs = extra[1]

@@ -144,12 +144,17 @@ class ForwardGroupedMLP(FusedOperation):
         # the GPU runs them (about 1.5 ms on E8 H4096 FF14336, H200) while the host builds the
         # split and layout tensors, a stretch it otherwise sits idle through (profile in
         # docs/benchmarks.md).
+        # The unfused ops' input checks first, in their order (fc1's input, under a recipe its
+        # dtype, then fc2's input: the activation's output has the input's dtype and device).
+        fc1.check_input(input_)
+        if recipe is not None:
+            check_operand_dtype(recipe, "input", input_)
+        fc2.check_input_dtype(input_.dtype, input_.device)
         w_ops1 = w_ops2 = None
         if recipe is not None:
-            check_operand_dtype(recipe, "input", input_)  # the input's error first, as unfused
             w_ops1 = fc1.forward_weight_operand(ctx1, recipe)
             w_ops2 = fc2.forward_weight_operand(ctx2, recipe)
-        splits = fc1.prepare_splits(input_, ex1[0])
+        splits = fc1.prepare_splits(input_, ex1[0], checked=True)
         rows = splits.num_rows
         probs1 = ex1[1] if fc1.scale_bias else None
         probs2 = ex2[1] if fc2.scale_bias else None
