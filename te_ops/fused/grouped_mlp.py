@@ -140,16 +140,16 @@ class ForwardGroupedMLP(FusedOperation):
         fc1, act, fc2 = self.basic_ops
         ctx1, ctx_act, ctx2 = basic_op_ctxs
         ex1, ex_act, ex2 = basic_op_extra_inputs
-        # Under a recipe, the weights' quantize kernels first: they need no split sizes, so
-        # the GPU runs them (about 1.5 ms on E8 H4096 FF14336, H200) while the host builds the
-        # split and layout tensors, a stretch it otherwise sits idle through (profile in
-        # docs/benchmarks.md).
         # The unfused ops' input checks first, in their order (fc1's input, under a recipe its
         # dtype, then fc2's input: the activation's output has the input's dtype and device).
         fc1.check_input(input_)
         if recipe is not None:
             check_operand_dtype(recipe, "input", input_)
         fc2.check_input_dtype(input_.dtype, input_.device)
+        # Under a recipe, the weights' quantize kernels next: they need no split sizes, so
+        # the GPU runs them (about 1.5 ms on E8 H4096 FF14336, H200) while the host builds the
+        # split and layout tensors, a stretch it otherwise sits idle through (profile in
+        # docs/recipes.md, fp8q).
         w_ops1 = w_ops2 = None
         if recipe is not None:
             w_ops1 = fc1.forward_weight_operand(ctx1, recipe)
