@@ -43,6 +43,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+# One parser of comma-separated integer arguments for both main-job drivers.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from main_job_seeds import int_list  # noqa: E402
+
 VARIANTS = ("base", "ulp", "sdpa_math", "emulate")
 RECIPES = ("none", "fp8", "mxfp8")
 
@@ -61,22 +65,6 @@ def parse_runs(text: str) -> list[tuple[str, str]]:
             raise ValueError(f"--runs entry {item!r}: emulate needs a recipe (fp8 or mxfp8)")
         runs.append((recipe, variant))
     return runs
-
-
-def int_list(text: str, name: str, minimum: int | None = None) -> list[int]:
-    """``"0,1,2"`` -> ``[0, 1, 2]``. Raises ValueError naming the argument ``name``, the
-    entry, and what was expected (integers, at least ``minimum`` where given)."""
-    values = []
-    for item in text.split(","):
-        try:
-            value = int(item)
-        except ValueError:
-            raise ValueError(f"{name}: expected comma-separated integers, got {item!r} in "
-                             f"{text!r}") from None
-        if minimum is not None and value < minimum:
-            raise ValueError(f"{name}: each value must be >= {minimum}, got {value}")
-        values.append(value)
-    return values
 
 
 def nudge_one_ulp(t: Any) -> None:

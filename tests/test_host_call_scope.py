@@ -21,19 +21,11 @@ import copy
 import pytest
 import reference as ref
 import torch
+from test_host_caches import _block  # the same small fc1 / SwiGLU / fc2 block
 
 import te_ops
 from te_ops.basic.grouped_linear import stacked
 from te_ops.call_scope import close_call_scope, current_call, open_call_scope
-
-
-def _block(single: bool = False) -> te_ops.Sequential:
-    torch.manual_seed(0)
-    return te_ops.Sequential(
-        te_ops.GroupedLinear(4, 8, 12, single_grouped_weight=single),
-        te_ops.ScaledSwiGLU(),
-        te_ops.GroupedLinear(4, 6, 8, single_grouped_weight=single),
-    )
 
 
 def _inputs(rows: int = 10, sizes=(3, 0, 4, 2)):
