@@ -21,6 +21,8 @@
 #                 eager and graphed (issue 10's decode goals) -> "$OUT/grouped_mlp_e64.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
+#     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
+#                 kernels of back-to-back steps and the host ops that launched late
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
 #     main_job    the main job on CUDA at 600 steps, bf16 eager vs --cuda-graph (the loss
 #                 curves must agree bit for bit)
@@ -32,8 +34,8 @@
 # test lane on GPU 0 and the benchmark lane on GPU 1; on one GPU one after the other (pass STEPS
 # to pick, e.g. STEPS="cuda_tests bench"). The device tool stops a command after 10 minutes:
 # the benchmark lane's steps together take longer, so a final check on nvidia-h200-x2 picks
-# STEPS="env cuda_tests bench_fp8 bench_e64 bench_interleaved profile main_job main_job_seeds
-# main_job_mxfp8" (2026-11-30: that lane took about 390 s).
+# STEPS="env cuda_tests bench_fp8 bench_e64 bench_interleaved profile gaps main_job
+# main_job_seeds main_job_mxfp8" (2026-11-30: that lane took about 390 s without gaps).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
@@ -48,7 +50,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_interleaved profile memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_interleaved profile gaps memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -92,8 +94,9 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 fi
 
 test_lane() {
-    # 2026-11-30: about 600 of ~1060 tests in 330 s (Triton compiles of the FP8 kernel variants
-    # in tests/test_fp8q_cuda.py), so the lane is the GPU tests alone.
+    # 2026-11-30 stop 10: the 304 GPU tests took 480 + 104 s split over two H200s, 430 s of it
+    # in tests/test_fp8q_cuda.py's PACK4 cases (each compiles its own Triton specializations);
+    # that grid was cut from 28 to 12 cases, so the lane should now take about 4-5 minutes.
     step cuda_tests 540 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
     # shellcheck disable=SC2086  # CPU_TESTS may name several paths
     step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
@@ -124,6 +127,9 @@ bench_lane() {
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
     step profile 50 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+    # Idle device time between kernels of back-to-back steps, and which host ops launched late
+    # (16 s for the three large shapes x three peers on one H200, 2026-11-30).
+    step gaps 60 "$PY" benchmarks/profile_gaps.py --steps 4 --warmup 3 --out "$OUT/gaps.jsonl"
     step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
     # The main job: eager vs --cuda-graph bf16 at 600 steps (same seed, curves must agree).
