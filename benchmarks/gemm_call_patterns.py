@@ -34,6 +34,9 @@ routing, split sizes on the device that cover every row):
 ``blocks``
     the peer and ``te_ops_fused`` in alternating blocks of ``--block-steps`` steps each (as a
     sequential benchmark times them), with the clock of each block.
+``dense`` (only when named in ``--parts``)
+    a dense 8192^3 bf16 ``torch.mm`` as a short burst after an idle device, and after seconds
+    of back-to-back products (the sustained, power-limited rate), with NVML clocks.
 ``profile``
     torch.profiler (``record_shapes=True``) of ``--profile-steps`` steps of the peer and
     ``te_ops_fused``: every kernel in launch order with its full name, grid, block and
@@ -570,6 +573,36 @@ def parse_trace(path: str) -> dict:
     }
 
 
+def part_dense(device, args, sampler: ClockSampler) -> list[dict]:
+    """One dense ``--dense-size``^3 bf16 ``torch.mm`` (random data) timed twice: a burst of
+    ``--reps`` products after 3 warm-ups and ``--dense-idle`` s of idle device, and the last
+    ``--reps`` of ``--dense-sustain`` s of back-to-back products (power limit reached)."""
+    n = args.dense_size
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    out = []
+    for mode in ("burst", "sustained"):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if mode == "burst":
+            time.sleep(args.dense_idle)
+        else:
+            t_end = time.perf_counter() + args.dense_sustain
+            while time.perf_counter() < t_end:
+                for _ in range(50):
+                    torch.mm(a, b)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        with sampler.phase(f"dense:{mode}"):
+            ts = time_interleaved({"mm": lambda: torch.mm(a, b)}, device, reps=args.reps,
+                                  warmup=3 if mode == "burst" else 0)["mm"]
+        s = stats(ts)
+        out.append({"part": "dense", "mode": mode, "size": n, **s,
+                    "tflops": 2 * n**3 / (s["ms_median"] * 1e-3) / 1e12,
+                    "clock": sampler.summary(f"dense:{mode}")})
+    return out
+
+
 # ---------------------------------------------------------------------------------- main
 def run_shape(name, shape, device, args, out: JsonLines, sampler: ClockSampler) -> None:
     free_memory()
@@ -648,6 +681,11 @@ def summarize(path: str) -> str:
         elif p == "step":
             lines.append(f"{sh} step {r['peer']:<28} {r['ms_median']:8.3f} ms "
                          f"{r['tflops']:6.1f} TF/s x{r['ratio_vs_grouped_mm']:.3f}")
+        elif p == "dense":
+            c = r.get("clock", {})
+            lines.append(f"dense {r['size']}^3 mm {r['mode']:<10} {r['ms_median']:.3f} ms "
+                         f"{r['tflops']:.1f} TF/s sm {c.get('sm_mhz_mean', 0):.0f} MHz "
+                         f"{c.get('power_w_mean', 0):.0f} W")
         elif p == "blocks":
             c = r.get("clock", {})
             lines.append(f"{sh} block {r['block']} {r['peer']:<20} {r['ms_median']:8.3f} ms"
@@ -680,6 +718,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=2, help="alternating blocks per peer")
     parser.add_argument("--block-steps", type=int, default=12, help="timed steps per block")
+    parser.add_argument("--dense-size", type=int, default=8192)
+    parser.add_argument("--dense-idle", type=float, default=2.0, help="s idle before the burst")
+    parser.add_argument("--dense-sustain", type=float, default=3.0,
+                        help="s of back-to-back products before the sustained timing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-dir", default=None, help="keep the chrome traces here")
     parser.add_argument("--out", default=None)
@@ -705,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write({"part": "clock", "error": sampler.error})
     try:
         with sampler:
+            if "dense" in args.parts.split(","):
+                _write_all(out, "dense", "-", lambda: part_dense(device, args, sampler))
             for name in names:
                 run_shape(name, known[name], device, args, out, sampler)
     finally:
