@@ -107,7 +107,7 @@ class GemmRecorder(TorchDispatchMode):
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             call = {"a": describe(a), "b": describe(b), "out": describe(out),
                     "offs": None if offs is None else {**describe(offs),
-                                                       "last": None},
+                                                       "last": int(offs[-1])},
                     "kwargs": {k: str(v) for k, v in kwargs.items() if k != "offs"}}
             call["name"] = gemm_name(a, b, out, self.two_ff)
             if self.keep:
