@@ -13,6 +13,11 @@ any peer of ``benchmarks/grouped_mlp.py`` allowed), after ``--warmup`` untimed s
 * with ``--cprofile``: the Python functions with the most own time (cProfile, unprofiled by
   torch.profiler), ms per step.
 
+Per-kernel times of two peers profiled one after the other are not comparable on a GPU at its
+power limit (the H200 here, on the large shapes): the clock depends on what ran before and on
+the idle gap between peers (docs/benchmarks.md, "Why te_ops' GEMMs timed slower than the
+peer's"); compare kernels with ``benchmarks/gemm_call_patterns.py`` (interleaved replays).
+
 The problem is the one ``benchmarks/grouped_mlp.py`` builds (bf16, Zipf(1.2) routing, split
 sizes on the device that cover every row, so nothing is padding).
 
