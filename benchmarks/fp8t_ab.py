@@ -68,6 +68,8 @@ SETS: dict[str, dict] = {
     "cols128": {"cols_only_min_rows": NO_COLS_ONLY},
     "swiglu_fp8": {"swiglu_fp8": True},
     "k4096_swiglu_fp8": {"rows": ((4096, 64, 2), (32768, 32, 1)), "swiglu_fp8": True},
+    # this branch's defaults
+    "fp8t": {"rows": fp8_triton.ROWS_COLAMAX_SETTINGS, "swiglu_fp8": True},
 }
 
 
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="E8_T16384_H4096_FF14336,E32_T32768_H7168_FF2048")
     parser.add_argument("--parts", default="kernels,steps,profile")
     parser.add_argument("--sets", default=",".join(SETS))
-    parser.add_argument("--profile-set", default="k4096_swiglu_fp8")
+    parser.add_argument("--profile-set", default="fp8t")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

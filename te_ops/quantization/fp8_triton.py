@@ -443,10 +443,16 @@ if triton is not None:
     #: takes the largest power of two up to "most rows" that divides the group's row count N,
     #: ROWS per tile at a time (each tile's load issued before the previous tile is worked on);
     #: below ROWS_COLAMAX_MIN rows (too many atomics per byte) the column amax is not made
-    #: there. Warps default to 8 (BLOCK_K <= 8192) or 16. Measured on an H200
-    #: (benchmarks/fp8q_variants.py): W1 rows (4096) 0.83 ms with 64 rows / tiles of 2 against
-    #: 0.95 with 32 / 1; W2 rows (14336) keep 32 / 1 (0.52 ms; tiles of 2 spill: 0.82).
-    ROWS_COLAMAX_SETTINGS: tuple[tuple[int, ...], ...] = ((8192, 64, 2), (32768, 32, 1))
+    #: there. Warps default to 8 (BLOCK_K <= 8192) or 16. Measured on an H200, same process
+    #: (benchmarks/fp8t_ab.py; raw lines benchmarks/results/h200_fp8t_ab_2026-11-30_fp8t.jsonl):
+    #: tiles of 2 rows pay where each thread holds at least 32 elements of a tile (2 x BLOCK_K /
+    #: (32 x warps)): E8's W1 rows (4096) 0.83 ms against 0.96 with one row, E32's W1 rows
+    #: (7168) 0.96 against 1.15-1.19; with 16 elements per thread they collapse (no spills):
+    #: E32's W2 rows (2048, 8 warps) 4.14 ms against 0.54 with one row (E32's FP8 step
+    #: regression of stop 9), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
+    #: program, 0.48 ms against 0.54 with 32.
+    ROWS_COLAMAX_SETTINGS: tuple[tuple[int, ...], ...] = (
+        (2048, 32, 1), (8192, 64, 2), (16384, 64, 1, 16), (32768, 32, 1))
     ROWS_COLAMAX_MIN = 8
 
     def _rows_colamax_setting(k: int) -> tuple[int, int, int]:
