@@ -92,6 +92,7 @@ def _cpu_ok(x):
 
 
 fp8_triton.unsupported_reason = _cpu_ok
+fp8_swiglu.unsupported_reason = lambda h, p: _cpu_ok(h) or fp8_swiglu.shape_reason(h, p)
 swiglu_triton.unsupported_reason = lambda x, i: None if i is None and x.is_contiguous() else "no"
 calls = []
 launch = fp8_swiglu.launch

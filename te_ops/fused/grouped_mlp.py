@@ -12,6 +12,9 @@ Forward (:class:`ForwardGroupedMLP`):
   (unfused: once per GroupedLinear);
 * fc2's input (the activation output, tokens x ffn elements) is *not saved*: fc2's context
   says to recompute it from the activation's saved input, bit-identically. Unfused saves it.
+  Under FP8 current scaling on CUDA it is not even made in the input's dtype: one kernel
+  writes fprop's row-wise FP8 copy of it straight from the activation's input
+  (``quantization/fp8_swiglu.py``; same bytes).
 
 Backward (:class:`BackwardGroupedMLP`):
 

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 else:
     from .fp8_triton import _finite_abs, _pow2_scale, _to_e4m3
 
-__all__ = ["ENABLED", "MAX_FFN", "unsupported_reason", "swiglu_fp8_rows"]
+__all__ = ["ENABLED", "MAX_FFN", "unsupported_reason", "shape_reason", "swiglu_fp8_rows"]
 
 #: Whether the fused grouped-MLP forward uses this kernel where it applies (False: the
 #: SwiGLU kernel, then the row-wise quantize kernel; same bytes).
@@ -45,9 +45,13 @@ def unsupported_reason(h: torch.Tensor, probs: torch.Tensor | None) -> str | Non
     """Why :func:`swiglu_fp8_rows` cannot take ``h`` (..., 2F) and ``probs`` (``None``: it
     can): the Triton FP8 kernels' conditions (CUDA, fp32 / bf16, contiguous, not empty), an
     even last dim of at most ``2 * MAX_FFN``, probs (if any) on ``h``'s device."""
-    reason = fp8_triton.unsupported_reason(h)
-    if reason is not None:
-        return reason
+    if h.device.type != "cuda":  # first: a CPU run is not told to install triton
+        return f"device type {h.device.type} is not cuda"
+    return fp8_triton.unsupported_reason(h) or shape_reason(h, probs)
+
+
+def shape_reason(h: torch.Tensor, probs: torch.Tensor | None) -> str | None:
+    """The shape and device part of :func:`unsupported_reason`."""
     two_f = h.shape[-1]
     if two_f % 2 or two_f // 2 > MAX_FFN:
         return f"last dim {two_f} is odd or above 2 * {MAX_FFN}"
