@@ -636,14 +636,16 @@ class GroupedLinear(BasicOperation):
 
     # ------------------------------------------------------------------ math
     def forward_operands(self, ctx: OperationContext, x2d: torch.Tensor, splits: GroupedSplits,
-                         recipe: Any, save_input: bool = True, weight_operand: Any = None
-                         ) -> tuple[Any, Any]:
+                         recipe: Any, save_input: bool = True, weight_operand: Any = None,
+                         input_operand: Any = None) -> tuple[Any, Any]:
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
         when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
         one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
         operand made earlier by :meth:`forward_weight_operand` (same context and recipe).
+        ``input_operand``: x's row-wise operand made earlier (the fused forward's SwiGLU + FP8
+        kernel), for a call that keeps no column-wise copy of x; ``x2d`` is then unused.
         :meth:`make_saved` takes the result."""
         weights, _ = self._param_lists()
         if recipe is None:
@@ -653,8 +655,11 @@ class GroupedLinear(BasicOperation):
         both = not recipe.high_precision_gemms()
         keep_x = (both and ctx.requires_grad and save_input
                   and any(p.requires_grad for p in weights))
-        x_in = quantize_operand(recipe, "input", x2d, splits if keep_x else None, rowwise=True,
-                                columnwise=keep_x)
+        if input_operand is not None and keep_x:
+            raise ValueError("input_operand is a row-wise copy only, but this call keeps x's "
+                             "column-wise copy for wgrad (save_input=True): pass x2d alone")
+        x_in = input_operand if input_operand is not None else quantize_operand(
+            recipe, "input", x2d, splits if keep_x else None, rowwise=True, columnwise=keep_x)
         if weight_operand is None:
             weight_operand = self.forward_weight_operand(ctx, recipe)
         return x_in, weight_operand
@@ -684,7 +689,8 @@ class GroupedLinear(BasicOperation):
                      operands: tuple[Any, Any] | None = None) -> torch.Tensor:
         """(rows, in) -> (rows, out): grouped GEMM, then the bias (padding rows stay zero).
         With a ``recipe`` the GEMM reads its row-wise quantized x and weights (``operands``,
-        from :meth:`forward_operands`, or quantized here row-wise only)."""
+        from :meth:`forward_operands`, or quantized here row-wise only; with ``operands``
+        given only ``x2d``'s device and dtype are read)."""
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
         self._record_recipe(recipe, x2d, backend)

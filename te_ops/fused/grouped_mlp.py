@@ -12,6 +12,9 @@ Forward (:class:`ForwardGroupedMLP`):
   (unfused: once per GroupedLinear);
 * fc2's input (the activation output, tokens x ffn elements) is *not saved*: fc2's context
   says to recompute it from the activation's saved input, bit-identically. Unfused saves it.
+  Under FP8 current scaling on CUDA it is not even made in the input's dtype: one kernel
+  writes fprop's row-wise FP8 copy of it straight from the activation's input
+  (``quantization/fp8_swiglu.py``; same bytes).
 
 Backward (:class:`BackwardGroupedMLP`):
 
@@ -35,7 +38,7 @@ from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_prob
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window
 from ..op import FusedOperation, FusibleOperation
-from ..quantization.autocast import check_operand_dtype
+from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
 
 __all__ = [
@@ -174,14 +177,26 @@ class ForwardGroupedMLP(FusedOperation):
         if probs_act is not None:
             probs_act = as_shape(probs_act, lead)
         backend_act = act.select_backend(h)
-        a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
-        backend2 = fc2.select_backend(a, splits)
-        a2d = as_shape(a, (rows, fc2.in_features))
         # fc2's input is recomputed in backward when the activation saves its input: no
-        # column-wise copy of it here then.
+        # column-wise copy of it here then, and under a recipe with a kernel for it
+        # (quantization/fp8_swiglu.py) fprop's row-wise copy comes straight from h: the
+        # activation output itself is not made.
+        a_q = None
+        if ctx_act.requires_grad and backend_act.name == "triton":
+            a_q = swiglu_output_operand(recipe, rows_2d(h, fc1.out_features),
+                                        None if probs_act is None else as_shape(probs_act,
+                                                                                (rows,)))
+        a2d = None
+        if a_q is None:
+            a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
+            a2d = as_shape(a, (rows, fc2.in_features))
+        a_shape = (*lead, fc2.in_features)
+        like_a = h if a2d is None else a2d  # the activation output's dtype and device
+        backend2 = fc2.select_backend(like_a, splits)
         ops2 = fc2.forward_operands(ctx2, a2d, splits, recipe,
-                                    save_input=not ctx_act.requires_grad, weight_operand=w_ops2)
-        y = fc2.forward_math(a2d, splits, backend2, probs2, recipe, ops2)
+                                    save_input=not ctx_act.requires_grad, weight_operand=w_ops2,
+                                    input_operand=a_q)
+        y = fc2.forward_math(like_a, splits, backend2, probs2, recipe, ops2)
 
         if ctx1.requires_grad:
             fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
@@ -193,7 +208,7 @@ class ForwardGroupedMLP(FusedOperation):
             if ctx_act.requires_grad:
                 def recompute() -> torch.Tensor:
                     return act.recompute_output(SwiGLUSaved.load(ctx_act))
-            fc2.make_saved(ctx2, None if recompute else a2d, splits, backend2, probs2, a.shape,
+            fc2.make_saved(ctx2, None if recompute else a2d, splits, backend2, probs2, a_shape,
                            recompute_x=recompute, recipe=recipe, operands=ops2).save(ctx2)
         return as_shape(y, (*lead, fc2.out_features)), [(), (), ()]
 

@@ -11,7 +11,7 @@ import torch
 
 from .recipe import Float8CurrentScaling, Recipe
 
-__all__ = ["autocast", "current_recipe", "quantize_operand"]
+__all__ = ["autocast", "current_recipe", "quantize_operand", "swiglu_output_operand"]
 
 _RECIPE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("te_ops_recipe",
                                                                         default=None)
@@ -85,3 +85,18 @@ def quantize_operand(recipe: Recipe | None, role: str, tensor: Any, splits: Any 
     check_operand_dtype(recipe, role, tensor)
     quantizer = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
     return tensor if quantizer is None else quantizer(tensor, splits, **options)
+
+
+def swiglu_output_operand(recipe: Recipe | None, h2d: torch.Tensor,
+                          probs: torch.Tensor | None) -> Any:
+    """fprop's row-wise operand of ``SiLU(h2d[:, :F]) * h2d[:, F:] (* probs[:, None])`` made
+    straight from the activation's input (h2d (rows, 2F), probs (rows,)) where ``recipe``'s
+    quantizer has a kernel for it (FP8 current scaling on CUDA: ``fp8_swiglu``); the same
+    storage and bytes as :func:`quantize_operand` on the activation output gives. ``None``
+    without a recipe, where fprop runs in high precision, or where no such kernel applies
+    (then the caller runs the activation and quantizes its output)."""
+    if recipe is None:
+        return None
+    check_operand_dtype(recipe, "input", h2d)
+    quantizer = recipe.quantizer("input", rowwise=True, columnwise=False)
+    return None if quantizer is None else quantizer.quantize_swiglu_rows(h2d, probs)

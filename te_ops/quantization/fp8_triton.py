@@ -439,26 +439,33 @@ if triton is not None:
         return launch_rows(x, wrap=torch.library.wrap_triton)
 
     #: Row-wise + column-amax kernel settings by row length: (largest BLOCK_K (row length
-    #: rounded up to a power of two), most rows per program, rows per tile). A program takes
-    #: the largest power of two up to "most rows" that divides the group's row count N, ROWS
-    #: per tile at a time (each tile's load issued before the previous tile is worked on);
+    #: rounded up to a power of two), most rows per program, rows per tile[, warps]). A program
+    #: takes the largest power of two up to "most rows" that divides the group's row count N,
+    #: ROWS per tile at a time (each tile's load issued before the previous tile is worked on);
     #: below ROWS_COLAMAX_MIN rows (too many atomics per byte) the column amax is not made
-    #: there. Measured on an H200 (benchmarks/fp8q_variants.py): W1 rows (4096) 0.83 ms with
-    #: 64 rows / tiles of 2 against 0.95 with 32 / 1; W2 rows (14336) keep 32 / 1 (0.52 ms;
-    #: tiles of 2 spill: 0.82).
-    ROWS_COLAMAX_SETTINGS: tuple[tuple[int, int, int], ...] = ((8192, 64, 2), (32768, 32, 1))
+    #: there. Warps default to 8 (BLOCK_K <= 8192) or 16. Measured on an H200, same process
+    #: (benchmarks/fp8t_ab.py; raw lines benchmarks/results/h200_fp8t_ab_2026-11-30_fp8t.jsonl):
+    #: tiles of 2 rows pay where each thread holds at least 32 elements of a tile (2 x BLOCK_K /
+    #: (32 x warps)): E8's W1 rows (4096) 0.83 ms against 0.96 with one row, E32's W1 rows
+    #: (7168) 0.96 against 1.15-1.19; with 16 elements per thread they collapse (no spills):
+    #: E32's W2 rows (2048, 8 warps) 4.14 ms against 0.54 with one row (E32's FP8 step
+    #: regression of stop 9), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
+    #: program, 0.48 ms against 0.54 with 32.
+    ROWS_COLAMAX_SETTINGS: tuple[tuple[int, ...], ...] = (
+        (2048, 32, 1), (8192, 64, 2), (16384, 64, 1, 16), (32768, 32, 1))
     ROWS_COLAMAX_MIN = 8
 
-    def _rows_colamax_setting(k: int) -> tuple[int, int]:
+    def _rows_colamax_setting(k: int) -> tuple[int, int, int]:
+        """(most rows per program, rows per tile, warps) for rows of ``k`` elements."""
         block = triton.next_power_of_2(k)
-        for max_block, most, tile in ROWS_COLAMAX_SETTINGS:
+        for max_block, most, tile, *warps in ROWS_COLAMAX_SETTINGS:
             if block <= min(max_block, ROWS_ONE_PASS_MAX):
-                return most, tile
-        return 0, 1
+                return most, tile, warps[0] if warps else (8 if block <= 8192 else 16)
+        return 0, 1, 8
 
     def rows_colamax_per_prog(n: int, k: int) -> int:
         """Rows per program for (G, N, K) weights, 0 when the kernel does not take them."""
-        r, _ = _rows_colamax_setting(k)
+        r = _rows_colamax_setting(k)[0]
         while r >= ROWS_COLAMAX_MIN and n % r:
             r //= 2
         return r if r >= ROWS_COLAMAX_MIN else 0
@@ -472,10 +479,10 @@ if triton is not None:
         sinv = torch.empty(g, n, dtype=torch.float32, device=x3d.device)
         camax = torch.zeros(g, k, dtype=torch.int32, device=x3d.device)
         block = triton.next_power_of_2(k)
-        tile = min(_rows_colamax_setting(k)[1], per_prog)
+        _, tile, warps = _rows_colamax_setting(k)
         wrap(_fp8_rows_colamax_kernel)[(g * n // per_prog,)](
-            x3d, q, sinv, camax, n, k, ROWS_PER_PROG=per_prog, BLOCK_K=block, ROWS_TILE=tile,
-            num_warps=8 if block <= 8192 else 16)
+            x3d, q, sinv, camax, n, k, ROWS_PER_PROG=per_prog, BLOCK_K=block,
+            ROWS_TILE=min(tile, per_prog), num_warps=warps)
         return q, sinv, camax.view(torch.float32)
 
     @torch.library.triton_op("te_ops::fp8_quantize_rows_column_amax", mutates_args={})
@@ -495,9 +502,11 @@ if triton is not None:
     #: benchmarks/fp8q_variants.py: PACK4 2.62 ms for the six pass-2 calls against 2.92,
     #: 2.44 with 512-row tiles where no row-wise copy is written: W1 / W2 0.79 / 0.40 ms
     #: against 1.03 / 0.52; 256-row tiles with the row-wise copy: dh 1.35 against 0.77).
+    #: "COLS_ONLY_MIN_ROWS": "COLS_ONLY" applies only where the groups average at least this
+    #: many destination rows (``num_rows / G``; 0: always).
     COLS_CONFIG = {"CHUNK": 1024, "BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4,
                    "TRANS_BYTES": False, "COLS_FIRST": True, "PREFETCH": True, "PACK4": True,
-                   "AMAX": {}, "COLS_ONLY": {"BLOCK_R": 512}}
+                   "AMAX": {}, "COLS_ONLY": {"BLOCK_R": 512}, "COLS_ONLY_MIN_ROWS": 0}
     #: CHUNK is halved (down to BLOCK_R) while a pass would launch fewer programs than this
     #: (about 8 per SM of an H200's 132): small operands keep the whole GPU busy.
     COLS_MIN_PROGRAMS = 1024
@@ -559,7 +568,7 @@ if triton is not None:
             grid, tiles = _cols_grid(cfg_amax, num_rows, k, g, with_rows)
             wrap(_fp8_cols_amax_kernel)[grid](x, amax, row_amax, starts, sizes, pstarts, g, k,
                                               num_rows, m, align, **tiles)
-        if cfg["PACK4"] and not with_rows:
+        if cfg["PACK4"] and not with_rows and num_rows >= cfg["COLS_ONLY_MIN_ROWS"] * g:
             cfg = {**cfg, **cfg["COLS_ONLY"]}
         pack4 = cfg["PACK4"] and pack4_ok(align, num_rows, out_g_stride, out_col_stride,
                                           cfg["BLOCK_C"])

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..grouped_tensor import GroupedTensorStorage
-from . import fp8_triton, numerics
+from . import fp8_swiglu, fp8_triton, numerics
 from .layout import column_layout
 
 __all__ = [
@@ -156,6 +156,27 @@ class Quantizer:
         from one amax per (g, k) over N, that amax ((G, K) fp32) from the same read; ``None``
         for the amax where not made."""
         return self.quantize_rows(x3d), None
+
+    def quantize_swiglu_rows(self, h: torch.Tensor, probs: torch.Tensor | None
+                             ) -> QuantizedTensorStorage | None:
+        """The row-wise copy of ``SiLU(h[:, :F]) * h[:, F:] (* probs[:, None])`` for (rows, 2F)
+        ``h``, made without the activation output in ``h``'s dtype, with the bytes this
+        quantizer's call gives on that output; ``None`` where this format has no such kernel
+        or it cannot take the input (the caller then runs the activation and quantizes it)."""
+        return None
+
+    def rowwise_storage(self, data: torch.Tensor, scale_inv: torch.Tensor,
+                        dtype: torch.dtype) -> QuantizedTensorStorage:
+        """A row-wise-only storage of 2-D (rows, K) ``data`` as this quantizer's call on a
+        (rows, K) ``dtype`` tensor returns it."""
+        shape = tuple(data.shape)
+        out = QuantizedTensorStorage(1, shape, dtype, None, rowwise_scale_inv=scale_inv,
+                                     columnwise_data=None, columnwise_scale_inv=None)
+        out.rowwise_data = data
+        out.quantizer = self
+        out.shape = shape
+        out.columnwise_amax = None
+        return out
 
     # Both copies in one go: subclasses with a kernel that writes both copies from one pair of
     # reads return ((row data, row scale_inv), (column data, column scale_inv)) with the bytes
@@ -347,6 +368,13 @@ class Float8CurrentScalingQuantizer(Quantizer):
         amax = (numerics.finite_abs(x3d).amax(1) if x3d.shape[1] else
                 x3d.new_zeros(x3d.shape[0], x3d.shape[2], dtype=torch.float32))
         return self.quantize_rows(x3d), amax
+
+    def quantize_swiglu_rows(self, h, probs):
+        if (self.columnwise or not self.rowwise or not fp8_swiglu.ENABLED or h.dim() != 2
+                or fp8_swiglu.unsupported_reason(h, probs) is not None):
+            return None
+        data, sinv = fp8_swiglu.swiglu_fp8_rows(h, probs)
+        return self.rowwise_storage(data, sinv, h.dtype)
 
     def quantize_both_uniform(self, x3d):
         if not BOTH_COPIES_ONE_KERNEL or fp8_triton.unsupported_reason(x3d) is not None:
