@@ -47,6 +47,7 @@ from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .quantization.autocast import current_recipe
+from .shapes import rows_2d
 from .splits import GroupedSplits, make_splits
 
 __all__ = ["FastStep", "record", "fast_step_reason"]
@@ -222,13 +223,14 @@ class _FastGroupedMLP(torch.autograd.Function):
         rows = input_.shape[0]
         splits = make_splits(split_sizes, fc1.num_groups, rows, input_.device)
         single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
+        x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
         w1 = stacked(step.weights1, single1)
-        h = grouped_fprop(input_, w1, splits, step.backend1)
+        h = grouped_fprop(x2d, w1, splits, step.backend1)
         a = swiglu_forward(h, act.glu_interleave_size, probs, step.backend_act)
         w2 = stacked(step.weights2, single2)
         y = grouped_fprop(a, w2, splits, step.backend2)
         n1 = len(step.weights1)
-        _save(ctx, [input_, h, probs, *splits.to_tensors(), *params])
+        _save(ctx, [x2d, h, probs, *splits.to_tensors(), *params])
         ctx.step = step
         ctx.n1 = n1
         ctx.rows = rows
@@ -249,9 +251,10 @@ class _FastGroupedMLP(torch.autograd.Function):
         return _refuse_double_backward(grads) if create_graph else grads
 
 
-def _fast_backward(ctx: Any, dy: torch.Tensor) -> tuple:
+def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     step = ctx.step
     fc1, act, fc2 = step.ops
+    dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
     saved = [t if v is None else t.as_strided(*v)
              for t, v in zip(ctx.saved_tensors, ctx.views)]
     x, h, probs = saved[0], saved[1], saved[2]
