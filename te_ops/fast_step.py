@@ -22,16 +22,17 @@ Taken only when all of this holds (else the general path runs, unchanged):
 * no bias, no ``accumulate_into_main_grad``, no ``delay_wgrad_compute``, no recipe
   (``te_ops.autocast``), no ``torch.autocast`` on the input's device;
 * grad mode on, every weight requires grad, no functorch transform, not traced by
-  ``torch.compile``;
+  ``torch.compile``, not inside a CUDA-graph capture;
 * a 2-D input (tokens, in_features) of type ``torch.Tensor``, split sizes as one 1-D device
   tensor passed to fc1 and fc2 (the same object), 1-D probs;
 * the grouped GEMM backend is ``grouped_mm`` or ``triton`` (no host read of split sizes).
 
 Autograd sees the same inputs as on the general path (the input, one edge per weight
 parameter, probs), so hooks, ``AccumulateGrad`` and DDP behave as before; the weights are saved
-tensors, so an in-place change between forward and backward raises as before. CUDA-graph
-capture runs the same kernels (graph-safe as the general path); ``torch.compile`` traces the
-general path.
+tensors, so an in-place change between forward and backward raises as before. The fast path
+is graph-safe (no host read), but a CUDA-graph capture takes the general path (host work does
+not count in a graph, so the captured graph stays what it was); ``torch.compile`` traces the
+general path too.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class FastStep:
             return None
         device_type = input_.device.type if type(input_) is torch.Tensor else None
         if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            return None
+        # CUDA-graph capture takes the general path: host work does not count there, and the
+        # captured graph stays the general path's (measured as before; same kernels anyway).
+        if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if self.call_key(input_, extra_inputs) != self.key:
             return None

@@ -315,8 +315,8 @@ def test_fast_path_on_meta_device():
 @pytest.mark.parametrize("rows", [256, 4096])
 def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
     """bf16 on the GPU (Triton GEMMs at 4 rows per expert, torch._grouped_mm at 64): fast and
-    general paths equal bit for bit; a CUDA graph captured on the fast path replays with new
-    split sizes to the eager values."""
+    general paths equal bit for bit; a CUDA graph captured after fast eager calls (the capture
+    takes the general path) replays with new split sizes to the eager values."""
     groups = 64
     sizes = [rows // groups] * groups
     sizes[0] -= 3  # three padding rows
@@ -346,7 +346,7 @@ def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
         t.grad = None
     with torch.cuda.graph(graph):
         out = block(x, split, probs, split)
-        assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        assert type(out.grad_fn).__name__ != "_FastGroupedMLPBackward"
         out.backward(dy)
     new = list(reversed(sizes))
     split.copy_(torch.tensor(new, device="cuda"))
