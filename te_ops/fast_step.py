@@ -79,7 +79,6 @@ class FastStep:
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
                  backend1: Any, backend_act: Any, backend2: Any) -> None:
-        self.fuser = fuser
         self.ops = tuple(fuser.basic_ops)
         self.scaled = type(self.ops[1]) is ScaledSwiGLU
         self.key = key
@@ -110,9 +109,13 @@ class FastStep:
         if (split2 is not split or type(split) is not torch.Tensor
                 or type(input_) is not torch.Tensor):
             return None
+        # The weights' dtype and device as the input checks read them (``.to()`` keeps the
+        # Parameter objects): a moved or cast block takes the general path and its errors.
+        w1, w2 = self.weights1[0], self.weights2[0]
         return (_tensor_meta(input_), split.shape, split.dtype, split.device, probs_meta,
                 tuple(map(id, fc1._parameters.values())),
-                tuple(map(id, fc2._parameters.values())), _op_settings(fc1, act, fc2))
+                tuple(map(id, fc2._parameters.values())), _op_settings(fc1, act, fc2),
+                w1.dtype, w1.device, w2.dtype, w2.device)
 
     def run(self, input_: torch.Tensor, extra_inputs: tuple) -> torch.Tensor | None:
         """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``

@@ -8,6 +8,8 @@ behaviour as it was. Values are also checked against the float64 per-expert refe
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import reference as ref
 import torch
@@ -211,6 +213,24 @@ def test_fast_path_keeps_input_errors():
     bad = torch.tensor([9, 9, 0, 0])
     with pytest.raises(RuntimeError, match="split_sizes must be non-negative and sum"):
         block(x, bad, probs, bad)
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_fast_path_block_cast_or_copied(single):
+    """``op.to(dtype)`` keeps the Parameter objects: the next call with the old input dtype
+    gets the general path's clear error; a deepcopy takes the general path once, then its own fast
+    path, with the same values."""
+    block = _block(single)
+    x, probs, split = _inputs()
+    for _ in range(2):
+        out, grads, _ = _step(block, x, probs, split)
+    copied = copy.deepcopy(block)
+    assert [_step(copied, x, probs, split)[2] for _ in range(2)] == [False, True]
+    out2, grads2, _ = _step(copied, x, probs, split)
+    assert torch.equal(out, out2) and _same(grads, grads2)
+    block[2].to(torch.float64)  # one op (Sequential.to would also rebuild its fusers)
+    with pytest.raises(ValueError, match="input must match the weights' dtype torch.float64"):
+        block(x, split, probs, split)
 
 
 @pytest.mark.parametrize("single", [True, False])
