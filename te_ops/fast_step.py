@@ -22,7 +22,9 @@ Taken only when all of this holds (else the general path runs, unchanged):
 * no bias, no ``accumulate_into_main_grad``, no ``delay_wgrad_compute``, no recipe
   (``te_ops.autocast``), no ``torch.autocast`` on the input's device;
 * grad mode on, every weight requires grad, no functorch transform, not traced by
-  ``torch.compile``, not inside a CUDA-graph capture;
+  ``torch.compile``, not inside a CUDA-graph capture, no saved-tensor hooks
+  (``torch.autograd.graph.saved_tensors_hooks``: non-reentrant activation checkpointing,
+  offloading), since the fast path saves other tensors than the general path;
 * a 2-D input (tokens, in_features) of type ``torch.Tensor``, split sizes as one 1-D device
   tensor passed to fc1 and fc2 (the same object), 1-D probs;
 * the grouped GEMM backend is ``grouped_mm`` or ``triton`` (no host read of split sizes).
@@ -55,6 +57,10 @@ __all__ = ["FastStep", "record", "fast_step_reason"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _FAST_BACKENDS = ("grouped_mm", "triton")
+#: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
+#: active); without this torch binding the fast path is never taken.
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                                   None)
 
 
 def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
@@ -130,6 +136,11 @@ class FastStep:
             return None
         device_type = input_.device.type if type(input_) is torch.Tensor else None
         if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            return None
+        # Saved-tensor hooks (non-reentrant checkpointing, offloading) see every saved tensor:
+        # under them the general path runs, so a checkpoint's recomputation saves what its
+        # original forward saved (torch compares the two).
+        if _TOP_SAVED_TENSORS_HOOKS is None or _TOP_SAVED_TENSORS_HOOKS(False) is not None:
             return None
         # CUDA-graph capture takes the general path: host work does not count there, and the
         # captured graph stays the general path's (measured as before; same kernels anyway).
