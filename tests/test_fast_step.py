@@ -79,12 +79,15 @@ def _fast_vs_general(monkeypatch, make_block, make_inputs, steps: int = 3):
 @pytest.mark.parametrize("single", [True, False])
 @pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize("x_grad", [True, False])
-@pytest.mark.parametrize("sizes", [(3, 0, 4, 2), (1, 2, 0, 1), (0, 0, 0, 0)])
-def test_fast_path_bitwise_equal_to_general_path(monkeypatch, single, scaled, x_grad, sizes):
+@pytest.mark.parametrize("rows,sizes", [(10, (3, 0, 4, 2)), (10, (1, 2, 0, 1)),
+                                        (10, (0, 0, 0, 0)), (0, (0, 0, 0, 0))])
+def test_fast_path_bitwise_equal_to_general_path(monkeypatch, single, scaled, x_grad, rows,
+                                                 sizes):
     """Second and later calls take the fast path (first: general) and match the general path
-    bit for bit, with and without padding rows, empty groups, input grad."""
+    bit for bit, with and without padding rows, empty groups, an empty batch, input grad."""
     fast, general = _fast_vs_general(
-        monkeypatch, lambda: _block(single, scaled), lambda: _inputs(10, sizes, x_grad=x_grad))
+        monkeypatch, lambda: _block(single, scaled),
+        lambda: _inputs(rows, sizes, x_grad=x_grad))
     assert [r[2] for r in fast] == [False, True, True]
     assert not any(r[2] for r in general)
     for (o1, g1, _), (o2, g2, _) in zip(fast, general):
