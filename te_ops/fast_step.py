@@ -132,7 +132,7 @@ class FastStep:
         if (not torch.is_grad_enabled() or current_recipe() is not None
                 or torch._C._are_functorch_transforms_active()
                 or self.registry_version != _REGISTRY_VERSION[0]
-                or env.snapshot() is not self.env_snapshot):
+                or env.snapshot() != self.env_snapshot):  # values (the same object: fast)
             return None
         device_type = input_.device.type if type(input_) is torch.Tensor else None
         if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):

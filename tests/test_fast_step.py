@@ -192,6 +192,20 @@ def test_fast_path_follows_changes(monkeypatch, change):
     assert torch.equal(out, out2) and _same(grads, grads2)
 
 
+def test_fast_path_environment_changed_and_restored(monkeypatch):
+    """The key compares the environment's values: a variable set for other calls and
+    restored leaves the recorded call valid (benchmarks toggle variables between peers)."""
+    block = _block(single=True)
+    other = _block(single=True)
+    x, probs, split = _inputs()
+    _step(block, x, probs, split)
+    assert _step(block, x, probs, split)[2]
+    monkeypatch.setenv("TE_OPS_FUSION", "0")
+    assert not _step(other, x, probs, split)[2]  # another block, unfused meanwhile
+    monkeypatch.delenv("TE_OPS_FUSION")
+    assert _step(block, x, probs, split)[2]
+
+
 def test_fast_path_keeps_input_errors():
     """After fast calls, bad input raises the general path's errors (names the argument)."""
     block = _block(single=True)
