@@ -13,7 +13,9 @@ before and after (what ``grouped_mlp.py`` reports), ``host_ms`` the median time 
 ``cpu_ms`` this thread's CPU time until then, ``x_peer`` = ``ms`` / the peer's ``ms``
 (``cpu_x_peer`` likewise; ``--stub-gemm`` on the CPU makes the step host work only).
 ``bitwise`` says whether the output and every gradient (input, probs, parameters) of the new
-tree equal the baseline's exactly.
+tree equal the baseline's exactly (first calls: the general path). ``--general`` adds this
+tree with ``TE_OPS_FAST_STEP=0`` set around each of its steps (``new_<mode>_general``), to
+time the fast path of repeated calls against the general path in one process.
 ``--profile`` adds, per te_ops variant, the top host events of ``torch.profiler`` (CPU only,
 self time per step) and the top Python functions of ``cProfile`` (own time per step).
 
@@ -21,7 +23,7 @@ Usage::
 
     python benchmarks/host_ab.py --make-baseline /path/to/other/tree/te_ops /tmp/base
     PYTHONPATH=.:/tmp/base python benchmarks/host_ab.py --shapes E64_T256_H2048_FF768 \\
-        --iters 50 --warmup 10 [--profile] [--out FILE]
+        --iters 50 --warmup 10 [--profile] [--general] [--out FILE]
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ def make_baseline(src: str, dest: str) -> None:
 
 
 class TeOpsBlock:
-    """The fused te_ops grouped MLP of a given package, with the problem's weights."""
+    """The fused te_ops grouped MLP of a given package, with the problem's weights; ``env``:
+    environment variables set around each of its steps (e.g. ``TE_OPS_FAST_STEP=0``)."""
 
-    def __init__(self, pkg, problem, single: bool) -> None:
+    def __init__(self, pkg, problem, single: bool, env: dict[str, str] | None = None) -> None:
         p = problem
+        self.env = env or {}
         kw = {"bias": False, "single_grouped_weight": single, "device": p.device,
               "dtype": p.dtype}
         self.problem = problem
@@ -80,6 +84,9 @@ class TeOpsBlock:
 
     def forward(self, x, probs):
         split = self.problem.split
+        if self.env:
+            with env_override(**self.env):
+                return self.block(x, split, probs, split)
         return self.block(x, split, probs, split)
 
 
@@ -176,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stub-gemm", action="store_true",
                         help="CPU: aten::_grouped_mm's kernel zero-fills (host_ops.py), one "
                              "intra-op thread: the step is host work only")
+    parser.add_argument("--general", action="store_true",
+                        help="also time this tree with TE_OPS_FAST_STEP=0 (variants "
+                             "new_<mode>_general: the general fuser path on every call)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.make_baseline:
@@ -204,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                     single = mode == "single"
                     variants[f"base_{mode}"] = TeOpsBlock(base, problem, single)
                     variants[f"new_{mode}"] = TeOpsBlock(te_ops, problem, single)
+                    if args.general:
+                        variants[f"new_{mode}_general"] = TeOpsBlock(
+                            te_ops, problem, single, {"TE_OPS_FAST_STEP": "0"})
                 for mode in args.modes.split(","):
                     out.write({"bench": "host_ab_bitwise", "shape": shape, "mode": mode,
                                "bitwise": bitwise_equal(variants[f"base_{mode}"],

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import env
+from . import env, fast_step
 from .call_scope import close_call_scope, open_call_scope
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
@@ -401,6 +401,11 @@ class OperationFuser:
             from .compile import compiled_call
 
             return compiled_call(self, input_, extra_inputs, recipe)
+        fast = self.__dict__.get("_fast_step")  # te_ops/fast_step.py
+        if fast is not None and recipe is None:
+            out = fast.run(input_, extra_inputs)
+            if out is not None:
+                return out
         return self._run(input_, *extra_inputs, recipe=recipe)
 
     def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
@@ -445,6 +450,8 @@ class OperationFuser:
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
+        self.__dict__["_fast_step"] = fast_step.record(
+            self, plan, input_, extra_inputs, groups, recipe, requires_grad, outputs[0])
         return outputs if sum(self.num_extra_outputs) else outputs[0]
 
 

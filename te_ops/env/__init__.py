@@ -98,6 +98,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "within run-to-run noise, the memory is not). Same bytes either way.",
         ),
         EnvVar(
+            "TE_OPS_FAST_STEP",
+            "1",
+            _BOOL,
+            "1 repeats an eager training call of a fused grouped MLP fuser (GroupedLinear -> "
+            "(Scaled)SwiGLU -> GroupedLinear, no bias, recipe or main_grad / delayed wgrad, "
+            "device split sizes) whose inputs, parameters and settings match the previous "
+            "call's through a straight-line path (same kernels, same bits, less host work; "
+            "te_ops/fast_step.py); 0 runs every call through the general fuser path.",
+        ),
+        EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",
             "0",
             _BOOL,

@@ -1,0 +1,309 @@
+"""A per-fuser fast path for repeated eager training steps of the fused grouped MLP.
+
+At decode sizes (E64 T256 on an H200) the eager step of ``GroupedLinear -> (Scaled)SwiGLU ->
+GroupedLinear`` is host-bound: the GPU work takes ~0.5 ms, the host's Python ~1-1.5 ms. Most of
+that Python re-derives, on every step, facts that only change when the call changes: input
+checks, plan-cache keys, backend choices, op contexts, saved-context layouts and the flattening
+of per-op gradients. This module remembers, per :class:`~te_ops.fuser.OperationFuser`, the last
+call that took the fused forward *and* the fused backward (the general path ran it, so every
+check passed and every decision was made), together with what the call's result depends on
+(its *key*: input, split-size and probs metadata, parameter objects, op settings, environment,
+fusion registry). A later call with the same key runs :class:`_FastGroupedMLP`: the same
+kernels with the same arguments, in the same order, as ``ForwardGroupedMLP`` /
+``BackwardGroupedMLP`` (so the outputs and gradients are bitwise those of the general path),
+without the per-call checks and layout objects. Any difference in the key sends the call down
+the general path, which raises the same errors as before for bad input and records a new key.
+
+Taken only when all of this holds (else the general path runs, unchanged):
+
+* ``TE_OPS_FAST_STEP=1`` (the default; ``0`` turns the fast path off);
+* the fuser is exactly ``GroupedLinear, SwiGLU or ScaledSwiGLU, GroupedLinear`` (these exact
+  classes), planned as one fused forward and one fused backward;
+* no bias, no ``accumulate_into_main_grad``, no ``delay_wgrad_compute``, no recipe
+  (``te_ops.autocast``), no ``torch.autocast`` on the input's device;
+* grad mode on, every weight requires grad, no functorch transform, not traced by
+  ``torch.compile``, not inside a CUDA-graph capture, no saved-tensor hooks
+  (``torch.autograd.graph.saved_tensors_hooks``: non-reentrant activation checkpointing,
+  offloading), since the fast path saves other tensors than the general path;
+* a 2-D input (tokens, in_features) of type ``torch.Tensor``, split sizes as one 1-D device
+  tensor passed to fc1 and fc2 (the same object), 1-D probs;
+* the grouped GEMM backend is ``grouped_mm`` or ``triton`` (no host read of split sizes).
+
+Autograd sees the same inputs as on the general path (the input, one edge per weight
+parameter, probs), so hooks, ``AccumulateGrad`` and DDP behave as before; the weights are saved
+tensors, so an in-place change between forward and backward raises as before. The fast path
+is graph-safe (no host read), but a CUDA-graph capture takes the general path (host work does
+not count in a graph, so the captured graph stays what it was); ``torch.compile`` traces the
+general path too.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from . import env
+from .basic.grouped_linear import GroupedLinear, per_param, stacked
+from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
+from .kernels.compiled_ops import tracing
+from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from .quantization.autocast import current_recipe
+from .shapes import rows_2d
+from .splits import GroupedSplits, make_splits
+
+__all__ = ["FastStep", "record", "fast_step_reason"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_FAST_BACKENDS = ("grouped_mm", "triton")
+#: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
+#: active); without this torch binding the fast path is never taken.
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                                   None)
+
+
+def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
+    """The op attributes the fast path's math depends on (a user may change them between
+    calls; a change sends the call down the general path)."""
+    return (fc1.single_grouped_weight, fc1.has_bias, fc1.accumulate_into_main_grad,
+            fc1.delay_wgrad_compute, fc2.single_grouped_weight, fc2.has_bias,
+            fc2.accumulate_into_main_grad, fc2.delay_wgrad_compute, act.glu_interleave_size)
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+class FastStep:
+    """What one fuser's fast path needs: the key of the recorded call and its decisions.
+
+    Built by :func:`record` after a general-path call; :meth:`run` runs a call with the same
+    key, or returns ``None`` (nothing run) for the general path to take it.
+    """
+
+    def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
+                 weights1: list[torch.Tensor], weights2: list[torch.Tensor],
+                 backend1: Any, backend_act: Any, backend2: Any) -> None:
+        self.ops = tuple(fuser.basic_ops)
+        self.scaled = type(self.ops[1]) is ScaledSwiGLU
+        self.key = key
+        self.registry_version = registry_version
+        self.env_snapshot = env_snapshot
+        self.weights1 = weights1
+        self.weights2 = weights2
+        self.params = (*weights1, *weights2)
+        self.backend1 = backend1
+        self.backend_act = backend_act
+        self.backend2 = backend2
+
+    def call_key(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
+        """The key of a call (``None`` when its form cannot take the fast path)."""
+        fc1, act, fc2 = self.ops
+        if self.scaled:
+            if len(extra_inputs) != 3:
+                return None
+            split, probs, split2 = extra_inputs
+            if type(probs) is not torch.Tensor:
+                return None
+            probs_meta = _tensor_meta(probs)
+        else:
+            if len(extra_inputs) != 2:
+                return None
+            split, split2 = extra_inputs
+            probs_meta = None
+        if (split2 is not split or type(split) is not torch.Tensor
+                or type(input_) is not torch.Tensor):
+            return None
+        # The weights' dtype and device as the input checks read them (``.to()`` keeps the
+        # Parameter objects): a moved or cast block takes the general path and its errors.
+        w1, w2 = self.weights1[0], self.weights2[0]
+        return (_tensor_meta(input_), split.shape, split.dtype, split.device, probs_meta,
+                tuple(map(id, fc1._parameters.values())),
+                tuple(map(id, fc2._parameters.values())), _op_settings(fc1, act, fc2),
+                w1.dtype, w1.device, w2.dtype, w2.device)
+
+    def run(self, input_: torch.Tensor, extra_inputs: tuple) -> torch.Tensor | None:
+        """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``
+        when the call differs from the recorded one (the caller then takes the general
+        path)."""
+        from .fuser import _REGISTRY_VERSION
+
+        if (not torch.is_grad_enabled() or current_recipe() is not None
+                or torch._C._are_functorch_transforms_active()
+                or self.registry_version != _REGISTRY_VERSION[0]
+                or env.snapshot() != self.env_snapshot):  # values (the same object: fast)
+            return None
+        device_type = input_.device.type if type(input_) is torch.Tensor else None
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            return None
+        # Saved-tensor hooks (non-reentrant checkpointing, offloading) see every saved tensor:
+        # under them the general path runs, so a checkpoint's recomputation saves what its
+        # original forward saved (torch compares the two).
+        if _TOP_SAVED_TENSORS_HOOKS is None or _TOP_SAVED_TENSORS_HOOKS(False) is not None:
+            return None
+        # CUDA-graph capture takes the general path: host work does not count there, and the
+        # captured graph stays the general path's (measured as before; same kernels anyway).
+        if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if self.call_key(input_, extra_inputs) != self.key:
+            return None
+        if not all(map(_REQUIRES_GRAD, self.params)):
+            return None
+        probs = extra_inputs[1] if self.scaled else None
+        return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
+
+
+def fast_step_reason(fuser: Any, plan: Any, input_: Any, groups: list, recipe: Any,
+                     requires_grad: list[bool]) -> str | None:
+    """Why a general-path call of ``fuser`` is not recorded for the fast path (``None``: it
+    is). The checks that do not depend on the call's tensors' metadata (which the key
+    holds)."""
+    if not env.read_bool("TE_OPS_FAST_STEP"):
+        return "TE_OPS_FAST_STEP=0"
+    ops = fuser.basic_ops
+    if len(ops) != 3 or type(ops[0]) is not GroupedLinear or type(ops[2]) is not GroupedLinear \
+            or type(ops[1]) not in (SwiGLU, ScaledSwiGLU):
+        return "not exactly GroupedLinear, SwiGLU / ScaledSwiGLU, GroupedLinear"
+    from .fused.grouped_mlp import BackwardGroupedMLP, ForwardGroupedMLP
+
+    if (len(plan.forward_ops) != 1 or type(plan.forward_ops[0][0]) is not ForwardGroupedMLP
+            or len(plan.backward_ops) != 1
+            or type(plan.backward_ops[0][0]) is not BackwardGroupedMLP):
+        return "not planned as one fused forward and one fused backward"
+    fc1, act, fc2 = ops
+    if fc1.has_bias or fc2.has_bias:
+        return "a bias"
+    if (fc1.accumulate_into_main_grad or fc1.delay_wgrad_compute
+            or fc2.accumulate_into_main_grad or fc2.delay_wgrad_compute):
+        return "main_grad or delayed wgrad"
+    if recipe is not None:
+        return "a recipe"
+    if not all(requires_grad) or tracing() or input_.dim() != 2:
+        return "not every op needs grad, or traced, or not a 2-D input"
+    if type(ops[1]) is ScaledSwiGLU and (not isinstance(groups[1][0], torch.Tensor)
+                                         or groups[1][0].dim() != 1):
+        return "probs not a 1-D tensor"
+    if not isinstance(groups[0][0], torch.Tensor) or groups[0][0] is not groups[2][0]:
+        return "split sizes not one device tensor shared by fc1 and fc2"
+    return None
+
+
+def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, groups: list,
+           recipe: Any, requires_grad: list[bool], output: torch.Tensor) -> FastStep | None:
+    """After a general-path call that ran ``plan``: the fast path for calls like it (``None``
+    when this call cannot be repeated on it, see :func:`fast_step_reason`). The backends are
+    the ones the call chose, read from its autograd node's op contexts."""
+    from .fuser import _REGISTRY_VERSION
+
+    if fast_step_reason(fuser, plan, input_, groups, recipe, requires_grad) is not None:
+        return None
+    node = output.grad_fn
+    ctxs = getattr(node, "op_ctxs", None)
+    if ctxs is None:
+        return None
+    backend1 = ctxs[0].grouped_linear_layout["backend"]
+    backend2 = ctxs[2].grouped_linear_layout["backend"]
+    if backend1.name not in _FAST_BACKENDS or backend2.name not in _FAST_BACKENDS:
+        return None
+    backend_act = ctxs[1].swiglu_layout["backend"]
+    fc1, _, fc2 = fuser.basic_ops
+    weights1, _ = fc1._param_lists()
+    weights2, _ = fc2._param_lists()
+    if not all(map(_REQUIRES_GRAD, (*weights1, *weights2))):
+        return None
+    step = FastStep(fuser, (), _REGISTRY_VERSION[0], env.snapshot(), list(weights1),
+                    list(weights2), backend1, backend_act, backend2)
+    key = step.call_key(input_, extra_inputs)
+    if key is None:
+        return None
+    step.key = key
+    return step
+
+
+def _save(ctx: Any, tensors: list[torch.Tensor | None]) -> None:
+    """``save_for_backward`` with the general path's handling of views (see
+    ``te_ops.fuser._FuserFunction.forward``): a view of a tensor that requires grad is saved
+    as its base and re-viewed in backward, so an in-place change names the in-place op."""
+    ctx.views = [None if t is None or not t._is_view() or not t._base.requires_grad else
+                 (t.size(), t.stride(), t.storage_offset()) for t in tensors]
+    ctx.save_for_backward(*[t._base if v is not None else t
+                            for t, v in zip(tensors, ctx.views)])
+
+
+class _FastGroupedMLP(torch.autograd.Function):
+    """The fused grouped MLP forward and backward of a recorded call (see module docstring):
+    the calls of ``ForwardGroupedMLP.fuser_forward`` and ``BackwardGroupedMLP.fuser_backward``
+    without a recipe, a bias or a training policy."""
+
+    @staticmethod
+    def forward(ctx, input_, step, split_sizes, probs, *params):
+        fc1, act, fc2 = step.ops
+        rows = input_.shape[0]
+        splits = make_splits(split_sizes, fc1.num_groups, rows, input_.device)
+        single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
+        x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
+        w1 = stacked(step.weights1, single1)
+        h = grouped_fprop(x2d, w1, splits, step.backend1)
+        a = swiglu_forward(h, act.glu_interleave_size, probs, step.backend_act)
+        w2 = stacked(step.weights2, single2)
+        y = grouped_fprop(a, w2, splits, step.backend2)
+        n1 = len(step.weights1)
+        _save(ctx, [x2d, h, probs, *splits.to_tensors(), *params])
+        ctx.step = step
+        ctx.n1 = n1
+        ctx.rows = rows
+        ctx.has_padding = splits.has_padding
+        # Per-group weights: fprop's (G, out, in) view for dgrad (as GroupedLinearSaved's
+        # weights_view: a plain reference; the weights themselves are the saved tensors).
+        ctx.w1_view = w1 if not single1 and input_.requires_grad and w1._is_view() else None
+        ctx.w2_view = w2 if not single2 and w2._is_view() else None
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from .fuser import _refuse_double_backward
+
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _fast_backward(ctx, grad_output)
+        return _refuse_double_backward(grads) if create_graph else grads
+
+
+def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
+    step = ctx.step
+    fc1, act, fc2 = step.ops
+    dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
+    saved = [t if v is None else t.as_strided(*v)
+             for t, v in zip(ctx.saved_tensors, ctx.views)]
+    x, h, probs = saved[0], saved[1], saved[2]
+    splits = GroupedSplits.from_tensors(saved[3:7], num_groups=fc1.num_groups,
+                                        num_rows=ctx.rows, host_sizes=None,
+                                        has_padding=ctx.has_padding)
+    params = saved[7:]
+    n1 = ctx.n1
+    single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
+    w2 = ctx.w2_view if ctx.w2_view is not None else stacked(params[n1:], single2)
+    dgrad2 = grouped_dgrad(dy, w2, splits, step.backend2)
+    w2 = None
+    # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
+    # fused backward; h's version is bumped, so a retained graph's second backward raises).
+    dh, gprobs, act_out = swiglu_backward(h, dgrad2, act.glu_interleave_size, probs,
+                                          with_output=True, backend=step.backend_act,
+                                          grad_into_input=True, output_into_grad=True)
+    torch.autograd.graph.increment_version(h)
+    del dgrad2, h
+    grads2 = per_param(grouped_wgrad(act_out, dy, splits, step.backend2), single2)
+    act_out = None
+    dx = None
+    if ctx.needs_input_grad[0]:
+        w1 = ctx.w1_view if ctx.w1_view is not None else stacked(params[:n1], single1)
+        dx = grouped_dgrad(dh, w1, splits, step.backend1)
+    grads1 = per_param(grouped_wgrad(x, dh, splits, step.backend1), single1)
+    ctx.w1_view = ctx.w2_view = None
+    return (dx, None, None, gprobs, *grads1, *grads2)
+
+
+#: ``_FastGroupedMLP``'s C-level apply (as ``te_ops.fuser._APPLY``: no functorch transform is
+#: active when the fast path runs).
+_APPLY = super(torch.autograd.Function, _FastGroupedMLP).apply
