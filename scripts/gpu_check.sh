@@ -23,6 +23,8 @@
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
 #                 kernels of back-to-back steps and the host ops that launched late
+#     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py --general: E64 and E128 eager,
+#                 a baseline te_ops copy vs this tree, fast path on and off, one process
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
 #     main_job    the main job on CUDA at 600 steps, bf16 eager vs --cuda-graph (the loss
 #                 curves must agree bit for bit)
@@ -50,7 +52,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_interleaved profile gaps memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_interleaved profile gaps host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -130,6 +132,14 @@ bench_lane() {
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
     # (16 s for the three large shapes x three peers on one H200, 2026-11-30).
     step gaps 60 "$PY" benchmarks/profile_gaps.py --steps 4 --warmup 3 --out "$OUT/gaps.jsonl"
+    # Host-overhead A/B in one process against a baseline copy of te_ops (made with
+    # `benchmarks/host_ab.py --make-baseline OLD/te_ops DIR`; HOST_AB_BASE=DIR), with this
+    # tree's general path (TE_OPS_FAST_STEP=0) as a third variant. Skipped without HOST_AB_BASE.
+    if [ -n "${HOST_AB_BASE:-}" ]; then
+        step host_ab 120 env PYTHONPATH="$PYTHONPATH:$HOST_AB_BASE" "$PY" benchmarks/host_ab.py \
+            --general --rounds 3 --iters 30 --warmup 5 \
+            --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 --out "$OUT/host_ab.jsonl"
+    fi
     step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
     # The main job: eager vs --cuda-graph bf16 at 600 steps (same seed, curves must agree).
