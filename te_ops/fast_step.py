@@ -117,11 +117,14 @@ class FastStep:
             return None
         # The weights' dtype and device as the input checks read them (``.to()`` keeps the
         # Parameter objects): a moved or cast block takes the general path and its errors.
+        # Their shapes too (``param.data = t`` keeps the object): the general path's output
+        # reshape raises for a new out_features, where the fast path would return the GEMM's
+        # other-shaped output (stacking per-expert weights checks the other experts' shapes).
         w1, w2 = self.weights1[0], self.weights2[0]
         return (_tensor_meta(input_), split.shape, split.dtype, split.device, probs_meta,
                 tuple(map(id, fc1._parameters.values())),
                 tuple(map(id, fc2._parameters.values())), _op_settings(fc1, act, fc2),
-                w1.dtype, w1.device, w2.dtype, w2.device)
+                w1.dtype, w1.device, w1.shape, w2.dtype, w2.device, w2.shape)
 
     def run(self, input_: torch.Tensor, extra_inputs: tuple) -> torch.Tensor | None:
         """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``

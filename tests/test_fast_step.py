@@ -250,6 +250,27 @@ def test_fast_path_block_cast_or_copied(single):
         block(x, split, probs, split)
 
 
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("op", [0, 2])
+def test_fast_path_weight_data_replaced_with_another_shape(monkeypatch, single, op):
+    """``param.data = t`` of another shape keeps the Parameter objects: the call behaves as on
+    the general path (which raises for the new feature size) instead of returning an output
+    of another shape."""
+    errors = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TE_OPS_FAST_STEP", flag)
+        block = _block(single)
+        x, probs, split = _inputs()
+        for _ in range(2):
+            _step(block, x, probs, split)
+        for w in block[op].weights():  # out_features grows by 16
+            w.data = torch.randn(*w.shape[:-2], w.shape[-2] + 16, w.shape[-1])
+        with pytest.raises(RuntimeError) as info:
+            block(x, split, probs, split)
+        errors[flag] = str(info.value)
+    assert errors["1"] == errors["0"]
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_fast_path_and_activation_checkpointing(use_reentrant):
     """Under saved-tensor hooks (non-reentrant checkpointing) the general path runs, so the
