@@ -193,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import te_ops
 
-    base = importlib.import_module(args.baseline)
+    try:
+        base = importlib.import_module(args.baseline)
+    except ModuleNotFoundError as e:
+        parser.error(f"--baseline {args.baseline!r} cannot be imported ({e}): write it with "
+                     "--make-baseline SRC DEST and put DEST on PYTHONPATH (see the module "
+                     "docstring)")
     if args.stub_gemm:
         from host_ops import stub_gemm
 
