@@ -265,10 +265,27 @@ def test_fast_path_weight_data_replaced_with_another_shape(monkeypatch, single, 
             _step(block, x, probs, split)
         for w in block[op].weights():  # out_features grows by 16
             w.data = torch.randn(*w.shape[:-2], w.shape[-2] + 16, w.shape[-1])
-        with pytest.raises(RuntimeError) as info:
+        name = "weight" if single else "weight0"
+        with pytest.raises(ValueError, match=rf"{name} must have shape") as info:
             block(x, split, probs, split)
         errors[flag] = str(info.value)
     assert errors["1"] == errors["0"]
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"])
+@pytest.mark.parametrize("op", [0, 2])
+def test_a_later_per_expert_weight_of_another_shape_is_named(monkeypatch, fusion, op):
+    """Only weight3's data replaced (weight0 keeps the layer's shape): the stacking names the
+    entry, fused and unfused, fast path recorded or not."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _block(False)
+    x, probs, split = _inputs()
+    for _ in range(2):
+        _step(block, x, probs, split)
+    w = block[op].weights()[3]
+    w.data = torch.randn(w.shape[0] + 16, w.shape[1])
+    with pytest.raises(ValueError, match=r"weights\[3\] has shape .* expected .* weights\[0\]"):
+        block(x, split, probs, split)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -586,8 +586,19 @@ class GroupedLinear(BasicOperation):
     def check_input_dtype(self, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ValueError when an input of ``dtype`` on ``device`` does not match the
         weights' dtype and device (the check of :meth:`check_input`; a fused op runs it for
-        an inner op's input before that input exists)."""
+        an inner op's input before that input exists). Also raise ValueError when the first
+        weight's shape is not the layer's (``param.data`` replaced by a tensor of another
+        shape); the other per-group weights are checked where they are stacked."""
         w = self._param_lists()[0][0]
+        single = self.single_grouped_weight
+        expected = ((self.num_groups,) if single else ()) + (self.out_features, self.in_features)
+        if w.shape != expected:
+            name = "weight" if single else "weight0"
+            raise ValueError(
+                f"{name} must have shape {expected} ({'num_groups, ' if single else ''}"
+                f"out_features, in_features), got {tuple(w.shape)}: was its .data replaced "
+                f"by a tensor of another shape?"
+            )
         if dtype != w.dtype or device != w.device:
             target = ", ".join(([f"'{w.device}'"] if device != w.device else [])
                                + ([str(w.dtype)] if dtype != w.dtype else []))

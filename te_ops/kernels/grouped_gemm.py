@@ -297,6 +297,11 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
             and _remember(key, ptrs)
         ):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
+    for i, w in enumerate(weights):
+        if w.shape != w0.shape:
+            raise ValueError(f"weights[{i}] has shape {tuple(w.shape)}, expected "
+                             f"{tuple(w0.shape)} as weights[0]: the per-group parameters must "
+                             f"all have one shape")
     return torch.stack(weights)
 
 
