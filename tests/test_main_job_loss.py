@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import te_ops
 from te_ops.examples import train_moe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,3 +210,16 @@ def test_main_job_noise_exit_status_says_a_run_failed(monkeypatch, capsys):
     assert "FAILED none:ulp seed 0 steps 3: boom" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", [*argv, "--runs", "none:base"])
     assert noise.main() == 0
+
+
+@pytest.mark.parametrize(("name", "fast"), [("fp8", False), ("fp8fast", True)])
+def test_main_job_fp8_recipes(name, fast):
+    """``--recipe fp8fast`` is Float8CurrentScaling with fast accumulation in backward too (the
+    benchmark's ``fp8fast``); ``fp8`` keeps the default (fast accumulation in fprop only)."""
+    from te_ops.quantization.autocast import current_recipe
+
+    args = train_moe.parse_args(["--recipe", name])
+    with train_moe.recipe_context(args):
+        recipe = current_recipe()
+    assert type(recipe) is te_ops.recipe.Float8CurrentScaling
+    assert recipe.fast_accumulate_backward is fast

@@ -25,6 +25,7 @@ progress bar.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -214,7 +215,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where metrics.json and loss.png go")
     p.add_argument("--recipe", choices=tuple(RECIPES), default="none",
                    help="low-precision recipe of the expert GEMMs (te_ops.autocast): fp8 = "
-                        "Float8CurrentScaling, mxfp8 = MXFP8BlockScaling (docs/recipes.md)")
+                        "Float8CurrentScaling, fp8fast = the same with "
+                        "fast_accumulate_backward=True (Hopper's fast accumulation in dgrad / "
+                        "wgrad too), mxfp8 = "
+                        "MXFP8BlockScaling (docs/recipes.md)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture each layer's expert block (forward and backward) in CUDA "
                         "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
@@ -256,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling,
+           "fp8fast": functools.partial(te_ops.recipe.Float8CurrentScaling,
+                                        fast_accumulate_backward=True),
            "mxfp8": te_ops.recipe.MXFP8BlockScaling}
 
 
