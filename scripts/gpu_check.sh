@@ -97,9 +97,9 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 fi
 
 test_lane() {
-    # 2026-11-30 stop 10: the 304 GPU tests took 480 + 104 s split over two H200s, 430 s of it
-    # in tests/test_fp8q_cuda.py's PACK4 cases (each compiles its own Triton specializations);
-    # that grid was cut from 28 to 12 cases, so the lane should now take about 4-5 minutes.
+    # 2026-11-30 stop 10: tests/test_fp8q_cuda.py's 28 PACK4 cases took 430 s (each compiles
+    # its own Triton specializations); cut to 12, all 1011 GPU tests then took 495 s on one
+    # H200: close to this step's limit, so keep new GPU tests lean.
     step cuda_tests 540 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
     # shellcheck disable=SC2086  # CPU_TESTS may name several paths
     step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
