@@ -22,7 +22,47 @@ __all__ = [
     "free_memory",
     "machine_info",
     "JsonLines",
+    "check_list",
+    "check_min",
+    "check_file",
+    "check_device",
 ]
+
+
+def check_list(parser: Any, flag: str, text: str, known: Any) -> list[str]:
+    """Split the comma-separated ``text`` of ``flag``; ``parser.error`` (exit 2) naming the
+    flag, the unknown entries and the known ones when an entry is empty or not in ``known``."""
+    items = text.split(",")
+    bad = [item for item in items if item not in known]
+    if bad:
+        parser.error(f"{flag}: unknown {bad} in {text!r}, expected a comma-separated subset of "
+                     f"{list(known)}")
+    return items
+
+
+def check_min(parser: Any, flag: str, value: float, minimum: float) -> None:
+    """``parser.error`` naming ``flag`` when ``value < minimum``."""
+    if value < minimum:
+        parser.error(f"{flag} must be >= {minimum}, got {value}")
+
+
+def check_file(parser: Any, flag: str, path: str | None) -> None:
+    """``parser.error`` naming ``flag`` when ``path`` is given but is not a readable file."""
+    if path is not None and not os.path.isfile(path):
+        parser.error(f"{flag}: expected an existing file, got {path!r}")
+
+
+def check_device(parser: Any, flag: str, text: str | None) -> None:
+    """``parser.error`` naming ``flag`` when ``text`` is not a torch device string, or names
+    CUDA where none is available."""
+    if text is None:
+        return
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        parser.error(f"{flag}: expected a torch device such as cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"{flag} {text}: torch.cuda.is_available() is False")
 
 
 @contextlib.contextmanager

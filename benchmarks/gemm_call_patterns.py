@@ -65,13 +65,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import JsonLines, env_override, free_memory, machine_info  # noqa: E402
+from common import (  # noqa: E402
+    JsonLines,
+    check_device,
+    check_file,
+    check_list,
+    check_min,
+    env_override,
+    free_memory,
+    machine_info,
+)
 from grouped_mlp import PEER_CLASSES, QUICK_SHAPES, SHAPES, make_problem  # noqa: E402
 
 import te_ops.kernels.grouped_gemm as gg  # noqa: E402
 
 COPY_OPS = ("copy_", "clone", "_to_copy", "contiguous")
 STEP_PEERS = ["torch_grouped_mm", "te_ops_fused", "te_ops_fused_single"]
+PARTS = ("pattern", "replay", "layout", "power", "step", "blocks", "profile", "dense")
 
 
 # ------------------------------------------------------------------------------ recording
@@ -726,7 +736,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-dir", default=None, help="keep the chrome traces here")
     parser.add_argument("--out", default=None)
     parser.add_argument("--summarize", metavar="FILE", default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_file(parser, "--summarize", args.summarize)
+    if args.summarize:
+        return args
+    check_device(parser, "--device", args.device)
+    if args.shapes is not None:
+        check_list(parser, "--shapes", args.shapes, {**SHAPES, **QUICK_SHAPES})
+    check_list(parser, "--parts", args.parts, PARTS)
+    for flag in ("--reps", "--step-reps", "--power-blocks", "--profile-steps", "--blocks",
+                 "--block-steps", "--dense-size"):
+        check_min(parser, flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    for flag in ("--warmup", "--dense-idle", "--dense-sustain"):
+        check_min(parser, flag, getattr(args, flag[2:].replace("-", "_")), 0)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

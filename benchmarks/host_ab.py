@@ -43,8 +43,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import JsonLines, env_override, machine_info  # noqa: E402
+from common import (  # noqa: E402
+    JsonLines,
+    check_device,
+    check_list,
+    check_min,
+    env_override,
+    machine_info,
+)
 from grouped_mlp import HOST_SHAPES, SHAPES, TorchGroupedMM, make_problem  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def make_baseline(src: str, dest: str) -> None:
@@ -189,8 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.make_baseline:
+        src = args.make_baseline[0]
+        if not os.path.isfile(os.path.join(src, "__init__.py")):
+            parser.error(f"--make-baseline SRC: expected a package directory (with "
+                         f"__init__.py), got {src!r}")
         make_baseline(*args.make_baseline)
         return 0
+    check_device(parser, "--device", args.device)
+    check_list(parser, "--shapes", args.shapes, {**SHAPES, **HOST_SHAPES})
+    check_list(parser, "--modes", args.modes, ("single", "per_expert"))
+    if args.dtype is not None and args.dtype not in DTYPES:
+        parser.error(f"--dtype: expected one of {list(DTYPES)}, got {args.dtype!r}")
+    for flag, minimum in (("--iters", 1), ("--warmup", 0), ("--rounds", 1),
+                          ("--profile-steps", 1)):
+        check_min(parser, flag, getattr(args, flag[2:].replace("-", "_")), minimum)
     import te_ops
 
     try:

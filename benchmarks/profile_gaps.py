@@ -227,6 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import check_file, check_list, check_min
+    from grouped_mlp import PEER_CLASSES, SHAPES
+
+    check_file(parser, "--summarize", args.summarize)
+    check_list(parser, "--shapes", args.shapes, SHAPES)
+    check_list(parser, "--peers", args.peers, PEER_CLASSES)
+    check_min(parser, "--min-gap-us", args.min_gap_us, 0)
+    check_min(parser, "--top", args.top, 1)
+    check_min(parser, "--depth", args.depth, 1)
     return args
 
 
@@ -239,18 +249,12 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import JsonLines, free_memory, machine_info
-    from grouped_mlp import PEER_CLASSES, SHAPES, make_problem
+    from grouped_mlp import SHAPES, make_problem
 
     if not torch.cuda.is_available():
         print("profile_gaps.py needs a GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     shapes = args.shapes.split(",")
-    bad = [s for s in shapes if s not in SHAPES] + [
-        p for p in args.peers.split(",") if p not in PEER_CLASSES]
-    if bad:
-        print(f"unknown shapes/peers: {bad}; shapes: {list(SHAPES)}; peers: "
-              f"{list(PEER_CLASSES)}", file=sys.stderr)
-        return 2
     device = torch.device("cuda")
     out = JsonLines(args.out)
     out.write({"bench": "profile_gaps_run", **machine_info(device)})

@@ -61,7 +61,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--master-weights", default="fp32", choices=["fp32", "none"],
                         help="the job's --master-weights (fp32 master weights with bf16)")
-    parser.add_argument("--recipes", default="none,fp8", help="comma-separated: none, fp8, mxfp8")
+    parser.add_argument("--recipes", default="none,fp8", help="comma-separated, some of "
+                        f"{', '.join(train_moe.RECIPES)}; must include none")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=train_moe.DEFAULT_STEPS,
                         help="the job's --steps (default: the job's default)")
