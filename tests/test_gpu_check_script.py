@@ -1,0 +1,57 @@
+"""``scripts/gpu_check.sh``: every ``--flag`` its steps pass to a repository script is one that
+script's argument parser defines (a renamed or misspelt flag would only show on the GPU, as a
+failed step of the final check). A text check of each command against the script's
+``add_argument`` calls; no script is run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """(script path, flags) for each ``"$PY" path.py ...`` command, continuation lines
+    joined."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for match in re.finditer(r'"\$PY" ((?:benchmarks|scripts)/\w+\.py)([^;|&]*)', line):
+            flags = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group(2))
+            found.append((match.group(1), flags))
+    return found
+
+
+def _defined_flags(path: str) -> set[str]:
+    source = (ROOT / path).read_text()
+    return set(re.findall(r'add_argument\(\s*"(--[a-z][\w-]*)"', source))
+
+
+def test_commands_are_found():
+    scripts = {path for path, _ in _commands()}
+    assert {"benchmarks/profile_gaps.py", "benchmarks/host_ab.py",
+            "scripts/main_job_seeds.py", "benchmarks/grouped_mlp.py"} <= scripts
+
+
+def test_every_flag_exists_in_its_script():
+    unknown = [(path, flag) for path, flags in _commands() for flag in flags
+               if flag not in _defined_flags(path)]
+    assert unknown == [], f"flags that the called script does not define: {unknown}"
+
+
+def test_named_recipes_and_shapes_exist():
+    """The recipe and shape names passed on the command lines are the scripts' own."""
+    text = "\n".join(line for line in SCRIPT.read_text().splitlines()
+                     if not line.lstrip().startswith("#"))
+    recipes = set(re.findall(r"--recipes? ([\w,]+)", text))
+    assert recipes
+    known = {"none", "fp8", "fp8fast", "mxfp8"}
+    for value in recipes:
+        assert set(value.split(",")) <= known, value
+    source = (ROOT / "benchmarks" / "grouped_mlp.py").read_text()
+    for shape in set(re.findall(r"E\d+_T\d+_H\d+_FF\d+", text)):
+        assert f'"{shape}"' in source, shape
