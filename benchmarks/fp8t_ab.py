@@ -34,7 +34,13 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_jsonl, time_steps  # noqa: E402
+from common import (  # noqa: E402
+    append_jsonl,
+    check_device,
+    check_list,
+    check_min,
+    time_steps,
+)
 from fp8_cols_tiles import split_prep, weight_cols_args  # noqa: E402
 from fp8_pass_variants import kernel_ms as _kernel_ms  # noqa: E402
 from fp8_pass_variants import same  # noqa: E402
@@ -328,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     args = parser.parse_args(argv)
+    check_device(parser, "--device", args.device)
+    check_list(parser, "--shapes", args.shapes, ALL_SHAPES)
+    check_list(parser, "--parts", args.parts, ("kernels", "steps", "profile"))
+    check_list(parser, "--sets", args.sets, SETS)
+    check_list(parser, "--profile-set", args.profile_set, SETS)
+    for flag, minimum in (("--iters", 1), ("--warmup", 0), ("--rounds", 1)):
+        check_min(parser, flag, getattr(args, flag[2:]), minimum)
     global DEVICE
     DEVICE = torch.device(args.device)
     parts = args.parts.split(",")

@@ -69,3 +69,27 @@ def test_host_ab_bad_arguments(capsys, argv, words):
     err = _usage_error(capsys, host_ab.main, [*base, *argv])
     for word in words:
         assert word in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shapes", "E8_bad"], ["--shapes", "'E8_bad'", "E32_T32768_H7168_FF2048"]),
+    (["--parts", "steps,foo"], ["--parts", "'foo'", "kernels"]),
+    (["--sets", "main,nope"], ["--sets", "'nope'", "fp8t"]),
+    (["--profile-set", "nope"], ["--profile-set", "'nope'"]),
+    (["--iters", "0"], ["--iters", ">= 1", "got 0"]),
+    (["--rounds", "0"], ["--rounds", ">= 1", "got 0"]),
+    (["--device", "cpux"], ["--device", "'cpux'"]),
+])
+def test_fp8t_ab_bad_arguments(monkeypatch, capsys, argv, words):
+    from te_ops.quantization import fp8_triton
+
+    # fp8t_ab.py reads the Triton kernels' settings at import; without triton (CPU installs)
+    # a stand-in lets the command line be checked (nothing runs: the errors come first).
+    monkeypatch.setattr(fp8_triton, "ROWS_COLAMAX_SETTINGS",
+                        getattr(fp8_triton, "ROWS_COLAMAX_SETTINGS", ()), raising=False)
+    import fp8t_ab
+
+    base = [] if argv[0] == "--device" else ["--device", "cpu"]
+    err = _usage_error(capsys, fp8t_ab.main, [*base, *argv])
+    for word in words:
+        assert word in err
