@@ -81,11 +81,11 @@ def main() -> int:
         if twice:  # two runs would write one directory at once
             parser.error(f"{name}: each value once (every run writes its own directory), got "
                          f"{twice} more than once in {values}")
+    bad = [r for r in recipes if r not in train_moe.RECIPES]
+    if bad:  # first: a misspelt name is named as such, not as "none missing"
+        parser.error(f"--recipes: unknown {bad}, expected some of {list(train_moe.RECIPES)}")
     if "none" not in recipes:
         parser.error(f"--recipes must include none (the bf16 baseline), got {recipes}")
-    bad = [r for r in recipes if r not in train_moe.RECIPES]
-    if bad:
-        parser.error(f"--recipes: unknown {bad}, expected some of {list(train_moe.RECIPES)}")
     if args.parallel < 0:
         parser.error(f"--parallel must be >= 0, got {args.parallel}")
     jobs = [(recipe, seed) for seed in seeds for recipe in recipes]
