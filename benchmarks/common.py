@@ -201,6 +201,14 @@ def append_jsonl(path: str | None, records: list[dict[str, Any]]) -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
+def read_records(path: str, bench: str) -> list[dict[str, Any]]:
+    """The records of ``bench`` (their ``"bench"`` field) in a JSON-lines file; lines that are
+    not JSON objects are skipped (a log with text around the records works too)."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.startswith("{")]
+    return [r for r in records if r.get("bench") == bench]
+
+
 class JsonLines:
     """Writes one JSON object per line to stdout and, when given, appends it to a file."""
 

@@ -41,6 +41,9 @@ from collections import defaultdict
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 HOST_CATS = ("cpu_op", "user_annotation")
+# The sibling scripts (common.py, grouped_mlp.py) import torch: imported where used, so that
+# analyze_trace needs no torch.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _short(name: str, width: int = 60) -> str:
@@ -187,12 +190,10 @@ def profile_peer(peer_name: str, problem, args: argparse.Namespace) -> dict:
 
 def summarize(path: str, top: int = 10) -> str:
     """Text tables of a JSON-lines file written by this script."""
+    from common import read_records
+
     out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.startswith("{")]
-    for r in records:
-        if r.get("bench") != "profile_gaps":
-            continue
+    for r in read_records(path, "profile_gaps"):
         head = f"## {r['shape']} {r['peer']}"
         if "error" in r:
             out.append(f"{head}: {r['error']}")
@@ -227,7 +228,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import check_file, check_list, check_min
     from grouped_mlp import PEER_CLASSES, SHAPES
 
@@ -246,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize, args.top))
         return 0
     import torch
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import JsonLines, free_memory, machine_info
     from grouped_mlp import SHAPES, make_problem
 

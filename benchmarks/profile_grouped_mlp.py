@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
@@ -44,7 +43,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import JsonLines, env_override, free_memory, fwd_bwd_step, machine_info  # noqa: E402
+from common import (  # noqa: E402
+    JsonLines,
+    env_override,
+    free_memory,
+    fwd_bwd_step,
+    machine_info,
+    read_records,
+)
 from grouped_mlp import (  # noqa: E402
     CPU_SHAPES,
     HOST_SHAPES,
@@ -154,11 +160,7 @@ def _cprofile(step, args: argparse.Namespace, cuda: bool) -> list[dict]:
 def summarize(path: str, top: int = 8) -> str:
     """Text tables of a JSON-lines file written by this script."""
     out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.startswith("{")]
-    for r in records:
-        if r.get("bench") != "profile_grouped_mlp":
-            continue
+    for r in read_records(path, "profile_grouped_mlp"):
         head = f"## {r['shape']} {r['peer']}"
         if "error" in r:
             out.append(f"{head}: {r['error']}")
