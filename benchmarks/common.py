@@ -26,6 +26,7 @@ __all__ = [
     "check_min",
     "check_file",
     "check_device",
+    "read_records",
 ]
 
 
