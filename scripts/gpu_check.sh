@@ -100,7 +100,7 @@ test_lane() {
     # 2026-11-30 stop 10: tests/test_fp8q_cuda.py's 28 PACK4 cases took 430 s (each compiles
     # its own Triton specializations); cut to 12, all 1011 GPU tests then took 495 s on one
     # H200: close to this step's limit, so keep new GPU tests lean.
-    step cuda_tests 540 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider
+    step cuda_tests 540 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --durations=15
     # shellcheck disable=SC2086  # CPU_TESTS may name several paths
     step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
 }
