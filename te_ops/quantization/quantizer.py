@@ -170,12 +170,19 @@ class Quantizer:
         """A row-wise-only storage of 2-D (rows, K) ``data`` as this quantizer's call on a
         (rows, K) ``dtype`` tensor returns it."""
         shape = tuple(data.shape)
-        out = QuantizedTensorStorage(1, shape, dtype, None, rowwise_scale_inv=scale_inv,
-                                     columnwise_data=None, columnwise_scale_inv=None)
-        out.rowwise_data = data
+        return self._storage(1, shape, dtype, shape, (data, scale_inv))
+
+    def _storage(self, num: int, tshape: tuple, dtype: torch.dtype, shape: tuple, row: tuple,
+                 col: tuple = (None, None), col_amax: Any = None,
+                 **kw: Any) -> QuantizedTensorStorage:
+        """The result storage of a quantize call: ``row`` / ``col`` are (data, scale_inv)
+        pairs (``None`` for a copy not made), ``shape`` the quantized tensor's shape."""
+        out = QuantizedTensorStorage(num, tshape, dtype, None, rowwise_scale_inv=row[1],
+                                     columnwise_data=col[0], columnwise_scale_inv=col[1], **kw)
+        out.rowwise_data = row[0]
         out.quantizer = self
         out.shape = shape
-        out.columnwise_amax = None
+        out.columnwise_amax = col_amax
         return out
 
     # Both copies in one go: subclasses with a kernel that writes both copies from one pair of
@@ -246,13 +253,7 @@ class Quantizer:
             row, col_amax = self.quantize_rows_column_amax(x)
         elif self.rowwise:
             row = self.quantize_rows(x) if both is None else both[0]
-        out = QuantizedTensorStorage(num, tshape, x.dtype, None, rowwise_scale_inv=row[1],
-                                     columnwise_data=col[0], columnwise_scale_inv=col[1], **kw)
-        out.rowwise_data = row[0]
-        out.quantizer = self
-        out.shape = shape
-        out.columnwise_amax = col_amax
-        return out
+        return self._storage(num, tshape, x.dtype, shape, row, col, col_amax, **kw)
 
 
 def _check_column_amax(amax: Any, x: torch.Tensor, applies: bool) -> None:
