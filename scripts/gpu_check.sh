@@ -185,7 +185,7 @@ fi
         fi
     done
     grep -hE '^(recipe |max \|eager| +eager:| +cuda-graph:)' "$OUT/main_job.log" 2>/dev/null
-    grep -hE '^(recipe|none|fp8|mxfp8) ' "$OUT/main_job_seeds.log" "$OUT/main_job_mxfp8.log" \
+    grep -hE '^(recipe|none|fp8|fp8fast|mxfp8) ' "$OUT/main_job_seeds.log" "$OUT/main_job_mxfp8.log" \
         2>/dev/null
     if [ -s "$PROFILE_JSON" ]; then
         echo
