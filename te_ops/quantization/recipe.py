@@ -74,7 +74,9 @@ class Float8CurrentScaling(Recipe):
     fast_accumulate_backward : bool
         Let the native dgrad and wgrad FP8 GEMMs use Hopper's fast (reduced-precision)
         accumulation, as the forward does. Default False (as TransformerEngine: backward GEMMs
-        accumulate in full precision); True is faster (docs/recipes.md has the numbers).
+        accumulate in full precision); True is faster: 1.33x bf16 against 1.20x on the H200's
+        E8 H4096 FF14336 step, with the main job's loss within 0.5 % of bf16's on three seeds
+        (docs/recipes.md has the numbers).
     fprop_high_precision, dgrad_high_precision, wgrad_high_precision : bool
         Run that GEMM in the parameters' precision, its operands unquantized: the three flags of
         TransformerEngine's ``override_linear_precision=(fprop, dgrad, wgrad)``. Megatron-LM's
