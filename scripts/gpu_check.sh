@@ -8,7 +8,8 @@
 #   env         nvidia-smi, torch / CUDA / Triton versions, the GPU's capability
 #   dist_nccl   (2+ GPUs only) tests/dist_check.py on 2 processes over NCCL (DDP, FSDP2)
 #   test lane:
-#     cuda_tests  python -m pytest -q -m cuda tests      (the GPU tests)
+#     cuda_tests  python -m pytest -q -m cuda tests      (the GPU tests; CUDA_TEST_SHARDS processes
+#                 at once, default 3, through scripts/sharded_pytest.py)
 #     cpu_tests   python -m pytest -q -x -m "not cuda" tests   (the CPU suite, on this box; not in
 #                 the default STEPS: CI runs it, and the test lane's 10 minutes are full)
 #   benchmark lane:
@@ -100,7 +101,10 @@ test_lane() {
     # 2026-11-30 stop 10: tests/test_fp8q_cuda.py's 28 PACK4 cases took 430 s (each compiles
     # its own Triton specializations); cut to 12, all 1011 GPU tests then took 495 s on one
     # H200: close to this step's limit, so keep new GPU tests lean.
-    step cuda_tests 540 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --durations=15
+    # Stop 11: three processes at once, each on a third of the tests (scripts/sharded_pytest.py,
+    # TEST_SHARD in tests/conftest.py); shard logs: $OUT/cuda_tests_shard<k>.log.
+    step cuda_tests 540 "$PY" scripts/sharded_pytest.py --shards "${CUDA_TEST_SHARDS:-3}" \
+        --log-dir "$OUT" --name cuda_tests -- -q -m cuda tests -p no:cacheprovider --durations=8
     # shellcheck disable=SC2086  # CPU_TESTS may name several paths
     step cpu_tests 120 "$PY" -m pytest -q -x -m "not cuda" ${CPU_TESTS:-tests} -p no:cacheprovider
 }

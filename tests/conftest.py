@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -15,7 +16,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
 
 
+def _shard() -> tuple[int, int] | None:
+    """``TEST_SHARD=k/n`` (0 <= k < n): this process runs the k-th of n disjoint test shards."""
+    value = os.environ.get("TEST_SHARD", "")
+    if not value:
+        return None
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"TEST_SHARD must be 'k/n' with 0 <= k < n, got {value!r}")
+    return k, n
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = _shard()
+    if shard is not None:
+        # A stable hash of the test id (not Python's salted hash()): every process agrees.
+        k, n = shard
+        keep = [zlib.crc32(i.nodeid.encode()) % n == k for i in items]
+        config.hook.pytest_deselected(items=[i for i, m in zip(items, keep) if not m])
+        items[:] = [i for i, m in zip(items, keep) if m]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
