@@ -132,6 +132,9 @@ class FastStep:
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
                  backend1: Any, backend_act: Any, backend2: Any) -> None:
+        from .fuser import _REGISTRY_VERSION
+
+        self.registry = _REGISTRY_VERSION  # the fuser's counter (a list: read [0] per call)
         self.ops = tuple(fuser.basic_ops)
         self.scaled = type(self.ops[1]) is ScaledSwiGLU
         self.key = key
@@ -181,11 +184,9 @@ class FastStep:
         """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``
         when the call differs from the recorded one (the caller then takes the general
         path)."""
-        from .fuser import _REGISTRY_VERSION
-
         if (not torch.is_grad_enabled() or current_recipe() is not None
                 or torch._C._are_functorch_transforms_active()
-                or self.registry_version != _REGISTRY_VERSION[0]
+                or self.registry_version != self.registry[0]
                 or env.snapshot() != self.env_snapshot):  # values (the same object: fast)
             return None
         device_type = input_.device.type if type(input_) is torch.Tensor else None
