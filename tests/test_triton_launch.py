@@ -253,3 +253,16 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch)
         assert triton_launch.direct_launcher(k).direct > before[k], triton_launch.direct_launcher(
             k).stats()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_grid_helpers_match_their_definitions():
+    """cdiv / next_power_of_2 (the launch wrappers' plain-Python grid helpers) against
+    independent definitions."""
+    for x in range(0, 300):
+        for y in (1, 2, 3, 16, 32, 64, 128, 1024):
+            assert triton_launch.cdiv(x, y) == -(-x // y) == (x // y + (x % y > 0))
+    for n in list(range(1, 3000)) + [2**20 - 1, 2**20, 2**20 + 1, 2**40 + 3]:
+        p = 1
+        while p < n:
+            p *= 2
+        assert triton_launch.next_power_of_2(n) == p

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -205,7 +205,7 @@ def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
         return out
     cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
     cfg.setdefault("SPLIT", 1)
-    grid = (groups + 1, triton.cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+    grid = (groups + 1, cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
     launch(kernel, grid, a, b, out, offsets, m, j, r, groups, *strides, **cfg)
     return out
 
@@ -219,7 +219,7 @@ def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if out.numel() == 0:
         return out
     cfg = dict(config or wgrad_config(m / groups, n, k))
-    grid = (groups, triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    grid = (groups, cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]))
     launch(kernel, grid, x, dy, out, offsets, m, n, k, groups, **cfg)
     return out
 

@@ -23,7 +23,7 @@ import torch
 
 from .. import env
 from .compiled_ops import tracing
-from .triton_launch import launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -139,7 +139,7 @@ if triton is not None:
 
 
 def _block(F: int) -> int:
-    return min(1024, triton.next_power_of_2(max(F, 16)))
+    return min(1024, next_power_of_2(max(F, 16)))
 
 
 def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -171,7 +171,7 @@ def _forward(x: torch.Tensor, probs: torch.Tensor | None, kernel) -> torch.Tenso
         return out
     block = _block(F)
     p = probs.contiguous() if probs is not None else x
-    launch(kernel, (rows, triton.cdiv(F, block)), x, p, out, F, HAS_P=probs is not None,
+    launch(kernel, (rows, cdiv(F, block)), x, p, out, F, HAS_P=probs is not None,
            BLOCK=block)
     return out
 

@@ -48,11 +48,32 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     JITFunction = None
 
-__all__ = ["DirectLauncher", "direct_launcher", "launch", "unsupported_reason"]
+__all__ = ["DirectLauncher", "cdiv", "direct_launcher", "launch", "next_power_of_2",
+           "unsupported_reason"]
 
 #: Options ``JITFunction.run`` accepts besides the kernel's parameters (the compile options of
 #: the CUDA backend that te_ops passes); any other keyword takes the normal launch.
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
+
+
+def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for launch grids: ``triton.cdiv``'s formula as a plain function (in
+    Triton 3.6 ``triton.cdiv`` is a ``constexpr_function``, whose host-side call costs a few
+    microseconds of wrapping per launch)."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (``n >= 1``): ``triton.next_power_of_2``'s bit steps
+    as a plain function (see :func:`cdiv`)."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    return n + 1
 
 
 def unsupported_reason(kernel: Any) -> str | None:
