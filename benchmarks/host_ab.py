@@ -15,7 +15,9 @@ before and after (what ``grouped_mlp.py`` reports), ``host_ms`` the median time 
 ``bitwise`` says whether the output and every gradient (input, probs, parameters) of the new
 tree equal the baseline's exactly (first calls: the general path). ``--general`` adds this
 tree with ``TE_OPS_FAST_STEP=0`` set around each of its steps (``new_<mode>_general``), to
-time the fast path of repeated calls against the general path in one process.
+time the fast path of repeated calls against the general path in one process;
+``--variant-env NAME=VALUE`` likewise adds this tree with any te_ops variable set
+(``new_<mode>_<NAME>=<VALUE>``, e.g. ``TE_OPS_TRITON_DIRECT_LAUNCH=0``).
 ``--profile`` adds, per te_ops variant, the top host events of ``torch.profiler`` (CPU only,
 self time per step) and the top Python functions of ``cProfile`` (own time per step).
 
@@ -195,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--general", action="store_true",
                         help="also time this tree with TE_OPS_FAST_STEP=0 (variants "
                              "new_<mode>_general: the general fuser path on every call)")
+    parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also time this tree with the te_ops variable NAME set to VALUE "
+                             "around each of its steps (variant new_<mode>_<NAME>=<VALUE>); "
+                             "repeatable")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.make_baseline:
@@ -214,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         check_min(parser, flag, getattr(args, flag[2:].replace("-", "_")), minimum)
     import te_ops
 
+    variant_envs = []
+    for item in args.variant_env:
+        name, sep, value = item.partition("=")
+        if not sep or name not in te_ops.env.ENV_VARS:
+            parser.error(f"--variant-env: expected NAME=VALUE with NAME a te_ops variable, "
+                         f"got {item!r}")
+        if value not in te_ops.env.ENV_VARS[name].choices:
+            parser.error(f"--variant-env: {name} must be one of "
+                         f"{list(te_ops.env.ENV_VARS[name].choices)}, got {value!r}")
+        variant_envs.append((name, value))
     try:
         base = importlib.import_module(args.baseline)
     except ModuleNotFoundError as e:
@@ -243,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                     if args.general:
                         variants[f"new_{mode}_general"] = TeOpsBlock(
                             te_ops, problem, single, {"TE_OPS_FAST_STEP": "0"})
+                    for name, value in variant_envs:
+                        variants[f"new_{mode}_{name}={value}"] = TeOpsBlock(
+                            te_ops, problem, single, {name: value})
                 for mode in args.modes.split(","):
                     out.write({"bench": "host_ab_bitwise", "shape": shape, "mode": mode,
                                "bitwise": bitwise_equal(variants[f"base_{mode}"],

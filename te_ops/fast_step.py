@@ -39,6 +39,7 @@ general path too.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -47,8 +48,10 @@ import torch
 from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
+from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from .kernels.grouped_gemm_triton import rows_eager, wgrad_eager
 from .quantization.autocast import current_recipe
 from .shapes import rows_2d
 from .splits import GroupedSplits, make_splits
@@ -71,6 +74,50 @@ def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
             fc2.accumulate_into_main_grad, fc2.delay_wgrad_compute, act.glu_interleave_size)
 
 
+def _gemm_calls(backend: Any) -> tuple:
+    """``fprop(x, w, splits)``, ``dgrad(dy, w, splits)``, ``wgrad(x, dy, splits)``: the calls
+    ``grouped_fprop`` / ``grouped_dgrad`` / ``grouped_wgrad`` make for ``backend`` (no recipe:
+    no quantized operand). The kinds it runs in Triton go to the kernels' eager entry points
+    without the argument checks (the call's key holds every checked shape, dtype and device,
+    and a call with that key passed the checks on the general path); same kernels, configs
+    and bits."""
+    kinds = backend.triton_kinds
+
+    def fprop(x, w, splits):
+        return rows_eager("fprop", x, w, splits.offsets)
+
+    def dgrad(dy, w, splits):
+        return rows_eager("dgrad", dy, w, splits.offsets)
+
+    def wgrad(x, dy, splits):
+        return wgrad_eager(x, dy, splits.offsets)
+
+    return (fprop if "fprop" in kinds else functools.partial(grouped_fprop, backend=backend),
+            dgrad if "dgrad" in kinds else functools.partial(grouped_dgrad, backend=backend),
+            wgrad if "wgrad" in kinds else functools.partial(grouped_wgrad, backend=backend))
+
+
+def _activation_calls(backend: Any, interleave: int | None) -> tuple:
+    """``forward(h, probs)`` and ``backward(h, dy, probs) -> (dh over h, dprobs, output)``:
+    the calls ``swiglu_forward`` / ``swiglu_backward(with_output=True, grad_into_input=True,
+    output_into_grad=True)`` make for ``backend`` (Triton: the kernels' eager entry points,
+    without the trace test; the fast path never runs under a trace)."""
+    if backend.name == "triton":
+        def forward(h, probs):
+            return swiglu_triton.forward_eager(h, probs)
+
+        def backward(h, dy, probs):
+            return swiglu_triton.backward_eager(h, dy, probs, True, True)
+    else:
+        def forward(h, probs):
+            return swiglu_forward(h, interleave, probs, backend)
+
+        def backward(h, dy, probs):
+            return swiglu_backward(h, dy, interleave, probs, with_output=True, backend=backend,
+                                   grad_into_input=True, output_into_grad=True)
+    return forward, backward
+
+
 def _tensor_meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
@@ -85,6 +132,9 @@ class FastStep:
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
                  backend1: Any, backend_act: Any, backend2: Any) -> None:
+        from .fuser import _REGISTRY_VERSION
+
+        self.registry = _REGISTRY_VERSION  # the fuser's counter (a list: read [0] per call)
         self.ops = tuple(fuser.basic_ops)
         self.scaled = type(self.ops[1]) is ScaledSwiGLU
         self.key = key
@@ -96,6 +146,10 @@ class FastStep:
         self.backend1 = backend1
         self.backend_act = backend_act
         self.backend2 = backend2
+        self.fprop1, self.dgrad1, self.wgrad1 = _gemm_calls(backend1)
+        self.fprop2, self.dgrad2, self.wgrad2 = _gemm_calls(backend2)
+        self.act_forward, self.act_backward = _activation_calls(
+            backend_act, self.ops[1].glu_interleave_size)
 
     def call_key(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
         """The key of a call (``None`` when its form cannot take the fast path)."""
@@ -130,11 +184,9 @@ class FastStep:
         """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``
         when the call differs from the recorded one (the caller then takes the general
         path)."""
-        from .fuser import _REGISTRY_VERSION
-
         if (not torch.is_grad_enabled() or current_recipe() is not None
                 or torch._C._are_functorch_transforms_active()
-                or self.registry_version != _REGISTRY_VERSION[0]
+                or self.registry_version != self.registry[0]
                 or env.snapshot() != self.env_snapshot):  # values (the same object: fast)
             return None
         device_type = input_.device.type if type(input_) is torch.Tensor else None
@@ -247,10 +299,10 @@ class _FastGroupedMLP(torch.autograd.Function):
         single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
         x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
         w1 = stacked(step.weights1, single1)
-        h = grouped_fprop(x2d, w1, splits, step.backend1)
-        a = swiglu_forward(h, act.glu_interleave_size, probs, step.backend_act)
+        h = step.fprop1(x2d, w1, splits)
+        a = step.act_forward(h, probs)
         w2 = stacked(step.weights2, single2)
-        y = grouped_fprop(a, w2, splits, step.backend2)
+        y = step.fprop2(a, w2, splits)
         n1 = len(step.weights1)
         _save(ctx, [x2d, h, probs, *splits.to_tensors(), *params])
         ctx.step = step
@@ -275,7 +327,7 @@ class _FastGroupedMLP(torch.autograd.Function):
 
 def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     step = ctx.step
-    fc1, act, fc2 = step.ops
+    fc1, _, fc2 = step.ops
     dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
     saved = [t if v is None else t.as_strided(*v)
              for t, v in zip(ctx.saved_tensors, ctx.views)]
@@ -287,22 +339,20 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     n1 = ctx.n1
     single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
     w2 = ctx.w2_view if ctx.w2_view is not None else stacked(params[n1:], single2)
-    dgrad2 = grouped_dgrad(dy, w2, splits, step.backend2)
+    dgrad2 = step.dgrad2(dy, w2, splits)
     w2 = None
     # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
     # fused backward; h's version is bumped, so a retained graph's second backward raises).
-    dh, gprobs, act_out = swiglu_backward(h, dgrad2, act.glu_interleave_size, probs,
-                                          with_output=True, backend=step.backend_act,
-                                          grad_into_input=True, output_into_grad=True)
+    dh, gprobs, act_out = step.act_backward(h, dgrad2, probs)
     torch.autograd.graph.increment_version(h)
     del dgrad2, h
-    grads2 = per_param(grouped_wgrad(act_out, dy, splits, step.backend2), single2)
+    grads2 = per_param(step.wgrad2(act_out, dy, splits), single2)
     act_out = None
     dx = None
     if ctx.needs_input_grad[0]:
         w1 = ctx.w1_view if ctx.w1_view is not None else stacked(params[:n1], single1)
-        dx = grouped_dgrad(dh, w1, splits, step.backend1)
-    grads1 = per_param(grouped_wgrad(x, dh, splits, step.backend1), single1)
+        dx = step.dgrad1(dh, w1, splits)
+    grads1 = per_param(step.wgrad1(x, dh, splits), single1)
     ctx.w1_view = ctx.w2_view = None
     return (dx, None, None, gprobs, *grads1, *grads2)
 

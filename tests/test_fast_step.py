@@ -456,3 +456,35 @@ def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
     e_out, e_grads, _ = _step(eager_block, x, probs, torch.tensor(new, device="cuda"), dy)
     assert torch.equal(got[0], e_out)
     assert _same(got[1:], e_grads)
+
+
+def test_fast_path_binds_the_triton_kinds_to_the_eager_entry_points(monkeypatch):
+    """The kinds a backend runs in Triton call the kernels' eager entry points (same launch
+    wrappers as triton_fprop / ..., without the per-call checks), the others the dispatch with
+    the recorded backend; the CUDA tests compare the bits."""
+    from te_ops import fast_step
+    from te_ops.kernels.grouped_gemm import BackendChoice
+    from te_ops.kernels.swiglu_triton import ActivationChoice
+
+    calls = []
+    monkeypatch.setattr(fast_step, "rows_eager", lambda kind, a, w, off: calls.append(
+        (kind, a, w, off)))
+    monkeypatch.setattr(fast_step, "wgrad_eager", lambda x, dy, off: calls.append(
+        ("wgrad", x, dy, off)))
+    monkeypatch.setattr(fast_step, "grouped_dgrad", lambda dy, w, splits, backend: calls.append(
+        ("dgrad-dispatch", backend)))
+    backend = BackendChoice("triton", "test", True, triton_kinds=("fprop", "wgrad"))
+    fprop, dgrad, wgrad = fast_step._gemm_calls(backend)
+    splits = type("S", (), {"offsets": "OFFS"})()
+    fprop("X", "W", splits)
+    dgrad("DY", "W", splits)
+    wgrad("X", "DY", splits)
+    assert calls == [("fprop", "X", "W", "OFFS"), ("dgrad-dispatch", backend),
+                     ("wgrad", "X", "DY", "OFFS")]
+    monkeypatch.setattr(fast_step.swiglu_triton, "forward_eager", lambda h, p: ("fwd", h, p))
+    monkeypatch.setattr(fast_step.swiglu_triton, "backward_eager",
+                        lambda h, dy, p, write_output, grad_into_input: (
+                            "bwd", write_output, grad_into_input))
+    fwd, bwd = fast_step._activation_calls(ActivationChoice("triton", "test"), None)
+    assert fwd("H", "P") == ("fwd", "H", "P")
+    assert bwd("H", "DY", "P") == ("bwd", True, True)

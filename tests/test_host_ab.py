@@ -20,3 +20,32 @@ def test_missing_baseline_names_make_baseline(capsys):
     err = capsys.readouterr().err
     assert "--baseline 'te_ops_no_such_baseline' cannot be imported" in err
     assert "--make-baseline SRC DEST" in err
+
+
+@pytest.mark.parametrize("item,message", [
+    ("TE_OPS_TRITON_DIRECT_LAUNCH", "expected NAME=VALUE with NAME a te_ops variable"),
+    ("TE_OPS_NO_SUCH=1", "expected NAME=VALUE with NAME a te_ops variable"),
+    ("TE_OPS_TRITON_DIRECT_LAUNCH=2", "TE_OPS_TRITON_DIRECT_LAUNCH must be one of ['0', '1']"),
+])
+def test_bad_variant_env_is_named(capsys, item, message):
+    with pytest.raises(SystemExit) as info:
+        host_ab.main(["--variant-env", item, "--device", "cpu"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_variant_env_adds_a_variant(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    src = os.path.join(os.path.dirname(__file__), "..", "te_ops")
+    assert host_ab.main(["--make-baseline", src, str(base)]) == 0
+    monkeypatch.syspath_prepend(str(base))
+    out = tmp_path / "ab.jsonl"
+    assert host_ab.main(["--device", "cpu", "--shapes", "E64_T256_H64_FF32", "--modes", "single",
+                         "--iters", "1", "--warmup", "0", "--variant-env",
+                         "TE_OPS_FAST_STEP=0", "--out", str(out)]) == 0
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    variants = {r["variant"] for r in rows if r["bench"] == "host_ab"}
+    assert variants == {"torch_grouped_mm", "base_single", "new_single",
+                        "new_single_TE_OPS_FAST_STEP=0"}

@@ -108,6 +108,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "te_ops/fast_step.py); 0 runs every call through the general fuser path.",
         ),
         EnvVar(
+            "TE_OPS_TRITON_DIRECT_LAUNCH",
+            "1",
+            _BOOL,
+            "1 launches te_ops' Triton kernels in eager mode from a cache of the compiled "
+            "kernels (per argument dtypes / alignment / values, grid and options) after the "
+            "first normal launch, skipping JITFunction.run's per-call binding "
+            "(te_ops/kernels/triton_launch.py); 0 launches through JITFunction.run every time.",
+        ),
+        EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",
             "0",
             _BOOL,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
+from .triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -204,8 +205,8 @@ def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
         return out
     cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
     cfg.setdefault("SPLIT", 1)
-    grid = (groups + 1, triton.cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
-    kernel[grid](a, b, out, offsets, m, j, r, groups, *strides, **cfg)
+    grid = (groups + 1, cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+    launch(kernel, grid, a, b, out, offsets, m, j, r, groups, *strides, **cfg)
     return out
 
 
@@ -218,8 +219,8 @@ def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if out.numel() == 0:
         return out
     cfg = dict(config or wgrad_config(m / groups, n, k))
-    grid = (groups, triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    kernel[grid](x, dy, out, offsets, m, n, k, groups, **cfg)
+    grid = (groups, cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]))
+    launch(kernel, grid, x, dy, out, offsets, m, n, k, groups, **cfg)
     return out
 
 
@@ -301,6 +302,21 @@ def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_wgrad_rows(x, dy, offsets)
     return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, config, _wgrad_kernel)
+
+
+def rows_eager(kind: str, a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+               ) -> torch.Tensor:
+    """:func:`triton_fprop` (``kind="fprop"``) or :func:`triton_dgrad` in eager mode without
+    their argument checks, for a caller that proved them for this call's shapes, dtypes and
+    devices (``te_ops.fast_step``: its key holds them, and a call with that key passed the
+    checks on the general path). Same kernel, config and result."""
+    return (_fprop if kind == "fprop" else _dgrad)(a, weights, offsets)
+
+
+def wgrad_eager(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`triton_wgrad` in eager mode without its argument checks (as
+    :func:`rows_eager`)."""
+    return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, None, _wgrad_kernel)
 
 
 if triton is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .compiled_ops import tracing
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -114,9 +115,9 @@ if triton is not None:
 
     def _launch(out: torch.Tensor, offsets: torch.Tensor, kernel=_zero_rows_kernel) -> None:
         m, n = out.shape
-        block_n = min(256, triton.next_power_of_2(max(n, 16)))
-        kernel[(triton.cdiv(m, _BLOCK_M),)](out, offsets, offsets.shape[0] - 1, m, n,
-                                            out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=block_n)
+        block_n = min(256, next_power_of_2(max(n, 16)))
+        launch(kernel, (cdiv(m, _BLOCK_M),), out, offsets, offsets.shape[0] - 1, m, n,
+               out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=block_n)
 
     @torch.library.triton_op("te_ops::zero_rows_past_total_", mutates_args={"out"})
     def zero_rows_past_total_(out: torch.Tensor, offsets: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from .. import env
 from .compiled_ops import tracing
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -138,7 +139,7 @@ if triton is not None:
 
 
 def _block(F: int) -> int:
-    return min(1024, triton.next_power_of_2(max(F, 16)))
+    return min(1024, next_power_of_2(max(F, 16)))
 
 
 def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -151,6 +152,17 @@ def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     return _forward(x, probs, _fwd_kernel)
 
 
+def forward_eager(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """:func:`swiglu_forward` for a caller that knows it runs eagerly (``te_ops.fast_step``)."""
+    return _forward(x, probs, _fwd_kernel)
+
+
+def backward_eager(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Tensor | None,
+                   write_output: bool, grad_into_input: bool):
+    """:func:`swiglu_backward` for a caller that knows it runs eagerly."""
+    return _backward(x, grad_output, probs, write_output, grad_into_input, _bwd_kernel)
+
+
 def _forward(x: torch.Tensor, probs: torch.Tensor | None, kernel) -> torch.Tensor:
     F = x.shape[-1] // 2
     rows = x.numel() // max(x.shape[-1], 1)
@@ -159,7 +171,8 @@ def _forward(x: torch.Tensor, probs: torch.Tensor | None, kernel) -> torch.Tenso
         return out
     block = _block(F)
     p = probs.contiguous() if probs is not None else x
-    kernel[(rows, triton.cdiv(F, block))](x, p, out, F, HAS_P=probs is not None, BLOCK=block)
+    launch(kernel, (rows, cdiv(F, block)), x, p, out, F, HAS_P=probs is not None,
+           BLOCK=block)
     return out
 
 
@@ -191,8 +204,9 @@ def _backward(x, grad_output, probs, write_output, grad_into_input, kernel):
             dp.zero_()
         return dx.zero_(), dp, out
     p = probs.contiguous() if probs is not None else x
-    kernel[(rows,)](x, dy, p, dx, dp if dp is not None else x, out if out is not None else x,
-                    F, HAS_P=probs is not None, WRITE_OUT=write_output, BLOCK=_block(F))
+    launch(kernel, (rows,), x, dy, p, dx, dp if dp is not None else x,
+           out if out is not None else x, F, HAS_P=probs is not None, WRITE_OUT=write_output,
+           BLOCK=_block(F))
     return dx, dp, out
 
 
