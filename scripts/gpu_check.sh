@@ -16,6 +16,7 @@
 #     bench       benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
 #     bench_fp8   benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast, te_ops fused, four shapes
 #                 -> "$OUT/grouped_mlp_fp8.jsonl"
+#     bench_e64_interleaved  the same E64 peers (and te_ops per-expert), one step of each in turn
 #     bench_interleaved  the peer and te_ops fused (per-expert, single weight) on the three large
 #                 shapes, one step of each in turn -> "$OUT/grouped_mlp_interleaved.jsonl"
 #     bench_e64   the E64 T256 decode shape, 3 interleaved rounds: the peer, te_ops single weight
@@ -54,7 +55,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_interleaved profile gaps host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile gaps host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -119,8 +120,9 @@ FP8_JSON="$OUT/grouped_mlp_fp8.jsonl"
 PROFILE_JSON="$OUT/profile.jsonl"
 ILV_JSON="$OUT/grouped_mlp_interleaved.jsonl"
 E64_JSON="$OUT/grouped_mlp_e64.jsonl"
+E64I_JSON="$OUT/grouped_mlp_e64_interleaved.jsonl"
 bench_lane() {
-    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON" "$ILV_JSON" "$E64_JSON"
+    rm -f "$BENCH_JSON" "$FP8_JSON" "$PROFILE_JSON" "$ILV_JSON" "$E64_JSON" "$E64I_JSON"
     # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
     step bench 200 "$PY" benchmarks/grouped_mlp.py --iters 15 --warmup 3 --out "$BENCH_JSON" \
         ${BENCH_ARGS:-}
@@ -131,6 +133,14 @@ bench_lane() {
     step bench_e64 60 "$PY" benchmarks/grouped_mlp.py --shapes E64_T256_H2048_FF768 --rounds 3 \
         --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused_single_graph_noclone \
         --iters 50 --warmup 10 --out "$E64_JSON" ${BENCH_ARGS:-}
+    # The decode shape with the peers timed one step each in turn as well (each step's wall time
+    # from launch to synchronize): host-bound rows of the sequential run above swung by up to
+    # 0.9 ms between rounds at stop 11 while the same process's interleaved A/B did not.
+    # shellcheck disable=SC2086
+    step bench_e64_interleaved 60 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 100 \
+        --warmup 10 --shapes E64_T256_H2048_FF768 --out "$E64I_JSON" \
+        --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused,te_ops_fused_single_graph_noclone \
+        ${BENCH_ARGS:-}
     # Peers timed one step each in turn (A, B, C, A, ...): no order / clock drift between peers.
     # shellcheck disable=SC2086
     step bench_interleaved 60 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
@@ -182,7 +192,7 @@ fi
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    for f in "$BENCH_JSON" "$FP8_JSON" "$E64_JSON" "$ILV_JSON"; do
+    for f in "$BENCH_JSON" "$FP8_JSON" "$E64_JSON" "$E64I_JSON" "$ILV_JSON"; do
         if [ -s "$f" ]; then
             echo
             "$PY" benchmarks/grouped_mlp.py --summarize "$f"
