@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+HOST_CATS = ("user_annotation", "cpu_op")
 #: Substrings of the grouped GEMM kernels' names (te_ops' Triton decode GEMMs, torch's
 #: CUTLASS grouped GEMMs, cuBLAS).
 GEMM_MARKS = ("_rows_kernel", "_wgrad_kernel", "grouped_mm", "gemm", "cutlass", "sm90_xmma",
@@ -68,9 +69,10 @@ def step_kernels(events: list[dict]) -> list[dict]:
     Parameters
     ----------
     events : list of dict
-        The trace's ``traceEvents``. Steps are the ``user_annotation`` / ``cpu_op`` events
-        named ``profile_graph_step_<i>``; a device event belongs to the step whose host range
-        holds its launch (matched through ``args["correlation"]``).
+        The trace's ``traceEvents``. Steps are the host's ``user_annotation`` / ``cpu_op``
+        events named ``profile_graph_step_<i>`` (not their ``gpu_user_annotation`` copies);
+        a device event belongs to the step whose host range holds its launch (matched
+        through ``args["correlation"]``).
 
     Returns
     -------
@@ -86,8 +88,8 @@ def step_kernels(events: list[dict]) -> list[dict]:
         No step annotations, or a step without device events.
     """
     xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    steps = sorted((e for e in xs if str(e.get("name", "")).startswith(STEP_PREFIX)),
-                   key=lambda e: e["ts"])
+    steps = sorted((e for e in xs if str(e.get("name", "")).startswith(STEP_PREFIX)
+                    and e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"the trace has no {STEP_PREFIX}<i> annotations")
     launches = {e["args"]["correlation"]: e for e in xs

@@ -22,6 +22,7 @@ def _trace():
     return [
         _x("user_annotation", "profile_graph_step_0", 0.0, 100.0),
         _x("user_annotation", "profile_graph_step_1", 200.0, 100.0),
+        _x("gpu_user_annotation", "profile_graph_step_1", 300.0, 40.0),  # device copy: ignored
         _x("cuda_runtime", "cudaMemcpyAsync", 1.0, 1.0, 1),
         _x("cuda_runtime", "cudaGraphLaunch", 5.0, 2.0, 2),
         _x("cuda_runtime", "cudaGraphLaunch", 5.0, 2.0, 3),
