@@ -6,7 +6,7 @@ sums, the int32 ends, the validity rule: every size and end in ``[0, rows]``, fl
 for every accepted dtype and for bad sizes (negative, sum past the rows, fractions, NaN, inf,
 sizes that would wrap int64). The Triton kernel runs on CPU through Triton's interpreter in
 ``tests/test_split_table_interpret.py``. CUDA: the kernel equal to the torch path for every
-dtype and group counts 1..8192 (one program), ``make_splits`` on CUDA equal to the CPU one,
+dtype at 7 and 8192 groups (one program), ``make_splits`` on CUDA equal to the CPU one,
 CUDA-graph replay with new sizes and ``torch.compile(fullgraph=True)`` equal to eager; the
 tuned decode GEMM configurations equal to the earlier ones bit for bit, and against the fp64
 reference at the E64 layer shapes.
@@ -109,13 +109,14 @@ def test_make_splits_bad_device_sizes_still_raise():
 
 # ------------------------------------------------------------------------------ CUDA
 def _random_sizes(groups: int, rows: int, dtype: torch.dtype, gen: torch.Generator):
-    cap = 100 if dtype in (torch.int8, torch.uint8) else rows
+    # int8 / uint8 hold up to 127, bfloat16 whole numbers exactly up to 256
+    cap = 100 if dtype in (torch.int8, torch.uint8, torch.bfloat16, torch.float16) else rows
     picks = torch.randint(0, groups, (min(cap, rows),), generator=gen)
     return torch.bincount(picks, minlength=groups).to(dtype)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("groups", [1, 7, 64, 300, 8192])
+@pytest.mark.parametrize("groups", [7, 8192])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_equals_torch_path(groups, dtype):
     gen = torch.Generator().manual_seed(groups)
@@ -141,7 +142,8 @@ def test_kernel_flags_bad_sizes(sizes, dtype, rows):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
 def test_make_splits_cuda_equals_cpu(dtype):
     sizes = torch.tensor([0, 1, 3, 0, 17, 2, 0, 40], dtype=dtype)
-    gpu = make_splits(sizes.to(CUDA), 8, 70, CUDA)
+    dev = sizes.to(CUDA)
+    gpu = make_splits(dev, 8, 70, dev.device)
     cpu = make_splits(sizes, 8, 70, torch.device("cpu"))
     for name in ("split_sizes", "offsets", "base_offsets"):
         a, b = getattr(gpu, name), getattr(cpu, name)
@@ -154,15 +156,15 @@ def test_graph_replay_equals_eager():
     """make_splits captured in a CUDA graph: replays with new sizes written into the same
     buffer equal eager calls."""
     buf = torch.tensor([4, 0, 9, 3], device=CUDA)
-    make_splits(buf, 4, 20, CUDA)  # compile outside the capture
+    make_splits(buf, 4, 20, buf.device)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = make_splits(buf, 4, 20, CUDA)
+        got = make_splits(buf, 4, 20, buf.device)
     for sizes in ([4, 0, 9, 3], [0, 0, 20, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
         buf.copy_(torch.tensor(sizes))
         graph.replay()
-        want = make_splits(buf, 4, 20, CUDA)
+        want = make_splits(buf, 4, 20, buf.device)
         assert torch.equal(got.base_offsets, want.base_offsets), sizes
         assert torch.equal(got.offsets, want.offsets), sizes
     torch.cuda.synchronize()
@@ -173,7 +175,7 @@ def test_torch_compile_fullgraph_equals_eager():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     def fn(sizes):
-        s = make_splits(sizes, sizes.shape[0], 64, CUDA)
+        s = make_splits(sizes, sizes.shape[0], 64, sizes.device)
         return s.base_offsets * 1, s.offsets * 1, s.split_sizes * 1
 
     torch._dynamo.reset()
