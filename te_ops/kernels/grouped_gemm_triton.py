@@ -48,8 +48,9 @@ _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
 #: per group are at most this many (SM90, bf16): the largest of 1, 2, 4, 8, 16, 32 where
 #: ``benchmarks/triton_grouped_gemm.py`` measured it faster than ``torch._grouped_mm`` on the
 #: H200 for the fc1 and fc2 layers of E64 and E128 H2048 FF768 (docs/benchmarks.md; dgrad at 4
-#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2). wgrad (write-bound: every dW_g tile is
-#: written once) wins furthest.
+#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2, whose dgrad then got 1.60x faster with
+#: the tiles of :func:`rows_config`). wgrad (write-bound: every dW_g tile is written once) wins
+#: furthest.
 MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
 
 
