@@ -66,3 +66,34 @@ def test_errors():
         step_kernels([_x("kernel", "k", 0.0, 1.0, 1)])
     with pytest.raises(ValueError, match="no device events"):
         step_kernels([_x("user_annotation", "profile_graph_step_0", 0.0, 1.0)])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--peers", "te_ops_fused,nope"], ["--peers", "'nope'"]),
+    (["--steps", "0"], ["--steps"]),
+    (["--summarize", "/no/such/file.jsonl"], ["--summarize", "/no/such/file.jsonl"]),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, words):
+    from profile_graph_e64 import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_summarize_reads_written_records(tmp_path, capsys):
+    import json
+
+    from profile_graph_e64 import main
+
+    record = {"bench": "profile_graph_e64", "shape": "E64", "peer": "p",
+              **summary(step_kernels(_trace()))}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps(
+        {"bench": "profile_graph_e64", "shape": "E64", "peer": "q", "error": "boom"}) + "\n")
+    assert main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "## E64 p" in out and "_rows_kernel" not in out.split("## E64 q")[1]
+    assert "## E64 q: boom" in out
