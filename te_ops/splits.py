@@ -280,13 +280,10 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
         check_host = env.read_bool("TE_OPS_CHECK_SPLIT_SIZES")
-        # [0, ends, sizes, valid] in one int64 buffer, the int32 ends and the validity flag:
-        # one Triton launch on CUDA, torch ops elsewhere (te_ops/kernels/split_table.py).
-        table, offsets, valid = split_table(split_sizes, num_rows, check=not check_host)
-        base_offsets = table[:num_groups + 1]
-        ends = table[1:num_groups + 1]
-        sizes = (split_sizes if split_sizes.dtype is torch.int64
-                 else table[num_groups + 1:2 * num_groups + 1])
+        # offsets (int64 and int32), int64 sizes and the validity flag: one Triton launch on
+        # CUDA, torch ops elsewhere (te_ops/kernels/split_table.py).
+        base_offsets, ends, sizes, offsets, valid = split_table(split_sizes, num_rows,
+                                                                check=not check_host)
         if check_host:
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)

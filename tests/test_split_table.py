@@ -36,15 +36,23 @@ def _expected(sizes: list[float], rows: int) -> tuple[list[int], list[int], bool
     return [0] + ends + ints, ends, valid
 
 
-def _check(table, offsets, valid, sizes, rows):
+def _check(got: st.SplitTable, sizes, rows):
     want_table, want_ends, want_valid = _expected(sizes, rows)
     groups = len(sizes)
-    assert table.shape == (2 * groups + 2,) and table.dtype == torch.int64
-    assert offsets.shape == (groups,) and offsets.dtype == torch.int32
-    assert bool(valid) is want_valid, (sizes, rows)
+    assert got.base_offsets.shape == (groups + 1,) and got.base_offsets.dtype == torch.int64
+    assert got.ends.dtype == torch.int64 and got.sizes.dtype == torch.int64
+    assert got.offsets.shape == (groups,) and got.offsets.dtype == torch.int32
+    assert bool(got.valid) is want_valid, (sizes, rows)
     if want_valid:
-        assert table[:-1].tolist() == want_table
-        assert offsets.tolist() == want_ends
+        assert got.base_offsets.tolist() == want_table[:groups + 1]
+        assert got.ends.tolist() == want_ends and got.sizes.tolist() == want_table[groups + 1:]
+        assert got.offsets.tolist() == want_ends
+
+
+def _assert_same(got: st.SplitTable, want: st.SplitTable) -> None:
+    for name in ("base_offsets", "ends", "sizes", "offsets"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), name
 
 
 CASES = {  # name -> (sizes, rows)
@@ -64,7 +72,7 @@ CASES = {  # name -> (sizes, rows)
 def test_torch_path_matches_reference(case, dtype):
     sizes, rows = CASES[case]
     t = torch.tensor(sizes).to(dtype)
-    _check(*st.split_table_torch(t, rows), sizes, rows)
+    _check(st.split_table_torch(t, rows), sizes, rows)
 
 
 BAD = [  # (sizes, dtype, rows): each is flagged invalid
@@ -78,12 +86,13 @@ BAD = [  # (sizes, dtype, rows): each is flagged invalid
 
 @pytest.mark.parametrize("sizes, dtype, rows", BAD)
 def test_torch_path_flags_bad_sizes(sizes, dtype, rows):
-    assert not bool(st.split_table_torch(torch.tensor(sizes, dtype=dtype), rows)[2])
+    assert not bool(st.split_table_torch(torch.tensor(sizes, dtype=dtype), rows).valid)
 
 
 def test_torch_path_without_check_has_no_flag():
-    table, offsets, valid = st.split_table_torch(torch.tensor([1, 2]), 3, check=False)
-    assert valid is None and table.tolist() == [0, 1, 3, 1, 2, 0] and offsets.tolist() == [1, 3]
+    got = st.split_table_torch(torch.tensor([1, 2]), 3, check=False)
+    assert got.valid is None and got.base_offsets.tolist() == [0, 1, 3]
+    assert got.offsets.tolist() == [1, 3]
 
 
 def test_backend_choice():
@@ -124,18 +133,17 @@ def test_kernel_equals_torch_path(groups, dtype):
     for sizes in (_random_sizes(groups, rows, dtype, gen), torch.zeros(groups, dtype=dtype)):
         dev = sizes.to(CUDA)
         assert st.split_table_backend(dev) == "triton"
-        table, offsets, valid = st.split_table(dev, rows)
+        got = st.split_table(dev, rows)
         want = st.split_table_torch(sizes, rows)
-        assert torch.equal(table[:-1].cpu(), want[0][:-1])
-        assert torch.equal(offsets.cpu(), want[1])
-        assert int(valid) == 1 and bool(want[2])
+        _assert_same(got, want)
+        assert int(got.valid) == 1 and bool(want.valid)
+        assert (got.sizes is dev) is (dtype == torch.int64)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("sizes, dtype, rows", BAD)
 def test_kernel_flags_bad_sizes(sizes, dtype, rows):
-    _, _, valid = st.split_table(torch.tensor(sizes, dtype=dtype, device=CUDA), rows)
-    assert int(valid) == 0
+    assert int(st.split_table(torch.tensor(sizes, dtype=dtype, device=CUDA), rows).valid) == 0
 
 
 @pytest.mark.cuda

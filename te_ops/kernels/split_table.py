@@ -18,10 +18,15 @@ row count ``R``:
     the zeros and ``cat`` of the table, ``clamp`` / ``eq`` / ``all`` of the check, the int32
     cast; docs/benchmarks.md). Graph-safe: no host read, launch size from ``G`` only.
 otherwise (CPU, ``meta``, CUDA without Triton, more than :data:`MAX_TRITON_GROUPS` groups)
-    the same values from torch ops (:func:`split_table_torch`).
+    the same values from torch ops (:func:`split_table_torch`; a (2G + 1,) table without the
+    flag slot, the flag a separate bool, so the CPU step runs no more aten ops than before).
+
+Both return a :class:`SplitTable` of the views ``make_splits`` keeps.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,7 +39,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["split_table", "split_table_torch", "split_table_backend", "MAX_TRITON_GROUPS"]
+__all__ = ["SplitTable", "split_table", "split_table_torch", "split_table_backend",
+           "MAX_TRITON_GROUPS"]
 
 #: Most groups the one-program kernel takes (its block holds every size); more take torch ops.
 MAX_TRITON_GROUPS = 8192
@@ -49,9 +55,33 @@ def split_table_backend(split_sizes: torch.Tensor) -> str:
     return "torch"
 
 
-def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The table, int32 offsets and validity flag of ``split_sizes`` (see the module).
+class SplitTable(NamedTuple):
+    """Device metadata of split sizes (G groups), as :func:`te_ops.splits.make_splits` keeps it.
+
+    Attributes
+    ----------
+    base_offsets : torch.Tensor
+        (G + 1,) int64: group starts, then the total.
+    ends : torch.Tensor
+        (G,) int64: cumulative group ends.
+    sizes : torch.Tensor
+        (G,) int64: the sizes (the caller's tensor when it is int64 already).
+    offsets : torch.Tensor
+        (G,) int32: the ends for ``torch._grouped_mm`` and the Triton GEMMs.
+    valid : torch.Tensor or None
+        0-d, nonzero when the sizes are valid (see the module); ``None`` when not asked for
+        on the torch path.
+    """
+
+    base_offsets: torch.Tensor
+    ends: torch.Tensor
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    valid: torch.Tensor | None
+
+
+def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True) -> SplitTable:
+    """The offsets and validity flag of ``split_sizes`` (see the module).
 
     Parameters
     ----------
@@ -66,13 +96,10 @@ def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True
 
     Returns
     -------
-    table : torch.Tensor
-        Shape (2G + 2,) int64 on ``split_sizes``' device.
-    offsets : torch.Tensor
-        Shape (G,) int32: the group ends.
-    valid : torch.Tensor or None
-        0-d int64 (Triton) or bool (torch), nonzero when the sizes are valid; ``None`` for
-        the torch path with ``check=False``.
+    SplitTable
+        On CUDA with Triton, views of the kernel's (2G + 2,) int64 table ``[0, ends, sizes,
+        valid]`` (``valid`` 0-d int64) and its int32 ends; else torch ops' results
+        (``valid`` 0-d bool).
     """
     groups = split_sizes.shape[0]
     if split_table_backend(split_sizes) == "triton":
@@ -80,26 +107,31 @@ def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True
             table, offsets = torch.ops.te_ops.split_table(split_sizes, num_rows)
         else:  # eager: launch directly (a custom-op dispatch costs host time)
             table, offsets = _launch(split_sizes, num_rows, _split_table_kernel)
-        return table, offsets, table[2 * groups + 1]
+        sizes = (split_sizes if split_sizes.dtype is torch.int64
+                 else table[groups + 1:2 * groups + 1])
+        return SplitTable(table[:groups + 1], table[1:groups + 1], sizes, offsets,
+                          table[2 * groups + 1])
     return split_table_torch(split_sizes, num_rows, check)
 
 
 def split_table_torch(split_sizes: torch.Tensor, num_rows: int, check: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      ) -> SplitTable:
     """:func:`split_table` in torch ops (the CPU path and the reference of the kernel's
-    tests); ``valid`` is a 0-d bool tensor, ``table[-1]`` is 0."""
+    tests): ``to`` (non-int64 sizes), ``cumsum``, ``new_zeros``, ``cat``, the three check ops
+    and the int32 cast, as many aten ops as before the kernel existed."""
     sizes = (split_sizes if split_sizes.dtype is torch.int64
              else split_sizes.to(torch.int64))  # floating sizes: cast on the device
     ends = torch.cumsum(sizes, 0)
-    table = torch.cat([ends.new_zeros(1), ends, sizes, ends.new_zeros(1)])
+    # [0, ends, sizes] in one buffer: base_offsets is its head (a view), and one range check
+    # covers every size (so the int64 cumsum cannot wrap) and every end (the total) at once.
+    table = torch.cat([ends.new_zeros(1), ends, sizes])
     valid = None
     if check:
-        head = table[:-1]
-        # one range check covers every size (so the int64 cumsum cannot wrap) and every end
-        valid = (head.clamp(0, num_rows) == head).all()
+        valid = (table.clamp(0, num_rows) == table).all()
         if split_sizes.is_floating_point():  # whole numbers only
             valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
-    return table, ends.to(torch.int32), valid
+    return SplitTable(table[:split_sizes.shape[0] + 1], ends, sizes, ends.to(torch.int32),
+                      valid)
 
 
 if triton is not None:
