@@ -11,11 +11,16 @@ and the largest difference between the two backends' outputs.
 
 ``--sweep`` times launch configurations of the Triton kernels on one shape instead (used to
 pick :func:`te_ops.kernels.grouped_gemm_triton.rows_config` / ``wgrad_config``).
+``--sweep-decode`` times a short list of variants (``SPLIT``, tiles, warps, stages) of the
+configuration the dispatch picks now for each of the six GEMMs of the E64 decode step (mean
+``--rows`` rows per expert, 4 by default: T256), against that configuration, and records
+whether each variant's output equals it bit for bit (``bitwise_equal``).
 
 Usage::
 
     python benchmarks/triton_grouped_gemm.py [--rows 1,2,4,...] [--out FILE]
     python benchmarks/triton_grouped_gemm.py --sweep --rows 4 [--out FILE]
+    python benchmarks/triton_grouped_gemm.py --sweep-decode --rows 4 [--out FILE]
 """
 
 from __future__ import annotations
@@ -121,6 +126,60 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     return [r for r in records if r is not None]
 
 
+def _decode_variants(kind: str, base: dict[str, int]) -> list[dict[str, int]]:
+    """The configurations ``--sweep-decode`` tries beside ``base`` (the current one)."""
+    if kind == "wgrad":
+        tiles = [{"BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_N": 32, "BLOCK_K": 256},
+                 {"BLOCK_N": 64, "BLOCK_K": 256}, {"BLOCK_N": 128, "BLOCK_K": 128}]
+    else:
+        tiles = [{"BLOCK_J": 64, "BLOCK_R": 128}, {"BLOCK_J": 128, "BLOCK_R": 64},
+                 {"BLOCK_J": 32, "BLOCK_R": 128}, {"SPLIT": 1}, {"SPLIT": 2},
+                 {"BLOCK_J": 16, "BLOCK_R": 256}]
+    other = [{"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}]
+    return [{**base, **v} for v in tiles + other]
+
+
+def sweep_decode(args: argparse.Namespace) -> list[dict]:
+    """Variants of the dispatch's configuration for each GEMM of the E64 decode step."""
+    records = []
+    groups, hidden, ffn = SHAPES["E64_H2048_FF768"]
+    for layer, (n, k) in (("fc1", (2 * ffn, hidden)), ("fc2", (hidden, ffn))):
+        for rows in args.rows:
+            operands = _operands(groups, n, k, rows, args.seed)[:4]
+            for kind in ("fprop", "dgrad", "wgrad"):
+                records += _decode_kind(layer, kind, rows, operands)
+            del operands
+    return records
+
+
+def _decode_kind(layer: str, kind: str, rows: int, operands) -> list[dict]:
+    x, dy, w, offs = operands
+    groups, m = w.shape[0], x.shape[0]
+    n, k = dy.shape[1], x.shape[1]
+    if kind == "wgrad":
+        base = tg.wgrad_config(m / groups, n, k)
+    else:
+        base = tg.rows_config(kind, m / groups, n if kind == "fprop" else k, groups, m)
+
+    def call(cfg):
+        pair = (None, cfg) if kind == "wgrad" else (cfg, None)
+        return _calls(x, dy, w, offs, pair)[kind][1]
+
+    ref = call(base)()
+    t_base = _bench(call(base))
+    records = []
+    for cfg in [base] + _decode_variants(kind, base):
+        rec = _sweep_rec(layer, kind, rows, cfg, call(cfg))
+        if rec is None:
+            continue
+        rec.update(bench="triton_grouped_gemm_sweep_decode", current=cfg == base,
+                   base_ms=round(t_base, 5), vs_base=round(t_base / rec["ms"], 3),
+                   bitwise_equal=bool(torch.equal(call(cfg)(), ref)))
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    return records
+
+
 def _sweep_rec(layer: str, kind: str, rows: int, cfg: dict, fn) -> dict | None:
     try:
         t = _bench(fn)
@@ -138,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
                         help="mean rows per group, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="time launch configurations")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="time variants of the current configurations (E64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     args = parser.parse_args(argv)
@@ -145,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("triton_grouped_gemm: needs CUDA", file=sys.stderr)
         return 1
-    records = sweep(args) if args.sweep else compare(args)
+    records = (sweep_decode(args) if args.sweep_decode else sweep(args) if args.sweep
+               else compare(args))
     info = machine_info(torch.device("cuda"))
     append_jsonl(args.out, [{**r, **info} for r in records])
     return 0

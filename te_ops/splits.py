@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import env
+from .kernels.split_table import split_table
 
 __all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type", "host_read_scope",
            "open_host_read_scope", "close_host_read_scope"]
@@ -278,22 +279,16 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
     check_split_sizes_type(split_sizes, num_groups, device, name)
     if isinstance(split_sizes, torch.Tensor):
         host_sizes = None
-        sizes = (split_sizes if split_sizes.dtype is torch.int64
-                 else split_sizes.to(torch.int64))  # floating sizes: cast on the device
-        ends = torch.cumsum(sizes, 0)
-        # [0, ends, sizes] in one buffer: base_offsets is its head (a view), and one
-        # range check covers every size (so the int64 cumsum cannot wrap) and every end
-        # (the total) at once.
-        table = torch.cat([ends.new_zeros(1), ends, sizes])
-        base_offsets = table[:num_groups + 1]
-        if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
+        check_host = env.read_bool("TE_OPS_CHECK_SPLIT_SIZES")
+        # offsets (int64 and int32), int64 sizes and the validity flag: one Triton launch on
+        # CUDA, torch ops elsewhere (te_ops/kernels/split_table.py).
+        base_offsets, ends, sizes, offsets, valid = split_table(split_sizes, num_rows,
+                                                                check=not check_host)
+        if check_host:
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)
             _check_host(sizes.tolist(), num_rows, name)
         else:
-            valid = (table.clamp(0, num_rows) == table).all()
-            if split_sizes.is_floating_point():  # whole numbers only
-                valid = valid & (split_sizes == sizes.to(split_sizes.dtype)).all()
             torch._assert_async(
                 valid, _device_check_message(name, split_sizes.is_floating_point(), num_rows))
         # On the CPU (eager) the total is in host memory: reading it is no sync, and knowing
@@ -308,12 +303,13 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding = sum(host_sizes) < num_rows
         ends = torch.cumsum(sizes, 0)
         base_offsets = torch.cat([ends.new_zeros(1), ends])
+        offsets = ends.to(torch.int32)
     return GroupedSplits(
         num_groups=num_groups,
         num_rows=num_rows,
         host_sizes=host_sizes,
         split_sizes=sizes,
-        offsets=ends.to(torch.int32),
+        offsets=offsets,
         base_offsets=base_offsets,
         _group_ids=None,
         has_padding=has_padding,

@@ -489,3 +489,25 @@ def test_make_graphed_callable_end_to_end_with_emulated_graphs(monkeypatch, fusi
         block[0].weight0.data = block[0].weight0.data.clone()
     with pytest.raises(RuntimeError, match="storage changed since capture"):
         graphed.check_parameters()
+
+
+def test_leaf_grad_guard_whole_buffer_gradient_is_one_copy():
+    """A gradient that is its whole buffer (an input's: x, probs) is copied by one clone; a
+    later view of the same buffer shares that copy, and nothing aliases the static buffer."""
+    x = torch.zeros(4, 3, requires_grad=True)
+    static = torch.arange(12.0).view(4, 3)
+
+    class _Whole(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.zeros(())
+
+        @staticmethod
+        def backward(ctx, g):
+            return static.detach()
+
+    _Whole.apply(*_LeafGradGuard.apply(x)).backward()
+    expected = static.clone()
+    static.zero_()  # the next replay overwrites the buffer
+    assert torch.equal(x.grad, expected) and x.grad.is_contiguous()
+    assert x.grad.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()

@@ -49,8 +49,9 @@ _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
 #: per group are at most this many (SM90, bf16): the largest of 1, 2, 4, 8, 16, 32 where
 #: ``benchmarks/triton_grouped_gemm.py`` measured it faster than ``torch._grouped_mm`` on the
 #: H200 for the fc1 and fc2 layers of E64 and E128 H2048 FF768 (docs/benchmarks.md; dgrad at 4
-#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2). wgrad (write-bound: every dW_g tile is
-#: written once) wins furthest.
+#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2, whose dgrad then got 1.60x faster with
+#: the tiles of :func:`rows_config`). wgrad (write-bound: every dW_g tile is written once) wins
+#: furthest.
 MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
 
 
@@ -81,19 +82,19 @@ def rows_config(kind: str, rows_per_group: float, j: int, groups: int,
     """Launch parameters of the fprop (``kind="fprop"``) or dgrad kernel for ``rows`` rows in
     ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns.
 
-    ``BLOCK_J`` / ``BLOCK_R`` / stages are the fastest of ``benchmarks/triton_grouped_gemm.py
-    --sweep`` on the H200 (E64 fc1, 4 rows per group). Added after that sweep and measured
-    only through the per-GEMM comparison (not swept): dgrad's ``BLOCK_J`` halved where the grid
-    would have fewer than 1024 programs, and up to ``SPLIT = 4`` programs sharing one (group,
-    column tile), each taking every SPLIT-th row block (a skewed group's rows in parallel; its
-    weight tile then comes from L2)."""
+    ``BLOCK_J`` / ``BLOCK_R``: the fastest of ``benchmarks/triton_grouped_gemm.py
+    --sweep-decode`` on the H200 (E64 H2048 FF768, 4 rows per group, 2026-11-30, branch
+    graph7): fprop 64 / 128 (fc1 1.05x, fc2 1.12x the earlier 32 / 256), dgrad 128 / 64
+    (fc1 1.08x, fc2 1.60x the earlier 64 / 128, which was halved to 32 columns on fc2);
+    outputs equal bit for bit (the same k-steps in the same order). Warps and stages: the
+    earlier ``--sweep`` (none of the variants beat 4 / 3). Up to ``SPLIT = 4`` programs share
+    one (group, column tile), each taking every SPLIT-th row block (a skewed group's rows in
+    parallel; its weight tile then comes from L2)."""
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
     if kind == "fprop":
-        block_j, block_r = 32, 256
-    else:
         block_j, block_r = 64, 128
-        if (groups + 1) * -(-j // block_j) < 1024:
-            block_j = 32
+    else:
+        block_j, block_r = 128, 64
     split = max(1, min(4, -(-rows // block_m)))
     return {"BLOCK_M": block_m, "BLOCK_J": block_j, "BLOCK_R": block_r, "SPLIT": split,
             "num_warps": 4, "num_stages": 3}
