@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .compiled_ops import tracing
+from .triton_launch import launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -174,10 +175,11 @@ if triton is not None:
         dev = split_sizes.device
         table = torch.empty(2 * groups + 2, dtype=torch.int64, device=dev)
         offsets = torch.empty(groups, dtype=torch.int32, device=dev)
-        block = max(16, triton.next_power_of_2(groups))
-        kernel[(1,)](split_sizes, table, offsets, groups, num_rows, BLOCK_G=block,
-                     FLOAT=_float_kind(split_sizes.dtype),
-                     num_warps=1 if block <= 256 else 4)
+        block = max(16, next_power_of_2(groups))
+        # Eager: through the compiled kernel's cached launcher (kernels/triton_launch.py);
+        # wrap_triton's kernel (the op body, traced) launches the normal way there.
+        launch(kernel, (1,), split_sizes, table, offsets, groups, num_rows, BLOCK_G=block,
+               FLOAT=_float_kind(split_sizes.dtype), num_warps=1 if block <= 256 else 4)
         return table, offsets
 
     @torch.library.triton_op("te_ops::split_table", mutates_args={})
