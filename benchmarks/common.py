@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
+    "trace_events",
     "fwd_bwd_step",
     "env_override",
     "time_steps",
@@ -229,3 +230,40 @@ class JsonLines:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def trace_events(peer_name: str, problem: Any, *, warmup: int, steps: int,
+                 step_prefix: str | None = None) -> list[dict[str, Any]]:
+    """Chrome-trace events (torch.profiler, CPU + CUDA) of ``steps`` fwd+bwd steps of one
+    ``benchmarks/grouped_mlp.py`` peer after ``warmup`` untimed ones, run under the peer's env.
+
+    With ``step_prefix`` every step is a ``record_function("<prefix><i>")`` range followed by
+    ``torch.cuda.synchronize()`` (steps apart); without it the steps run back to back and
+    synchronize once at the end. The inputs' gradients are reset afterwards.
+    """
+    import tempfile
+
+    from grouped_mlp import PEER_CLASSES
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    peer = PEER_CLASSES[peer_name](problem)
+    step = fwd_bwd_step(peer, problem)
+    with env_override(**peer.env):
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                if step_prefix is None:
+                    step()
+                    continue
+                with record_function(f"{step_prefix}{i}"):
+                    step()
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+    problem.x.grad = problem.probs.grad = None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["traceEvents"]

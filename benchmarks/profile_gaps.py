@@ -31,11 +31,9 @@ trace's JSON events and is tested on CPU (``tests/test_profile_gaps.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -161,30 +159,11 @@ def gpu_clocks() -> dict | None:
 
 def profile_peer(peer_name: str, problem, args: argparse.Namespace) -> dict:
     """Trace ``args.steps`` back-to-back steps of one peer and analyze the idle time."""
-    import torch
-    from common import env_override, fwd_bwd_step
-    from grouped_mlp import PEER_CLASSES
-    from torch.profiler import ProfilerActivity, profile
+    from common import trace_events
 
-    peer = PEER_CLASSES[peer_name](problem)
-    step = fwd_bwd_step(peer, problem)
-    with env_override(**peer.env):
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
-        clocks = gpu_clocks()
-    problem.x.grad = problem.probs.grad = None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(peer_name, problem, warmup=args.warmup, steps=args.steps)
     record = analyze_trace(events, args.steps, args.min_gap_us, args.top, args.depth)
-    record["gpu_clocks"] = clocks
+    record["gpu_clocks"] = gpu_clocks()
     return record
 
 

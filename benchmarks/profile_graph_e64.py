@@ -29,11 +29,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,29 +140,10 @@ def summary(steps: list[dict]) -> dict:
 
 def profile_peer(peer_name: str, problem, args: argparse.Namespace) -> dict:
     """Trace ``args.steps`` synchronized steps of one peer; return the analysis."""
-    import torch
-    from common import env_override, fwd_bwd_step
-    from grouped_mlp import PEER_CLASSES
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from common import trace_events
 
-    peer = PEER_CLASSES[peer_name](problem)
-    step = fwd_bwd_step(peer, problem)
-    with env_override(**peer.env):
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(args.steps):
-                with record_function(f"{STEP_PREFIX}{i}"):
-                    step()
-                    torch.cuda.synchronize()
-    problem.x.grad = problem.probs.grad = None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            events = json.load(f)["traceEvents"]
-    return summary(step_kernels(events))
+    return summary(step_kernels(trace_events(peer_name, problem, warmup=args.warmup,
+                                             steps=args.steps, step_prefix=STEP_PREFIX)))
 
 
 def format_record(r: dict, width: int = 64) -> str:
