@@ -207,6 +207,10 @@ fi
     grep -hE '^(recipe |max \|eager| +eager:| +cuda-graph:)' "$OUT/main_job.log" 2>/dev/null
     grep -hE '^(recipe|none|fp8|fp8fast|mxfp8) ' "$OUT/main_job_seeds.log" "$OUT/main_job_mxfp8.log" \
         2>/dev/null
+    if [ -s "$OUT/profile_graph.jsonl" ]; then
+        echo
+        "$PY" benchmarks/profile_graph_e64.py --summarize "$OUT/profile_graph.jsonl" | tail -n 40
+    fi
     if [ -s "$PROFILE_JSON" ]; then
         echo
         "$PY" benchmarks/profile_grouped_mlp.py --summarize "$PROFILE_JSON" --top 6
