@@ -222,13 +222,22 @@ def _backward_block(a: torch.Tensor, b: torch.Tensor, dyb: torch.Tensor, p: torc
         _scaled_product(silu, b, p, out, s, silu_b)
 
 
-def _grad_halves(blk: _Blocks, grad_x: torch.Tensor, direct: bool):
-    """Per block, where the backward writes the gradient halves: views of ``grad_x`` when
-    ``direct`` (made by two ``split`` calls, not two slices a block), else ``None`` (the
-    block's scratch, copied into ``grad_x`` after)."""
+def _block_views(blk: _Blocks, dy2: torch.Tensor, grad_x: torch.Tensor, out: torch.Tensor | None,
+                 direct: bool) -> list[list]:
+    """Per block: ``a``, ``b``, ``dy``, ``grad_x``'s rows (``None`` when ``direct``), the
+    gradient halves (views of ``grad_x`` when ``direct``, else ``None``: the block's scratch,
+    copied into ``grad_x`` after) and ``out``. Views already made are shared: written over the
+    input, the halves' blocks are ``a``'s and ``b``'s; written over ``dy``, ``out``'s are
+    ``dy``'s (each view costs ~1 us of host time, 32 blocks a pass)."""
+    a, b, dy = blk.split(blk.a), blk.split(blk.b), blk.split(dy2)
+    out_views = dy if out is dy2 else blk.split(out)
     if not direct:
-        return blk.split(None), blk.split(None)
-    return blk.split(grad_x[:, :blk.half]), blk.split(grad_x[:, blk.half:])
+        return [a, b, dy, blk.split(grad_x), blk.split(None), blk.split(None), out_views]
+    if grad_x is blk.x2:  # direct: no interleave, so a and b are x2's two halves
+        return [a, b, dy, blk.split(None), a, b, out_views]
+    half = blk.half
+    return [a, b, dy, blk.split(None), blk.split(grad_x[:, :half]),
+            blk.split(grad_x[:, half:]), out_views]
 
 
 def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int | None,
@@ -248,10 +257,9 @@ def _backward_torch(x: torch.Tensor, grad_output: torch.Tensor, interleave: int 
         out = dy2 if output_into_grad and dy2.dtype == x.dtype else torch.empty(
             n, half, dtype=x.dtype, device=x.device)
     of_rows = blk.scratch.of_rows
-    gas, gbs = _grad_halves(blk, grad_x, direct)
-    for a, b, dy, p, gx, ga, gb, gp_b, o in zip(
-            blk.split(blk.a), blk.split(blk.b), blk.split(dy2), blk.split(blk.probs),
-            blk.split(grad_x), gas, gbs, blk.split(gp), blk.split(out)):
+    a_s, b_s, dy_s, gx_s, ga_s, gb_s, out_s = _block_views(blk, dy2, grad_x, out, direct)
+    for a, b, dy, p, gx, ga, gb, gp_b, o in zip(a_s, b_s, dy_s, blk.split(blk.probs), gx_s,
+                                                 ga_s, gb_s, blk.split(gp), out_s):
         s = of_rows(a.shape[0])
         # Not direct: each half in a contiguous scratch of its own, so a pass over contiguous
         # operands runs as one range, as the functional ops of a torch.compile trace do (into
