@@ -20,3 +20,10 @@ def test_missing_baseline_names_make_baseline(capsys):
     err = capsys.readouterr().err
     assert "--baseline 'te_ops_no_such_baseline' cannot be imported" in err
     assert "--make-baseline SRC DEST" in err
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        host_ab.main(["--threads", "0", "--device", "cpu", "--shapes", "E8_T4096_H256_FF512"])
+    assert info.value.code == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
