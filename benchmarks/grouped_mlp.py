@@ -84,11 +84,13 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 CPU_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E8_T4096_H256_FF512": (8, 4096, 256, 512),
 }
-#: Host-bound shape (``--shapes E64_T256_H64_FF32 --device cpu``): the E64 T256 decode
+#: Host-bound shapes (``--shapes E64_T256_H64_FF32 --device cpu``): the E64 T256 decode
 #: shape's expert and token counts with tiny hidden sizes, so the step time is te_ops' and
 #: autograd's host work (Python, dispatch, one AccumulateGrad per parameter), not math.
 HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E64_T256_H64_FF32": (64, 256, 64, 32),
+    # The CPU shape's expert and row counts with (almost) no math: its host work.
+    "E8_T4096_H8_FF8": (8, 4096, 8, 8),
 }
 QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),

@@ -53,7 +53,13 @@ from common import (  # noqa: E402
     env_override,
     machine_info,
 )
-from grouped_mlp import HOST_SHAPES, SHAPES, TorchGroupedMM, make_problem  # noqa: E402
+from grouped_mlp import (  # noqa: E402
+    CPU_SHAPES,
+    HOST_SHAPES,
+    SHAPES,
+    TorchGroupedMM,
+    make_problem,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stub-gemm", action="store_true",
                         help="CPU: aten::_grouped_mm's kernel zero-fills (host_ops.py), one "
                              "intra-op thread: the step is host work only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (CPU; 1: cpu_ms is the whole step's work)")
     parser.add_argument("--general", action="store_true",
                         help="also time this tree with TE_OPS_FAST_STEP=0 (variants "
                              "new_<mode>_general: the general fuser path on every call)")
@@ -211,13 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         make_baseline(*args.make_baseline)
         return 0
     check_device(parser, "--device", args.device)
-    check_list(parser, "--shapes", args.shapes, {**SHAPES, **HOST_SHAPES})
+    shapes = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES}
+    check_list(parser, "--shapes", args.shapes, shapes)
     check_list(parser, "--modes", args.modes, ("single", "per_expert"))
     if args.dtype is not None and args.dtype not in DTYPES:
         parser.error(f"--dtype: expected one of {list(DTYPES)}, got {args.dtype!r}")
     for flag, minimum in (("--iters", 1), ("--warmup", 0), ("--rounds", 1),
                           ("--profile-steps", 1)):
         check_min(parser, flag, getattr(args, flag[2:].replace("-", "_")), minimum)
+    if args.threads is not None:
+        check_min(parser, "--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
     import te_ops
 
     variant_envs = []
@@ -243,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    shapes = {**SHAPES, **HOST_SHAPES}
     out = JsonLines(args.out)
     out.write({"bench": "host_ab_run", **machine_info(device), "baseline": base.__file__,
                "new": te_ops.__file__})

@@ -49,3 +49,10 @@ def test_variant_env_adds_a_variant(tmp_path, monkeypatch):
     variants = {r["variant"] for r in rows if r["bench"] == "host_ab"}
     assert variants == {"torch_grouped_mm", "base_single", "new_single",
                         "new_single_TE_OPS_FAST_STEP=0"}
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        host_ab.main(["--threads", "0", "--device", "cpu", "--shapes", "E8_T4096_H256_FF512"])
+    assert info.value.code == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err

@@ -109,6 +109,54 @@ def test_blocks_bitwise_equal_to_one_block(monkeypatch, dtype, half, interleave)
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("with_probs", [True, False])
+@pytest.mark.parametrize("rows", [301, 5, 1])
+def test_blocks_bitwise_equal_plain_whole_tensor_ops(monkeypatch, with_probs, rows):
+    # What the block loop computes, pinned element for element: the sequence of whole-tensor
+    # torch ops below (the loop calls silu / silu_backward through their C bindings and
+    # reuses per-row-count scratch views; the values must stay these). fp32, 5-row blocks
+    # (ragged last one at 301 rows), every pass of the fused backward.
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ALIGN", 64)
+    monkeypatch.setattr(swiglu, "CPU_BLOCK_ELEMENTS", 5 * 64)
+    half = 64
+    torch.manual_seed(rows)
+    x = 4 * torch.randn(rows, 2 * half)
+    dy = torch.randn(rows, half)
+    probs = torch.rand(rows) if with_probs else None
+    assert swiglu._block_rows(rows, half, x.device) == 5
+    a, b = x[:, :half], x[:, half:]
+    silu = torch.nn.functional.silu(a)
+    silu_b = silu * b
+    p = None if probs is None else probs[:, None]
+    want_y = silu_b if p is None else silu_b * p
+    dy_p = dy if p is None else dy * p
+    want_ga = torch.ops.aten.silu_backward(dy_p * b, a)
+    want_gb = dy_p * silu
+    y = swiglu.swiglu_forward(x, None, probs)
+    grad_x, grad_probs, out = swiglu.swiglu_backward(x.clone(), dy.clone(), None, probs,
+                                                     with_output=True, grad_into_input=True,
+                                                     output_into_grad=True)
+    assert torch.equal(y, want_y) and torch.equal(out, want_y)
+    assert torch.equal(grad_x[:, :half], want_ga) and torch.equal(grad_x[:, half:], want_gb)
+    if probs is None:
+        assert grad_probs is None
+    else:
+        assert torch.equal(grad_probs, (silu_b * dy).sum(-1))
+
+
+def test_scratch_views_per_row_count():
+    # Full blocks share the scratch buffers themselves; the ragged last block gets views of
+    # their first rows (same storage), made once and reused while the row count holds.
+    sc = swiglu._Scratch(5, 3, torch.float32, torch.device("cpu"))
+    whole, tail = sc.of_rows(5), sc.of_rows(2)
+    assert whole.silu.shape == (5, 3) and tail.silu.shape == (2, 3)
+    assert tail.silu.data_ptr() == whole.silu.data_ptr()
+    assert sc.of_rows(5) is whole and sc.of_rows(2) is tail and sc.of_rows(2).silu is tail.silu
+    assert sc.of_rows(3).rows == 3 and whole.dy_b is not whole.silu
+    with pytest.raises(AttributeError):
+        whole._private  # noqa: B018
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_second_backward_through_retained_graph(monkeypatch, fused):
     # The fused backward writes dh over the activation's saved input (CPU too): a second
