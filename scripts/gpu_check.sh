@@ -23,6 +23,8 @@
 #                 eager and graphed (issue 10's decode goals) -> "$OUT/grouped_mlp_e64.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
+#     tgemm       benchmarks/triton_grouped_gemm.py --rows 1,2,4,8: each Triton decode GEMM vs
+#                 torch._grouped_mm -> "$OUT/tgemm.jsonl"
 #     profile_graph  benchmarks/profile_graph_e64.py: every kernel of one replay of the graphed
 #                 E64 step, gaps between them, GEMM / other sums -> "$OUT/profile_graph.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
@@ -57,7 +59,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile profile_graph gaps host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile tgemm profile_graph gaps host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -151,6 +153,9 @@ bench_lane() {
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
     step profile 50 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
+    # Per-GEMM Triton decode kernels vs torch._grouped_mm at 1-8 rows per expert, E64 and E128
+    # layers: the dispatch rule (MAX_ROWS_PER_GROUP) with stop 11's tiles.
+    step tgemm 90 "$PY" benchmarks/triton_grouped_gemm.py --rows 1,2,4,8 --out "$OUT/tgemm.jsonl"
     # Every kernel of the graphed E64 step (and the eager peers'), with the gaps between them.
     step profile_graph 60 "$PY" benchmarks/profile_graph_e64.py --out "$OUT/profile_graph.jsonl"
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
