@@ -482,6 +482,11 @@ def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
     reference: dict[str, torch.Tensor] = {}
     order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
     if args.interleaved:  # bf16/fp32 peers only (no --recipe)
+        for peer in order:  # a peer that cannot run is recorded with the reason, as below
+            reason = skip_reason(peer, problem)
+            if reason is not None:
+                out.write({**base, "peer": peer, "interleaved": True, "skipped": reason})
+                print(f"# skip {peer} on {name}: {reason}", file=sys.stderr, flush=True)
         order = [p for p in order if skip_reason(p, problem) is None]
         for record in measure_interleaved(order, problem, args):
             out.write({**base, **record})

@@ -16,11 +16,13 @@
 #     bench       benchmarks/grouped_mlp.py, all four shapes -> "$OUT/grouped_mlp.jsonl"
 #     bench_fp8   benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast, te_ops fused, four shapes
 #                 -> "$OUT/grouped_mlp_fp8.jsonl"
+#     bench_e64   the E64 T256 decode shape, 3 rounds (each round times one peer after the
+#                 other): the peer, te_ops single weight eager and graphed (issue 10's decode
+#                 goals) -> "$OUT/grouped_mlp_e64.jsonl"
 #     bench_e64_interleaved  the same E64 peers (and te_ops per-expert), one step of each in turn
+#                 -> "$OUT/grouped_mlp_e64_interleaved.jsonl"
 #     bench_interleaved  the peer and te_ops fused (per-expert, single weight) on the three large
 #                 shapes, one step of each in turn -> "$OUT/grouped_mlp_interleaved.jsonl"
-#     bench_e64   the E64 T256 decode shape, 3 interleaved rounds: the peer, te_ops single weight
-#                 eager and graphed (issue 10's decode goals) -> "$OUT/grouped_mlp_e64.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     tgemm       benchmarks/triton_grouped_gemm.py --rows 1,2,4,8: each Triton decode GEMM vs
@@ -47,8 +49,11 @@
 # main_job_seeds main_job_mxfp8" (2026-11-30: that lane took about 390 s without gaps).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
-# BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"), PROFILE_ARGS (the same for
-# the profile script), STEPS (space-separated step names to run; default all but cpu_tests).
+# BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"; the E64 steps name their
+# shape, so a CPU dry run of them also needs a small one: "--quick --device cpu --shapes
+# E16_T128_H32_FF48 --iters 5"), PROFILE_ARGS (the same for the profile script), CUDA_TEST_SHARDS
+# (default 3), HOST_AB_BASE (see host_ab), STEPS (space-separated step names to run; default all
+# but cpu_tests).
 
 set -uo pipefail
 

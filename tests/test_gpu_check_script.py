@@ -58,3 +58,17 @@ def test_named_recipes_and_shapes_exist():
     source = (ROOT / "benchmarks" / "grouped_mlp.py").read_text()
     for shape in set(re.findall(r"E\d+_T\d+_H\d+_FF\d+", text)):
         assert f'"{shape}"' in source, shape
+
+
+def test_header_lists_every_step():
+    """Every ``step NAME`` the script can run is described in its header comment, and is in the
+    default STEPS (cpu_tests excepted: CI runs the CPU suite)."""
+    text = SCRIPT.read_text()
+    header = text.split("\nset -uo pipefail", 1)[0]
+    steps = set(re.findall(r"^\s*step (\w+) \d+ ", text, flags=re.M))
+    assert {"cuda_tests", "bench_e64_interleaved", "profile_graph", "main_job_mxfp8"} <= steps
+    described = set(re.findall(r"^#\s{3,}(\w+)\s", header, flags=re.M))
+    assert steps - described == set(), f"steps missing from the header: {steps - described}"
+    default = re.search(r'WANT=" \$\{STEPS:-([^}]*)\} "', text)
+    assert default is not None
+    assert steps - set(default.group(1).split()) == {"cpu_tests"}
