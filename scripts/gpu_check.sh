@@ -45,8 +45,9 @@
 # test lane on GPU 0 and the benchmark lane on GPU 1; on one GPU one after the other (pass STEPS
 # to pick, e.g. STEPS="cuda_tests bench"). The device tool stops a command after 10 minutes:
 # the benchmark lane's steps together take longer, so a final check on nvidia-h200-x2 picks
-# STEPS="env cuda_tests bench_fp8 bench_e64 bench_interleaved profile gaps main_job
-# main_job_seeds main_job_mxfp8" (2026-11-30: that lane took about 390 s without gaps).
+# STEPS="env cuda_tests main_job_mxfp8 bench_fp8 bench_e64 bench_e64_interleaved
+# bench_interleaved profile tgemm profile_graph gaps host_ab main_job" (stop 11's final check;
+# main_job_seeds too when the recipes' losses are in question: 82 s).
 # The exit status is 0 only when every step passed.
 # Knobs (for a dry run elsewhere): PYTHON (default python3), CPU_TESTS (default "tests"),
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"; the E64 steps name their
