@@ -320,3 +320,17 @@ def test_the_cache_stays_bounded_over_many_distinct_values():
     assert launcher.stats()["keys"] <= limit
     _call(launcher, x, out, n=limit + 5)
     assert kernel.log[-1][0] == "direct" and kernel.log[-1][1][11] == limit + 5
+
+
+@pytest.mark.parametrize("kind", ["callable", "list"])
+def test_grids_other_than_tuples_launch_normally(kind):
+    """``kernel[grid]`` also takes a callable (``grid(meta)``, the usual Triton idiom) or a
+    list: the normal launch every time (a cached callable grid would be indexed as a tuple,
+    a list is unhashable)."""
+    kernel, launcher = _launcher()
+    x, out = torch.zeros(8), torch.zeros(8)
+    grid = (lambda meta: (3,)) if kind == "callable" else [3, 2]
+    for _ in range(3):
+        _call(launcher, x, out, grid=grid)
+    assert [e[0] for e in kernel.log] == ["normal"] * 3 and kernel.log[-1][1] is grid
+    assert launcher.last_fallback == "a grid that is not a tuple"

@@ -28,10 +28,10 @@ apply: the kernel is not a plain ``triton.runtime.jit.JITFunction`` (``wrap_trit
 a global value it read changed since compilation (``JITFunction.run`` raises then), a launch
 hook (e.g. the Triton profiler) is installed, an argument is of another kind or a tensor is not
 16-byte aligned, a keyword value is not an int, bool, float, ``None`` or string (a tensor, a
-tuple, a ``tl.dtype``), a keyword argument does not name a parameter or an option, the
-compilation was asynchronous, or ``TE_OPS_TRITON_DIRECT_LAUNCH=0``.
-:meth:`DirectLauncher.stats` says how many launches took which way and why the last fallback
-happened.
+tuple, a ``tl.dtype``), the grid is not a tuple (a callable ``grid(meta)``), a keyword
+argument does not name a parameter or an option, the compilation was asynchronous, or
+``TE_OPS_TRITON_DIRECT_LAUNCH=0``. :meth:`DirectLauncher.stats` says how many launches took
+which way and why the last fallback happened.
 """
 
 from __future__ import annotations
@@ -189,9 +189,12 @@ class DirectLauncher:
         return self.kernel[grid](*args, **kwargs)
 
     def __call__(self, grid: tuple, *args: Any, **kwargs: Any) -> None:
-        """Launch on ``grid`` (a tuple of 1-3 ints) with the kernel's arguments."""
+        """Launch on ``grid`` (a tuple of 1-3 ints; another grid, e.g. a callable, takes the
+        normal launch) with the kernel's arguments."""
         if self.reason is not None:
             return self._fallback(self.reason, grid, args, kwargs)
+        if type(grid) is not tuple:  # a callable grid(meta) or a list: Triton's own handling
+            return self._fallback("a grid that is not a tuple", grid, args, kwargs)
         kernel = self.kernel
         if kernel.pre_run_hooks:
             return self._fallback("pre-run hooks", grid, args, kwargs)
