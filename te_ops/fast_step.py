@@ -74,14 +74,15 @@ def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
             fc2.accumulate_into_main_grad, fc2.delay_wgrad_compute, act.glu_interleave_size)
 
 
-def _gemm_calls(backend: Any) -> tuple:
+def _gemm_calls(backend: Any, eager: bool = True) -> tuple:
     """``fprop(x, w, splits)``, ``dgrad(dy, w, splits)``, ``wgrad(x, dy, splits)``: the calls
     ``grouped_fprop`` / ``grouped_dgrad`` / ``grouped_wgrad`` make for ``backend`` (no recipe:
     no quantized operand). The kinds it runs in Triton go to the kernels' eager entry points
     without the argument checks (the call's key holds every checked shape, dtype and device,
     and a call with that key passed the checks on the general path); same kernels, configs
-    and bits."""
-    kinds = backend.triton_kinds
+    and bits. ``eager=False``: always the dispatching calls (their Triton kinds become
+    ``torch.compile``'s custom ops while a trace runs)."""
+    kinds = backend.triton_kinds if eager else ()
 
     def fprop(x, w, splits):
         return rows_eager("fprop", x, w, splits.offsets)
@@ -97,12 +98,13 @@ def _gemm_calls(backend: Any) -> tuple:
             wgrad if "wgrad" in kinds else functools.partial(grouped_wgrad, backend=backend))
 
 
-def _activation_calls(backend: Any, interleave: int | None) -> tuple:
+def _activation_calls(backend: Any, interleave: int | None, eager: bool = True) -> tuple:
     """``forward(h, probs)`` and ``backward(h, dy, probs) -> (dh over h, dprobs, output)``:
     the calls ``swiglu_forward`` / ``swiglu_backward(with_output=True, grad_into_input=True,
     output_into_grad=True)`` make for ``backend`` (Triton: the kernels' eager entry points,
-    without the trace test; the fast path never runs under a trace)."""
-    if backend.name == "triton":
+    without the trace test; the fast path's forward never runs under a trace, its backward
+    does under compiled autograd: ``eager=False`` gives the dispatching calls for that)."""
+    if eager and backend.name == "triton":
         def forward(h, probs):
             return swiglu_triton.forward_eager(h, probs)
 
@@ -150,6 +152,12 @@ class FastStep:
         self.fprop2, self.dgrad2, self.wgrad2 = _gemm_calls(backend2)
         self.act_forward, self.act_backward = _activation_calls(
             backend_act, self.ops[1].glu_interleave_size)
+        # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
+        # ones, whose Triton kinds are custom ops under a trace (the eager entry points would
+        # trace into the direct launcher: a graph break, an error under fullgraph).
+        self.traced_backward_calls = (
+            *_gemm_calls(backend1, eager=False)[1:], *_gemm_calls(backend2, eager=False)[1:],
+            _activation_calls(backend_act, self.ops[1].glu_interleave_size, eager=False)[1])
 
     def call_key(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
         """The key of a call (``None`` when its form cannot take the fast path)."""
@@ -327,6 +335,11 @@ class _FastGroupedMLP(torch.autograd.Function):
 
 def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     step = ctx.step
+    if tracing():  # compiled autograd traces this backward
+        dgrad1_fn, wgrad1_fn, dgrad2_fn, wgrad2_fn, act_fn = step.traced_backward_calls
+    else:
+        dgrad1_fn, wgrad1_fn, dgrad2_fn, wgrad2_fn, act_fn = (
+            step.dgrad1, step.wgrad1, step.dgrad2, step.wgrad2, step.act_backward)
     fc1, _, fc2 = step.ops
     dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
     saved = [t if v is None else t.as_strided(*v)
@@ -339,20 +352,20 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     n1 = ctx.n1
     single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
     w2 = ctx.w2_view if ctx.w2_view is not None else stacked(params[n1:], single2)
-    dgrad2 = step.dgrad2(dy, w2, splits)
+    dgrad2 = dgrad2_fn(dy, w2, splits)
     w2 = None
     # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
     # fused backward; h's version is bumped, so a retained graph's second backward raises).
-    dh, gprobs, act_out = step.act_backward(h, dgrad2, probs)
+    dh, gprobs, act_out = act_fn(h, dgrad2, probs)
     torch.autograd.graph.increment_version(h)
     del dgrad2, h
-    grads2 = per_param(step.wgrad2(act_out, dy, splits), single2)
+    grads2 = per_param(wgrad2_fn(act_out, dy, splits), single2)
     act_out = None
     dx = None
     if ctx.needs_input_grad[0]:
         w1 = ctx.w1_view if ctx.w1_view is not None else stacked(params[:n1], single1)
-        dx = step.dgrad1(dh, w1, splits)
-    grads1 = per_param(step.wgrad1(x, dh, splits), single1)
+        dx = dgrad1_fn(dh, w1, splits)
+    grads1 = per_param(wgrad1_fn(x, dh, splits), single1)
     ctx.w1_view = ctx.w2_view = None
     return (dx, None, None, gprobs, *grads1, *grads2)
 

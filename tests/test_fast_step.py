@@ -488,3 +488,47 @@ def test_fast_path_binds_the_triton_kinds_to_the_eager_entry_points(monkeypatch)
     fwd, bwd = fast_step._activation_calls(ActivationChoice("triton", "test"), None)
     assert fwd("H", "P") == ("fwd", "H", "P")
     assert bwd("H", "DY", "P") == ("bwd", True, True)
+
+
+def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
+    """Compiled autograd traces the fast path's backward with Dynamo: then the GEMM and
+    activation calls are the dispatching ones (``grouped_dgrad`` / ``grouped_wgrad`` /
+    ``swiglu_backward``, whose Triton kinds are custom ops under a trace), never the eager
+    entry points (which would trace into the direct Triton launcher); the gradients are
+    unchanged."""
+    from te_ops import fast_step
+    from te_ops.kernels.grouped_gemm import BackendChoice
+    from te_ops.kernels.swiglu_triton import ActivationChoice
+
+    # The binding: every Triton kind of the backend goes to the dispatch with eager=False.
+    calls = []
+    for name in ("grouped_fprop", "grouped_dgrad", "grouped_wgrad"):
+        monkeypatch.setattr(fast_step, name, lambda *a, backend, _n=name: calls.append(_n))
+    monkeypatch.setattr(fast_step, "swiglu_backward", lambda *a, **k: calls.append("act"))
+    backend = BackendChoice("triton", "test", True, triton_kinds=("fprop", "dgrad", "wgrad"))
+    for f in fast_step._gemm_calls(backend, eager=False):
+        f("A", "B", None)
+    fast_step._activation_calls(ActivationChoice("triton", "test"), None, eager=False)[1](
+        "H", "DY", "P")
+    assert calls == ["grouped_fprop", "grouped_dgrad", "grouped_wgrad", "act"]
+    monkeypatch.undo()
+
+    # The backward: under a trace, the recorded eager calls are not made.
+    torch.manual_seed(0)
+    block = _block(True)
+    x, probs, split = _inputs()
+    want = [_step(block, x, probs, split) for _ in range(3)][-1]
+    assert want[2]
+    step = block.fusers()[0].__dict__["_fast_step"]
+
+    def eager_call(*args):
+        raise AssertionError("an eager entry point ran under a trace")
+
+    for name in ("dgrad1", "wgrad1", "dgrad2", "wgrad2", "act_backward"):
+        monkeypatch.setattr(step, name, eager_call)
+    monkeypatch.setattr(fast_step, "tracing", lambda: True)
+    got = _step(block, x, probs, split)
+    assert got[2] and torch.equal(got[0], want[0]) and _same(got[1], want[1])
+    monkeypatch.setattr(fast_step, "tracing", lambda: False)
+    with pytest.raises(AssertionError, match="eager entry point"):
+        _step(block, x, probs, split)

@@ -148,6 +148,20 @@ def test_kernel_flags_bad_sizes(sizes, dtype, rows):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
+def test_kernel_reads_strided_sizes(dtype):
+    """A 1-D view with another stride (a column of a per-expert table, a broadcast count):
+    the kernel reads it through its stride (it read contiguous entries before)."""
+    table = torch.tensor([[0, 9], [1, 9], [3, 9], [0, 9], [17, 9], [2, 9]], dtype=dtype,
+                         device=CUDA)
+    for sizes in (table[:, 0], torch.tensor(2, dtype=dtype, device=CUDA).expand(6)):
+        assert sizes.stride(0) != 1
+        got = st.split_table(sizes, 30)
+        _assert_same(got, st.split_table_torch(sizes.cpu(), 30))
+        assert int(got.valid) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
 def test_make_splits_cuda_equals_cpu(dtype):
     sizes = torch.tensor([0, 1, 3, 0, 17, 2, 0, 40], dtype=dtype)
     dev = sizes.to(CUDA)

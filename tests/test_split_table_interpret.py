@@ -59,3 +59,38 @@ print("ok")
 
 def test_split_table_kernel_interpreted():
     run_interpreted(SCRIPT)
+
+
+STRIDED = r'''
+import torch
+from te_ops.kernels import split_table as st
+from te_ops import splits as sp
+
+BACKEND = st.split_table_backend
+# 1-D split sizes that are views with a stride other than 1 (a column of a per-expert
+# statistics table, every other entry, a broadcast count): make_splits accepts them, and the
+# kernel must read them through their stride, as the torch path does.
+base = torch.tensor([[1, 100], [2, 100], [3, 100], [0, 100]])
+cases = [(base[:, 0], 10), (torch.arange(12)[::3], 30), (torch.tensor(2).expand(5), 10)]
+for dtype in (torch.int64, torch.int32, torch.float32):
+    for sizes, rows in cases:
+        sizes = sizes.to(dtype) if dtype != sizes.dtype else sizes
+        if dtype != torch.int64:  # a cast copies: build the strided view in that dtype
+            sizes = torch.stack([sizes, sizes], 1)[:, 0] if sizes.stride(0) else sizes
+        assert not sizes.is_contiguous() or sizes.stride(0) == 0, sizes.stride()
+        want = st.split_table_torch(sizes, rows)
+        table, offsets = st._launch(sizes, rows, st._split_table_kernel)
+        g = sizes.shape[0]
+        assert torch.equal(table[:g + 1], want.base_offsets), (dtype, sizes, table)
+        assert torch.equal(offsets, want.offsets), (dtype, sizes, offsets)
+        assert int(table[-1]) == int(want.valid), (dtype, sizes)
+        st.split_table_backend = lambda t: "triton"
+        got = sp.make_splits(sizes, g, rows, torch.device("cpu"))
+        st.split_table_backend = BACKEND
+        assert torch.equal(got.offsets, want.offsets)
+print("ok")
+'''
+
+
+def test_split_table_kernel_reads_strided_sizes():
+    run_interpreted(STRIDED)

@@ -227,3 +227,28 @@ def test_zero_width_and_empty_nd_inputs(shape):
     y.backward(torch.randn_like(y))
     assert x.grad.shape == x.shape and probs.grad.shape == probs.shape
     assert torch.equal(probs.grad, torch.zeros_like(probs))
+
+
+@pytest.mark.parametrize("probs", [False, True])
+def test_backward_block_traces_fullgraph(probs):
+    """Dynamo traces a backward block (``torch.compile`` of code calling it, compiled
+    autograd of a backward): every op of the block, ``silu_backward`` included, is one Dynamo
+    can trace (a raw C++ op object is "marked as skipped": a graph break, an error with
+    ``fullgraph=True``); the traced block equals the eager one bit for bit."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    a, b, dy = (torch.randn(4, 8, generator=gen) for _ in range(3))
+    p = torch.rand(4, 1, generator=gen) if probs else None
+
+    def block(a, b, dy, p):
+        s = swiglu._Scratch(4, 8, torch.float32, a.device).of_rows(4)
+        ga, gb = torch.empty_like(a), torch.empty_like(b)
+        gp = torch.empty(4) if p is not None else None
+        out = torch.empty_like(a)
+        swiglu._backward_block(a, b, dy, p, ga, gb, gp, out, s)
+        return ga, gb, gp, out
+
+    got = torch.compile(block, fullgraph=True, backend="eager")(a, b, dy, p)
+    want = block(a, b, dy, p)
+    for g, w in zip(got, want):
+        assert (g is None and w is None) or torch.equal(g, w)

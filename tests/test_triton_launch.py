@@ -266,3 +266,71 @@ def test_grid_helpers_match_their_definitions():
         while p < n:
             p *= 2
         assert triton_launch.next_power_of_2(n) == p
+
+
+@pytest.mark.parametrize("first, then", [(True, 1), (1, 1.0), (1, True), (0, False)])
+def test_keyword_values_equal_in_python_but_of_another_type_are_another_key(first, then):
+    """``True == 1 == 1.0`` (same hash), but Triton compiles a constexpr ``True`` and ``1`` (or
+    a keyword-passed ``i32`` and ``fp32`` argument) apart: a keyword's type is part of the
+    key, as a positional argument's is."""
+    kernel, launcher = _launcher()
+    x, out = torch.zeros(8), torch.zeros(8)
+    _call(launcher, x, out, FLAG=first)
+    _call(launcher, x, out, FLAG=then)
+    assert [e[0] for e in kernel.log] == ["normal", "normal"]
+    _call(launcher, x, out, FLAG=then)
+    assert kernel.log[-1][0] == "direct" and kernel.log[-1][1][-1] is then
+
+
+@pytest.mark.parametrize("kind", ["tensor", "list", "tuple"])
+def test_keyword_values_of_other_kinds_launch_normally_and_are_not_kept(kind):
+    """A tensor passed by keyword (its dtype and alignment are not in the key) or an
+    unhashable value: the normal launch every time, and the cache keeps no reference (a
+    cached key holding the tensor would keep its memory alive for the process)."""
+    import gc
+    import weakref
+
+    value = {"tensor": torch.zeros(8), "list": [1, 2], "tuple": (16,)}[kind]
+    kernel, launcher = _launcher()
+    x, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(2):
+        _call(launcher, x, out, FLAG=value)
+    assert [e[0] for e in kernel.log] == ["normal", "normal"]
+    assert launcher.stats()["keys"] == 0
+    assert launcher.last_fallback == "a keyword argument of another kind"
+    if isinstance(value, torch.Tensor):
+        ref = weakref.ref(value)
+        del value
+        kernel.log.clear()
+        gc.collect()
+        assert ref() is None
+
+
+def test_the_cache_stays_bounded_over_many_distinct_values():
+    """Every distinct integer value (e.g. each row count of a run with varying token counts)
+    or NaN float is its own key: the cache is bounded (emptied when full) instead of growing
+    for the life of the process, and keeps launching correctly after."""
+    kernel, launcher = _launcher()
+    x, out = torch.zeros(8), torch.zeros(8)
+    limit = triton_launch.MAX_KEYS
+    for n in range(limit + 10):
+        _call(launcher, x, out, n=n)
+    for _ in range(3):
+        launcher((3, 2), x, out, float("nan"), BLOCK=16, FLAG=True, num_warps=4)
+    assert launcher.stats()["keys"] <= limit
+    _call(launcher, x, out, n=limit + 5)
+    assert kernel.log[-1][0] == "direct" and kernel.log[-1][1][11] == limit + 5
+
+
+@pytest.mark.parametrize("kind", ["callable", "list"])
+def test_grids_other_than_tuples_launch_normally(kind):
+    """``kernel[grid]`` also takes a callable (``grid(meta)``, the usual Triton idiom) or a
+    list: the normal launch every time (a cached callable grid would be indexed as a tuple,
+    a list is unhashable)."""
+    kernel, launcher = _launcher()
+    x, out = torch.zeros(8), torch.zeros(8)
+    grid = (lambda meta: (3,)) if kind == "callable" else [3, 2]
+    for _ in range(3):
+        _call(launcher, x, out, grid=grid)
+    assert [e[0] for e in kernel.log] == ["normal"] * 3 and kernel.log[-1][1] is grid
+    assert launcher.last_fallback == "a grid that is not a tuple"

@@ -81,10 +81,21 @@ def _block_rows(rows: int, half: int, device: torch.device) -> int:
 #: The per-block aten ops as direct C bindings: the same kernels as ``torch.ops.aten.silu.out``
 #: / ``silu_backward.grad_input``, whose Python-level op objects cost ~1.5 and ~1 us more per
 #: call (measured on the 2-core CI VM; 32 blocks a pass at the CPU shape). Dispatched through
-#: the C++ dispatcher as before, so ``torch.compile``'s tracing records the same ops.
+#: the C++ dispatcher as before, so AOTAutograd's dispatch-level tracing records the same ops.
+#: Dynamo cannot trace the raw ``silu_backward`` binding (a skipped builtin: a graph break, an
+#: error under ``fullgraph=True``), so a Dynamo trace calls the op object (:func:`_silu_grad`).
 _SILU = torch._C._nn.silu
-_SILU_BACKWARD = getattr(torch.ops.aten.silu_backward.grad_input, "_op",
-                         torch.ops.aten.silu_backward.grad_input)
+_SILU_BACKWARD_OP = torch.ops.aten.silu_backward.grad_input
+_SILU_BACKWARD = getattr(_SILU_BACKWARD_OP, "_op", _SILU_BACKWARD_OP)
+_IS_COMPILING = torch.compiler.is_compiling
+
+
+def _silu_grad(dy: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = silu_backward(dy, a)`` (aten's ``grad_input`` overload)."""
+    if _IS_COMPILING():
+        _SILU_BACKWARD_OP(dy, a, grad_input=out)
+    else:
+        _SILU_BACKWARD(dy, a, grad_input=out)
 
 
 class _Scratch:
@@ -217,7 +228,7 @@ def _backward_block(a: torch.Tensor, b: torch.Tensor, dyb: torch.Tensor, p: torc
     dy_b = torch.mul(dy, b, out=s.dy_b)
     torch.mul(dy, silu, out=gb)  # b is dead from here on
     # aten's silu_backward computes dy_b * s * (1 + a * (1 - s)), s = sigmoid(a), in one pass.
-    _SILU_BACKWARD(dy_b, a, grad_input=ga)
+    _silu_grad(dy_b, a, ga)
     if out is not None:  # dy is dead too
         _scaled_product(silu, b, p, out, s, silu_b)
 

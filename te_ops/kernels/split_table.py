@@ -87,8 +87,8 @@ def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True) ->
     Parameters
     ----------
     split_sizes : torch.Tensor
-        Shape (G,), any integer dtype of ``te_ops.splits`` or a floating dtype holding whole
-        numbers; any device.
+        Shape (G,) (any stride), any integer dtype of ``te_ops.splits`` or a floating dtype
+        holding whole numbers; any device.
     num_rows : int
         The input's rows ``R`` (sizes and their sum must lie in ``[0, R]``).
     check : bool
@@ -138,12 +138,13 @@ def split_table_torch(split_sizes: torch.Tensor, num_rows: int, check: bool = Tr
 if triton is not None:
 
     @triton.jit
-    def _split_table_kernel(sizes_ptr, table_ptr, offs_ptr, G, num_rows,
+    def _split_table_kernel(sizes_ptr, table_ptr, offs_ptr, G, stride, num_rows,
                             BLOCK_G: tl.constexpr, FLOAT: tl.constexpr):
-        """One program: table = [0, cumsum(s), s, valid], offsets = int32(cumsum(s))."""
+        """One program: table = [0, cumsum(s), s, valid], offsets = int32(cumsum(s)); the
+        sizes are read ``stride`` elements apart (a strided 1-D view; usually 1)."""
         i = tl.arange(0, BLOCK_G)
         in_range = i < G
-        raw = tl.load(sizes_ptr + i, mask=in_range, other=0)
+        raw = tl.load(sizes_ptr + i * stride, mask=in_range, other=0)
         if FLOAT == 1:  # truncation toward zero, as torch's cast; whole numbers only
             f = raw.to(tl.float32)  # exact for 16/32-bit floats
             s = f.to(tl.int64)
@@ -178,8 +179,9 @@ if triton is not None:
         block = max(16, next_power_of_2(groups))
         # Eager: through the compiled kernel's cached launcher (kernels/triton_launch.py);
         # wrap_triton's kernel (the op body, traced) launches the normal way there.
-        launch(kernel, (1,), split_sizes, table, offsets, groups, num_rows, BLOCK_G=block,
-               FLOAT=_float_kind(split_sizes.dtype), num_warps=1 if block <= 256 else 4)
+        launch(kernel, (1,), split_sizes, table, offsets, groups, split_sizes.stride(0), num_rows,
+               BLOCK_G=block, FLOAT=_float_kind(split_sizes.dtype),
+               num_warps=1 if block <= 256 else 4)
         return table, offsets
 
     @torch.library.triton_op("te_ops::split_table", mutates_args={})

@@ -15,20 +15,23 @@ stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *boun
 bound arguments in signature order, constexprs included). The key is at least as fine as
 Triton's own: the grid, the current device, every positional argument (tensors by dtype and
 16-byte alignment, an unaligned one taking the normal launch; Python scalars by type and exact
-value), the keyword arguments (constexprs and options such as ``num_warps``) and the runtime
-options ``JITFunction.run`` adds (``debug``, ``instrumentation_mode`` and, in later Triton,
-``fpsan_homomorphic_casts``; read from Triton 3.6.0, the version the H200 machine's torch
-bundles, and 3.9.0), so a key hit is a call that Triton would have served from the same
-compiled kernel.
+value), the keyword arguments (constexprs and options such as ``num_warps``, by type and
+value) and the runtime options ``JITFunction.run`` adds (``debug``, ``instrumentation_mode``
+and, in later Triton, ``fpsan_homomorphic_casts``; read from Triton 3.6.0, the version the
+H200 machine's torch bundles, and 3.9.0), so a key hit is a call that Triton would have
+served from the same compiled kernel. A launcher keeps at most :data:`MAX_KEYS` keys (emptied
+when full: every distinct integer value is a key).
 
 The normal launch runs instead (same behaviour as before) whenever the shortcut does not
 apply: the kernel is not a plain ``triton.runtime.jit.JITFunction`` (``wrap_triton`` under
 ``torch.compile``, the interpreter under ``TRITON_INTERPRET=1``), it has pre-run hooks,
 a global value it read changed since compilation (``JITFunction.run`` raises then), a launch
 hook (e.g. the Triton profiler) is installed, an argument is of another kind or a tensor is not
-16-byte aligned, a keyword argument does not name a parameter or an option, the compilation
-was asynchronous, or ``TE_OPS_TRITON_DIRECT_LAUNCH=0``. :meth:`DirectLauncher.stats` says how
-many launches took which way and why the last fallback happened.
+16-byte aligned, a keyword value is not an int, bool, float, ``None`` or string (a tensor, a
+tuple, a ``tl.dtype``), the grid is not a tuple (a callable ``grid(meta)``), a keyword
+argument does not name a parameter or an option, the compilation was asynchronous, or
+``TE_OPS_TRITON_DIRECT_LAUNCH=0``. :meth:`DirectLauncher.stats` says how many launches took
+which way and why the last fallback happened.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     JITFunction = None
 
-__all__ = ["DirectLauncher", "cdiv", "direct_launcher", "launch", "next_power_of_2",
+__all__ = ["MAX_KEYS", "DirectLauncher", "cdiv", "direct_launcher", "launch", "next_power_of_2",
            "unsupported_reason"]
 
 #: Options ``JITFunction.run`` accepts besides the kernel's parameters (the compile options of
@@ -118,6 +121,14 @@ def _globals_changed(used: dict) -> bool:
 
 
 _SCALARS = (int, bool, float, type(None))
+#: Types of keyword values (constexprs, options) the key takes: hashable, compared by value
+#: and type; a tensor, tuple, list or ``tl.dtype`` by keyword takes the normal launch.
+_KW_SCALARS = frozenset((*_SCALARS, str))
+
+#: Most call keys one launcher keeps; a further key empties the cache first (each distinct
+#: integer value is a key, e.g. every row count of a run whose token count varies, so an
+#: unbounded cache would grow for the life of the process).
+MAX_KEYS = 1024
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
@@ -178,9 +189,12 @@ class DirectLauncher:
         return self.kernel[grid](*args, **kwargs)
 
     def __call__(self, grid: tuple, *args: Any, **kwargs: Any) -> None:
-        """Launch on ``grid`` (a tuple of 1-3 ints) with the kernel's arguments."""
+        """Launch on ``grid`` (a tuple of 1-3 ints; another grid, e.g. a callable, takes the
+        normal launch) with the kernel's arguments."""
         if self.reason is not None:
             return self._fallback(self.reason, grid, args, kwargs)
+        if type(grid) is not tuple:  # a callable grid(meta) or a list: Triton's own handling
+            return self._fallback("a grid that is not a tuple", grid, args, kwargs)
         kernel = self.kernel
         if kernel.pre_run_hooks:
             return self._fallback("pre-run hooks", grid, args, kwargs)
@@ -206,15 +220,23 @@ class DirectLauncher:
             return self._fallback("a tensor not 16-byte aligned", grid, args, kwargs)
         if getattr(rt, "add_stages_inspection_hook", None) is not None:
             return self._fallback("a stages inspection hook is installed", grid, args, kwargs)
+        kw_types = tuple(map(type, kwargs.values()))
+        if not _KW_SCALARS.issuperset(kw_types):
+            # Triton keys a keyword tensor by dtype and alignment, which this key would not
+            # (and it would keep the tensor alive); other values may be unhashable.
+            return self._fallback("a keyword argument of another kind", grid, args, kwargs)
         device = self.runtime.device()
         comp = knobs.compilation
+        # Values with their types: True == 1 == 1.0 (one hash), which Triton compiles apart.
         key = (grid, device, types, plan[1](args), tuple(map(_DTYPE, tensors)),
-               tuple(kwargs.items()), rt.debug,
+               tuple(kwargs.items()), kw_types, rt.debug,
                getattr(comp, "instrumentation_mode", None),
                getattr(comp, "fpsan_homomorphic_casts", None))
         entry = self.cache.get(key, False)
         if entry is False:
             compiled = self._fallback("first launch of this key", grid, args, kwargs)
+            if len(self.cache) >= MAX_KEYS:
+                self.cache.clear()
             self.cache[key] = self._entry(compiled, len(args), kwargs)
             return None
         if entry is None:
