@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
+    "check_trace_args",
     "trace_events",
     "fwd_bwd_step",
     "env_override",
@@ -52,6 +53,19 @@ def check_file(parser: Any, flag: str, path: str | None) -> None:
     """``parser.error`` naming ``flag`` when ``path`` is given but is not a readable file."""
     if path is not None and not os.path.isfile(path):
         parser.error(f"{flag}: expected an existing file, got {path!r}")
+
+
+def check_trace_args(parser: Any, args: Any) -> None:
+    """The flags the profile scripts share: ``--steps`` >= 1, ``--warmup`` >= 0, ``--summarize``
+    an existing file, ``--shapes`` / ``--peers`` names known to ``benchmarks/grouped_mlp.py``;
+    ``parser.error`` (exit 2) naming the flag otherwise."""
+    from grouped_mlp import PEER_CLASSES, SHAPES
+
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    check_file(parser, "--summarize", args.summarize)
+    check_list(parser, "--shapes", args.shapes, SHAPES)
+    check_list(parser, "--peers", args.peers, PEER_CLASSES)
 
 
 def check_device(parser: Any, flag: str, text: str | None) -> None:

@@ -184,14 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
-    from common import check_file, check_list
-    from grouped_mlp import PEER_CLASSES, SHAPES
+    from common import check_trace_args
 
-    check_file(parser, "--summarize", args.summarize)
-    check_list(parser, "--shapes", args.shapes, SHAPES)
-    check_list(parser, "--peers", args.peers, PEER_CLASSES)
+    check_trace_args(parser, args)
     return args
 
 
