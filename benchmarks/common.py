@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
+    "profile_each_peer",
     "check_trace_args",
     "trace_events",
     "fwd_bwd_step",
@@ -281,3 +282,27 @@ def trace_events(peer_name: str, problem: Any, *, warmup: int, steps: int,
         prof.export_chrome_trace(path)
         with open(path, encoding="utf-8") as f:
             return json.load(f)["traceEvents"]
+
+
+def profile_each_peer(args: Any, bench: str,
+                      profile_peer: Callable[[str, Any, Any], dict[str, Any]]
+                      ) -> Iterator[dict[str, Any]]:
+    """For each of ``args.shapes`` x ``args.peers`` (comma-separated ``grouped_mlp`` names),
+    build the bf16 CUDA problem (``args.seed``) and yield ``{"bench", "shape", "peer"}`` with
+    ``profile_peer(peer, problem, args)``'s result, or ``"error"`` (type and first line) when
+    it raised: one failing peer does not stop the run. Memory is freed after each peer."""
+    from grouped_mlp import SHAPES, make_problem
+
+    device = torch.device("cuda")
+    for name in args.shapes.split(","):
+        problem = make_problem(name, SHAPES[name], device, torch.bfloat16, args.seed)
+        for peer in args.peers.split(","):
+            record = {"bench": bench, "shape": name, "peer": peer}
+            try:
+                record.update(profile_peer(peer, problem, args))
+            except Exception as exc:  # noqa: BLE001 - one failing peer must not stop the run
+                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            yield record
+            free_memory()
+        del problem
+        free_memory()

@@ -220,28 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize, args.top))
         return 0
     import torch
-    from common import JsonLines, free_memory, machine_info
-    from grouped_mlp import SHAPES, make_problem
+    from common import JsonLines, machine_info, profile_each_peer
 
     if not torch.cuda.is_available():
         print("profile_gaps.py needs a GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    shapes = args.shapes.split(",")
-    device = torch.device("cuda")
     out = JsonLines(args.out)
-    out.write({"bench": "profile_gaps_run", **machine_info(device)})
-    for name in shapes:
-        problem = make_problem(name, SHAPES[name], device, torch.bfloat16, args.seed)
-        for peer in args.peers.split(","):
-            record = {"bench": "profile_gaps", "shape": name, "peer": peer}
-            try:
-                record.update(profile_peer(peer, problem, args))
-            except Exception as exc:  # noqa: BLE001 - one failing peer must not stop the run
-                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            out.write(record)
-            free_memory()
-        del problem
-        free_memory()
+    out.write({"bench": "profile_gaps_run", **machine_info(torch.device("cuda"))})
+    for record in profile_each_peer(args, "profile_gaps", profile_peer):
+        out.write(record)
     if args.out:
         print(summarize(args.out, args.top))
     return 0

@@ -196,28 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize))
         return 0
     import torch
-    from common import append_jsonl, free_memory, machine_info
-    from grouped_mlp import SHAPES, make_problem
+    from common import append_jsonl, machine_info, profile_each_peer
 
     if not torch.cuda.is_available():
         print("profile_graph_e64.py needs a GPU (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    device = torch.device("cuda")
-    append_jsonl(args.out, [{"bench": "profile_graph_e64_run", **machine_info(device)}])
-    for name in args.shapes.split(","):
-        problem = make_problem(name, SHAPES[name], device, torch.bfloat16, args.seed)
-        for peer in args.peers.split(","):
-            record = {"bench": "profile_graph_e64", "shape": name, "peer": peer}
-            try:
-                record.update(profile_peer(peer, problem, args))
-            except Exception as exc:  # noqa: BLE001 - one failing peer must not stop the run
-                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            append_jsonl(args.out, [record])
-            print(format_record(record), flush=True)
-            free_memory()
-        del problem
-        free_memory()
+    append_jsonl(args.out, [{"bench": "profile_graph_e64_run",
+                             **machine_info(torch.device("cuda"))}])
+    for record in profile_each_peer(args, "profile_graph_e64", profile_peer):
+        append_jsonl(args.out, [record])
+        print(format_record(record), flush=True)
     return 0
 
 

@@ -8,14 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from kineto import x_event as _x  # noqa: E402
 from profile_gaps import analyze_trace  # noqa: E402
-
-
-def _x(cat, name, ts, dur, corr=None):
-    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-    if corr is not None:
-        e["args"] = {"correlation": corr}
-    return e
 
 
 def _trace():
@@ -68,3 +62,26 @@ def test_errors_name_the_problem():
         analyze_trace(_trace(), steps=0)
     with pytest.raises(ValueError, match="no kernel, memcpy or memset"):
         analyze_trace([e for e in _trace() if e["cat"] not in ("kernel", "gpu_memcpy")], 1)
+
+
+def test_profile_each_peer_records_a_failing_peer_and_goes_on(monkeypatch):
+    """One peer raising gives a record with its error; the next peer still runs."""
+    import common
+    import grouped_mlp
+
+    monkeypatch.setattr(grouped_mlp, "make_problem", lambda *a: "problem")
+    monkeypatch.setattr(common, "free_memory", lambda: None)
+
+    def profile(peer, problem, args):
+        if peer == "bad":
+            raise RuntimeError("no kernel\nsecond line")
+        return {"busy": 1.0, "problem": problem}
+
+    args = type("A", (), {"shapes": "E64_T256_H2048_FF768", "peers": "bad,good", "seed": 0})
+    records = list(common.profile_each_peer(args, "b", profile))
+    assert records == [
+        {"bench": "b", "shape": "E64_T256_H2048_FF768", "peer": "bad",
+         "error": "RuntimeError: no kernel"},
+        {"bench": "b", "shape": "E64_T256_H2048_FF768", "peer": "good", "busy": 1.0,
+         "problem": "problem"},
+    ]

@@ -8,14 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from kineto import x_event as _x  # noqa: E402
 from profile_graph_e64 import category, format_record, step_kernels, summary  # noqa: E402
-
-
-def _x(cat, name, ts, dur, corr=None):
-    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-    if corr is not None:
-        e["args"] = {"correlation": corr}
-    return e
 
 
 def _trace():
