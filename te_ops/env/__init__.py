@@ -69,6 +69,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "run raises with the reason.",
         ),
         EnvVar(
+            "TE_OPS_FC1_SWIGLU_EPILOGUE",
+            "1",
+            _BOOL,
+            "1 runs the fused grouped MLP's fc1 fprop and (Scaled)SwiGLU forward as one Triton "
+            "kernel (SwiGLU in the GEMM epilogue, same bits) where fc1's fprop runs in Triton, "
+            "the activation in Triton, no recipe, no fc1 bias, halves layout and <= 8 rows per "
+            "group (measured faster there; te_ops/fused/fc1_epilogue.py); 0 keeps two launches.",
+        ),
+        EnvVar(
             "TE_OPS_GRAPH_SAFE",
             "auto",
             ("auto", "0", "1"),
