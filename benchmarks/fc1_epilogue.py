@@ -15,12 +15,15 @@ For fc1 of the E64 and E128 H2048 FF768 MoE blocks (N = 2·FF, K = H) and mean r
 graphed step); ``*_eager_ms``: host wall time per call of eager back-to-back calls (median of 15
 runs of 50 calls, synchronized at the end of each run: the launch cost counts, as in the eager
 decode step). ``h_equal`` / ``a_equal``: the fused outputs equal ``two_triton``'s bit for bit.
-``--sweep`` times launch configurations of the fused kernel (``BLOCK_J``, warps, stages; the
-row and k tiles stay the plain fprop's, which fix ``h``'s bits) on E64 instead.
+``--sweep`` times launch variants of the fused kernel (``VARIANTS``: ``BLOCK_J``, ``SPLIT``,
+``BLOCK_R``; the row tile stays the plain fprop's) against the two launches on E64 and E128,
+then ``--rounds`` interleaved timings of the best bitwise-equal variant, the current
+configuration and the two launches (``fc1_epilogue_ab`` records).
 
 Usage::
 
-    python benchmarks/fc1_epilogue.py [--rows 1,2,4,8,16,32] [--sweep] [--out FILE]
+    python benchmarks/fc1_epilogue.py [--rows 1,2,4,8,16,32] [--out FILE]
+    python benchmarks/fc1_epilogue.py --sweep --rows 2,4,8 [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -118,39 +121,68 @@ def compare(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def _sweep_rows(rows: int, args: argparse.Namespace) -> list[dict]:
-    groups, hidden, ffn = SHAPES["E64_H2048_FF768"]
+#: Launch variants ``--sweep`` times beside the dispatch's configuration (the row tile stays
+#: the plain fprop's; ``bitwise_equal`` records whether h and a keep their bits).
+VARIANTS = [{"BLOCK_J": bj, "SPLIT": sp, "BLOCK_R": br}
+            for bj, sp, br in itertools.product([32, 64], [2, 4, 8], [128, 256])]
+
+
+def _sweep_rows(shape: str, rows: int, args: argparse.Namespace) -> list[dict]:
+    groups, hidden, ffn = SHAPES[shape]
     x, w, offs, probs = _operands(groups, hidden, ffn, rows, args.seed)
     base = gm.fc1_swiglu_config(x.shape[0] / groups, ffn, groups, x.shape[0])
+    two = _calls(x, w, offs, probs)["two_triton"]
 
     def call(cfg):
         return lambda: gm.fc1_swiglu(x, w, offs, probs, cfg)
 
     ref = call(base)()
-    t_base = _graph(call(base))
+    t_two = _graph(two)
     records = []
-    for bj, warps, stages, split in itertools.product([32, 64, 128], [4, 8], [3, 4],
-                                                      sorted({base["SPLIT"], 1})):
-        cfg = {**base, "BLOCK_J": bj, "num_warps": warps, "num_stages": stages, "SPLIT": split}
+    for variant in VARIANTS:
+        cfg = {**base, **variant}
         try:
             t = _graph(call(cfg))
         except Exception as exc:  # a config that does not compile (shared memory)
             print(f"skip {cfg}: {str(exc).splitlines()[0][:120]}", flush=True)
             continue
         out = call(cfg)()
-        rec = {"bench": "fc1_epilogue_sweep", "rows_per_group": rows, **cfg,
-               "ms": round(t, 5), "base_ms": round(t_base, 5),
-               "vs_base": round(t_base / t, 3), "current": cfg == base,
+        rec = {"bench": "fc1_epilogue_sweep", "shape": shape, "rows_per_group": rows, **cfg,
+               "ms": round(t, 5), "two_triton_ms": round(t_two, 5),
+               "vs_two_triton": round(t_two / t, 3), "current": cfg == base,
                "bitwise_equal": bool(torch.equal(out[0], ref[0])
                                      and torch.equal(out[1], ref[1]))}
         print(json.dumps(rec), flush=True)
         records.append(rec)
+    best = max((r for r in records if r["bitwise_equal"]), key=lambda r: r["vs_two_triton"])
+    cfg = {k: best[k] for k in base}
+    records.append(_ab(shape, rows, {"fused_best": call(cfg), "fused_current": call(base),
+                                     "two_triton": two}, cfg, args.rounds))
     return records
 
 
+def _ab(shape: str, rows: int, fns: dict, cfg: dict, rounds: int) -> dict:
+    """``rounds`` interleaved graph timings of each of ``fns``: medians and ratios."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(_graph(fn))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rec = {"bench": "fc1_epilogue_ab", "shape": shape, "rows_per_group": rows,
+           "best_config": cfg, "rounds": rounds,
+           **{f"{n}_ms": [round(t, 5) for t in ts] for n, ts in times.items()},
+           **{f"{n}_vs_two_triton": round(med["two_triton"] / med[n], 3)
+              for n in fns if n != "two_triton"}}
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
 def sweep(args: argparse.Namespace) -> list[dict]:
-    """Launch configurations of the fused kernel on E64 fc1 at each ``--rows``."""
-    return [rec for rows in args.rows for rec in _sweep_rows(rows, args)]
+    """Launch variants of the fused kernel at each ``--rows`` on E64 and E128 fc1, each
+    against the two launches; then ``--rounds`` interleaved timings of the best bitwise-equal
+    variant, the dispatch's configuration and the two launches."""
+    return [rec for shape in SHAPES for rows in args.rows
+            for rec in _sweep_rows(shape, rows, args)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
                         help="mean rows per group, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="time launch configurations")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds of the --sweep A/B")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ ACT = ActivationChoice("triton", "test")
 @pytest.mark.parametrize("args, match", [
     ((TRITON_FPROP, ACT, None, False, None, 4.0), None),
     ((TRITON_FPROP, ACT, None, False, None, 8.0), None),
-    ((TRITON_FPROP, ACT, None, False, None, 9.0), "9 rows per group > 8"),
+    ((TRITON_FPROP, ACT, None, False, None, 9.0), "9 rows per group > MAX_ROWS_PER_GROUP=8"),
     ((TRITON_FPROP, ACT, object(), False, None, 4.0), "a recipe"),
     ((TRITON_FPROP, ACT, None, True, None, 4.0), "fc1 has a bias"),
     ((MM, ACT, None, False, None, 4.0), "fc1's fprop does not run in Triton"),
@@ -41,14 +41,27 @@ ACT = ActivationChoice("triton", "test")
     ((TRITON_FPROP, ActivationChoice("torch", "forced"), None, False, None, 4.0),
      "the activation runs in torch"),
 ])
-def test_rule_and_reasons(args, match):
+def test_rule_and_reasons(monkeypatch, args, match):
+    """The gate's checks under auto, with a rule of 8 rows per group."""
+    monkeypatch.setattr(gm, "MAX_ROWS_PER_GROUP", 8)
     why = fc1_epilogue_reason(*args)
     assert why is None if match is None else match in why
 
 
+def test_auto_follows_the_measured_rule_and_1_opts_in(monkeypatch):
+    args = (TRITON_FPROP, ACT, None, False, None)
+    limit = gm.MAX_ROWS_PER_GROUP
+    assert fc1_epilogue_reason(*args, float(limit + 1)) is not None
+    if limit > 0:
+        assert fc1_epilogue_reason(*args, float(limit)) is None
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    assert fc1_epilogue_reason(*args, 1000.0) is None
+    assert "fc1 has a bias" in fc1_epilogue_reason(TRITON_FPROP, ACT, None, True, None, 4.0)
+
+
 def test_env_toggle_turns_it_off(monkeypatch):
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    assert fc1_epilogue_reason(TRITON_FPROP, ACT, None, False, None, 4.0) == \
+    assert fc1_epilogue_reason(TRITON_FPROP, ACT, None, False, None, 0.5) == \
         "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "2")
     with pytest.raises(ValueError, match="TE_OPS_FC1_SWIGLU_EPILOGUE"):
@@ -195,6 +208,7 @@ def _inputs(sizes, rows, h=128):
 def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
     """Epilogue on (general path, then fast path) vs off, and vs the unfused ops: outputs and
     every gradient equal bit for bit; explain() names the decision."""
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     if torch.cuda.get_device_capability()[0] != 9:
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     sizes = [0, 1, 12, 0, 3, 2, 0, 10]  # 28 of 32 rows: 4 per group, padding rows
@@ -222,6 +236,7 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     if torch.cuda.get_device_capability()[0] != 9:
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     sizes = [0, 1, 12, 0, 3, 2, 0, 10]

@@ -70,12 +70,14 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "TE_OPS_FC1_SWIGLU_EPILOGUE",
-            "1",
-            _BOOL,
-            "1 runs the fused grouped MLP's fc1 fprop and (Scaled)SwiGLU forward as one Triton "
-            "kernel (SwiGLU in the GEMM epilogue, same bits) where fc1's fprop runs in Triton, "
-            "the activation in Triton, no recipe, no fc1 bias, halves layout and <= 8 rows per "
-            "group (measured faster there; te_ops/fused/fc1_epilogue.py); 0 keeps two launches.",
+            "auto",
+            ("auto", "0", "1"),
+            "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
+            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop and the "
+            "activation run in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
+            "at the measured rule (grouped_mlp_triton.MAX_ROWS_PER_GROUP, now 0 rows: it "
+            "measured no faster than the two launches on the H200), 1 wherever it can run, 0 "
+            "never.",
         ),
         EnvVar(
             "TE_OPS_GRAPH_SAFE",

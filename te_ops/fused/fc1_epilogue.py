@@ -5,15 +5,16 @@
 kernel produce. The forward (``ForwardGroupedMLP`` and the fast path ``te_ops.fast_step``) takes
 it when :func:`fc1_epilogue_reason` returns ``None``:
 
-* ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` (the default);
+* ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not ``0``;
 * no recipe (fc1's fprop would read quantized operands) and no bias on fc1 (the bias is added
   between the GEMM and the activation);
 * fc1's fprop runs in Triton (``"fprop" in backend.triton_kinds``: CUDA, bf16 under auto, few
   rows per group, or the forced ``triton`` backend) and the activation runs in Triton (halves
   layout, contiguous; ``swiglu_triton.select_backend``);
-* at most :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on
-  average (padding rows counted): the measured rule (docs/benchmarks.md, "Epilogue-fused decode
-  kernels").
+* under ``auto`` (the default), at most
+  :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
+  (padding rows counted): the measured rule (docs/benchmarks.md, "Epilogue-fused decode
+  kernels"); ``1`` takes it at any row count.
 
 What the forward saves does not change (``SwiGLUSaved`` holds ``h``; fc2's input is recomputed
 in backward), so a forward that took the fused launch pairs with any backward bit-exactly.
@@ -40,7 +41,8 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     ``backend1``: fc1's ``BackendChoice``; ``backend_act``: the activation's
     ``ActivationChoice``; ``rows_per_group``: the call's rows (padding included) over groups.
     """
-    if not env.read_bool("TE_OPS_FC1_SWIGLU_EPILOGUE"):
+    mode = env.read("TE_OPS_FC1_SWIGLU_EPILOGUE")
+    if mode == "0":
         return "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
     if recipe is not None:
         return "a recipe (fc1's fprop reads quantized operands)"
@@ -53,9 +55,9 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     if backend_act.name != "triton":
         return f"the activation runs in {backend_act.name} ({backend_act.reason})"
     limit = grouped_mlp_triton.MAX_ROWS_PER_GROUP
-    if rows_per_group > limit:
-        return (f"{rows_per_group:g} rows per group > {limit} (measured no faster than two "
-                "launches there)")
+    if mode == "auto" and rows_per_group > limit:
+        return (f"{rows_per_group:g} rows per group > MAX_ROWS_PER_GROUP={limit} (measured no "
+                "faster than the two launches there; TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it)")
     return None
 
 

@@ -46,11 +46,15 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu", "fc1_swiglu_eager",
            "fc1_swiglu_config"]
 
-#: The fused launch is taken (where fc1's fprop already runs in Triton) up to this many rows
-#: per group on average, padding rows counted: measured against the two launches it replaces
-#: (``benchmarks/triton_grouped_gemm.py --epilogue``, H200, E64 and E128 fc1 of H2048 FF768;
-#: docs/benchmarks.md, "Epilogue-fused decode kernels").
-MAX_ROWS_PER_GROUP = 8
+#: ``TE_OPS_FC1_SWIGLU_EPILOGUE=auto`` takes the fused launch (where fc1's fprop already runs
+#: in Triton) up to this many rows per group on average, padding rows counted: the largest row
+#: count where it measured faster than the two launches it replaces
+#: (``benchmarks/fc1_epilogue.py``, H200, fc1 of E64 and E128 H2048 FF768, 1-32 rows per group;
+#: docs/benchmarks.md, "Epilogue-fused decode kernels"). None: the fprop is bound by the
+#: weight bytes (the same in both), the SwiGLU pass it absorbs takes ~2 us of ~80, and the
+#: fused kernel measured 0.95-1.07x the two launches; so 0 (auto never takes it) and
+#: ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` opts in.
+MAX_ROWS_PER_GROUP = 0
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype,
