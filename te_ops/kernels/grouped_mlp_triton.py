@@ -50,11 +50,10 @@ __all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu", "fc1_swiglu
 #: in Triton) up to this many rows per group on average, padding rows counted: the largest row
 #: count where it measured faster than the two launches it replaces
 #: (``benchmarks/fc1_epilogue.py``, H200, fc1 of E64 and E128 H2048 FF768, 1-32 rows per group;
-#: docs/benchmarks.md, "Epilogue-fused decode kernels"). None: the fprop is bound by the
-#: weight bytes (the same in both), the SwiGLU pass it absorbs takes ~2 us of ~80, and the
-#: fused kernel measured 0.95-1.07x the two launches; so 0 (auto never takes it) and
-#: ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` opts in.
-MAX_ROWS_PER_GROUP = 0
+#: docs/benchmarks.md, "Epilogue-fused decode kernels"): with :func:`fc1_swiglu_config`'s
+#: tiles 1.02-1.08x at 2-8 rows. Above 8 rows fc1's fprop runs in ``torch._grouped_mm``
+#: (``grouped_gemm_triton.MAX_ROWS_PER_GROUP``), where the epilogue kernel does not apply.
+MAX_ROWS_PER_GROUP = 8
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype,
@@ -73,11 +72,18 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype,
 
 def fc1_swiglu_config(rows_per_group: float, ffn: int, groups: int,
                       rows: int) -> dict[str, int]:
-    """Launch parameters: the plain fprop's (:func:`grouped_gemm_triton.rows_config`) row and
-    k tiles (``BLOCK_M``, ``BLOCK_R``: they fix the accumulation order, so ``h`` keeps its
-    bits), its ``BLOCK_J`` over the gate columns (each program also takes the matching up
-    columns), its ``SPLIT`` and warps."""
-    return rows_config("fprop", rows_per_group, 2 * ffn, groups, rows)
+    """Launch parameters. ``BLOCK_M`` and ``BLOCK_R`` are the plain fprop's
+    (:func:`grouped_gemm_triton.rows_config`: they fix the accumulation order, so ``h`` keeps
+    its bits), as are the warps and stages. ``BLOCK_J = 32`` gate columns (each program also
+    takes the 32 matching up columns: the plain fprop's 64 columns per program) and up to
+    ``SPLIT = 8`` programs per (group, column tile): the fastest bitwise-equal variant of
+    ``benchmarks/fc1_epilogue.py --sweep`` at 2, 4 and 8 rows per group on E64 and E128 fc1
+    (H200, 2026-11-30, branch epi8; 1.02-1.08x the two launches, where the fprop's own tiles,
+    64 gate columns and ``SPLIT = 4``, gave 0.97-1.08x)."""
+    cfg = rows_config("fprop", rows_per_group, 2 * ffn, groups, rows)
+    cfg["BLOCK_J"] = 32
+    cfg["SPLIT"] = max(1, min(8, -(-rows // cfg["BLOCK_M"])))
+    return cfg
 
 
 if triton is not None:
