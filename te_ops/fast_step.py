@@ -48,10 +48,12 @@ import torch
 from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
+from .fused.fc1_epilogue import fc1_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .kernels.grouped_gemm_triton import rows_eager, wgrad_eager
+from .kernels.grouped_mlp_triton import fc1_swiglu_eager
 from .quantization.autocast import current_recipe
 from .shapes import rows_2d
 from .splits import GroupedSplits, make_splits
@@ -120,6 +122,21 @@ def _activation_calls(backend: Any, interleave: int | None, eager: bool = True) 
     return forward, backward
 
 
+def _fc1_activation_call(fprop1: Any, act_forward: Any, epilogue: bool) -> Any:
+    """``fc1_act(x, w1, splits, probs) -> (h, a)``: fc1's fprop and the activation forward as
+    the general path ran them for the recorded call (``epilogue``: one fused Triton launch,
+    ``fused/fc1_epilogue.py``; else the two calls)."""
+    if epilogue:
+        def fc1_act(x, w1, splits, probs):
+            return fc1_swiglu_eager(x.contiguous(), w1, splits.offsets,
+                                    None if probs is None else probs.contiguous())
+    else:
+        def fc1_act(x, w1, splits, probs):
+            h = fprop1(x, w1, splits)
+            return h, act_forward(h, probs)
+    return fc1_act
+
+
 def _tensor_meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
@@ -133,7 +150,8 @@ class FastStep:
 
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
-                 backend1: Any, backend_act: Any, backend2: Any) -> None:
+                 backend1: Any, backend_act: Any, backend2: Any,
+                 fc1_epilogue: bool = False) -> None:
         from .fuser import _REGISTRY_VERSION
 
         self.registry = _REGISTRY_VERSION  # the fuser's counter (a list: read [0] per call)
@@ -152,6 +170,7 @@ class FastStep:
         self.fprop2, self.dgrad2, self.wgrad2 = _gemm_calls(backend2)
         self.act_forward, self.act_backward = _activation_calls(
             backend_act, self.ops[1].glu_interleave_size)
+        self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue)
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
         # ones, whose Triton kinds are custom ops under a trace (the eager entry points would
         # trace into the direct launcher: a graph break, an error under fullgraph).
@@ -270,13 +289,16 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
     if backend1.name not in _FAST_BACKENDS or backend2.name not in _FAST_BACKENDS:
         return None
     backend_act = ctxs[1].swiglu_layout["backend"]
-    fc1, _, fc2 = fuser.basic_ops
+    fc1, act, fc2 = fuser.basic_ops
     weights1, _ = fc1._param_lists()
     weights2, _ = fc2._param_lists()
     if not all(map(_REQUIRES_GRAD, (*weights1, *weights2))):
         return None
+    epilogue = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
+                                   act.glu_interleave_size,
+                                   input_.shape[0] / max(fc1.num_groups, 1)) is None
     step = FastStep(fuser, (), _REGISTRY_VERSION[0], env.snapshot(), list(weights1),
-                    list(weights2), backend1, backend_act, backend2)
+                    list(weights2), backend1, backend_act, backend2, fc1_epilogue=epilogue)
     key = step.call_key(input_, extra_inputs)
     if key is None:
         return None
@@ -307,8 +329,7 @@ class _FastGroupedMLP(torch.autograd.Function):
         single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
         x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
         w1 = stacked(step.weights1, single1)
-        h = step.fprop1(x2d, w1, splits)
-        a = step.act_forward(h, probs)
+        h, a = step.fc1_act(x2d, w1, splits, probs)
         w2 = stacked(step.weights2, single2)
         y = step.fprop2(a, w2, splits)
         n1 = len(step.weights1)

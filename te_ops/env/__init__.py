@@ -69,6 +69,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "run raises with the reason.",
         ),
         EnvVar(
+            "TE_OPS_FC1_SWIGLU_EPILOGUE",
+            "auto",
+            ("auto", "0", "1"),
+            "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
+            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop and the "
+            "activation run in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
+            "at the measured rule (<= 8 rows per group, grouped_mlp_triton.MAX_ROWS_PER_GROUP: "
+            "1.02-1.08x the two launches on the H200), 1 wherever it can run, 0 never.",
+        ),
+        EnvVar(
             "TE_OPS_GRAPH_SAFE",
             "auto",
             ("auto", "0", "1"),

@@ -40,6 +40,7 @@ from ..fuser import PlanInfo, match_window
 from ..op import FusedOperation, FusibleOperation
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
+from .fc1_epilogue import fc1_swiglu_forward
 
 __all__ = [
     "ForwardGroupedMLP",
@@ -171,12 +172,21 @@ class ForwardGroupedMLP(FusedOperation):
         x2d = rows_2d(input_, fc1.in_features)
         backend1 = fc1.select_backend(x2d, splits)
         ops1 = fc1.forward_operands(ctx1, x2d, splits, recipe, weight_operand=w_ops1)
-        h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
+        # At decode sizes fc1's fprop and the activation run as one Triton launch (same bits
+        # and saved layout; fused/fc1_epilogue.py says where); else two.
+        epilogue = fc1_swiglu_forward(fc1, act, x2d, ops1[1], splits, backend1,
+                                      None if probs_act is None else as_shape(probs_act,
+                                                                              (rows,)), recipe)
+        if epilogue is None:
+            h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
+        else:
+            h, a_epilogue, backend_act = epilogue
         h = as_shape(h, (*lead, fc1.out_features))
         act.check_input(h)
         if probs_act is not None:
             probs_act = as_shape(probs_act, lead)
-        backend_act = act.select_backend(h)
+        if epilogue is None:
+            backend_act = act.select_backend(h)
         # fc2's input is recomputed in backward when the activation saves its input: no
         # column-wise copy of it here then, and under a recipe with a kernel for it
         # (quantization/fp8_swiglu.py) fprop's row-wise copy comes straight from h: the
@@ -187,7 +197,9 @@ class ForwardGroupedMLP(FusedOperation):
                                         None if probs_act is None else as_shape(probs_act,
                                                                                 (rows,)))
         a2d = None
-        if a_q is None:
+        if epilogue is not None:
+            a2d = a_epilogue
+        elif a_q is None:
             a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
             a2d = as_shape(a, (rows, fc2.in_features))
         a_shape = (*lead, fc2.in_features)

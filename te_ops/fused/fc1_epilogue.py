@@ -1,0 +1,90 @@
+"""Whether the fused grouped MLP's forward runs fc1's fprop with the SwiGLU in its epilogue.
+
+``kernels/grouped_mlp_triton.py`` computes fc1's output ``h`` and the (Scaled)SwiGLU output
+``a`` in one Triton launch, bit for bit what fc1's Triton fprop followed by the Triton SwiGLU
+kernel produce. The forward (``ForwardGroupedMLP`` and the fast path ``te_ops.fast_step``) takes
+it when :func:`fc1_epilogue_reason` returns ``None``:
+
+* ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not ``0``;
+* no recipe (fc1's fprop would read quantized operands) and no bias on fc1 (the bias is added
+  between the GEMM and the activation);
+* fc1's fprop runs in Triton (``"fprop" in backend.triton_kinds``: CUDA, bf16 under auto, few
+  rows per group, or the forced ``triton`` backend) and the activation runs in Triton (halves
+  layout, contiguous; ``swiglu_triton.select_backend``);
+* under ``auto`` (the default), at most
+  :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
+  (padding rows counted): the measured rule (docs/benchmarks.md, "Epilogue-fused decode
+  kernels"); ``1`` takes it at any row count.
+
+What the forward saves does not change (``SwiGLUSaved`` holds ``h``; fc2's input is recomputed
+in backward), so a forward that took the fused launch pairs with any backward bit-exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import env
+from ..kernels import grouped_mlp_triton
+
+__all__ = ["fc1_epilogue_reason", "fc1_swiglu_forward"]
+
+_KIND = "fc1 SwiGLU epilogue"
+
+
+def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bool,
+                        interleave: int | None, rows_per_group: float) -> str | None:
+    """Why fc1's fprop and the activation forward run as two launches (``None``: one).
+
+    ``backend1``: fc1's ``BackendChoice``; ``backend_act``: the activation's
+    ``ActivationChoice``; ``rows_per_group``: the call's rows (padding included) over groups.
+    """
+    mode = env.read("TE_OPS_FC1_SWIGLU_EPILOGUE")
+    if mode == "0":
+        return "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
+    if recipe is not None:
+        return "a recipe (fc1's fprop reads quantized operands)"
+    if has_bias:
+        return "fc1 has a bias (added between the GEMM and the activation)"
+    if "fprop" not in backend1.triton_kinds:
+        return f"fc1's fprop does not run in Triton (backend {backend1.name})"
+    if interleave is not None:
+        return f"glu_interleave_size={interleave} (the fused kernel takes the halves layout)"
+    if backend_act.name != "triton":
+        return f"the activation runs in {backend_act.name} ({backend_act.reason})"
+    limit = grouped_mlp_triton.MAX_ROWS_PER_GROUP
+    if mode == "auto" and rows_per_group > limit:
+        return (f"{rows_per_group:g} rows per group > MAX_ROWS_PER_GROUP={limit} (measured no "
+                "faster than the two launches there; TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it)")
+    return None
+
+
+def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Tensor,
+                       splits: Any, backend1: Any, probs: torch.Tensor | None, recipe: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+    """``(h, a, activation backend)`` from the fused launch, or ``None`` when it does not
+    apply (the reason is recorded for ``explain()`` on the activation op; the caller then
+    runs the two launches).
+
+    Shapes: x2d (rows, in), weights (G, 2F, in), probs (rows,) or ``None`` -> h (rows, 2F),
+    a (rows, F).
+    """
+    rows_per_group = splits.num_rows / max(splits.num_groups, 1)
+    if (recipe is not None or fc1.has_bias or "fprop" not in backend1.triton_kinds
+            or act.glu_interleave_size is not None):
+        why = fc1_epilogue_reason(backend1, None, recipe, fc1.has_bias,
+                                  act.glu_interleave_size, rows_per_group)
+        act.record_dispatch(_KIND, f"not used: {why}")
+        return None
+    # The activation's backend for an h of this dtype and device (h is always contiguous).
+    backend_act = act.select_backend(x2d.new_empty(0, fc1.out_features))
+    why = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
+                              act.glu_interleave_size, rows_per_group)
+    if why is not None:
+        act.record_dispatch(_KIND, f"not used: {why}")
+        return None
+    act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation")
+    h, a = grouped_mlp_triton.fc1_swiglu(x2d, weights, splits.offsets, probs)
+    return h, a, backend_act
