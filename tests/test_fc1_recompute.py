@@ -362,3 +362,39 @@ def test_meta_forward_backward_reads_no_device_value(monkeypatch):
     assert all(p.grad is not None for p in blk.parameters())
     assert recompute_record(blk).startswith("fc1 recompute: on")
 
+
+
+# ---------------------------------------------------------------------------- benchmarks
+def _bench(name: str):
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    return importlib.import_module(name)
+
+
+def test_memory_report_rows_with_the_option(capsys):
+    rows = _bench("memory_report").main(["--experts", "3", "--tokens", "64", "--hidden", "16",
+                                         "--ffn", "16", "--no-bias"])
+    on = [r for r in rows if r["recompute_input"]]
+    off_fused = [r for r in rows if not r["recompute_input"] and r["forward"] ==
+                 "ForwardGroupedMLP"]
+    assert len(on) == 2 and all(r["forward"] == "ForwardGroupedMLP" for r in on)
+    h_bytes = 64 * 2 * 16 * 4  # tokens x 2F fp32: what the option takes out
+    for r in on:
+        assert off_fused[0]["saved_bytes"] - r["saved_bytes"] == h_bytes, (r, off_fused)
+        assert r["saved_vs_unfused"] < 0.6
+
+
+def test_recompute_layers_smoke(capsys):
+    bench = _bench("recompute_layers")
+    assert bench.main(["--device", "cpu", "--shape", "E4_T256_H64_FF64", "--layers", "2",
+                       "--iters", "1", "--warmup", "0"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    import json
+
+    rows = [json.loads(line) for line in lines]
+    assert [r["recompute_input"] for r in rows] == [False, True]
+    assert rows[0]["saved_mib_per_block"] == 256 * 128 * 2 / 2**20  # h, bf16
+    assert rows[1]["saved_mib_per_block"] == 0
