@@ -7,7 +7,11 @@ of L blocks, the forwards of all L run before the first backward. This script ru
 blocks ``Sequential(GroupedLinear, ScaledSwiGLU(recompute_input=...), GroupedLinear)`` back to
 back (each block's output feeds the next, same routing), then one backward, and reports per
 setting: the median step time (CUDA events, ``--iters`` steps after ``--warmup``), the peak
-allocated memory of one step minus the parameters, and the floating-point bytes saved for
+allocated memory of one step minus the parameters (``peak_mib``), the memory allocated once
+every forward has run (``after_forward_mib``: what the blocks hold for backward, inputs and
+probs included, minus the parameters), per block the peak and the allocated memory at the end
+of its fused backward (``backward_mib``: [peak, allocated] pairs, last block first; the
+weight gradients of the blocks done so far count), and the floating-point bytes saved for
 backward per block (``saved_tensors_hooks``; parameters, probs and each block's input excluded;
 the integer split tensors, a few hundred bytes, left out).
 
@@ -47,6 +51,40 @@ def build(shape: tuple[int, int, int, int], layers: int, recompute: bool,
             for _ in range(layers)]
 
 
+def _memory_trace(forward, dy: torch.Tensor, before, device: torch.device, param_bytes: int
+                  ) -> tuple[float | None, list[list[float]]]:
+    """Allocated MiB after all forwards, and per fused backward (in the order they run) the
+    peak since the previous one and the allocated MiB at its end; parameters subtracted."""
+    if device.type != "cuda":
+        return None, []
+    from te_ops.fused.grouped_mlp import BackwardGroupedMLP
+
+    mib = 2**20
+    per_block: list[list[float]] = []
+    original = BackwardGroupedMLP.fuser_backward
+
+    def traced(self, *a, **k):
+        out = original(self, *a, **k)
+        torch.cuda.synchronize(device)
+        per_block.append([(torch.cuda.max_memory_allocated(device) - param_bytes) / mib,
+                          (torch.cuda.memory_allocated(device) - param_bytes) / mib])
+        torch.cuda.reset_peak_memory_stats(device)
+        return out
+
+    before()
+    torch.cuda.synchronize(device)
+    y = forward()
+    torch.cuda.synchronize(device)
+    after = (torch.cuda.memory_allocated(device) - param_bytes) / mib
+    torch.cuda.reset_peak_memory_stats(device)
+    BackwardGroupedMLP.fuser_backward = traced
+    try:
+        y.backward(dy)
+    finally:
+        BackwardGroupedMLP.fuser_backward = original
+    return after, per_block
+
+
 def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> dict:
     shape = {**SHAPES, **QUICK_SHAPES}[args.shape]
     experts, tokens, hidden, _ = shape
@@ -75,6 +113,7 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
     times = time_steps(step, device, warmup=args.warmup, iters=args.iters, before=before)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     peak = peak_memory_mib(step, device, param_bytes, before=before)
+    after_forward, per_block = _memory_trace(forward, dy, before, device, param_bytes)
     saved: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in (*params, probs)}
 
@@ -95,7 +134,8 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
             p.grad = None
     return {"bench": "recompute_layers", "shape": args.shape, "layers": args.layers,
             "recompute_input": recompute, **summarize_times(times), "peak_mib": peak,
-            "param_mib": param_bytes / 2**20,
+            "param_mib": param_bytes / 2**20, "after_forward_mib": after_forward,
+            "backward_mib": per_block,
             "saved_mib_per_block": (sum(saved.values()) - inputs) / args.layers / 2**20,
             "records": blocks[0][1].dispatch_records()}
 
@@ -126,11 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"{'shape':<26} {'layers':>6} {'recompute':>9} {'ms':>9} {'peak MiB':>9} "
-          f"{'saved MiB/block':>16}", file=sys.stderr)
+          f"{'after fwd':>9} {'saved MiB/block':>16}  backward [peak, end] MiB per block",
+          file=sys.stderr)
+    nan = float("nan")
     for r in rows:
+        trace = " ".join(f"[{a:.0f}, {b:.0f}]" for a, b in r["backward_mib"])
         print(f"{r['shape']:<26} {r['layers']:>6} {r['recompute_input']!s:>9} "
-              f"{r['ms_median']:9.3f} {r['peak_mib'] or float('nan'):9.0f} "
-              f"{r['saved_mib_per_block']:16.2f}",
+              f"{r['ms_median']:9.3f} {r['peak_mib'] or nan:9.0f} "
+              f"{r['after_forward_mib'] or nan:9.0f} {r['saved_mib_per_block']:16.2f}  {trace}",
               file=sys.stderr)
     return 0
 
