@@ -412,6 +412,9 @@ class SwiGLU(BasicOperation):
         ``recompute_input`` is not a bool.
     """
 
+    #: Class default, so modules pickled before the option existed load with it off.
+    recompute_input: bool = False
+
     def __init__(self, glu_interleave_size: int | None = None, *,
                  recompute_input: bool = False) -> None:
         super().__init__()
