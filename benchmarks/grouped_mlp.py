@@ -13,6 +13,10 @@ skewed routing):
     ``TE_OPS_FUSION=0`` / ``1``.
 ``te_ops_fused_graph``
     the fused block captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
+``te_ops_fused_recompute`` / ``te_ops_fused_single_recompute`` /
+``te_ops_fused_single_graph_noclone_recompute`` (not in the default list)
+    the same te_ops peers with ``ScaledSwiGLU(recompute_input=True)``: h is not saved, the
+    backward re-runs fc1's GEMM (one more GEMM; the FLOP count stays the one of the step).
 ``te_ops_compiled`` / ``torch_grouped_mm_compiled``
     ``te_ops_fused`` / ``torch_grouped_mm`` through ``torch.compile(fullgraph=True)`` (default
     mode, inductor); the first warm-up step compiles (not timed; keep ``--warmup`` >= 2 so the
@@ -99,6 +103,9 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
          "te_ops_fused_single_graph_noclone", "te_ops_compiled", "torch_grouped_mm_compiled"]
+#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute).
+EXTRA_PEERS = ["te_ops_fused_recompute", "te_ops_fused_single_recompute",
+               "te_ops_fused_single_graph_noclone_recompute"]
 BASELINE = "torch_grouped_mm"
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
@@ -232,6 +239,7 @@ class TeOps(Peer):
     name = "te_ops_fused"
     env = {"TE_OPS_FUSION": "1"}
     single = False  # GroupedLinear(single_grouped_weight=...)
+    recompute = False  # ScaledSwiGLU(recompute_input=...)
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
@@ -241,7 +249,7 @@ class TeOps(Peer):
         with env_override(**self.env):
             self.block = te_ops.Sequential(
                 te_ops.GroupedLinear(p.experts, p.hidden, 2 * p.ffn, **kw),
-                te_ops.ScaledSwiGLU(),
+                te_ops.ScaledSwiGLU(recompute_input=self.recompute),
                 te_ops.GroupedLinear(p.experts, p.ffn, p.hidden, **kw),
             )
         w1, w2 = problem.weights()
@@ -299,6 +307,21 @@ class TeOpsFusedSingleGraphNoClone(TeOpsFusedSingleGraph):
     clone_param_grads = False
 
 
+class TeOpsFusedRecompute(TeOps):
+    name = "te_ops_fused_recompute"
+    recompute = True
+
+
+class TeOpsFusedSingleRecompute(TeOpsFusedSingle):
+    name = "te_ops_fused_single_recompute"
+    recompute = True
+
+
+class TeOpsFusedSingleGraphNoCloneRecompute(TeOpsFusedSingleGraphNoClone):
+    name = "te_ops_fused_single_graph_noclone_recompute"
+    recompute = True
+
+
 class TeOpsCompiled(TeOps):
     """The fused te_ops block through ``torch.compile(fullgraph=True)`` (default mode); the
     first warm-up call compiles. ``te_ops.autocast`` stays outside the compiled function
@@ -333,7 +356,8 @@ PEER_CLASSES: dict[str, type[Peer]] = {
     cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph,
                               TeOpsFusedSingle, TeOpsFusedSingleGraph,
                               TeOpsFusedSingleGraphNoClone, TeOpsCompiled,
-                              TorchGroupedMMCompiled)
+                              TorchGroupedMMCompiled, TeOpsFusedRecompute,
+                              TeOpsFusedSingleRecompute, TeOpsFusedSingleGraphNoCloneRecompute)
 }
 
 
@@ -572,7 +596,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated shape names (default: all of the chosen set): "
                              + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated peers: " + ", ".join(PEERS))
+                        help="comma-separated peers: " + ", ".join(PEERS + EXTRA_PEERS))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
@@ -622,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     bad_peers = [p for p in peers if p not in PEER_CLASSES]
     if unknown or bad_peers:
         print(f"unknown shapes {unknown} / peers {bad_peers}; shapes: {list(known)}, "
-              f"peers: {PEERS}", file=sys.stderr)
+              f"peers: {PEERS + EXTRA_PEERS}", file=sys.stderr)
         return 2
     out = JsonLines(args.out)
     out.write({"bench": "grouped_mlp_run", **machine_info(device), "device": device.type,

@@ -1,11 +1,14 @@
 """Saved-activation bytes and op counts of the grouped MLP, unfused vs fused.
 
 Runs ``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` forward+backward once per
-configuration (forward fused or not x backward fused or not) and reports:
+configuration (forward fused or not x backward fused or not, then the fused forward with
+``ScaledSwiGLU(recompute_input=True)``, the opt-in fc1 recompute, with either backward) and
+reports:
 
 * ``saved_bytes``: bytes the autograd graph keeps for backward (``save_for_backward``
   tensors, counted once per storage, parameters excluded), measured with
   ``torch.autograd.graph.saved_tensors_hooks``;
+* ``saved_vs_unfused``: ``saved_bytes`` over the unfused forward's (option off);
 * ``fwd_ops`` / ``bwd_ops``: ATen ops dispatched (each one a kernel launch on CUDA), and
   ``*_compute_ops``: the same without pure view/metadata ops, measured with a
   ``TorchDispatchMode``.
@@ -56,12 +59,13 @@ class _OpCounter(TorchDispatchMode):
         return total, compute
 
 
-def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+           recompute: bool = False):
     torch.manual_seed(0)
     block = te_ops.Sequential(
         te_ops.GroupedLinear(args.experts, args.hidden, 2 * args.ffn, bias=args.bias,
                              device=device, dtype=dtype),
-        te_ops.ScaledSwiGLU(),
+        te_ops.ScaledSwiGLU(recompute_input=recompute),
         te_ops.GroupedLinear(args.experts, args.ffn, args.hidden, bias=args.bias, device=device,
                              dtype=dtype),
     )
@@ -72,17 +76,19 @@ def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     return block, x, probs, split_sizes
 
 
-def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool) -> dict:
-    """One forward+backward with the given fusion toggles; returns the counts."""
+def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool,
+            recompute: bool = False) -> dict:
+    """One forward+backward with the given fusion toggles (and ``recompute_input``); returns
+    the counts."""
     with env_override(TE_OPS_FUSE_GROUPED_MLP_FORWARD="1" if fwd_fused else "0",
                       TE_OPS_FUSE_GROUPED_MLP_BACKWARD="1" if bwd_fused else "0"):
-        return _measure(args)
+        return _measure(args, recompute)
 
 
-def _measure(args: argparse.Namespace) -> dict:
+def _measure(args: argparse.Namespace, recompute: bool = False) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    block, x, probs, split_sizes = _build(args, device, dtype)
+    block, x, probs, split_sizes = _build(args, device, dtype, recompute)
     block(x, split_sizes, probs, split_sizes).sum().backward()  # warm-up: probe, plan
     for t in (x, probs, *block.parameters()):
         t.grad = None  # count te_ops' ops, not autograd's gradient accumulation
@@ -114,6 +120,7 @@ def _measure(args: argparse.Namespace) -> dict:
         "bias": args.bias,
         "forward": "+".join(type(op).__name__ for op, _ in plan.forward_ops),
         "backward": "+".join(type(op).__name__ for op, _ in plan.backward_ops),
+        "recompute_input": recompute,
         "saved_bytes": sum(seen.values()),
         "fwd_ops": fwd.totals()[0],
         "fwd_compute_ops": fwd.totals()[1],
@@ -133,9 +140,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="also append JSON lines to this file")
     args = parser.parse_args(argv)
-    rows = [measure(args, fwd_fused, bwd_fused)
-            for fwd_fused, bwd_fused in ((False, False), (True, False), (False, True),
-                                         (True, True))]
+    rows = [measure(args, fwd_fused, bwd_fused, recompute)
+            for fwd_fused, bwd_fused, recompute in (
+                (False, False, False), (True, False, False), (False, True, False),
+                (True, True, False), (True, False, True), (True, True, True))]
     base = rows[0]["saved_bytes"]
     for row in rows:
         row["saved_vs_unfused"] = round(row["saved_bytes"] / base, 4) if base else None
@@ -144,10 +152,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
-    print(f"{'forward':<45} {'backward':<45} {'saved MiB':>9} {'fwd ops':>8} {'bwd ops':>8}",
-          file=sys.stderr)
+    print(f"{'forward':<45} {'backward':<45} {'recompute':>9} {'saved MiB':>9} {'x unfused':>9} "
+          f"{'fwd ops':>8} {'bwd ops':>8}", file=sys.stderr)
     for r in rows:
-        print(f"{r['forward']:<45} {r['backward']:<45} {r['saved_bytes'] / 2**20:9.2f} "
+        print(f"{r['forward']:<45} {r['backward']:<45} {str(r['recompute_input']):>9} "
+              f"{r['saved_bytes'] / 2**20:9.2f} {r['saved_vs_unfused']!s:>9} "
               f"{r['fwd_compute_ops']:8d} {r['bwd_compute_ops']:8d}", file=sys.stderr)
     return rows
 

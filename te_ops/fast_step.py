@@ -20,7 +20,8 @@ Taken only when all of this holds (else the general path runs, unchanged):
 * the fuser is exactly ``GroupedLinear, SwiGLU or ScaledSwiGLU, GroupedLinear`` (these exact
   classes), planned as one fused forward and one fused backward;
 * no bias, no ``accumulate_into_main_grad``, no ``delay_wgrad_compute``, no recipe
-  (``te_ops.autocast``), no ``torch.autocast`` on the input's device;
+  (``te_ops.autocast``), no ``torch.autocast`` on the input's device, no
+  ``recompute_input=True`` on the activation (the general path recomputes fc1's output);
 * grad mode on, every weight requires grad, no functorch transform, not traced by
   ``torch.compile``, not inside a CUDA-graph capture, no saved-tensor hooks
   (``torch.autograd.graph.saved_tensors_hooks``: non-reentrant activation checkpointing,
@@ -73,7 +74,8 @@ def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
     calls; a change sends the call down the general path)."""
     return (fc1.single_grouped_weight, fc1.has_bias, fc1.accumulate_into_main_grad,
             fc1.delay_wgrad_compute, fc2.single_grouped_weight, fc2.has_bias,
-            fc2.accumulate_into_main_grad, fc2.delay_wgrad_compute, act.glu_interleave_size)
+            fc2.accumulate_into_main_grad, fc2.delay_wgrad_compute, act.glu_interleave_size,
+            act.recompute_input)
 
 
 def _gemm_calls(backend: Any, eager: bool = True) -> tuple:
@@ -261,6 +263,8 @@ def fast_step_reason(fuser: Any, plan: Any, input_: Any, groups: list, recipe: A
         return "main_grad or delayed wgrad"
     if recipe is not None:
         return "a recipe"
+    if act.recompute_input:  # the general path implements it (te_ops/fused/fc1_recompute.py)
+        return "recompute_input (fc1 recompute)"
     if not all(requires_grad) or tracing() or input_.dim() != 2:
         return "not every op needs grad, or traced, or not a 2-D input"
     if type(ops[1]) is ScaledSwiGLU and (not isinstance(groups[1][0], torch.Tensor)

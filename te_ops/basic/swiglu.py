@@ -15,6 +15,8 @@ dtype.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -338,20 +340,44 @@ def swiglu_backward(x: torch.Tensor, grad_output: torch.Tensor,
 @dataclass
 class SwiGLUSaved:
     """The one saved-context layout of SwiGLU / ScaledSwiGLU: the input, the probs and the
-    kernels the forward chose (the backward and the recompute run the same)."""
+    kernels the forward chose (the backward and the recompute run the same).
 
-    x: torch.Tensor
+    ``x`` is ``None`` when a fused forward did not save it (``SwiGLU(recompute_input=True)``):
+    ``recompute_x(keep=False)`` then returns it, bitwise the forward's, by re-running fc1's
+    forward GEMM from fc1's saved context (``te_ops/fused/fc1_recompute.py``); ``keep=True``
+    keeps the result for the next call (fc2's input recompute followed by this op's backward
+    computes it once). :meth:`input` gives either.
+    """
+
+    x: torch.Tensor | None
     probs: torch.Tensor | None
     backend: ActivationChoice | None = None
+    recompute_x: Callable[..., torch.Tensor] | None = None
 
     def save(self, ctx: OperationContext) -> None:
         ctx.save_for_backward(self.x, self.probs)
-        ctx.swiglu_layout = {"backend": self.backend}
+        ctx.swiglu_layout = {"backend": self.backend, "recompute_x": self.recompute_x}
 
     @classmethod
     def load(cls, ctx: OperationContext) -> SwiGLUSaved:
         x, probs = ctx.saved_tensors
-        return cls(x, probs, ctx.swiglu_layout["backend"])
+        layout = ctx.swiglu_layout
+        return cls(x, probs, layout["backend"], layout["recompute_x"])
+
+    def input(self, keep: bool = False) -> torch.Tensor:
+        """The activation's input (..., 2F): the saved one, or recomputed (``keep``: see the
+        class docstring).
+
+        Raises
+        ------
+        RuntimeError
+            The context holds neither the input nor a way to recompute it.
+        """
+        if self.x is not None:
+            return self.x
+        if self.recompute_x is None:
+            raise RuntimeError("SwiGLU context holds no input and no way to recompute it")
+        return self.recompute_x(keep=keep)
 
 
 class SwiGLU(BasicOperation):
@@ -362,6 +388,17 @@ class SwiGLU(BasicOperation):
     glu_interleave_size : int, optional
         Block size of an interleaved layout (see module docstring); ``None`` or ``0`` for
         halves (as TransformerEngine). May be given positionally: ``ScaledSwiGLU(32)``.
+    recompute_input : bool, keyword-only
+        Opt-in selective recompute (compute for activation memory, as Megatron's selective
+        activation recompute): in a ``GroupedLinear (fc1) -> SwiGLU -> GroupedLinear (fc2)``
+        chain whose forward runs fused (``ForwardGroupedMLP``), h (this op's input, fc1's
+        output, tokens x 2F elements) is not saved; backward re-runs fc1's forward GEMM from
+        fc1's saved input and weights (same call, same backend, so h is bitwise the
+        forward's): one extra fc1 GEMM per step (2·T·H·2F FLOPs, ~22 % of the step's).
+        Where it cannot be honoured, h is saved as before and a warning (once per op and
+        reason) and ``explain()`` say why: the forward runs unfused, a recipe
+        (``te_ops.autocast``) is active, or fc1 keeps no input (its weights need no
+        gradient). Default ``False``.
 
     Shapes
     ------
@@ -371,10 +408,20 @@ class SwiGLU(BasicOperation):
     ------
     ValueError
         The last dim is odd or not a multiple of ``2 * glu_interleave_size``.
+    TypeError
+        ``recompute_input`` is not a bool.
     """
 
-    def __init__(self, glu_interleave_size: int | None = None) -> None:
+    #: Class default, so modules pickled before the option existed load with it off.
+    recompute_input: bool = False
+
+    def __init__(self, glu_interleave_size: int | None = None, *,
+                 recompute_input: bool = False) -> None:
         super().__init__()
+        if not isinstance(recompute_input, bool):
+            raise TypeError(f"recompute_input must be a bool, got "
+                            f"{type(recompute_input).__name__} ({recompute_input!r})")
+        self.recompute_input = recompute_input
         if glu_interleave_size == 0 and not isinstance(glu_interleave_size, bool):
             glu_interleave_size = None  # TransformerEngine's "no interleave"
         if glu_interleave_size is not None and (
@@ -397,9 +444,28 @@ class SwiGLU(BasicOperation):
         if not input_.is_floating_point():
             raise TypeError(f"input must be floating point, got {input_.dtype}")
 
+    def _settings_text(self) -> str:
+        parts = ([f"glu_interleave_size={self.glu_interleave_size}"]
+                 if self.glu_interleave_size else [])
+        return ", ".join(parts + (["recompute_input=True"] if self.recompute_input else []))
+
     def extra_repr(self) -> str:
-        return (f"glu_interleave_size={self.glu_interleave_size}"
-                if self.glu_interleave_size else "")
+        return self._settings_text()
+
+    def record_recompute(self, reason: str | None) -> None:
+        """Record this call's ``recompute_input`` decision for ``explain()`` (``reason``:
+        ``None`` when honoured, else why h is saved) and, when not honoured, warn once per
+        reason (UserWarning naming the op and the reason)."""
+        if reason is None:
+            self.record_dispatch("fc1 recompute", "on: h is not saved; backward re-runs fc1's "
+                                 "forward GEMM from fc1's saved input and weights")
+            return
+        self.record_dispatch("fc1 recompute", f"off, h is saved: {reason}")
+        warned = self.__dict__.setdefault("_recompute_warned", set())
+        if reason not in warned:
+            warned.add(reason)
+            warnings.warn(f"{self.describe()}: recompute_input=True is not honoured, h (fc1's "
+                          f"output) is saved: {reason}", UserWarning, stacklevel=3)
 
     def select_backend(self, input_: torch.Tensor) -> ActivationChoice:
         """Choose the SwiGLU kernels for this call, once (saved in the layout, recorded for
@@ -409,6 +475,14 @@ class SwiGLU(BasicOperation):
         return choice
 
     def dispatch_notes(self, info) -> list[str]:
+        notes = self._backend_notes(info)
+        if self.recompute_input:
+            notes.append("fc1 recompute: requested (recompute_input=True); honoured where the "
+                         "fused grouped MLP forward runs without a recipe, else h is saved "
+                         "(see fusions not applied)")
+        return notes
+
+    def _backend_notes(self, info) -> list[str]:
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
             return [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
@@ -419,25 +493,35 @@ class SwiGLU(BasicOperation):
         return ["activation backend: triton (one kernel forward, one backward)"]
 
     def describe(self) -> str:
-        il = f"glu_interleave_size={self.glu_interleave_size}" if self.glu_interleave_size else ""
-        return f"{type(self).__name__}({il})"
+        return f"{type(self).__name__}({self._settings_text()})"
+
+    def save_unfused(self, ctx, input_: torch.Tensor, probs: torch.Tensor | None,
+                     backend: ActivationChoice) -> None:
+        """The unfused forward's saved context (h itself: the unfused op cannot re-run fc1,
+        so ``recompute_input`` is recorded and warned about as not honoured)."""
+        if self.recompute_input:
+            self.record_recompute("the activation ran unfused (the fused grouped MLP forward "
+                                  "did not cover it; explain() names why)")
+        SwiGLUSaved(input_, probs, backend).save(ctx)
 
     def op_forward(self, ctx, input_, *, recipe=None):
         self.check_input(input_)
         backend = self.select_backend(input_)
         if ctx.requires_grad:
-            SwiGLUSaved(input_, None, backend).save(ctx)
+            self.save_unfused(ctx, input_, None, backend)
         return swiglu_forward(input_, self.glu_interleave_size, backend=backend)
 
     def op_backward(self, ctx, grad_output):
         saved = SwiGLUSaved.load(ctx)
-        grad_input, _ = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
+        grad_input, _ = swiglu_backward(saved.input(), grad_output, self.glu_interleave_size,
                                         backend=saved.backend)
         return grad_input, []
 
     def recompute_output(self, saved: SwiGLUSaved) -> torch.Tensor:
-        """The forward output, recomputed bit-identically from the saved context."""
-        return swiglu_forward(saved.x, self.glu_interleave_size, saved.probs, saved.backend)
+        """The forward output, recomputed bit-identically from the saved context (a
+        recomputed input is kept for this op's backward, which follows)."""
+        return swiglu_forward(saved.input(keep=True), self.glu_interleave_size, saved.probs,
+                              saved.backend)
 
 
 class ScaledSwiGLU(SwiGLU):
@@ -468,11 +552,12 @@ class ScaledSwiGLU(SwiGLU):
         probs = as_shape(probs, input_.shape[:-1])
         backend = self.select_backend(input_)
         if ctx.requires_grad:
-            SwiGLUSaved(input_, probs, backend).save(ctx)
+            self.save_unfused(ctx, input_, probs, backend)
         return swiglu_forward(input_, self.glu_interleave_size, probs, backend), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         saved = SwiGLUSaved.load(basic_op_ctxs[0])
-        grad_input, grad_probs = swiglu_backward(saved.x, grad_output, self.glu_interleave_size,
-                                                 saved.probs, backend=saved.backend)
+        grad_input, grad_probs = swiglu_backward(saved.input(), grad_output,
+                                                 self.glu_interleave_size, saved.probs,
+                                                 backend=saved.backend)
         return grad_input, [[]], [[as_shape(grad_probs, (grad_probs.numel(),))]]

@@ -41,6 +41,7 @@ from ..op import FusedOperation, FusibleOperation
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
 from .fc1_epilogue import fc1_swiglu_forward
+from .fc1_recompute import fused_forward_recompute, note_plan
 
 __all__ = [
     "ForwardGroupedMLP",
@@ -120,6 +121,8 @@ def _fuse(ops: list[FusibleOperation], info: PlanInfo, fused_cls: type, backward
             info.note(f"op {info.index(op)} ({op.describe()}): {reason}")
         out.append(op)
         i += 1
+    if not backward:
+        note_plan(out, info)  # SwiGLU(recompute_input=True) the forward will not honour
     return out
 
 
@@ -210,11 +213,15 @@ class ForwardGroupedMLP(FusedOperation):
                                     input_operand=a_q)
         y = fc2.forward_math(like_a, splits, backend2, probs2, recipe, ops2)
 
+        saved1 = None
         if ctx1.requires_grad:
-            fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
-                           recipe=recipe, operands=ops1).save(ctx1)
-        if ctx_act.requires_grad:
-            SwiGLUSaved(h, probs_act, backend_act).save(ctx_act)
+            saved1 = fc1.make_saved(ctx1, x2d, splits, backend1, probs1, input_.shape,
+                                    recipe=recipe, operands=ops1)
+            saved1.save(ctx1)
+        if ctx_act.requires_grad:  # h, or with recompute_input a way to re-run fc1's GEMM
+            redo_h = fused_forward_recompute(act, ctx1, saved1, recipe, tuple(h.shape))
+            SwiGLUSaved(h if redo_h is None else None, probs_act, backend_act,
+                        redo_h).save(ctx_act)
         if ctx2.requires_grad:
             recompute = None
             if ctx_act.requires_grad:
@@ -250,10 +257,12 @@ class BackwardGroupedMLP(FusedOperation):
         # pass just read). Its version is bumped, so a second backward through a retained
         # graph raises torch's "modified by an inplace operation" error instead of reading dh.
         # The activation output (fc2's wgrad input) goes over dgrad2, dead after this pass too.
-        act_result = swiglu_backward(sa.x, as_shape(dgrad2, s2.in_shape), act.glu_interleave_size,
+        h = sa.input()  # saved, or fc1's GEMM re-run (recompute_input), after fc2's dgrad
+        act_result = swiglu_backward(h, as_shape(dgrad2, s2.in_shape), act.glu_interleave_size,
                                      sa.probs, with_output=need_out, backend=sa.backend,
                                      grad_into_input=True, output_into_grad=True)
-        torch.autograd.graph.increment_version(sa.x)
+        torch.autograd.graph.increment_version(h)
+        h = None
         del dgrad2  # free before fc1's GEMMs
         dh, gprobs_act = act_result[0], act_result[1]
         if need_out:
