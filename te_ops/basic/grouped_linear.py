@@ -281,14 +281,17 @@ class GroupedLinearSaved:
             host_copy=meta["host_copy"],
         )
         rest = rest[4:]
-        x = meta["x_storage"]
+        # The storages are refilled as shallow copies: the layout dict lives as long as the
+        # autograd node (until the outputs are freed, not when this backward ends), and a
+        # refilled original would keep the input (and quantized weights) alive with it.
+        x = copy.copy(meta["x_storage"])
         if x is not None:
             rest = x.restore_from_saved(rest)
             x.split_sizes, x.base_offsets = splits.split_sizes, splits.base_offsets
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         weight_amax = rest[nw + nb + 1]
-        weight_q = meta["w_storage"]
+        weight_q = copy.copy(meta["w_storage"])
         if weight_q is not None:
             weight_q.restore_from_saved(rest[nw + nb + 2:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
