@@ -89,7 +89,7 @@ def test_second_call_launches_the_cached_kernel_with_the_bound_arguments():
     # hooks, then every parameter in signature order (constexprs included; options not)
     assert a[:9] == (3, 2, 1, 1234, "fn-handle", "packed", None, None, None)
     assert a[9] is x and a[10] is out and a[11:] == (7, 16, True)
-    assert launcher.stats() == {"direct": 1, "normal": 1, "keys": 1,
+    assert launcher.stats() == {"direct": 1, "normal": 1, "bound": 0, "keys": 1,
                                 "last_fallback": "first launch of this key"}
 
 
