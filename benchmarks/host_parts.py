@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         t.grad = None
 
                 row["backward"] = round(time_backward(
-                    lambda: block(problem.x, problem.split, problem.probs, problem.split),
+                    lambda block=block: block(problem.x, problem.split, problem.probs,
+                                              problem.split),
                     zero, problem.dy, max(10, args.iters // 4), args.rounds), 2)
                 out.write(row)
     out.close()

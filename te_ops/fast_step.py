@@ -220,7 +220,14 @@ class FastStep:
         probs = extra_inputs[1] if self.scaled else None
         if device_type == "cuda":
             self.launches.begin(input_.device)
-        return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
+        try:
+            return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
+        except ValueError:
+            # A check the key does not cover failed: e.g. a per-group weight after the first
+            # cast or moved alone (the key holds the first weight's dtype and device; stacking
+            # the others checks them, as on the general path). The general path then runs and
+            # raises its own error; nothing of the fast forward outlives it.
+            return None
 
 
 def fast_step_reason(fuser: Any, plan: Any, input_: Any, groups: list, recipe: Any,

@@ -536,3 +536,40 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     monkeypatch.setattr(fast_step, "tracing", lambda: False)
     with pytest.raises(AssertionError, match="eager entry point"):
         _step(block, x, probs, split)
+
+
+@pytest.mark.parametrize("layer,index", [(0, 2), (2, 3), (0, 0)])
+def test_a_per_group_weight_cast_alone_takes_the_general_path_and_its_error(monkeypatch, layer,
+                                                                           index):
+    """Casting one per-expert weight (not only the first, which the key holds) sends the
+    call to the general path, which names the weight, instead of running the fast path's
+    kernels on a promoted stack (on CUDA: a Triton compile of mixed dtypes)."""
+    from te_ops import fuser as fuser_mod
+
+    torch.manual_seed(0)
+    block = _block(False)
+    x, probs, split = _inputs()
+    assert [_step(block, x, probs, split) for _ in range(2)][-1][2]
+    w = getattr(block[layer], f"weight{index}")
+    w.data = w.data.to(torch.float64)
+    general = []
+    run = fuser_mod.OperationFuser._run
+    monkeypatch.setattr(fuser_mod.OperationFuser, "_run",
+                        lambda self, *a, **k: general.append(1) or run(self, *a, **k))
+    match = "weights\\[" + str(index) + "\\]" if index else "weights' dtype"
+    with pytest.raises(ValueError, match=match):
+        block(*_args(block, x, probs, split))
+    assert general == [1]
+    w.data = w.data.to(torch.float32)  # cast back: the fast path again, same results
+    assert _step(block, x, probs, split)[2]
+
+
+def test_stacking_per_group_weights_of_mixed_dtype_names_the_weight():
+    """The kind behind the fast path's fault: torch.stack promoted mixed dtypes silently."""
+    from te_ops.kernels.grouped_gemm import stack_weights
+
+    ws = [torch.zeros(3, 2) for _ in range(4)]
+    ws[1] = ws[1].to(torch.float64)
+    with pytest.raises(ValueError, match="weights\\[1\\] is torch.float64 on cpu, expected "
+                                         "torch.float32"):
+        stack_weights(ws)

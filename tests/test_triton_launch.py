@@ -217,7 +217,7 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch)
     same bits as JITFunction.run's launches."""
     pytest.importorskip("triton")
     import te_ops
-    from te_ops.kernels import grouped_gemm_triton, swiglu_triton
+    from te_ops.kernels import grouped_gemm_triton, split_table, swiglu_triton
 
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     torch.manual_seed(0)
@@ -243,16 +243,32 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch)
 
     kernels = (grouped_gemm_triton._rows_kernel, grouped_gemm_triton._wgrad_kernel,
                swiglu_triton._fwd_kernel, swiglu_triton._bwd_kernel)
+    kernels = (*kernels, split_table._split_table_kernel)
     monkeypatch.setenv("TE_OPS_TRITON_DIRECT_LAUNCH", "0")
     ref = [step() for _ in range(2)][-1]
+    bound = {k: triton_launch.direct_launcher(k).bound for k in kernels}
+    ref_again = [step() for _ in range(2)][-1]  # the fast path, bound sites launch normally
+    assert {k: triton_launch.direct_launcher(k).bound for k in kernels} == bound
     monkeypatch.delenv("TE_OPS_TRITON_DIRECT_LAUNCH")
-    before = {k: triton_launch.direct_launcher(k).direct for k in kernels}
     got = [step() for _ in range(3)][-1]
     torch.cuda.synchronize()
-    for k in kernels:
-        assert triton_launch.direct_launcher(k).direct > before[k], triton_launch.direct_launcher(
+    for k in kernels:  # every launch of the fast path's step from a bound call site
+        assert triton_launch.direct_launcher(k).bound > bound[k], triton_launch.direct_launcher(
             k).stats()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, ref_again))
+    # a hook installed between steps (the Triton profiler's kind) turns bound launches off
+    import triton
+
+    rt = triton.knobs.runtime
+    saved = rt.launch_enter_hook
+    seen = []
+    rt.launch_enter_hook = seen.append
+    try:
+        hooked = step()
+    finally:
+        rt.launch_enter_hook = saved
+    assert len(seen) >= 9 and all(torch.equal(a, b) for a, b in zip(ref, hooked))
 
 
 def test_grid_helpers_match_their_definitions():
@@ -334,3 +350,165 @@ def test_grids_other_than_tuples_launch_normally(kind):
         _call(launcher, x, out, grid=grid)
     assert [e[0] for e in kernel.log] == ["normal"] * 3 and kernel.log[-1][1] is grid
     assert launcher.last_fallback == "a grid that is not a tuple"
+
+
+def test_a_launch_runs_with_the_tensors_device_current(monkeypatch):
+    """Triton launches on the current device: a call whose tensors live on another CUDA
+    device makes theirs current around the launch (CPU stand-ins for the device calls)."""
+    events = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            events.append(("enter", self.index))
+
+        def __exit__(self, *exc):
+            events.append(("exit", self.index))
+
+    kernel = _Kernel()
+
+    def record(grid):
+        events.append(("launch", grid))
+        return lambda *a, **k: None
+
+    kernel.__getitem__ = record
+    monkeypatch.setattr(type(kernel), "__getitem__", lambda self, grid: record(grid))
+    monkeypatch.setattr(triton_launch.torch.cuda, "device", Guard)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 1)
+    triton_launch.launch(kernel, (2,), torch.zeros(4), 3, BLOCK=16)
+    assert events == [("enter", 1), ("launch", (2,)), ("exit", 1)]
+    events.clear()
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 0)
+    triton_launch.launch(kernel, (2,), torch.zeros(4), 3, BLOCK=16)
+    assert events == [("launch", (2,))]
+
+
+def test_cuda_index_of_cpu_tensors_is_none():
+    assert triton_launch._cuda_index((torch.zeros(2), 3)) is None
+    assert triton_launch._cuda_index((3, 4.0)) is None
+
+
+def test_c_launch_is_used_only_for_the_known_launcher_layout():
+    """The bound launch calls the C launch function only for Triton 3.6's
+    ``CudaLauncher.__call__`` layout without scratch buffers; any other launcher is called
+    as it is."""
+
+    class Known:
+        launch, launch_cooperative_grid, launch_pdl = "C", False, False
+        arg_annotations, kernel_signature = "ann", "sig"
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                     launch_metadata, launch_enter_hook, launch_exit_hook, *args):
+            self.launch(gridX, self.launch_cooperative_grid, self.launch_pdl,
+                        self.arg_annotations, self.kernel_signature, self.global_scratch_size,
+                        self.profile_scratch_size)
+
+    assert triton_launch._c_launch(Known()) == ("C", False, False, "ann", "sig")
+    scratch = Known()
+    scratch.global_scratch_size = 64
+    assert triton_launch._c_launch(scratch) is None
+
+    class Other:
+        def __call__(self, *args):
+            pass
+
+    assert triton_launch._c_launch(Other()) is None
+    assert triton_launch._c_launch(lambda *a: None) is None
+
+
+def test_launch_batch_is_not_ready_off_its_device():
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.begin(torch.device("cpu"))
+    assert not batch.ready
+    batch.begin(torch.device("cuda", 0))  # nothing bound yet: no device
+    assert not batch.ready
+
+
+def test_bound_launch_without_a_binding_launches_normally():
+    """A BoundLaunch of a kernel that cannot be launched directly (here a stand-in, as
+    wrap_triton's or the interpreter's kernels) launches the normal way on every call."""
+    kernel = _Kernel()
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    site = triton_launch.BoundLaunch(kernel, (3,), (7,), {"BLOCK": 16, "FLAG": True}, batch)
+    x, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(3):
+        site(x, out)
+    assert [e[0] for e in kernel.log] == ["normal"] * 3
+    assert kernel.log[-1][2][:2] == (x, out) and kernel.log[-1][2][2:] == (7,)
+    assert site.go is None
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_tensors_on_another_device_launch_there_on_its_current_stream():
+    """With cuda:0 current, te_ops' Triton kernels (general and fast path) given tensors on
+    cuda:1 launch on cuda:1 and on cuda:1's current stream: inputs written on a side stream
+    of cuda:1 behind a long sleep are read only after it (a launch on another stream would
+    read them before); results equal a run with cuda:1 current."""
+    pytest.importorskip("triton")
+    import te_ops
+    from te_ops.kernels import grouped_gemm_triton
+
+    torch.manual_seed(0)
+    groups, hidden, ffn, rows = 8, 64, 32, 32
+    dev = torch.device("cuda", 1)
+    kw = {"bias": False, "single_grouped_weight": True, "device": dev, "dtype": torch.bfloat16}
+
+    def make():
+        torch.manual_seed(0)
+        return te_ops.Sequential(te_ops.GroupedLinear(groups, hidden, 2 * ffn, **kw),
+                                 te_ops.ScaledSwiGLU(),
+                                 te_ops.GroupedLinear(groups, ffn, hidden, **kw))
+
+    split = torch.full((groups,), rows // groups, device=dev, dtype=torch.int64)
+    src = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+    probs = torch.rand(rows, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(groups, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16)
+    offsets = torch.cumsum(split, 0).to(torch.int32)
+
+    def run(block, make_x=src.clone):
+        x = make_x().requires_grad_()
+        out = block(x, split, probs, split)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), x.grad, *[p.grad for p in block.parameters()]]
+
+    with torch.cuda.device(1):
+        want_gemm = grouped_gemm_triton.triton_fprop(src, w, offsets)
+        ref_block = make()
+        want = [run(ref_block) for _ in range(3)][-1]
+    torch.cuda.synchronize(dev)
+
+    torch.cuda.set_device(0)
+    side = torch.cuda.Stream(dev)
+    torch.cuda.set_stream(side)  # cuda:1's current stream (this may make cuda:1 current)
+    torch.cuda.set_device(0)
+    try:
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_stream(dev) == side
+
+        def late():
+            """src, copied on cuda:1's side stream behind a long sleep (cuda:0 current
+            again after)."""
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000_000)  # ~50 ms on an H200 before the copy
+                return torch.empty_like(src).copy_(src)
+
+        got_gemm = grouped_gemm_triton.triton_fprop(late(), w, offsets)
+        assert torch.cuda.current_device() == 0
+        block = make()
+        got = [run(block, late) for _ in range(3)][-1]  # the third call: the fast path
+        assert type(block.fusers()[0].__dict__.get("_fast_step")).__name__ == "FastStep"
+        torch.cuda.synchronize(dev)
+    finally:
+        torch.cuda.set_stream(torch.cuda.default_stream(dev))
+        torch.cuda.set_device(0)
+    assert torch.equal(got_gemm, want_gemm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

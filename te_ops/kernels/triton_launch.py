@@ -358,7 +358,7 @@ def _c_launch(run: Any) -> tuple | None:
     None, None, None, None, arg_annotations, kernel_signature, args)`` is what ``__call__``
     does, without its Python frame and scratch-allocation closure. ``None``: another
     launcher; :class:`BoundLaunch` then calls ``run`` itself."""
-    code = getattr(getattr(type(run), "__call__", None), "__code__", None)
+    code = getattr(vars(type(run)).get("__call__"), "__code__", None)
     if (code is None or code.co_argcount != len(_LAUNCHER_PARAMS)
             or code.co_varnames[:len(_LAUNCHER_PARAMS)] != _LAUNCHER_PARAMS
             or not code.co_flags & 0x04  # *args
