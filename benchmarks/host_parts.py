@@ -11,6 +11,10 @@ tree's ``te_ops`` and a renamed baseline copy, see ``host_ab.py --make-baseline`
 ``fwd_fuser``      the fuser's ``__call__`` (skips ``Sequential`` and the module call)
 ``fwd_fast_run``   ``FastStep.run`` (its checks and the autograd Function)
 ``backward``       ``y.backward(dy)`` alone (the forward untimed before each call)
+``backward_body``  of that, the time inside the fast path's backward function
+                   (``fast_step._fast_backward``); the rest is the autograd engine's
+``engine_noop``    ``y.backward(g)`` of a one-op graph whose backward returns ``g`` (a
+                   custom ``autograd.Function`` on the device): the engine's own floor
 ``make_splits``    the split-size metadata (one Triton launch and the checks)
 ``k_<call>``       each kernel call of the fast path as it makes it (fprop1, act_forward, ...)
 ``torch_empty``    one ``torch.empty`` of fc1's output shape
@@ -78,6 +82,51 @@ def time_backward(make: Callable[[], torch.Tensor], zero: Callable[[], None],
         times.append(total / iters * 1e6)
     _sync()
     return statistics.median(times)
+
+
+class _Noop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def time_engine_noop(device: torch.device, iters: int, rounds: int) -> float:
+    """Host microseconds of ``y.backward(g)`` for the one-op graph of :class:`_Noop`."""
+    x = torch.randn(16, device=device, requires_grad=True)
+    g = torch.ones(16, device=device)
+
+    def make():
+        x.grad = None
+        return _Noop.apply(x)
+
+    return time_backward(make, lambda: None, g, iters, rounds)
+
+
+def time_backward_body(pkg, make, zero, dy, iters: int, rounds: int) -> float:
+    """Host microseconds per call spent inside ``fast_step._fast_backward`` while timing
+    ``make().backward(dy)``."""
+    mod = importlib.import_module(f"{pkg.__name__}.fast_step")
+    inner = mod._fast_backward
+    spent = [0.0, 0]
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+
+    mod._fast_backward = timed
+    try:
+        time_backward(make, zero, dy, iters, rounds)
+    finally:
+        mod._fast_backward = inner
+    return spent[0] / max(spent[1], 1) * 1e6
 
 
 def part_calls(pkg, blk: TeOpsBlock) -> dict[str, Callable[[], object]]:
@@ -171,10 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                     for t in [problem.x, problem.probs, *block.parameters()]:
                         t.grad = None
 
-                row["backward"] = round(time_backward(
-                    lambda block=block: block(problem.x, problem.split, problem.probs,
-                                              problem.split),
-                    zero, problem.dy, max(10, args.iters // 4), args.rounds), 2)
+                def fwd(block=block):
+                    return block(problem.x, problem.split, problem.probs, problem.split)
+
+                n = max(10, args.iters // 4)
+                row["backward"] = round(time_backward(fwd, zero, problem.dy, n, args.rounds), 2)
+                row["backward_body"] = round(time_backward_body(
+                    pkg, fwd, zero, problem.dy, n, args.rounds), 2)
+                row["engine_noop"] = round(time_engine_noop(device, n, args.rounds), 2)
                 out.write(row)
     out.close()
     return 0

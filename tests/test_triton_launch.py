@@ -215,7 +215,7 @@ def test_other_kernel_objects_launch_normally():
 def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch):
     """The fast path's Triton kernels (GEMMs and SwiGLU) launch from the cache, with the
     same bits as JITFunction.run's launches."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     import te_ops
     from te_ops.kernels import grouped_gemm_triton, split_table, swiglu_triton
 
@@ -257,17 +257,27 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch)
             k).stats()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert all(torch.equal(a, b) for a, b in zip(ref, ref_again))
+    if triton.__version__ == "3.6.0":  # the device machine's: its launcher layout is known
+        entries = [e for k in kernels for e in triton_launch.direct_launcher(k).cache.values()
+                   if e is not None]
+        assert entries and all(triton_launch._c_launch(c.run) is not None for c, _ in entries)
     # a hook installed between steps (the Triton profiler's kind) turns bound launches off
-    import triton
-
     rt = triton.knobs.runtime
     saved = rt.launch_enter_hook
     seen = []
-    rt.launch_enter_hook = seen.append
+    record = seen.append
+    chain = hasattr(saved, "add") and hasattr(saved, "remove")  # Triton's HookChain
+    if chain:
+        saved.add(record)
+    else:
+        rt.launch_enter_hook = record
     try:
         hooked = step()
     finally:
-        rt.launch_enter_hook = saved
+        if chain:
+            saved.remove(record)
+        else:
+            rt.launch_enter_hook = saved
     assert len(seen) >= 9 and all(torch.equal(a, b) for a, b in zip(ref, hooked))
 
 
@@ -391,13 +401,22 @@ def test_cuda_index_of_cpu_tensors_is_none():
     assert triton_launch._cuda_index((3, 4.0)) is None
 
 
-def test_c_launch_is_used_only_for_the_known_launcher_layout():
-    """The bound launch calls the C launch function only for Triton 3.6's
-    ``CudaLauncher.__call__`` layout without scratch buffers; any other launcher is called
-    as it is."""
+def test_c_launch_is_used_only_for_the_known_launcher_layouts():
+    """The bound launch calls the C launch function only for the known layouts of Triton's
+    ``CudaLauncher.__call__`` (3.5-3.6's compiled launcher, the later generic one) without
+    scratch buffers; any other launcher is called as it is."""
 
-    class Known:
-        launch, launch_cooperative_grid, launch_pdl = "C", False, False
+    class Compiled:  # Triton 3.6.0's layout
+        launch, launch_cooperative_grid, launch_pdl = "C", False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                        self.launch_pdl, self.global_scratch_size, self.profile_scratch_size,
+                        *args)
+
+    class Generic:
+        launch, launch_cooperative_grid, launch_pdl = "G", False, False
         arg_annotations, kernel_signature = "ann", "sig"
         global_scratch_size = profile_scratch_size = 0
 
@@ -407,8 +426,9 @@ def test_c_launch_is_used_only_for_the_known_launcher_layout():
                         self.arg_annotations, self.kernel_signature, self.global_scratch_size,
                         self.profile_scratch_size)
 
-    assert triton_launch._c_launch(Known()) == ("C", False, False, "ann", "sig")
-    scratch = Known()
+    assert triton_launch._c_launch(Compiled()) == ("compiled", "C", False, True, None, None)
+    assert triton_launch._c_launch(Generic()) == ("generic", "G", False, False, "ann", "sig")
+    scratch = Compiled()
     scratch.global_scratch_size = 64
     assert triton_launch._c_launch(scratch) is None
 
@@ -498,8 +518,9 @@ def test_tensors_on_another_device_launch_there_on_its_current_stream():
             """src, copied on cuda:1's side stream behind a long sleep (cuda:0 current
             again after)."""
             with torch.cuda.stream(side):
+                buf = torch.full_like(src, float("nan"))
                 torch.cuda._sleep(100_000_000)  # ~50 ms on an H200 before the copy
-                return torch.empty_like(src).copy_(src)
+                return buf.copy_(src)
 
         got_gemm = grouped_gemm_triton.triton_fprop(late(), w, offsets)
         assert torch.cuda.current_device() == 0

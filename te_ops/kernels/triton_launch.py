@@ -341,35 +341,50 @@ def _launch_here(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
 
 
 # ------------------------------------------------------------------ bound launches
-#: What Triton's ``CudaLauncher.__call__`` is, where :func:`_c_launch` may call the C launch
-#: function it wraps (read from Triton 3.6.0): its parameters, and the attributes it reads.
-_LAUNCHER_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
-                    "launch_metadata", "launch_enter_hook", "launch_exit_hook")
-_LAUNCHER_NAMES = frozenset(("launch", "launch_cooperative_grid", "launch_pdl",
-                             "arg_annotations", "kernel_signature", "global_scratch_size",
-                             "profile_scratch_size"))
+#: The two layouts of Triton's ``CudaLauncher.__call__`` where :func:`_c_launch` may call
+#: the C launch function it wraps, by the parameters of ``__call__`` and the attributes it
+#: reads. ``compiled``: Triton 3.5-3.6 (a launcher module compiled per signature; read from
+#: 3.6.0's driver.py) calls ``self.launch(gridX, gridY, gridZ, stream, function,
+#: self.launch_cooperative_grid, self.launch_pdl, global_scratch, profile_scratch, *args)``;
+#: ``generic``: later Triton (one C launch function with argument annotations) calls
+#: ``self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+#: self.launch_pdl, kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook,
+#: global_scratch, profile_scratch, self.arg_annotations, self.kernel_signature, args)``.
+#: Scratch buffers are ``None`` when their sizes are 0 (the only case taken here).
+_LAYOUTS = {
+    "compiled": (("self", "gridX", "gridY", "gridZ", "stream", "function"),
+                 frozenset(("launch", "launch_cooperative_grid", "launch_pdl",
+                            "global_scratch_size", "profile_scratch_size"))),
+    "generic": (("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+                 "launch_metadata", "launch_enter_hook", "launch_exit_hook"),
+                frozenset(("launch", "launch_cooperative_grid", "launch_pdl", "arg_annotations",
+                           "kernel_signature", "global_scratch_size", "profile_scratch_size"))),
+}
 
 
 def _c_launch(run: Any) -> tuple | None:
-    """``(launch, cooperative_grid, pdl, arg_annotations, kernel_signature)`` of a compiled
-    kernel's launcher when its ``__call__`` is Triton 3.6's (checked by its code's parameter
-    and attribute names) and it needs no scratch buffers: then
-    ``launch(gx, gy, gz, stream, function, cooperative_grid, pdl, packed_metadata, None,
-    None, None, None, None, arg_annotations, kernel_signature, args)`` is what ``__call__``
-    does, without its Python frame and scratch-allocation closure. ``None``: another
-    launcher; :class:`BoundLaunch` then calls ``run`` itself."""
+    """``(layout, launch, cooperative_grid, pdl, arg_annotations, kernel_signature)`` of a
+    compiled kernel's launcher whose ``__call__`` has one of the :data:`_LAYOUTS` (checked
+    by its code's parameter and attribute names) and needs no scratch buffers: calling
+    ``launch`` as that ``__call__`` does skips its Python frame and scratch-allocation
+    closure. ``None``: another launcher; :class:`BoundLaunch` then calls ``run`` itself."""
     code = getattr(vars(type(run)).get("__call__"), "__code__", None)
-    if (code is None or code.co_argcount != len(_LAUNCHER_PARAMS)
-            or code.co_varnames[:len(_LAUNCHER_PARAMS)] != _LAUNCHER_PARAMS
-            or not code.co_flags & 0x04  # *args
-            or not _LAUNCHER_NAMES.issubset(code.co_names)):
+    if code is None or not code.co_flags & 0x04:  # no *args
         return None
-    if not all(hasattr(run, a) for a in _LAUNCHER_NAMES):
+    names = frozenset(code.co_names)
+    for layout, (params, attrs) in _LAYOUTS.items():
+        if (code.co_argcount == len(params) and code.co_varnames[:len(params)] == params
+                and attrs.issubset(names)
+                and (layout == "generic" or "arg_annotations" not in names)):
+            break
+    else:
+        return None
+    if not all(hasattr(run, a) for a in attrs):
         return None
     if run.global_scratch_size or run.profile_scratch_size:
         return None
-    return (run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations,
-            run.kernel_signature)
+    return (layout, run.launch, run.launch_cooperative_grid, run.launch_pdl,
+            getattr(run, "arg_annotations", None), getattr(run, "kernel_signature", None))
 
 
 def _direct_state(runtime: Any) -> tuple | None:
@@ -505,8 +520,15 @@ def _direct_call(entry: tuple, grid: tuple, rest: tuple):
 
         def go(stream, tensors):
             run(g0, g1, g2, stream, function, meta, None, None, None, *tensors, *suffix)
+    elif raw[0] == "compiled":
+        c_launch, coop, pdl = raw[1:4]
+        head = (meta, None, None, None)
+
+        def go(stream, tensors):
+            c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, *head, *tensors,
+                     *suffix)
     else:
-        c_launch, coop, pdl, annotations, signature = raw
+        c_launch, coop, pdl, annotations, signature = raw[1:]
 
         def go(stream, tensors):
             c_launch(g0, g1, g2, stream, function, coop, pdl, meta, None, None, None, None,
