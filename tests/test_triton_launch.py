@@ -533,3 +533,53 @@ def test_tensors_on_another_device_launch_there_on_its_current_stream():
         torch.cuda.set_device(0)
     assert torch.equal(got_gemm, want_gemm)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _ready_batch():
+    """A LaunchBatch made ready in this thread with the stand-in runtime (device 0)."""
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.device, batch.state = 0, triton_launch._direct_state(batch.runtime)
+    batch.begin(torch.device("cuda", 0))
+    return batch
+
+
+def test_bound_launch_passes_only_the_tensors_while_its_batch_is_ready():
+    """A bound site's later calls go to its bound launch with this thread's stream and the
+    tensors; a tensor not 16-byte aligned, another thread, a stale launch state or the
+    variable set to 0 launch the normal way."""
+    import copy
+    import threading
+
+    batch = _ready_batch()
+    assert batch.ready and batch.local.stream == 1234
+    kernel = _Kernel()
+    site = triton_launch.BoundLaunch(kernel, (3,), (7,), {"BLOCK": 16, "FLAG": True}, batch)
+    calls = []
+    site.go = lambda stream, tensors: calls.append((stream, tensors))
+    site.launcher = SimpleNamespace(bound=0)
+    x, out = torch.zeros(8), torch.zeros(8)
+    site(x, out)
+    assert calls == [(1234, (x, out))] and site.launcher.bound == 1 and kernel.log == []
+    site(torch.zeros(9)[1:], out)  # misaligned: the normal launch
+    assert len(calls) == 1 and [e[0] for e in kernel.log] == ["normal"]
+    other = []
+    t = threading.Thread(target=lambda: other.append(batch.ready))
+    t.start()
+    t.join()
+    assert other == [False]  # what begin found is this thread's
+    batch.runtime.rt.debug = True  # an option the compiled kernel depends on changed
+    batch.begin(torch.device("cuda", 0))
+    assert not batch.ready
+    batch.runtime.rt.debug = False
+    batch.begin(torch.device("cuda", 1))  # another device than the bound one
+    assert not batch.ready
+    copied = copy.deepcopy(site)
+    assert copied.go is None and copied.batch is not batch and not copied.batch.ready
+
+
+def test_launch_batch_is_off_with_the_variable_off(monkeypatch):
+    monkeypatch.setenv("TE_OPS_TRITON_DIRECT_LAUNCH", "0")
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.device, batch.state = 0, ("anything",)
+    batch.begin(torch.device("cuda", 0))
+    assert not batch.ready and triton_launch._direct_state(batch.runtime) is None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from typing import Any
 
 import torch
@@ -412,7 +413,8 @@ class LaunchBatch:
     and instrumentation options), the bound kernels' pre-run hooks and globals, the current
     device and its current stream, so a :class:`BoundLaunch` checks per call only the
     alignment of its tensors. No user code runs between ``begin`` and the launches it
-    covers.
+    covers. What ``begin`` finds is kept per thread (the backward runs on autograd's device
+    thread; another thread's forward cannot hand it its stream).
     """
 
     def __init__(self, runtime: Any = None) -> None:
@@ -420,13 +422,22 @@ class LaunchBatch:
         self.kernels: list[Any] = []
         self.state: tuple | None = None
         self.device: int | None = None
-        self.ready = False
-        self.stream: Any = None
+        self.local = threading.local()  # .stream: the stream to launch on, None: not ready
+
+    def __deepcopy__(self, memo: dict) -> LaunchBatch:
+        """A copy (``copy.deepcopy`` of a block after fast-path calls) starts unbound: its
+        sites bind again on their first launch."""
+        return LaunchBatch(self.runtime)
+
+    @property
+    def ready(self) -> bool:
+        """Whether bound launches launch directly in this thread now."""
+        return getattr(self.local, "stream", None) is not None
 
     def begin(self, device: torch.device) -> None:
         """Before the bound launches of one forward or backward on ``device``: whether they
-        launch directly (``ready``) and on which stream."""
-        self.ready = False
+        launch directly (:attr:`ready`) and on which stream (this thread's)."""
+        self.local.stream = None
         if device.type != "cuda" or self.device is None or device.index != self.device:
             return
         if self.runtime.device() != self.device:
@@ -437,8 +448,7 @@ class LaunchBatch:
         for k in self.kernels:
             if k.pre_run_hooks or (k.used_global_vals and _globals_changed(k.used_global_vals)):
                 return
-        self.stream = self.runtime.stream(self.device)
-        self.ready = True
+        self.local.stream = self.runtime.stream(self.device)
 
     def _admit(self, kernel: Any, device: int) -> bool:
         """Whether a launch of ``kernel`` on ``device`` may be bound in this batch (one
@@ -459,6 +469,7 @@ class BoundLaunch:
 
     The first call launches the normal way (:func:`launch`) and then binds the compiled
     kernel that :class:`DirectLauncher` cached for it; later calls, while ``batch.ready``
+    in the calling thread
     (:meth:`LaunchBatch.begin`) and every tensor is 16-byte aligned, call the compiled
     kernel's launcher directly (its C launch function when :func:`_c_launch` recognises it)
     with the same arguments the direct launch passes. Anything else takes :func:`launch`,
@@ -478,12 +489,20 @@ class BoundLaunch:
         self.go: Any = None
         self.launcher: DirectLauncher | None = None
 
+    def __deepcopy__(self, memo: dict) -> BoundLaunch:
+        """An unbound copy in the copied batch (the compiled kernel is not copied)."""
+        import copy
+
+        return BoundLaunch(self.kernel, self.grid, self.rest, dict(self.kwargs),
+                           copy.deepcopy(self.batch, memo))
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         go = self.go
-        if (go is not None and self.batch.ready
+        stream = getattr(self.batch.local, "stream", None)
+        if (go is not None and stream is not None
                 and not functools.reduce(operator.or_, map(_DATA_PTR, tensors)) & 15):
             self.launcher.bound += 1
-            go(self.batch.stream, tensors)
+            go(stream, tensors)
             return
         launch(self.kernel, self.grid, *tensors, *self.rest, **self.kwargs)
         if go is None:
