@@ -53,8 +53,10 @@ from .fused.fc1_epilogue import fc1_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
-from .kernels.grouped_gemm_triton import rows_eager, wgrad_eager
-from .kernels.grouped_mlp_triton import fc1_swiglu_eager
+from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
+from .kernels.grouped_mlp_triton import BoundFc1Swiglu
+from .kernels.split_table import BoundSplitTable
+from .kernels.triton_launch import LaunchBatch
 from .quantization.autocast import current_recipe
 from .shapes import rows_2d
 from .splits import GroupedSplits, make_splits
@@ -78,60 +80,61 @@ def _op_settings(fc1: GroupedLinear, act: SwiGLU, fc2: GroupedLinear) -> tuple:
             act.recompute_input)
 
 
-def _gemm_calls(backend: Any, eager: bool = True) -> tuple:
+def _gemm_calls(backend: Any, batch: LaunchBatch | None = None) -> tuple:
     """``fprop(x, w, splits)``, ``dgrad(dy, w, splits)``, ``wgrad(x, dy, splits)``: the calls
     ``grouped_fprop`` / ``grouped_dgrad`` / ``grouped_wgrad`` make for ``backend`` (no recipe:
-    no quantized operand). The kinds it runs in Triton go to the kernels' eager entry points
-    without the argument checks (the call's key holds every checked shape, dtype and device,
-    and a call with that key passed the checks on the general path); same kernels, configs
-    and bits. ``eager=False``: always the dispatching calls (their Triton kinds become
-    ``torch.compile``'s custom ops while a trace runs)."""
-    kinds = backend.triton_kinds if eager else ()
+    no quantized operand). With a ``batch``, the kinds it runs in Triton are bound call sites
+    of the kernels (``BoundRows`` / ``BoundWgrad``: the eager entry points' kernels, configs
+    and bits without the per-call argument checks, config and launch binding, which the
+    call's key proves: a call with that key passed the checks on the general path). Without
+    one: always the dispatching calls (their Triton kinds become ``torch.compile``'s custom
+    ops while a trace runs)."""
+    kinds = backend.triton_kinds if batch is not None else ()
 
-    def fprop(x, w, splits):
-        return rows_eager("fprop", x, w, splits.offsets)
+    def bound(kind, call):
+        if kind not in kinds:
+            return functools.partial(call, backend=backend)
+        site = BoundWgrad(batch) if kind == "wgrad" else BoundRows(kind, batch)
 
-    def dgrad(dy, w, splits):
-        return rows_eager("dgrad", dy, w, splits.offsets)
+        def run(a, b, splits):
+            return site(a, b, splits.offsets)
+        return run
 
-    def wgrad(x, dy, splits):
-        return wgrad_eager(x, dy, splits.offsets)
-
-    return (fprop if "fprop" in kinds else functools.partial(grouped_fprop, backend=backend),
-            dgrad if "dgrad" in kinds else functools.partial(grouped_dgrad, backend=backend),
-            wgrad if "wgrad" in kinds else functools.partial(grouped_wgrad, backend=backend))
+    return (bound("fprop", grouped_fprop), bound("dgrad", grouped_dgrad),
+            bound("wgrad", grouped_wgrad))
 
 
-def _activation_calls(backend: Any, interleave: int | None, eager: bool = True) -> tuple:
+def _activation_calls(backend: Any, interleave: int | None,
+                      batch: LaunchBatch | None = None) -> tuple:
     """``forward(h, probs)`` and ``backward(h, dy, probs) -> (dh over h, dprobs, output)``:
     the calls ``swiglu_forward`` / ``swiglu_backward(with_output=True, grad_into_input=True,
-    output_into_grad=True)`` make for ``backend`` (Triton: the kernels' eager entry points,
-    without the trace test; the fast path's forward never runs under a trace, its backward
-    does under compiled autograd: ``eager=False`` gives the dispatching calls for that)."""
-    if eager and backend.name == "triton":
-        def forward(h, probs):
-            return swiglu_triton.forward_eager(h, probs)
+    output_into_grad=True)`` make for ``backend`` (Triton with a ``batch``: bound call sites
+    of the kernels, without the trace test; the fast path's forward never runs under a trace,
+    its backward does under compiled autograd: no ``batch`` gives the dispatching calls for
+    that)."""
+    if batch is not None and backend.name == "triton":
+        return swiglu_triton.BoundForward(batch), swiglu_triton.BoundBackward(batch)
 
-        def backward(h, dy, probs):
-            return swiglu_triton.backward_eager(h, dy, probs, True, True)
-    else:
-        def forward(h, probs):
-            return swiglu_forward(h, interleave, probs, backend)
+    def forward(h, probs):
+        return swiglu_forward(h, interleave, probs, backend)
 
-        def backward(h, dy, probs):
-            return swiglu_backward(h, dy, interleave, probs, with_output=True, backend=backend,
-                                   grad_into_input=True, output_into_grad=True)
+    def backward(h, dy, probs):
+        return swiglu_backward(h, dy, interleave, probs, with_output=True, backend=backend,
+                               grad_into_input=True, output_into_grad=True)
     return forward, backward
 
 
-def _fc1_activation_call(fprop1: Any, act_forward: Any, epilogue: bool) -> Any:
+def _fc1_activation_call(fprop1: Any, act_forward: Any, epilogue: bool,
+                         batch: LaunchBatch) -> Any:
     """``fc1_act(x, w1, splits, probs) -> (h, a)``: fc1's fprop and the activation forward as
     the general path ran them for the recorded call (``epilogue``: one fused Triton launch,
-    ``fused/fc1_epilogue.py``; else the two calls)."""
+    ``fused/fc1_epilogue.py``, through a bound call site of ``batch``; else the two calls)."""
     if epilogue:
+        site = BoundFc1Swiglu(batch)
+
         def fc1_act(x, w1, splits, probs):
-            return fc1_swiglu_eager(x.contiguous(), w1, splits.offsets,
-                                    None if probs is None else probs.contiguous())
+            return site(x.contiguous(), w1, splits.offsets,
+                        None if probs is None else probs.contiguous())
     else:
         def fc1_act(x, w1, splits, probs):
             h = fprop1(x, w1, splits)
@@ -168,17 +171,22 @@ class FastStep:
         self.backend1 = backend1
         self.backend_act = backend_act
         self.backend2 = backend2
-        self.fprop1, self.dgrad1, self.wgrad1 = _gemm_calls(backend1)
-        self.fprop2, self.dgrad2, self.wgrad2 = _gemm_calls(backend2)
+        # Bound kernel call sites (te_ops/kernels/triton_launch.py): one launch batch per
+        # recorded call, checked once per forward and per backward (LaunchBatch.begin).
+        self.launches = LaunchBatch()
+        self.split_table = BoundSplitTable(self.launches)
+        self.fprop1, self.dgrad1, self.wgrad1 = _gemm_calls(backend1, self.launches)
+        self.fprop2, self.dgrad2, self.wgrad2 = _gemm_calls(backend2, self.launches)
         self.act_forward, self.act_backward = _activation_calls(
-            backend_act, self.ops[1].glu_interleave_size)
-        self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue)
+            backend_act, self.ops[1].glu_interleave_size, self.launches)
+        self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue,
+                                            self.launches)
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
         # ones, whose Triton kinds are custom ops under a trace (the eager entry points would
         # trace into the direct launcher: a graph break, an error under fullgraph).
         self.traced_backward_calls = (
-            *_gemm_calls(backend1, eager=False)[1:], *_gemm_calls(backend2, eager=False)[1:],
-            _activation_calls(backend_act, self.ops[1].glu_interleave_size, eager=False)[1])
+            *_gemm_calls(backend1)[1:], *_gemm_calls(backend2)[1:],
+            _activation_calls(backend_act, self.ops[1].glu_interleave_size)[1])
 
     def call_key(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
         """The key of a call (``None`` when its form cannot take the fast path)."""
@@ -235,7 +243,16 @@ class FastStep:
         if not all(map(_REQUIRES_GRAD, self.params)):
             return None
         probs = extra_inputs[1] if self.scaled else None
-        return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
+        if device_type == "cuda":
+            self.launches.begin(input_.device)
+        try:
+            return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
+        except ValueError:
+            # A check the key does not cover failed: e.g. a per-group weight after the first
+            # cast or moved alone (the key holds the first weight's dtype and device; stacking
+            # the others checks them, as on the general path). The general path then runs and
+            # raises its own error; nothing of the fast forward outlives it.
+            return None
 
 
 def fast_step_reason(fuser: Any, plan: Any, input_: Any, groups: list, recipe: Any,
@@ -329,7 +346,8 @@ class _FastGroupedMLP(torch.autograd.Function):
     def forward(ctx, input_, step, split_sizes, probs, *params):
         fc1, act, fc2 = step.ops
         rows = input_.shape[0]
-        splits = make_splits(split_sizes, fc1.num_groups, rows, input_.device)
+        splits = make_splits(split_sizes, fc1.num_groups, rows, input_.device,
+                             table=step.split_table)
         single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
         x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
         w1 = stacked(step.weights1, single1)
@@ -363,6 +381,8 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     if tracing():  # compiled autograd traces this backward
         dgrad1_fn, wgrad1_fn, dgrad2_fn, wgrad2_fn, act_fn = step.traced_backward_calls
     else:
+        if grad_output.is_cuda:
+            step.launches.begin(grad_output.device)
         dgrad1_fn, wgrad1_fn, dgrad2_fn, wgrad2_fn, act_fn = (
             step.dgrad1, step.wgrad1, step.dgrad2, step.wgrad2, step.act_backward)
     fc1, _, fc2 = step.ops

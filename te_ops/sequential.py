@@ -183,8 +183,15 @@ class Sequential(torch.nn.Module):
             groups.append(OperationFuser(run))
         self.__dict__["_fuser_groups"] = groups
         self.__dict__["_hooked"] = hooked
-        self.__dict__["_signature"] = CallSignature(
+        signature = CallSignature(
             [b for g in groups if isinstance(g, OperationFuser) for b in g.basic_ops])
+        self.__dict__["_signature"] = signature
+        # One fuser over every op, called as itself, no extra outputs (the MoE block): forward
+        # passes it the call's inputs as they are (what the per-op split would rebuild).
+        only = groups[0] if len(groups) == 1 and isinstance(groups[0], OperationFuser) else None
+        self.__dict__["_only_fuser"] = (
+            (only, signature.total) if only is not None and not hooked
+            and not sum(only.num_extra_outputs) else None)
         return groups
 
     @staticmethod
@@ -217,6 +224,9 @@ class Sequential(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
         groups = self._groups()
+        only = self.__dict__.get("_only_fuser")  # built by _groups()
+        if only is not None and len(extra_inputs) == only[1]:
+            return only[0](input_, *extra_inputs)
         per_op = iter(self.__dict__["_signature"].split(extra_inputs))  # built by _groups()
         x = input_
         extra_outputs: list[torch.Tensor] = []

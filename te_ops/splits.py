@@ -253,7 +253,7 @@ def check_split_sizes_type(split_sizes, num_groups: int, device: torch.device,
 
 
 def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.device,
-                name: str = "split_sizes") -> GroupedSplits:
+                name: str = "split_sizes", table=split_table) -> GroupedSplits:
     """Validate split sizes and derive offsets and per-row group ids on ``device``.
 
     Parameters
@@ -266,6 +266,9 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         Rows of the input (``x.shape[0]``); the sizes may sum to fewer (padding rows).
     device : torch.device
         The input's device.
+    table : callable
+        :func:`~te_ops.kernels.split_table.split_table` or a stand-in with its signature and
+        values (``te_ops.fast_step`` passes a ``BoundSplitTable``).
 
     Raises
     ------
@@ -282,8 +285,8 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         check_host = env.read_bool("TE_OPS_CHECK_SPLIT_SIZES")
         # offsets (int64 and int32), int64 sizes and the validity flag: one Triton launch on
         # CUDA, torch ops elsewhere (te_ops/kernels/split_table.py).
-        base_offsets, ends, sizes, offsets, valid = split_table(split_sizes, num_rows,
-                                                                check=not check_host)
+        base_offsets, ends, sizes, offsets, valid = table(split_sizes, num_rows,
+                                                          check=not check_host)
         if check_host:
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)

@@ -458,36 +458,41 @@ def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
     assert _same(got[1:], e_grads)
 
 
-def test_fast_path_binds_the_triton_kinds_to_the_eager_entry_points(monkeypatch):
-    """The kinds a backend runs in Triton call the kernels' eager entry points (same launch
-    wrappers as triton_fprop / ..., without the per-call checks), the others the dispatch with
-    the recorded backend; the CUDA tests compare the bits."""
+def test_fast_path_binds_the_triton_kinds_to_bound_call_sites(monkeypatch):
+    """The kinds a backend runs in Triton call bound call sites of the kernels (same launch
+    wrappers' kernels and configs, without the per-call checks; one launch batch per recorded
+    call), the others the dispatch with the recorded backend; the CUDA tests compare the
+    bits."""
     from te_ops import fast_step
     from te_ops.kernels.grouped_gemm import BackendChoice
     from te_ops.kernels.swiglu_triton import ActivationChoice
+    from te_ops.kernels.triton_launch import LaunchBatch
 
     calls = []
-    monkeypatch.setattr(fast_step, "rows_eager", lambda kind, a, w, off: calls.append(
-        (kind, a, w, off)))
-    monkeypatch.setattr(fast_step, "wgrad_eager", lambda x, dy, off: calls.append(
-        ("wgrad", x, dy, off)))
+
+    class Site:
+        def __init__(self, *args):
+            self.made = args
+
+        def __call__(self, a, b, offsets):
+            calls.append((*self.made[:-1], a, b, offsets, self.made[-1]))
+
+    monkeypatch.setattr(fast_step, "BoundRows", Site)
+    monkeypatch.setattr(fast_step, "BoundWgrad", lambda batch: Site("wgrad", batch))
     monkeypatch.setattr(fast_step, "grouped_dgrad", lambda dy, w, splits, backend: calls.append(
         ("dgrad-dispatch", backend)))
     backend = BackendChoice("triton", "test", True, triton_kinds=("fprop", "wgrad"))
-    fprop, dgrad, wgrad = fast_step._gemm_calls(backend)
+    batch = LaunchBatch()
+    fprop, dgrad, wgrad = fast_step._gemm_calls(backend, batch)
     splits = type("S", (), {"offsets": "OFFS"})()
     fprop("X", "W", splits)
     dgrad("DY", "W", splits)
     wgrad("X", "DY", splits)
-    assert calls == [("fprop", "X", "W", "OFFS"), ("dgrad-dispatch", backend),
-                     ("wgrad", "X", "DY", "OFFS")]
-    monkeypatch.setattr(fast_step.swiglu_triton, "forward_eager", lambda h, p: ("fwd", h, p))
-    monkeypatch.setattr(fast_step.swiglu_triton, "backward_eager",
-                        lambda h, dy, p, write_output, grad_into_input: (
-                            "bwd", write_output, grad_into_input))
-    fwd, bwd = fast_step._activation_calls(ActivationChoice("triton", "test"), None)
-    assert fwd("H", "P") == ("fwd", "H", "P")
-    assert bwd("H", "DY", "P") == ("bwd", True, True)
+    assert calls == [("fprop", "X", "W", "OFFS", batch), ("dgrad-dispatch", backend),
+                     ("wgrad", "X", "DY", "OFFS", batch)]
+    fwd, bwd = fast_step._activation_calls(ActivationChoice("triton", "test"), None, batch)
+    assert type(fwd) is fast_step.swiglu_triton.BoundForward and fwd.batch is batch
+    assert type(bwd) is fast_step.swiglu_triton.BoundBackward and bwd.batch is batch
 
 
 def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
@@ -500,16 +505,15 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     from te_ops.kernels.grouped_gemm import BackendChoice
     from te_ops.kernels.swiglu_triton import ActivationChoice
 
-    # The binding: every Triton kind of the backend goes to the dispatch with eager=False.
+    # Without a launch batch, every Triton kind of the backend goes to the dispatch.
     calls = []
     for name in ("grouped_fprop", "grouped_dgrad", "grouped_wgrad"):
         monkeypatch.setattr(fast_step, name, lambda *a, backend, _n=name: calls.append(_n))
     monkeypatch.setattr(fast_step, "swiglu_backward", lambda *a, **k: calls.append("act"))
     backend = BackendChoice("triton", "test", True, triton_kinds=("fprop", "dgrad", "wgrad"))
-    for f in fast_step._gemm_calls(backend, eager=False):
+    for f in fast_step._gemm_calls(backend):
         f("A", "B", None)
-    fast_step._activation_calls(ActivationChoice("triton", "test"), None, eager=False)[1](
-        "H", "DY", "P")
+    fast_step._activation_calls(ActivationChoice("triton", "test"), None)[1]("H", "DY", "P")
     assert calls == ["grouped_fprop", "grouped_dgrad", "grouped_wgrad", "act"]
     monkeypatch.undo()
 
@@ -532,3 +536,40 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     monkeypatch.setattr(fast_step, "tracing", lambda: False)
     with pytest.raises(AssertionError, match="eager entry point"):
         _step(block, x, probs, split)
+
+
+@pytest.mark.parametrize("layer,index", [(0, 2), (2, 3), (0, 0)])
+def test_a_per_group_weight_cast_alone_takes_the_general_path_and_its_error(monkeypatch, layer,
+                                                                           index):
+    """Casting one per-expert weight (not only the first, which the key holds) sends the
+    call to the general path, which names the weight, instead of running the fast path's
+    kernels on a promoted stack (on CUDA: a Triton compile of mixed dtypes)."""
+    from te_ops import fuser as fuser_mod
+
+    torch.manual_seed(0)
+    block = _block(False)
+    x, probs, split = _inputs()
+    assert [_step(block, x, probs, split) for _ in range(2)][-1][2]
+    w = getattr(block[layer], f"weight{index}")
+    w.data = w.data.to(torch.float64)
+    general = []
+    run = fuser_mod.OperationFuser._run
+    monkeypatch.setattr(fuser_mod.OperationFuser, "_run",
+                        lambda self, *a, **k: general.append(1) or run(self, *a, **k))
+    match = "weights\\[" + str(index) + "\\]" if index else "weights' dtype"
+    with pytest.raises(ValueError, match=match):
+        block(*_args(block, x, probs, split))
+    assert general == [1]
+    w.data = w.data.to(torch.float32)  # cast back: the fast path again, same results
+    assert _step(block, x, probs, split)[2]
+
+
+def test_stacking_per_group_weights_of_mixed_dtype_names_the_weight():
+    """The kind behind the fast path's fault: torch.stack promoted mixed dtypes silently."""
+    from te_ops.kernels.grouped_gemm import stack_weights
+
+    ws = [torch.zeros(3, 2) for _ in range(4)]
+    ws[1] = ws[1].to(torch.float64)
+    with pytest.raises(ValueError, match="weights\\[1\\] is torch.float64 on cpu, expected "
+                                         "torch.float32"):
+        stack_weights(ws)

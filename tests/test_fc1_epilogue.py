@@ -105,18 +105,29 @@ def test_argument_errors_name_the_argument():
 
 
 def test_fast_path_binds_the_fused_launch(monkeypatch):
-    """With the epilogue recorded, the fast path's forward calls the fused kernel's eager
-    entry point once (not fc1's fprop and the activation); without it, the two calls."""
+    """With the epilogue recorded, the fast path's forward calls one bound site of the fused
+    kernel (not fc1's fprop and the activation); without it, the two calls."""
     from te_ops import fast_step
+    from te_ops.kernels.triton_launch import LaunchBatch
 
     calls = []
-    monkeypatch.setattr(fast_step, "fc1_swiglu_eager",
-                        lambda x, w, off, p: calls.append(("fused", p)) or ("h", "a"))
-    fused = fast_step._fc1_activation_call(None, None, True)
+
+    class Site:
+        def __init__(self, batch):
+            self.batch = batch
+
+        def __call__(self, x, w, off, p):
+            calls.append(("fused", self.batch, p))
+            return "h", "a"
+
+    monkeypatch.setattr(fast_step, "BoundFc1Swiglu", Site)
+    batch = LaunchBatch()
+    fused = fast_step._fc1_activation_call(None, None, True, batch)
     splits = type("S", (), {"offsets": torch.tensor([1])})()
     assert fused(torch.zeros(2, 2), None, splits, torch.ones(2)) == ("h", "a")
-    assert calls[0][0] == "fused" and torch.equal(calls[0][1], torch.ones(2))
-    two = fast_step._fc1_activation_call(lambda x, w, s: x + 1, lambda h, p: h * p, False)
+    assert calls[0][:2] == ("fused", batch) and torch.equal(calls[0][2], torch.ones(2))
+    two = fast_step._fc1_activation_call(lambda x, w, s: x + 1, lambda h, p: h * p, False,
+                                         batch)
     h, a = two(torch.zeros(2), None, None, torch.full((2,), 3.0))
     assert torch.equal(h, torch.ones(2)) and torch.equal(a, torch.full((2,), 3.0))
 

@@ -277,3 +277,26 @@ def test_standalone_grouped_linear_to_float64(device):
     expected = ref.grouped_linear(x, [w.detach() for w in lin.weights()],
                                   [b.detach() for b in lin.biases()], SIZES)
     assert_close(y, expected, torch.float64, "output")
+
+
+def test_one_fuser_block_passes_its_inputs_straight_through(monkeypatch):
+    """A block that is one fuser over all its ops hands the call's inputs to it unchanged;
+    a wrong count still raises the split's error, and an op given a hook afterwards runs
+    through the per-op path (its hook runs)."""
+    torch.manual_seed(0)
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 4, 6, bias=False), te_ops.ScaledSwiGLU(),
+                              te_ops.GroupedLinear(2, 3, 4, bias=False))
+    fuser = block.fusers()[0]
+    x, probs, split = torch.randn(5, 4), torch.rand(5), torch.tensor([2, 3])
+    seen = []
+    call = type(fuser).__call__
+    monkeypatch.setattr(type(fuser), "__call__",
+                        lambda self, *a, **k: seen.append(a) or call(self, *a, **k))
+    out = block(x, split, probs, split)
+    assert len(seen) == 1 and seen[0][0] is x and seen[0][1:] == (split, probs, split)
+    with pytest.raises(ValueError, match="expected 3 extra inputs"):
+        block(x, split, probs)
+    hooked = []
+    block[1].register_forward_hook(lambda *a: hooked.append(1))
+    again = block(x, split, probs, split)
+    assert hooked == [1] and torch.equal(again, out)

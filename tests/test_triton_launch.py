@@ -89,7 +89,7 @@ def test_second_call_launches_the_cached_kernel_with_the_bound_arguments():
     # hooks, then every parameter in signature order (constexprs included; options not)
     assert a[:9] == (3, 2, 1, 1234, "fn-handle", "packed", None, None, None)
     assert a[9] is x and a[10] is out and a[11:] == (7, 16, True)
-    assert launcher.stats() == {"direct": 1, "normal": 1, "keys": 1,
+    assert launcher.stats() == {"direct": 1, "normal": 1, "bound": 0, "keys": 1,
                                 "last_fallback": "first launch of this key"}
 
 
@@ -212,14 +212,16 @@ def test_other_kernel_objects_launch_normally():
 
 
 @pytest.mark.cuda
-def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch):
-    """The fast path's Triton kernels (GEMMs and SwiGLU) launch from the cache, with the
-    same bits as JITFunction.run's launches."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("epilogue", ["0", "1"])
+def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch, epilogue):
+    """The fast path's Triton kernels (GEMMs, SwiGLU or fc1 with the SwiGLU epilogue, split
+    table) launch from the cache, with the same bits as JITFunction.run's launches."""
+    triton = pytest.importorskip("triton")
     import te_ops
-    from te_ops.kernels import grouped_gemm_triton, swiglu_triton
+    from te_ops.kernels import grouped_gemm_triton, grouped_mlp_triton, split_table, swiglu_triton
 
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", epilogue)
     torch.manual_seed(0)
     groups, hidden, ffn, rows = 8, 64, 32, 32
     kw = {"bias": False, "single_grouped_weight": True, "device": "cuda",
@@ -241,18 +243,46 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch)
         return [t.clone() for t in (out, x.grad, probs.grad, *[p.grad for p in
                                                                block.parameters()])]
 
+    forward_kernel = (grouped_mlp_triton._fc1_swiglu_kernel if epilogue == "1"
+                      else swiglu_triton._fwd_kernel)
     kernels = (grouped_gemm_triton._rows_kernel, grouped_gemm_triton._wgrad_kernel,
-               swiglu_triton._fwd_kernel, swiglu_triton._bwd_kernel)
+               forward_kernel, swiglu_triton._bwd_kernel)
+    kernels = (*kernels, split_table._split_table_kernel)
     monkeypatch.setenv("TE_OPS_TRITON_DIRECT_LAUNCH", "0")
     ref = [step() for _ in range(2)][-1]
+    bound = {k: triton_launch.direct_launcher(k).bound for k in kernels}
+    ref_again = [step() for _ in range(2)][-1]  # the fast path, bound sites launch normally
+    assert {k: triton_launch.direct_launcher(k).bound for k in kernels} == bound
     monkeypatch.delenv("TE_OPS_TRITON_DIRECT_LAUNCH")
-    before = {k: triton_launch.direct_launcher(k).direct for k in kernels}
     got = [step() for _ in range(3)][-1]
     torch.cuda.synchronize()
-    for k in kernels:
-        assert triton_launch.direct_launcher(k).direct > before[k], triton_launch.direct_launcher(
+    for k in kernels:  # every launch of the fast path's step from a bound call site
+        assert triton_launch.direct_launcher(k).bound > bound[k], triton_launch.direct_launcher(
             k).stats()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, ref_again))
+    if triton.__version__ == "3.6.0":  # the device machine's: its launcher layout is known
+        entries = [e for k in kernels for e in triton_launch.direct_launcher(k).cache.values()
+                   if e is not None]
+        assert entries and all(triton_launch._c_launch(c.run) is not None for c, _ in entries)
+    # a hook installed between steps (the Triton profiler's kind) turns bound launches off
+    rt = triton.knobs.runtime
+    saved = rt.launch_enter_hook
+    seen = []
+    record = seen.append
+    chain = hasattr(saved, "add") and hasattr(saved, "remove")  # Triton's HookChain
+    if chain:
+        saved.add(record)
+    else:
+        rt.launch_enter_hook = record
+    try:
+        hooked = step()
+    finally:
+        if chain:
+            saved.remove(record)
+        else:
+            rt.launch_enter_hook = saved
+    assert len(seen) >= 9 and all(torch.equal(a, b) for a, b in zip(ref, hooked))
 
 
 def test_grid_helpers_match_their_definitions():
@@ -334,3 +364,226 @@ def test_grids_other_than_tuples_launch_normally(kind):
         _call(launcher, x, out, grid=grid)
     assert [e[0] for e in kernel.log] == ["normal"] * 3 and kernel.log[-1][1] is grid
     assert launcher.last_fallback == "a grid that is not a tuple"
+
+
+def test_a_launch_runs_with_the_tensors_device_current(monkeypatch):
+    """Triton launches on the current device: a call whose tensors live on another CUDA
+    device makes theirs current around the launch (CPU stand-ins for the device calls)."""
+    events = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            events.append(("enter", self.index))
+
+        def __exit__(self, *exc):
+            events.append(("exit", self.index))
+
+    kernel = _Kernel()
+
+    def record(grid):
+        events.append(("launch", grid))
+        return lambda *a, **k: None
+
+    kernel.__getitem__ = record
+    monkeypatch.setattr(type(kernel), "__getitem__", lambda self, grid: record(grid))
+    monkeypatch.setattr(triton_launch.torch.cuda, "device", Guard)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 1)
+    triton_launch.launch(kernel, (2,), torch.zeros(4), 3, BLOCK=16)
+    assert events == [("enter", 1), ("launch", (2,)), ("exit", 1)]
+    events.clear()
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 0)
+    triton_launch.launch(kernel, (2,), torch.zeros(4), 3, BLOCK=16)
+    assert events == [("launch", (2,))]
+
+
+def test_cuda_index_of_cpu_tensors_is_none():
+    assert triton_launch._cuda_index((torch.zeros(2), 3)) is None
+    assert triton_launch._cuda_index((3, 4.0)) is None
+
+
+def test_c_launch_is_used_only_for_the_known_launcher_layouts():
+    """The bound launch calls the C launch function only for the known layouts of Triton's
+    ``CudaLauncher.__call__`` (3.5-3.6's compiled launcher, the later generic one) without
+    scratch buffers; any other launcher is called as it is."""
+
+    class Compiled:  # Triton 3.6.0's layout
+        launch, launch_cooperative_grid, launch_pdl = "C", False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                        self.launch_pdl, self.global_scratch_size, self.profile_scratch_size,
+                        *args)
+
+    class Generic:
+        launch, launch_cooperative_grid, launch_pdl = "G", False, False
+        arg_annotations, kernel_signature = "ann", "sig"
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                     launch_metadata, launch_enter_hook, launch_exit_hook, *args):
+            self.launch(gridX, self.launch_cooperative_grid, self.launch_pdl,
+                        self.arg_annotations, self.kernel_signature, self.global_scratch_size,
+                        self.profile_scratch_size)
+
+    assert triton_launch._c_launch(Compiled()) == ("compiled", "C", False, True, None, None)
+    assert triton_launch._c_launch(Generic()) == ("generic", "G", False, False, "ann", "sig")
+    scratch = Compiled()
+    scratch.global_scratch_size = 64
+    assert triton_launch._c_launch(scratch) is None
+
+    class Other:
+        def __call__(self, *args):
+            pass
+
+    assert triton_launch._c_launch(Other()) is None
+    assert triton_launch._c_launch(lambda *a: None) is None
+
+
+def test_launch_batch_is_not_ready_off_its_device():
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.begin(torch.device("cpu"))
+    assert not batch.ready
+    batch.begin(torch.device("cuda", 0))  # nothing bound yet: no device
+    assert not batch.ready
+
+
+def test_bound_launch_without_a_binding_launches_normally():
+    """A BoundLaunch of a kernel that cannot be launched directly (here a stand-in, as
+    wrap_triton's or the interpreter's kernels) launches the normal way on every call."""
+    kernel = _Kernel()
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    site = triton_launch.BoundLaunch(kernel, (3,), (7,), {"BLOCK": 16, "FLAG": True}, batch)
+    x, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(3):
+        site(x, out)
+    assert [e[0] for e in kernel.log] == ["normal"] * 3
+    assert kernel.log[-1][2][:2] == (x, out) and kernel.log[-1][2][2:] == (7,)
+    assert site.go is None
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_tensors_on_another_device_launch_there_on_its_current_stream():
+    """With cuda:0 current, te_ops' Triton kernels (general and fast path) given tensors on
+    cuda:1 launch on cuda:1 and on cuda:1's current stream: inputs written on a side stream
+    of cuda:1 behind a long sleep are read only after it (a launch on another stream would
+    read them before); results equal a run with cuda:1 current."""
+    pytest.importorskip("triton")
+    import te_ops
+    from te_ops.kernels import grouped_gemm_triton
+
+    torch.manual_seed(0)
+    groups, hidden, ffn, rows = 8, 64, 32, 32
+    dev = torch.device("cuda", 1)
+    kw = {"bias": False, "single_grouped_weight": True, "device": dev, "dtype": torch.bfloat16}
+
+    def make():
+        torch.manual_seed(0)
+        return te_ops.Sequential(te_ops.GroupedLinear(groups, hidden, 2 * ffn, **kw),
+                                 te_ops.ScaledSwiGLU(),
+                                 te_ops.GroupedLinear(groups, ffn, hidden, **kw))
+
+    split = torch.full((groups,), rows // groups, device=dev, dtype=torch.int64)
+    src = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+    probs = torch.rand(rows, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(groups, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16)
+    offsets = torch.cumsum(split, 0).to(torch.int32)
+
+    def run(block, make_x=src.clone):
+        x = make_x().requires_grad_()
+        out = block(x, split, probs, split)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), x.grad, *[p.grad for p in block.parameters()]]
+
+    with torch.cuda.device(1):
+        want_gemm = grouped_gemm_triton.triton_fprop(src, w, offsets)
+        ref_block = make()
+        want = [run(ref_block) for _ in range(3)][-1]
+    torch.cuda.synchronize(dev)
+
+    torch.cuda.set_device(0)
+    side = torch.cuda.Stream(dev)
+    torch.cuda.set_stream(side)  # cuda:1's current stream (this may make cuda:1 current)
+    torch.cuda.set_device(0)
+    try:
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_stream(dev) == side
+
+        def late():
+            """src, copied on cuda:1's side stream behind a long sleep (cuda:0 current
+            again after)."""
+            with torch.cuda.stream(side):
+                buf = torch.full_like(src, float("nan"))
+                torch.cuda._sleep(100_000_000)  # ~50 ms on an H200 before the copy
+                return buf.copy_(src)
+
+        got_gemm = grouped_gemm_triton.triton_fprop(late(), w, offsets)
+        assert torch.cuda.current_device() == 0
+        block = make()
+        got = [run(block, late) for _ in range(3)][-1]  # the third call: the fast path
+        assert type(block.fusers()[0].__dict__.get("_fast_step")).__name__ == "FastStep"
+        torch.cuda.synchronize(dev)
+    finally:
+        torch.cuda.set_stream(torch.cuda.default_stream(dev))
+        torch.cuda.set_device(0)
+    assert torch.equal(got_gemm, want_gemm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _ready_batch():
+    """A LaunchBatch made ready in this thread with the stand-in runtime (device 0)."""
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.device, batch.state = 0, triton_launch._direct_state(batch.runtime)
+    batch.begin(torch.device("cuda", 0))
+    return batch
+
+
+def test_bound_launch_passes_only_the_tensors_while_its_batch_is_ready():
+    """A bound site's later calls go to its bound launch with this thread's stream and the
+    tensors; a tensor not 16-byte aligned, another thread, a stale launch state or the
+    variable set to 0 launch the normal way."""
+    import copy
+    import threading
+
+    batch = _ready_batch()
+    assert batch.ready and batch.local.stream == 1234
+    kernel = _Kernel()
+    site = triton_launch.BoundLaunch(kernel, (3,), (7,), {"BLOCK": 16, "FLAG": True}, batch)
+    calls = []
+    site.go = lambda stream, tensors: calls.append((stream, tensors))
+    site.launcher = SimpleNamespace(bound=0)
+    x, out = torch.zeros(8), torch.zeros(8)
+    site(x, out)
+    assert calls == [(1234, (x, out))] and site.launcher.bound == 1 and kernel.log == []
+    site(torch.zeros(9)[1:], out)  # misaligned: the normal launch
+    assert len(calls) == 1 and [e[0] for e in kernel.log] == ["normal"]
+    other = []
+    t = threading.Thread(target=lambda: other.append(batch.ready))
+    t.start()
+    t.join()
+    assert other == [False]  # what begin found is this thread's
+    batch.runtime.rt.debug = True  # an option the compiled kernel depends on changed
+    batch.begin(torch.device("cuda", 0))
+    assert not batch.ready
+    batch.runtime.rt.debug = False
+    batch.begin(torch.device("cuda", 1))  # another device than the bound one
+    assert not batch.ready
+    copied = copy.deepcopy(site)
+    assert copied.go is None and copied.batch is not batch and not copied.batch.ready
+
+
+def test_launch_batch_is_off_with_the_variable_off(monkeypatch):
+    monkeypatch.setenv("TE_OPS_TRITON_DIRECT_LAUNCH", "0")
+    batch = triton_launch.LaunchBatch(runtime=_Runtime())
+    batch.device, batch.state = 0, ("anything",)
+    batch.begin(torch.device("cuda", 0))
+    assert not batch.ready and triton_launch._direct_state(batch.runtime) is None

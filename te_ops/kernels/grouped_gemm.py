@@ -302,6 +302,11 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
             raise ValueError(f"weights[{i}] has shape {tuple(w.shape)}, expected "
                              f"{tuple(w0.shape)} as weights[0]: the per-group parameters must "
                              f"all have one shape")
+        if w.dtype != w0.dtype or w.device != w0.device:
+            # torch.stack would promote the dtype (or fail on devices) without naming it.
+            raise ValueError(f"weights[{i}] is {w.dtype} on {w.device}, expected {w0.dtype} on "
+                             f"{w0.device} as weights[0]: the per-group parameters must all "
+                             f"have one dtype and device (was one cast or moved alone?)")
     return torch.stack(weights)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from typing import Any
 
 import torch
@@ -51,8 +52,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     JITFunction = None
 
-__all__ = ["MAX_KEYS", "DirectLauncher", "cdiv", "direct_launcher", "launch", "next_power_of_2",
-           "unsupported_reason"]
+__all__ = ["MAX_KEYS", "BoundLaunch", "DirectLauncher", "LaunchBatch", "cdiv",
+           "direct_launcher", "launch", "next_power_of_2", "unsupported_reason"]
 
 #: Options ``JITFunction.run`` accepts besides the kernel's parameters (the compile options of
 #: the CUDA backend that te_ops passes); any other keyword takes the normal launch.
@@ -175,13 +176,15 @@ class DirectLauncher:
         self.plans: dict[tuple, tuple | None] = {}
         self.direct = 0
         self.normal = 0
+        self.bound = 0  # launches of this kernel made by BoundLaunch
         self.last_fallback: str | None = self.reason
 
     def stats(self) -> dict[str, Any]:
         """Launch counts: ``direct`` (from the cache), ``normal`` (``JITFunction.run``),
-        ``keys`` cached, ``last_fallback`` (why the last normal launch was one)."""
-        return {"direct": self.direct, "normal": self.normal, "keys": len(self.cache),
-                "last_fallback": self.last_fallback}
+        ``bound`` (by a :class:`BoundLaunch`), ``keys`` cached, ``last_fallback`` (why the last
+        normal launch was one)."""
+        return {"direct": self.direct, "normal": self.normal, "bound": self.bound,
+                "keys": len(self.cache), "last_fallback": self.last_fallback}
 
     def _fallback(self, why: str, grid: tuple, args: tuple, kwargs: dict) -> Any:
         self.normal += 1
@@ -226,12 +229,7 @@ class DirectLauncher:
             # (and it would keep the tensor alive); other values may be unhashable.
             return self._fallback("a keyword argument of another kind", grid, args, kwargs)
         device = self.runtime.device()
-        comp = knobs.compilation
-        # Values with their types: True == 1 == 1.0 (one hash), which Triton compiles apart.
-        key = (grid, device, types, plan[1](args), tuple(map(_DTYPE, tensors)),
-               tuple(kwargs.items()), kw_types, rt.debug,
-               getattr(comp, "instrumentation_mode", None),
-               getattr(comp, "fpsan_homomorphic_casts", None))
+        key = self._key(grid, device, types, plan, args, tensors, kwargs, kw_types, knobs)
         entry = self.cache.get(key, False)
         if entry is False:
             compiled = self._fallback("first launch of this key", grid, args, kwargs)
@@ -248,6 +246,31 @@ class DirectLauncher:
         compiled.run(grid[0], g1, g2, self.runtime.stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
         return None
+
+    @staticmethod
+    def _key(grid: tuple, device: int, types: tuple, plan: tuple, args: tuple, tensors: tuple,
+             kwargs: dict, kw_types: tuple, knobs: Any) -> tuple:
+        comp = knobs.compilation
+        # Values with their types: True == 1 == 1.0 (one hash), which Triton compiles apart.
+        return (grid, device, types, plan[1](args), tuple(map(_DTYPE, tensors)),
+                tuple(kwargs.items()), kw_types, knobs.runtime.debug,
+                getattr(comp, "instrumentation_mode", None),
+                getattr(comp, "fpsan_homomorphic_casts", None))
+
+    def cached(self, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
+        """The cache entry ``(compiled kernel, bound values after the positional ones)`` of
+        this call's key (``None``: no entry, or the call cannot take the direct launch); for
+        :class:`BoundLaunch`, after a launch of the same call."""
+        if self.reason is not None or type(grid) is not tuple:
+            return None
+        types = tuple(map(type, args))
+        plan = self.plans.get(types)
+        kw_types = tuple(map(type, kwargs.values()))
+        if plan is None or not _KW_SCALARS.issuperset(kw_types):
+            return None
+        key = self._key(grid, self.runtime.device(), types, plan, args, plan[0](args), kwargs,
+                        kw_types, self.runtime.knobs())
+        return self.cache.get(key)
 
     def _entry(self, compiled: Any, n_args: int, kwargs: dict) -> tuple | None:
         """(compiled kernel, the bound values after the positional ones), or ``None`` when
@@ -275,10 +298,40 @@ def direct_launcher(kernel: Any) -> DirectLauncher:
     return launcher
 
 
+def _current_device() -> int:
+    """The current CUDA device's index (the C call; CUDA is initialised once a CUDA tensor
+    exists, which is when te_ops launches)."""
+    return torch._C._cuda_getDevice()
+
+
+def _cuda_index(args: tuple) -> int | None:
+    """The CUDA device index of the first tensor among ``args`` (``None``: it is not a CUDA
+    tensor, or there is none). te_ops' kernels take their tensors first, all on one device."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            index = a.get_device()
+            return index if index >= 0 and a.is_cuda else None
+    return None
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
-    """``kernel[grid](*args, **kwargs)``, through the kernel's shared :class:`DirectLauncher`
-    when ``kernel`` is a plain ``JITFunction`` (other kernel objects, e.g. ``wrap_triton``'s
-    under ``torch.compile``, launch the normal way)."""
+    """``kernel[grid](*args, **kwargs)`` on the device of the tensor arguments, through the
+    kernel's shared :class:`DirectLauncher` when ``kernel`` is a plain ``JITFunction`` (other
+    kernel objects, e.g. ``wrap_triton``'s under ``torch.compile``, launch the normal way).
+
+    Triton launches on the *current* CUDA device and its current stream; when the tensors
+    live on another device (``cuda:1`` while ``cuda:0`` is current) the launch runs with
+    their device made current for its duration, so it goes to that device and that
+    device's current stream."""
+    index = _cuda_index(args)
+    if index is not None and index != _current_device():
+        with torch.cuda.device(index):
+            _launch_here(kernel, grid, args, kwargs)
+        return
+    _launch_here(kernel, grid, args, kwargs)
+
+
+def _launch_here(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
     if type(kernel) is not JITFunction or JITFunction is None:
         kernel[grid](*args, **kwargs)
         return
@@ -286,3 +339,217 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     if launcher is None or launcher.kernel is not kernel:
         launcher = direct_launcher(kernel)
     launcher(grid, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ bound launches
+#: The two layouts of Triton's ``CudaLauncher.__call__`` where :func:`_c_launch` may call
+#: the C launch function it wraps, by the parameters of ``__call__`` and the attributes it
+#: reads. ``compiled``: Triton 3.5-3.6 (a launcher module compiled per signature; read from
+#: 3.6.0's driver.py) calls ``self.launch(gridX, gridY, gridZ, stream, function,
+#: self.launch_cooperative_grid, self.launch_pdl, global_scratch, profile_scratch, *args)``;
+#: ``generic``: later Triton (one C launch function with argument annotations) calls
+#: ``self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+#: self.launch_pdl, kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook,
+#: global_scratch, profile_scratch, self.arg_annotations, self.kernel_signature, args)``.
+#: Scratch buffers are ``None`` when their sizes are 0 (the only case taken here).
+_LAYOUTS = {
+    "compiled": (("self", "gridX", "gridY", "gridZ", "stream", "function"),
+                 frozenset(("launch", "launch_cooperative_grid", "launch_pdl",
+                            "global_scratch_size", "profile_scratch_size"))),
+    "generic": (("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+                 "launch_metadata", "launch_enter_hook", "launch_exit_hook"),
+                frozenset(("launch", "launch_cooperative_grid", "launch_pdl", "arg_annotations",
+                           "kernel_signature", "global_scratch_size", "profile_scratch_size"))),
+}
+
+
+def _c_launch(run: Any) -> tuple | None:
+    """``(layout, launch, cooperative_grid, pdl, arg_annotations, kernel_signature)`` of a
+    compiled kernel's launcher whose ``__call__`` has one of the :data:`_LAYOUTS` (checked
+    by its code's parameter and attribute names) and needs no scratch buffers: calling
+    ``launch`` as that ``__call__`` does skips its Python frame and scratch-allocation
+    closure. ``None``: another launcher; :class:`BoundLaunch` then calls ``run`` itself."""
+    code = getattr(vars(type(run)).get("__call__"), "__code__", None)
+    if code is None or not code.co_flags & 0x04:  # no *args
+        return None
+    names = frozenset(code.co_names)
+    for layout, (params, attrs) in _LAYOUTS.items():
+        if (code.co_argcount == len(params) and code.co_varnames[:len(params)] == params
+                and attrs.issubset(names)
+                and (layout == "generic" or "arg_annotations" not in names)):
+            break
+    else:
+        return None
+    if not all(hasattr(run, a) for a in attrs):
+        return None
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return (layout, run.launch, run.launch_cooperative_grid, run.launch_pdl,
+            getattr(run, "arg_annotations", None), getattr(run, "kernel_signature", None))
+
+
+def _direct_state(runtime: Any) -> tuple | None:
+    """The global launch state a bound launch depends on (``None``: direct launches are off
+    now: ``TE_OPS_TRITON_DIRECT_LAUNCH=0``, or a launch / stages hook is installed)."""
+    knobs = runtime.knobs()
+    rt = knobs.runtime
+    if not (_idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)):
+        return None
+    if getattr(rt, "add_stages_inspection_hook", None) is not None:
+        return None
+    if not env.read_bool("TE_OPS_TRITON_DIRECT_LAUNCH"):
+        return None
+    comp = knobs.compilation
+    return (rt.debug, getattr(comp, "instrumentation_mode", None),
+            getattr(comp, "fpsan_homomorphic_casts", None))
+
+
+class LaunchBatch:
+    """The bound launches of one repeated call (``te_ops.fast_step``: one per recorded call)
+    and the checks they share.
+
+    :meth:`begin` runs once before each run of bound launches (a forward, a backward): it
+    reads the global launch state (the direct-launch variable, launch hooks, Triton's debug
+    and instrumentation options), the bound kernels' pre-run hooks and globals, the current
+    device and its current stream, so a :class:`BoundLaunch` checks per call only the
+    alignment of its tensors. No user code runs between ``begin`` and the launches it
+    covers. What ``begin`` finds is kept per thread (the backward runs on autograd's device
+    thread; another thread's forward cannot hand it its stream).
+    """
+
+    def __init__(self, runtime: Any = None) -> None:
+        self.runtime = runtime or _Runtime()
+        self.kernels: list[Any] = []
+        self.state: tuple | None = None
+        self.device: int | None = None
+        self.local = threading.local()  # .stream: the stream to launch on, None: not ready
+
+    def __deepcopy__(self, memo: dict) -> LaunchBatch:
+        """A copy (``copy.deepcopy`` of a block after fast-path calls) starts unbound: its
+        sites bind again on their first launch."""
+        return LaunchBatch(self.runtime)
+
+    @property
+    def ready(self) -> bool:
+        """Whether bound launches launch directly in this thread now."""
+        return getattr(self.local, "stream", None) is not None
+
+    def begin(self, device: torch.device) -> None:
+        """Before the bound launches of one forward or backward on ``device``: whether they
+        launch directly (:attr:`ready`) and on which stream (this thread's)."""
+        self.local.stream = None
+        if device.type != "cuda" or self.device is None or device.index != self.device:
+            return
+        if self.runtime.device() != self.device:
+            return  # another device is current: the normal launch makes the tensors' current
+        state = _direct_state(self.runtime)
+        if state is None or state != self.state:
+            return
+        for k in self.kernels:
+            if k.pre_run_hooks or (k.used_global_vals and _globals_changed(k.used_global_vals)):
+                return
+        self.local.stream = self.runtime.stream(self.device)
+
+    def _admit(self, kernel: Any, device: int) -> bool:
+        """Whether a launch of ``kernel`` on ``device`` may be bound in this batch (one
+        device and one launch state for all of them)."""
+        state = _direct_state(self.runtime)
+        if state is None or (self.kernels and (state != self.state or device != self.device)):
+            return False
+        self.state, self.device = state, device
+        if kernel not in self.kernels:
+            self.kernels.append(kernel)
+        return True
+
+
+class BoundLaunch:
+    """``launch(kernel, grid, *tensors, *rest, **kwargs)`` with everything but the leading
+    tensor arguments fixed: a call site of a repeated call whose shapes, dtypes and device a
+    caller has proven (``te_ops.fast_step``'s key).
+
+    The first call launches the normal way (:func:`launch`) and then binds the compiled
+    kernel that :class:`DirectLauncher` cached for it; later calls, while ``batch.ready``
+    in the calling thread
+    (:meth:`LaunchBatch.begin`) and every tensor is 16-byte aligned, call the compiled
+    kernel's launcher directly (its C launch function when :func:`_c_launch` recognises it)
+    with the same arguments the direct launch passes. Anything else takes :func:`launch`,
+    which makes its own checks (a tensor's dtype is the caller's proof: the key of a bound
+    site must fix every tensor's dtype).
+    """
+
+    __slots__ = ("kernel", "grid", "rest", "kwargs", "batch", "go", "launcher")
+
+    def __init__(self, kernel: Any, grid: tuple, rest: tuple, kwargs: dict,
+                 batch: LaunchBatch) -> None:
+        self.kernel = kernel
+        self.grid = grid
+        self.rest = rest
+        self.kwargs = kwargs
+        self.batch = batch
+        self.go: Any = None
+        self.launcher: DirectLauncher | None = None
+
+    def __deepcopy__(self, memo: dict) -> BoundLaunch:
+        """An unbound copy in the copied batch (the compiled kernel is not copied)."""
+        import copy
+
+        return BoundLaunch(self.kernel, self.grid, self.rest, dict(self.kwargs),
+                           copy.deepcopy(self.batch, memo))
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        go = self.go
+        stream = getattr(self.batch.local, "stream", None)
+        if (go is not None and stream is not None
+                and not functools.reduce(operator.or_, map(_DATA_PTR, tensors)) & 15):
+            self.launcher.bound += 1
+            go(stream, tensors)
+            return
+        launch(self.kernel, self.grid, *tensors, *self.rest, **self.kwargs)
+        if go is None:
+            self._bind(tensors)
+
+    def _bind(self, tensors: tuple) -> None:
+        kernel = self.kernel
+        if type(kernel) is not JITFunction or JITFunction is None or type(self.grid) is not tuple:
+            return
+        index = _cuda_index(tensors)
+        if index is None or index != _current_device():
+            return
+        args = (*tensors, *self.rest)
+        launcher = direct_launcher(kernel)
+        entry = launcher.cached(self.grid, args, self.kwargs)
+        if entry is None or not self.batch._admit(kernel, index):
+            return
+        self.launcher = launcher
+        self.go = _direct_call(entry, self.grid, self.rest)
+
+
+def _direct_call(entry: tuple, grid: tuple, rest: tuple):
+    """``go(stream, tensors)``: the launch :class:`DirectLauncher` makes for a cache entry,
+    with the grid and the arguments after the tensors fixed."""
+    compiled, tail = entry
+    g0 = grid[0]
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    function, meta = compiled.function, compiled.packed_metadata
+    suffix = (*rest, *tail)
+    raw = _c_launch(compiled.run)
+    if raw is None:
+        run = compiled.run
+
+        def go(stream, tensors):
+            run(g0, g1, g2, stream, function, meta, None, None, None, *tensors, *suffix)
+    elif raw[0] == "compiled":
+        c_launch, coop, pdl = raw[1:4]
+        head = (meta, None, None, None)
+
+        def go(stream, tensors):
+            c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, *head, *tensors,
+                     *suffix)
+    else:
+        c_launch, coop, pdl, annotations, signature = raw[1:]
+
+        def go(stream, tensors):
+            c_launch(g0, g1, g2, stream, function, coop, pdl, meta, None, None, None, None,
+                     None, annotations, signature, tensors + suffix)
+    return go
