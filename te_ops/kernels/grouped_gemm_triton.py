@@ -306,28 +306,15 @@ def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, config, _wgrad_kernel)
 
 
-def rows_eager(kind: str, a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
-               ) -> torch.Tensor:
-    """:func:`triton_fprop` (``kind="fprop"``) or :func:`triton_dgrad` in eager mode without
-    their argument checks, for a caller that proved them for this call's shapes, dtypes and
-    devices (``te_ops.fast_step``: its key holds them, and a call with that key passed the
-    checks on the general path). Same kernel, config and result."""
-    return (_fprop if kind == "fprop" else _dgrad)(a, weights, offsets)
-
-
-def wgrad_eager(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """:func:`triton_wgrad` in eager mode without its argument checks (as
-    :func:`rows_eager`)."""
-    return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, None, _wgrad_kernel)
-
-
 class BoundRows:
-    """:func:`rows_eager` for the repeated calls of one call site (``te_ops.fast_step``),
-    whose operands' shapes, dtypes and device the caller has proven equal call to call: the
+    """:func:`triton_fprop` (``kind="fprop"``) or :func:`triton_dgrad` for the repeated eager
+    calls of one call site (``te_ops.fast_step``), without their argument checks: the caller
+    has proven the operands' shapes, dtypes and device equal call to call (its key holds
+    them, and a call with that key passed the checks on the general path). The
     config, grid, output shape and scalar arguments are worked out once (on the first call,
     and again when the weights' strides change), and the kernel launches through a
     :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel, config and
-    bits as :func:`rows_eager`.
+    bits as the eager :func:`triton_fprop` / :func:`triton_dgrad`.
 
     Shapes: ``a`` (M, R), ``weights`` (G, N, K), ``offsets`` (G,) -> (M, N) for fprop,
     (M, K) for dgrad.
@@ -368,7 +355,8 @@ class BoundRows:
 
 
 class BoundWgrad:
-    """:func:`wgrad_eager` for the repeated calls of one call site (as :class:`BoundRows`).
+    """:func:`triton_wgrad` for the repeated eager calls of one call site (as
+    :class:`BoundRows`).
 
     Shapes: ``x`` (M, K), ``dy`` (M, N), ``offsets`` (G,) -> (G, N, K).
     """

@@ -43,8 +43,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu", "fc1_swiglu_eager",
-           "BoundFc1Swiglu",
+__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu", "BoundFc1Swiglu",
            "fc1_swiglu_config"]
 
 #: ``TE_OPS_FC1_SWIGLU_EPILOGUE=auto`` takes the fused launch (where fc1's fprop already runs
@@ -160,21 +159,13 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     return h, a
 
 
-def fc1_swiglu_eager(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                     probs: torch.Tensor | None,
-                     config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fc1_swiglu` in eager mode without its argument checks, for a caller that proved
-    them for this call's shapes, dtypes and devices (``te_ops.fast_step``). x contiguous,
-    probs contiguous (rows,) or ``None``."""
-    return _launch(x, weights, offsets, probs, config, _fc1_swiglu_kernel)
-
-
 class BoundFc1Swiglu:
-    """:func:`fc1_swiglu_eager` for the repeated calls of one call site (``te_ops.fast_step``,
-    as ``grouped_gemm_triton.BoundRows``): config, grid, output shapes and scalar arguments
-    are worked out once (again when the weights' strides or the probs' presence change), and
-    the kernel launches through a :class:`~te_ops.kernels.triton_launch.BoundLaunch` of
-    ``batch``. Same kernel, config and bits as :func:`fc1_swiglu_eager`.
+    """:func:`fc1_swiglu` for the repeated eager calls of one call site (``te_ops.fast_step``,
+    as ``grouped_gemm_triton.BoundRows``: no argument checks, which the caller's key
+    proves): config, grid, output shapes and scalar arguments are worked out once (again
+    when the weights' strides or the probs' presence change), and the kernel launches
+    through a :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel,
+    config and bits as the eager :func:`fc1_swiglu`.
 
     Shapes: x (M, K) contiguous, weights (G, 2F, K), offsets (G,), probs (M,) contiguous or
     ``None`` -> (h (M, 2F), a (M, F)).

@@ -152,11 +152,6 @@ def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     return _forward(x, probs, _fwd_kernel)
 
 
-def forward_eager(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """:func:`swiglu_forward` for a caller that knows it runs eagerly (``te_ops.fast_step``)."""
-    return _forward(x, probs, _fwd_kernel)
-
-
 def backward_eager(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Tensor | None,
                    write_output: bool, grad_into_input: bool):
     """:func:`swiglu_backward` for a caller that knows it runs eagerly."""
@@ -211,11 +206,11 @@ def _backward(x, grad_output, probs, write_output, grad_into_input, kernel):
 
 
 class BoundForward:
-    """:func:`forward_eager` for the repeated calls of one call site (``te_ops.fast_step``)
+    """:func:`swiglu_forward` for the repeated eager calls of one call site (``te_ops.fast_step``)
     whose input shape, dtype and device and whether ``probs`` is given the caller has proven
     equal call to call: grid, block and output shape worked out once, the kernel launched
     through a :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel and
-    bits as :func:`forward_eager`. Shapes: x (..., 2F), probs (...) -> (..., F)."""
+    bits as the eager :func:`swiglu_forward`. Shapes: x (..., 2F), probs (...) -> (..., F)."""
 
     def __init__(self, batch: LaunchBatch) -> None:
         self.batch = batch
