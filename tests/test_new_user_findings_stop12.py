@@ -1,0 +1,71 @@
+"""Findings of a new-user review of stop 12 (fc1 recompute, fc1 epilogue, bound launches,
+the Sequential shortcut, GroupedLinearSaved.load); one test per finding, CPU only.
+
+Each test compares against what the call actually did (the tensors autograd saved, counted
+through ``saved_tensors_hooks``), never against te_ops' own record of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_ops
+
+E, HIDDEN, FFN, ROWS = 3, 8, 8, 12
+
+
+def _block(recompute: bool) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    return te_ops.Sequential(
+        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False),
+        te_ops.ScaledSwiGLU(recompute_input=recompute),
+        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False),
+    )
+
+
+def _saved_h_count(blk: te_ops.Sequential) -> int:
+    """Run one training call; how many saved tensors have h's shape (rows, 2 x ffn)."""
+    torch.manual_seed(1)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    probs = torch.rand(ROWS, requires_grad=True)
+    splits = torch.tensor([4, 3, 5])
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = blk(x, splits, probs, splits)
+    y.sum().backward()
+    return shapes.count((ROWS, 2 * FFN))
+
+
+def _recompute_records(blk: te_ops.Sequential) -> list[str]:
+    return [r for r in blk[1].dispatch_records() if r.startswith("fc1 recompute")]
+
+
+@pytest.mark.parametrize("env", [{}, {"TE_OPS_FUSION": "0"}])
+def test_explain_drops_the_recompute_record_when_the_option_is_switched_off(monkeypatch, env):
+    """``recompute_input`` is a plain attribute (the fast path's key reads it per call): a
+    user who switches it off after a call gets h saved again, and explain() must not keep
+    saying "fc1 recompute: on: h is not saved" (or "off ... not honoured") from the old call."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    blk = _block(recompute=True)
+    with pytest.warns(UserWarning) if env else _no_warning():
+        _saved_h_count(blk)
+    assert _recompute_records(blk), "the call with the option on records its decision"
+    blk[1].recompute_input = False
+    assert _saved_h_count(blk) == 1  # h is saved now
+    assert _recompute_records(blk) == [], blk.explain()
+    assert "fc1 recompute" not in blk.explain()
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
