@@ -111,3 +111,25 @@ def test_block_pickles_after_training_steps(monkeypatch, clone, fast):
         got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert twin[0].weight0 is not blk[0].weight0
+
+
+@pytest.mark.parametrize("clone", [_clone_by_pickle, copy.deepcopy])
+@pytest.mark.parametrize("single", [False, True])
+def test_block_copies_after_a_torch_compile_step(clone, single):
+    """After a ``torch.compile`` training step of a block, pickling or deep-copying the block
+    raised ``RuntimeError: Attempted to access the data pointer on an invalid python
+    storage``: ``GroupedLinear``'s parameter-list cache kept the trace's functional
+    stand-ins of the parameters (their identities were the cache key while AOTAutograd swapped
+    them in). The copy then trains with the original's values."""
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(
+        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False, single_grouped_weight=single),
+        te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False, single_grouped_weight=single))
+    torch.manual_seed(2)
+    x, probs, splits = torch.randn(ROWS, HIDDEN), torch.rand(ROWS), torch.tensor([4, 3, 5])
+    compiled = torch.compile(blk, fullgraph=True, backend="aot_eager")
+    compiled(x.requires_grad_(), splits, probs, splits).sum().backward()
+    twin = clone(blk)
+    got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
