@@ -6,7 +6,7 @@ configuration (forward fused or not x backward fused or not, then the fused forw
 reports:
 
 * ``saved_bytes``: bytes the autograd graph keeps for backward (``save_for_backward``
-  tensors, counted once per storage, parameters excluded), measured with
+  tensors, counted once per storage, parameters and the block's input excluded), measured with
   ``torch.autograd.graph.saved_tensors_hooks``;
 * ``saved_vs_unfused``: ``saved_bytes`` over the unfused forward's (option off);
 * ``fwd_ops`` / ``bwd_ops``: ATen ops dispatched (each one a kernel launch on CUDA), and

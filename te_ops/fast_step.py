@@ -188,6 +188,16 @@ class FastStep:
             *_gemm_calls(backend1)[1:], *_gemm_calls(backend2)[1:],
             _activation_calls(backend_act, self.ops[1].glu_interleave_size)[1])
 
+    def __reduce__(self) -> tuple:
+        """A copy of a block (``copy.deepcopy``, ``pickle``, ``torch.save``) holds no recorded
+        call: the key holds the parameters' ids, so a copied record could never match the
+        copy's parameters, and the bound sites (thread-local launch state, closures) do not
+        pickle. The copy's first call takes the general path and records its own."""
+        return (_no_fast_step, ())
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
     def call_key(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
         """The key of a call (``None`` when its form cannot take the fast path)."""
         fc1, act, fc2 = self.ops
@@ -253,6 +263,11 @@ class FastStep:
             # the others checks them, as on the general path). The general path then runs and
             # raises its own error; nothing of the fast forward outlives it.
             return None
+
+
+def _no_fast_step() -> None:
+    """What a pickled :class:`FastStep` loads as: nothing recorded (see ``__reduce__``)."""
+    return None
 
 
 def fast_step_reason(fuser: Any, plan: Any, input_: Any, groups: list, recipe: Any,

@@ -115,6 +115,12 @@ class BasicOperation(FusibleOperation):
         super().__init__(*args, **kwargs)
         LIVE_BASIC_OPS[id(self)] = self  # torch.compile finds the op by id (te_ops/compile.py)
 
+    def __getstate__(self) -> dict:
+        # torch.compile's per-op fusers hold the trace's stand-ins of the parameters (they
+        # neither pickle nor deep-copy); a copy traces again, as after __setstate__ below.
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k != "_compile_fusers"}
+
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle do not call __init__
         state = {k: v for k, v in state.items() if k != "_compile_fusers"}
         super().__setstate__(state)

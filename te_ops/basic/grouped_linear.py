@@ -21,6 +21,7 @@ import torch
 from .. import env
 from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
+from ..kernels.compiled_ops import tracing
 from ..kernels.grouped_gemm import (
     BackendChoice,
     grouped_dgrad,
@@ -520,6 +521,8 @@ class GroupedLinear(BasicOperation):
             weights = [self._parameters[n] for n in names[0]]
             biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
             cached = (key, weights, biases, call)
+            if tracing():  # the trace's stand-ins of the parameters: never kept (they would
+                return weights, biases  # outlive it and break pickle / deepcopy of the op)
         elif call is not None:
             cached = (key, cached[1], cached[2], call)
         self.__dict__["_param_lists_cache"] = cached

@@ -467,6 +467,12 @@ class SwiGLU(BasicOperation):
             warnings.warn(f"{self.describe()}: recompute_input=True is not honoured, h (fc1's "
                           f"output) is saved: {reason}", UserWarning, stacklevel=3)
 
+    def forget_recompute(self) -> None:
+        """Drop the recorded ``recompute_input`` decision: a call with the option off (it is
+        a plain attribute, which a user may switch between calls) saves h, and ``explain()``
+        must not report an earlier call's decision for it."""
+        self.__dict__.get("_dispatch_records", {}).pop("fc1 recompute", None)
+
     def select_backend(self, input_: torch.Tensor) -> ActivationChoice:
         """Choose the SwiGLU kernels for this call, once (saved in the layout, recorded for
         ``explain()``)."""
@@ -502,6 +508,8 @@ class SwiGLU(BasicOperation):
         if self.recompute_input:
             self.record_recompute("the activation ran unfused (the fused grouped MLP forward "
                                   "did not cover it; explain() names why)")
+        else:
+            self.forget_recompute()
         SwiGLUSaved(input_, probs, backend).save(ctx)
 
     def op_forward(self, ctx, input_, *, recipe=None):

@@ -112,10 +112,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "1",
             _BOOL,
             "1 repeats an eager training call of a fused grouped MLP fuser (GroupedLinear -> "
-            "(Scaled)SwiGLU -> GroupedLinear, no bias, recipe or main_grad / delayed wgrad, "
-            "device split sizes) whose inputs, parameters and settings match the previous "
-            "call's through a straight-line path (same kernels, same bits, less host work; "
-            "te_ops/fast_step.py); 0 runs every call through the general fuser path.",
+            "(Scaled)SwiGLU -> GroupedLinear, no bias, recipe, main_grad / delayed wgrad or "
+            "recompute_input, device split sizes) whose inputs, parameters and settings "
+            "match the previous call's through a straight-line path (same kernels, same bits, "
+            "less host work; te_ops/fast_step.py); 0 runs every call through the general "
+            "fuser path.",
         ),
         EnvVar(
             "TE_OPS_TRITON_DIRECT_LAUNCH",

@@ -107,6 +107,7 @@ def fused_forward_recompute(act: SwiGLU, ctx1: OperationContext,
     it and it can be honoured (then h is not saved), else ``None`` (h is saved); records the
     decision for ``explain()`` and warns when not honoured."""
     if not act.recompute_input:
+        act.forget_recompute()
         return None
     reason = recompute_reason(saved1, recipe)
     act.record_recompute(reason)

@@ -1,0 +1,135 @@
+"""Findings of a new-user review of stop 12 (fc1 recompute, fc1 epilogue, bound launches,
+the Sequential shortcut, GroupedLinearSaved.load); one test per finding, CPU only.
+
+Each test compares against what the call actually did (the tensors autograd saved, counted
+through ``saved_tensors_hooks``), never against te_ops' own record of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import te_ops
+
+E, HIDDEN, FFN, ROWS = 3, 8, 8, 12
+
+
+def _block(recompute: bool) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    return te_ops.Sequential(
+        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False),
+        te_ops.ScaledSwiGLU(recompute_input=recompute),
+        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False),
+    )
+
+
+def _saved_h_count(blk: te_ops.Sequential) -> int:
+    """Run one training call; how many saved tensors have h's shape (rows, 2 x ffn)."""
+    torch.manual_seed(1)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    probs = torch.rand(ROWS, requires_grad=True)
+    splits = torch.tensor([4, 3, 5])
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = blk(x, splits, probs, splits)
+    y.sum().backward()
+    return shapes.count((ROWS, 2 * FFN))
+
+
+def _recompute_records(blk: te_ops.Sequential) -> list[str]:
+    return [r for r in blk[1].dispatch_records() if r.startswith("fc1 recompute")]
+
+
+@pytest.mark.parametrize("env", [{}, {"TE_OPS_FUSION": "0"}])
+def test_explain_drops_the_recompute_record_when_the_option_is_switched_off(monkeypatch, env):
+    """``recompute_input`` is a plain attribute (the fast path's key reads it per call): a
+    user who switches it off after a call gets h saved again, and explain() must not keep
+    saying "fc1 recompute: on: h is not saved" (or "off ... not honoured") from the old call."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    blk = _block(recompute=True)
+    with pytest.warns(UserWarning) if env else _no_warning():
+        _saved_h_count(blk)
+    assert _recompute_records(blk), "the call with the option on records its decision"
+    blk[1].recompute_input = False
+    assert _saved_h_count(blk) == 1  # h is saved now
+    assert _recompute_records(blk) == [], blk.explain()
+    assert "fc1 recompute" not in blk.explain()
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _clone_by_pickle(blk: te_ops.Sequential) -> te_ops.Sequential:
+    return pickle.loads(pickle.dumps(blk))
+
+
+def _clone_by_torch_save(blk: te_ops.Sequential) -> te_ops.Sequential:
+    buf = io.BytesIO()
+    torch.save(blk, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _train_step(blk: te_ops.Sequential, x, probs, splits) -> list[torch.Tensor]:
+    blk.zero_grad(set_to_none=True)
+    y = blk(x, splits, probs, splits)
+    y.square().sum().backward()
+    return [y.detach(), *[p.grad for p in blk.parameters()]]
+
+
+@pytest.mark.parametrize("clone", [_clone_by_pickle, _clone_by_torch_save, copy.deepcopy])
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_block_pickles_after_training_steps(monkeypatch, clone, fast):
+    """Whole-module ``pickle`` / ``torch.save`` of a block after a few training steps (the
+    fuser then holds the fast path's recorded call: bound launch sites with thread-local
+    state and closures) used to raise ``TypeError: cannot pickle '_thread._local' object``;
+    before any call it worked. The copy trains on, with the original's values."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", fast)
+    blk = _block(recompute=False)
+    torch.manual_seed(2)
+    x, probs, splits = torch.randn(ROWS, HIDDEN), torch.rand(ROWS), torch.tensor([4, 3, 5])
+    for _ in range(2):
+        _train_step(blk, x, probs, splits)
+    twin = clone(blk)
+    for _ in range(2):  # the general path once, then (fast=1) the copy's own fast path
+        got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert twin[0].weight0 is not blk[0].weight0
+
+
+@pytest.mark.parametrize("clone", [_clone_by_pickle, copy.deepcopy])
+@pytest.mark.parametrize("single", [False, True])
+def test_block_copies_after_a_torch_compile_step(clone, single):
+    """After a ``torch.compile`` training step of a block, pickling or deep-copying the block
+    raised ``RuntimeError: Attempted to access the data pointer on an invalid python
+    storage``: ``GroupedLinear``'s parameter-list cache kept the trace's functional
+    stand-ins of the parameters (their identities were the cache key while AOTAutograd swapped
+    them in). The copy then trains with the original's values."""
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(
+        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False, single_grouped_weight=single),
+        te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False, single_grouped_weight=single))
+    torch.manual_seed(2)
+    x, probs, splits = torch.randn(ROWS, HIDDEN), torch.rand(ROWS), torch.tensor([4, 3, 5])
+    compiled = torch.compile(blk, fullgraph=True, backend="aot_eager")
+    compiled(x.requires_grad_(), splits, probs, splits).sum().backward()
+    twin = clone(blk)
+    got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
