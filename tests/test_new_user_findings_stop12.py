@@ -133,3 +133,24 @@ def test_block_copies_after_a_torch_compile_step(clone, single):
     twin = clone(blk)
     got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"])
+@pytest.mark.parametrize("layer,index,named", [(0, 0, "weight1 is torch.float32"),
+                                               (0, 2, "weight2 is torch.bfloat16"),
+                                               (2, 1, "weight1 is torch.bfloat16")])
+def test_one_expert_weight_cast_alone_is_named_as_the_parameter(monkeypatch, fusion, layer,
+                                                               index, named):
+    """One per-expert weight cast alone: the error names the parameters by their names
+    (``weight1`` and ``weight0``), also when it is weight0 (before: "input must match the
+    weights' dtype torch.bfloat16", though the other experts were still float32)."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _block(False)
+    w = getattr(blk[layer], f"weight{index}")
+    w.data = w.data.to(torch.bfloat16)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    probs = torch.rand(ROWS, requires_grad=True)
+    splits = torch.tensor([4, 3, 5])
+    with pytest.raises(ValueError, match=named + r" on cpu, expected torch\.\w+ on cpu as "
+                                                 r"weight0.*cast or moved alone"):
+        blk(x, splits, probs, splits)

@@ -99,10 +99,12 @@ def _graph_safe_with_device_sizes(info: Any, op: GroupedLinear) -> bool:
         return False
 
 
-def stacked(params: list[torch.Tensor], single: bool) -> torch.Tensor:
+def stacked(params: list[torch.Tensor], single: bool, prefix: str | None = None
+            ) -> torch.Tensor:
     """The parameters as one (G, ...) tensor: the single grouped parameter itself, or the
-    per-group parameters stacked (a free view when they are adjacent, see ``stack_weights``)."""
-    return params[0] if single else stack_weights(params)
+    per-group parameters stacked (a free view when they are adjacent, see ``stack_weights``;
+    ``prefix``, e.g. ``"weight"``, names them in its errors)."""
+    return params[0] if single else stack_weights(params, prefix)
 
 
 def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
@@ -441,7 +443,7 @@ class GroupedLinear(BasicOperation):
         bound = 1.0 / math.sqrt(self.in_features)
         weights, biases = self._param_lists()
         with torch.no_grad():
-            for w in stacked(weights, self.single_grouped_weight).unbind(0):
+            for w in stacked(weights, self.single_grouped_weight, "weight").unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
             for b in biases:
                 torch.nn.init.uniform_(b, -bound, bound)
@@ -606,6 +608,8 @@ class GroupedLinear(BasicOperation):
                 f"by a tensor of another shape?"
             )
         if dtype != w.dtype or device != w.device:
+            if not single:  # the per-expert weights disagree: name the odd one, not the input
+                stack_weights(self._param_lists()[0], "weight")
             target = ", ".join(([f"'{w.device}'"] if device != w.device else [])
                                + ([str(w.dtype)] if dtype != w.dtype else []))
             source = ", ".join(([f"'{device}'"] if device != w.device else [])
@@ -666,7 +670,7 @@ class GroupedLinear(BasicOperation):
         :meth:`make_saved` takes the result."""
         weights, _ = self._param_lists()
         if recipe is None:
-            return x2d, stacked(weights, self.single_grouped_weight)
+            return x2d, stacked(weights, self.single_grouped_weight, "weight")
         # Both copies from one call only when the recipe quantizes every GEMM (with a GEMM kept
         # in high precision, each GEMM's operands are made, or passed plain, where it runs).
         both = not recipe.high_precision_gemms()
@@ -686,7 +690,7 @@ class GroupedLinear(BasicOperation):
         split sizes, so a fused forward makes it first: the GPU then quantizes the weights
         while the host builds the split and layout tensors."""
         weights, _ = self._param_lists()
-        w = stacked(weights, self.single_grouped_weight)
+        w = stacked(weights, self.single_grouped_weight, "weight")
         if recipe is None:
             return w
         both = not recipe.high_precision_gemms()
@@ -713,11 +717,11 @@ class GroupedLinear(BasicOperation):
         self._record_recipe(recipe, x2d, backend)
         if operands is None:
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
-                        quantize_operand(recipe, "weight", stacked(weights, single),
+                        quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
                                          rowwise=True))
         y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
-            y = add_group_bias(y, stacked(biases, single), splits,
+            y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
         return y
 

@@ -269,10 +269,16 @@ def _graph_safe_reason(choice: BackendChoice, device_split_sizes: bool,
     return sync_reason or choice.reason
 
 
-def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+def stack_weights(weights: list[torch.Tensor], prefix: str | None = None) -> torch.Tensor:
     """The (num_groups, *shape) stacked tensor, e.g. (G, N, K) weights.
 
-    No copy when the tensors are adjacent slices of one buffer.
+    No copy when the tensors are adjacent slices of one buffer. ``prefix``: the parameters'
+    name stem for errors (``"weight"``: ``weight3``; default ``weights[3]``).
+
+    Raises
+    ------
+    ValueError
+        A tensor's shape, dtype or device differs from the first's (the message names it).
 
     :class:`~te_ops.basic.GroupedLinear` allocates its weights as consecutive slices of one
     buffer, so this is normally a free view; otherwise (weights replaced, or on ``meta``) it
@@ -297,15 +303,18 @@ def stack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
             and _remember(key, ptrs)
         ):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
+    def name(i: int) -> str:
+        return f"{prefix}{i}" if prefix else f"weights[{i}]"
+
     for i, w in enumerate(weights):
         if w.shape != w0.shape:
-            raise ValueError(f"weights[{i}] has shape {tuple(w.shape)}, expected "
-                             f"{tuple(w0.shape)} as weights[0]: the per-group parameters must "
+            raise ValueError(f"{name(i)} has shape {tuple(w.shape)}, expected "
+                             f"{tuple(w0.shape)} as {name(0)}: the per-group parameters must "
                              f"all have one shape")
         if w.dtype != w0.dtype or w.device != w0.device:
             # torch.stack would promote the dtype (or fail on devices) without naming it.
-            raise ValueError(f"weights[{i}] is {w.dtype} on {w.device}, expected {w0.dtype} on "
-                             f"{w0.device} as weights[0]: the per-group parameters must all "
+            raise ValueError(f"{name(i)} is {w.dtype} on {w.device}, expected {w0.dtype} on "
+                             f"{w0.device} as {name(0)}: the per-group parameters must all "
                              f"have one dtype and device (was one cast or moved alone?)")
     return torch.stack(weights)
 
