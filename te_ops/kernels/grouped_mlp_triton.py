@@ -222,7 +222,8 @@ def fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them), or
+        the weights have no group (G = 0).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
@@ -247,6 +248,8 @@ def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if weights.shape[1] % 2:
         raise ValueError(f"weights (G, 2F, K) must have an even number of rows (gate and up "
                          f"halves), got 2F={weights.shape[1]}")
+    if weights.shape[0] == 0:  # the kernel reads offsets[0] and offsets[G - 1]
+        raise ValueError("weights (G, 2F, K) must have at least one group, got G=0")
     groups = weights.shape[0]
     if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
             or offsets.dtype not in (torch.int32, torch.int64)):
