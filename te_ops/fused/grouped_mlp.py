@@ -184,6 +184,7 @@ class ForwardGroupedMLP(FusedOperation):
             h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
         else:
             h, a_epilogue, backend_act = epilogue
+            fc1._record_recipe(recipe, x2d, backend1)  # as forward_math: drop a stale note
         h = as_shape(h, (*lead, fc1.out_features))
         act.check_input(h)
         if probs_act is not None:

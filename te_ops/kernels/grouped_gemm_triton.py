@@ -249,7 +249,10 @@ def triton_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them), or
+        the weights have no group (G = 0).
+    RuntimeError
+        The kernels cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
     return _rows_call("fprop", "x", x, weights, offsets, config)
 
@@ -260,7 +263,7 @@ def triton_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 
     Raises
     ------
-    ValueError
+    ValueError, RuntimeError
         As :func:`triton_fprop`.
     """
     return _rows_call("dgrad", "dy", dy, weights, offsets, config)
@@ -271,6 +274,8 @@ def _rows_call(kind: str, name: str, a: torch.Tensor, weights: torch.Tensor,
     """Checks and dispatch of :func:`triton_fprop` / :func:`triton_dgrad` (``a`` is x or dy,
     called ``name`` in errors; its columns must match the weights' K or N)."""
     _check("weights", weights, 3, a.dtype, a.device)
+    if weights.shape[0] == 0:  # the kernel reads offsets[0] and offsets[G - 1]
+        raise ValueError("weights (G, N, K) must have at least one group, got G=0")
     _check(name, a, 2, a.dtype, a.device)
     dim, label = (2, "K") if kind == "fprop" else (1, "N")
     if a.shape[1] != weights.shape[dim]:

@@ -8,13 +8,15 @@ computes, for group ``g``'s row blocks ``s, s + SPLIT, ...``, the gate tile
 both (the activation's saved input) and the activation output
 ``a = SiLU(gate) * up (* probs)`` of the same columns.
 
-Bits. ``h`` is the plain fprop's result bit for bit: each output tile accumulates the same
-k-steps (``BLOCK_R`` columns of x at a time, in order) into an fp32 tile of the same shape with
-``tl.dot``, and is rounded to the output dtype once. ``a`` is computed from the *rounded* ``h``
-values with the SwiGLU kernel's own function (``swiglu_triton._core``), the same fp32 operations
-in the same order, so it equals the unfused SwiGLU's output bit for bit. The padding rows past
-``offsets[-1]`` get ``h = 0`` (one extra program column, group index ``G``, as in the plain
-fprop) and ``a`` from those zeros (``SiLU(0) * 0 * p``, as the unfused SwiGLU computes it).
+Bits. ``h`` is the plain fprop's result bit for bit: each output element accumulates the same
+k-steps (``BLOCK_R`` columns of x at a time, in order) with ``tl.dot`` into an fp32 tile of the
+same ``BLOCK_M`` rows (``BLOCK_J = 32`` columns, where the plain fprop's tiles have 64; the
+CUDA tests compare the bits), and is rounded to the output dtype once. ``a`` is computed from
+the *rounded* ``h`` values with the SwiGLU kernel's own function (``swiglu_triton._core``), the
+same fp32 operations in the same order, so it equals the unfused SwiGLU's output bit for bit.
+The padding rows past ``offsets[-1]`` get ``h = 0`` (one extra program column, group index
+``G``, as in the plain fprop) and ``a`` from those zeros (``SiLU(0) * 0 * p``, as the unfused
+SwiGLU computes it).
 
 Layout: the halves layout only (``glu_interleave_size=None``: gate = first half of fc1's
 outputs, up = second half), which is all the Triton SwiGLU kernels take; the interleaved layout
@@ -222,7 +224,8 @@ def fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them), or
+        the weights have no group (G = 0).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
@@ -247,6 +250,8 @@ def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if weights.shape[1] % 2:
         raise ValueError(f"weights (G, 2F, K) must have an even number of rows (gate and up "
                          f"halves), got 2F={weights.shape[1]}")
+    if weights.shape[0] == 0:  # the kernel reads offsets[0] and offsets[G - 1]
+        raise ValueError("weights (G, 2F, K) must have at least one group, got G=0")
     groups = weights.shape[0]
     if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
             or offsets.dtype not in (torch.int32, torch.int64)):

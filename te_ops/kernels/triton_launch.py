@@ -368,7 +368,8 @@ def _c_launch(run: Any) -> tuple | None:
     compiled kernel's launcher whose ``__call__`` has one of the :data:`_LAYOUTS` (checked
     by its code's parameter and attribute names) and needs no scratch buffers: calling
     ``launch`` as that ``__call__`` does skips its Python frame and scratch-allocation
-    closure. ``None``: another launcher; :class:`BoundLaunch` then calls ``run`` itself."""
+    closure. ``None``: another launcher, or one that adds arguments of its own (scratch
+    buffers, the GSan sanitizer's state); :class:`BoundLaunch` then calls ``run`` itself."""
     code = getattr(vars(type(run)).get("__call__"), "__code__", None)
     if code is None or not code.co_flags & 0x04:  # no *args
         return None
@@ -383,6 +384,10 @@ def _c_launch(run: Any) -> tuple | None:
     if not all(hasattr(run, a) for a in attrs):
         return None
     if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    if getattr(run, "gsan_enabled", False):
+        # Triton 3.9's sanitizer (TRITON_INSTRUMENTATION_MODE=gsan): __call__ appends its
+        # state arguments to the kernel's, which the direct call would leave out.
         return None
     return (layout, run.launch, run.launch_cooperative_grid, run.launch_pdl,
             getattr(run, "arg_annotations", None), getattr(run, "kernel_signature", None))
