@@ -84,7 +84,7 @@ def _gemm_calls(backend: Any, batch: LaunchBatch | None = None) -> tuple:
     """``fprop(x, w, splits)``, ``dgrad(dy, w, splits)``, ``wgrad(x, dy, splits)``: the calls
     ``grouped_fprop`` / ``grouped_dgrad`` / ``grouped_wgrad`` make for ``backend`` (no recipe:
     no quantized operand). With a ``batch``, the kinds it runs in Triton are bound call sites
-    of the kernels (``BoundRows`` / ``BoundWgrad``: the eager entry points' kernels, configs
+    of the kernels (``BoundRows`` / ``BoundWgrad``: the eager Triton calls' kernels, configs
     and bits without the per-call argument checks, config and launch binding, which the
     call's key proves: a call with that key passed the checks on the general path). Without
     one: always the dispatching calls (their Triton kinds become ``torch.compile``'s custom
@@ -182,7 +182,7 @@ class FastStep:
         self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue,
                                             self.launches)
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
-        # ones, whose Triton kinds are custom ops under a trace (the eager entry points would
+        # ones, whose Triton kinds are custom ops under a trace (the bound call sites would
         # trace into the direct launcher: a graph break, an error under fullgraph).
         self.traced_backward_calls = (
             *_gemm_calls(backend1)[1:], *_gemm_calls(backend2)[1:],
