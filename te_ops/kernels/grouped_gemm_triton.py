@@ -196,6 +196,22 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
+def _rows_grid(kind: str, m: int, j: int, groups: int, config: dict[str, int] | None
+               ) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """Launch parameters and grid of ``_rows_kernel`` (the eager launch and the bound site
+    share them, so both run the same tiles)."""
+    cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
+    cfg.setdefault("SPLIT", 1)
+    return cfg, (groups + 1, cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+
+
+def _wgrad_grid(m: int, n: int, k: int, groups: int, config: dict[str, int] | None
+                ) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """Launch parameters and grid of ``_wgrad_kernel`` (as :func:`_rows_grid`)."""
+    cfg = dict(config or wgrad_config(m / groups, n, k))
+    return cfg, (groups, cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]))
+
+
 def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, j: int,
                  strides: tuple[int, int, int], config: dict[str, int] | None,
                  kernel) -> torch.Tensor:
@@ -205,9 +221,7 @@ def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
     out = torch.empty(m, j, device=a.device, dtype=a.dtype)
     if m == 0 or j == 0:
         return out
-    cfg = dict(config or rows_config(kind, m / groups, j, groups, m))
-    cfg.setdefault("SPLIT", 1)
-    grid = (groups + 1, cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+    cfg, grid = _rows_grid(kind, m, j, groups, config)
     launch(kernel, grid, a, b, out, offsets, m, j, r, groups, *strides, **cfg)
     return out
 
@@ -220,8 +234,7 @@ def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
     if out.numel() == 0:
         return out
-    cfg = dict(config or wgrad_config(m / groups, n, k))
-    grid = (groups, cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]))
+    cfg, grid = _wgrad_grid(m, n, k, groups, config)
     launch(kernel, grid, x, dy, out, offsets, m, n, k, groups, **cfg)
     return out
 
@@ -352,8 +365,7 @@ class BoundRows:
             j, strides = w.shape[2], (w.stride(0), w.stride(1), w.stride(2))
         bound = None
         if m and j:
-            cfg = rows_config(self.kind, m / groups, j, groups, m)
-            grid = (groups + 1, cdiv(j, cfg["BLOCK_J"]), cfg["SPLIT"])
+            cfg, grid = _rows_grid(self.kind, m, j, groups, None)
             bound = BoundLaunch(_rows_kernel, grid, (m, j, r, groups, *strides), cfg,
                                 self.batch)
         return w.stride(), (m, j), a.dtype, a.device, bound
@@ -388,8 +400,7 @@ class BoundWgrad:
         groups = offsets.shape[0]
         bound = None
         if groups and n and k:
-            cfg = wgrad_config(m / groups, n, k)
-            grid = (groups, cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]))
+            cfg, grid = _wgrad_grid(m, n, k, groups, None)
             bound = BoundLaunch(_wgrad_kernel, grid, (m, n, k, groups), cfg, self.batch)
         return (groups, n, k), x.dtype, x.device, bound
 

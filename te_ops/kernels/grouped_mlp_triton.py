@@ -141,6 +141,15 @@ if triton is not None:
                      out.to(a_ptr.dtype.element_ty), mask=mask)
 
 
+def _grid(m: int, ffn: int, groups: int, config: dict[str, int] | None
+          ) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """Launch parameters and grid of ``_fc1_swiglu_kernel`` (the eager launch and
+    :class:`BoundFc1Swiglu` share them, so both run the same tiles)."""
+    cfg = dict(config or fc1_swiglu_config(m / groups, ffn, groups, m))
+    cfg.setdefault("SPLIT", 1)
+    return cfg, (groups + 1, cdiv(ffn, cfg["BLOCK_J"]), cfg["SPLIT"])
+
+
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
             probs: torch.Tensor | None, config: dict[str, int] | None, kernel
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,9 +160,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     a = torch.empty(m, ffn, device=x.device, dtype=x.dtype)
     if m == 0 or ffn == 0:
         return h, a
-    cfg = dict(config or fc1_swiglu_config(m / groups, ffn, groups, m))
-    cfg.setdefault("SPLIT", 1)
-    grid = (groups + 1, cdiv(ffn, cfg["BLOCK_J"]), cfg["SPLIT"])
+    cfg, grid = _grid(m, ffn, groups, config)
     p = probs if probs is not None else x
     launch(kernel, grid, x, weights, h, a, p, offsets, m, ffn, k, groups,
            weights.stride(0), weights.stride(1), weights.stride(2), HAS_P=probs is not None,
@@ -197,9 +204,7 @@ class BoundFc1Swiglu:
         ffn = two_f // 2
         bound = None
         if m and ffn:
-            cfg = dict(fc1_swiglu_config(m / groups, ffn, groups, m))
-            cfg.setdefault("SPLIT", 1)
-            grid = (groups + 1, cdiv(ffn, cfg["BLOCK_J"]), cfg["SPLIT"])
+            cfg, grid = _grid(m, ffn, groups, None)
             bound = BoundLaunch(_fc1_swiglu_kernel, grid,
                                 (m, ffn, k, groups, w.stride(0), w.stride(1), w.stride(2)),
                                 {"HAS_P": probs is not None, **cfg}, self.batch)
