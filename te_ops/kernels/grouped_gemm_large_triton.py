@@ -1,0 +1,357 @@
+"""PROTOTYPE persistent Triton grouped GEMM for many rows per group, with an fc1 SwiGLU epilogue.
+
+**Not dispatched**: nothing in te_ops calls this module yet. It exists so that
+``benchmarks/large_gemm_triton.py`` can measure, on the H200, whether a Triton grouped GEMM
+reaches ``torch._grouped_mm``'s (CUTLASS) speed at the large MoE shapes of issue 10 (E8 T16384
+H4096 FF14336, E128 T65536 H2048 FF768, E32 T32768 H7168 FF2048), and whether fc1's fprop with
+the (Scaled)SwiGLU in its epilogue beats fprop + the Triton SwiGLU pass there. Until it is
+measured, its speed is unknown (docs/benchmarks.md, "Large-shape Triton grouped GEMM").
+
+For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
+padding):
+
+* :func:`large_fprop`: ``y_g = x_g @ W_g^T``, x (M, K), W (G, N, K) -> y (M, N);
+* :func:`large_fc1_swiglu`: ``h_g = x_g @ W1_g^T`` with W1 (G, 2F, K) -> h (M, 2F), and
+  ``a = SiLU(h[:, :F]) * h[:, F:] (* probs[:, None])`` -> a (M, F), computed in fp32 from the
+  *rounded* h with ``swiglu_triton._core`` (the Triton SwiGLU forward's function and order of
+  operations, so ``a`` equals that kernel's output on this ``h`` bit for bit).
+
+Schedule. A persistent kernel: ``min(#SMs, tile bound)`` programs; the tiles of all groups
+(and of the padding tail, group index ``G``, whose tiles write zeros) are numbered group after
+group, ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` per group, and program ``p`` takes tiles
+``p, p + P, p + 2P, ...``. Each program walks the groups in order, reading the offsets on the
+device (no host sync, launch size known on the host: graph-safe), so no tile table is built.
+Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
+matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
+``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
+fc1 variant accumulates a gate tile (columns ``j``) and the matching up tile (columns
+``j + F``) per program, so the epilogue has both halves of each ``a`` element in registers.
+
+Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
+(device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
+k-contiguous with 16-byte-aligned strides and base pointers, :func:`tma_unsupported_reason`;
+Triton then needs a global-memory allocator for the descriptors, which
+:func:`_ensure_allocator` installs when none is set). ``USE_TMA=False``: masked pointer loads
+(any strides; what Triton's CPU interpreter runs in the tests). The output is stored with
+masked pointer stores in both (a TMA store would have to clip per group). Rows of a tile past
+its group's end are loaded (they belong to the next group or the padding, possibly garbage)
+but never stored; rows are independent in a GEMM, so they do not touch the stored rows.
+
+Registered as ``torch.library.triton_op`` (``te_ops::grouped_gemm_large``,
+``te_ops::grouped_fc1_swiglu_large``; the bodies, run on FakeTensors, are the fake kernels);
+eager calls launch through :func:`te_ops.kernels.triton_launch.launch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+from .grouped_gemm_triton import unsupported_reason
+from .triton_launch import cdiv, launch
+
+try:  # Triton is optional: CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["large_config", "large_fprop", "large_fc1_swiglu", "tma_unsupported_reason",
+           "unsupported_reason", "grid_size"]
+
+#: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
+_CPU_PROGRAMS = 4
+
+
+def large_config(kind: str) -> dict[str, int | bool]:
+    """Default launch parameters of ``kind`` (``"fprop"`` or ``"fc1_swiglu"``), not yet tuned
+    (``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
+    for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
+    te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads. ``USE_TMA`` is dropped by the launch
+    where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    if kind not in ("fprop", "fc1_swiglu"):
+        raise ValueError(f"kind must be 'fprop' or 'fc1_swiglu', got {kind!r}")
+    block_n = 256 if kind == "fprop" else 128
+    return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+            "num_warps": 8, "num_stages": 3}
+
+
+def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
+    """Why the TMA loads cannot take these operands (``None`` when they can): no
+    ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, x not
+    contiguous, W not contiguous along K, a stride or base pointer not 16-byte aligned."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    size = x.element_size()
+    if not x.is_contiguous():
+        return "x is not contiguous"
+    if weights.stride(2) != 1:
+        return f"weights are not contiguous along K (stride {weights.stride(2)})"
+    strides = (x.stride(0), weights.stride(0), weights.stride(1))
+    if any(s * size % 16 for s in strides):
+        return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
+    if _fake(x):  # FakeTensors have no data pointer; the real call checks it
+        return None
+    if x.data_ptr() % 16 or weights.data_ptr() % 16:
+        return "x or weights do not start on a 16-byte boundary"
+    return None
+
+
+def _fake(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
+def grid_size(device: torch.device, rows: int, groups: int, n: int, block_m: int,
+              block_n: int) -> int:
+    """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
+    tile count's upper bound (each group and the padding tail round up one row tile)."""
+    programs = (torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else _CPU_PROGRAMS)
+    bound = (cdiv(rows, block_m) + groups + 1) * cdiv(n, block_n)
+    return max(1, min(programs, bound))
+
+
+def _ensure_allocator() -> None:
+    """Install a torch-backed allocator for Triton's device-side TMA descriptors when none is
+    set (Triton's default raises "no allocator was set"). A user-set allocator is kept."""
+    from triton.runtime import _allocation  # private: read where the default is installed
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "_NULL_ALLOCATOR", None)
+    if current is not None and null is not None and current.get() is not null:
+        return
+    triton.set_allocator(_torch_alloc)
+
+
+def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Scratch bytes on the current CUDA device from torch's caching allocator (its blocks are
+    at least 512-byte aligned, more than the 128 bytes TMA descriptors need)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+if triton is not None:
+    from .grouped_gemm_triton import _group_rows
+    from .swiglu_triton import _core
+
+    @triton.jit
+    def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of a group's ``local``-th tile in GROUP_M-row-tile bands."""
+        band = GROUP_M * tiles_n
+        first_m = (local // band) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pm = first_m + (local % band) % size_m
+        pn = (local % band) // size_m
+        return pm, pn
+
+    @triton.jit
+    def _load_w(w_desc, w_ptr, g, n0, k0, N_ROWS, K, stride_wg, stride_wn, stride_wk,
+                USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """W[g, n0:n0+BLOCK_N, k0:k0+BLOCK_K] transposed to (BLOCK_K, BLOCK_N), zeros past
+        N_ROWS / K."""
+        if USE_TMA:
+            w = w_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            return w.T
+        else:
+            n = n0 + tl.arange(0, BLOCK_N)
+            k = k0 + tl.arange(0, BLOCK_K)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg + k[:, None] * stride_wk
+                   + n[None, :].to(tl.int64) * stride_wn)
+            return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
+
+    @triton.jit
+    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
+                      stride_wg, stride_wn, stride_wk,
+                      SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+        """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
+        gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
+        x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows."""
+        pid = tl.program_id(0)
+        if SWIGLU:
+            h_cols = 2 * N
+        else:
+            h_cols = N
+        x_desc = None
+        w_desc = None
+        if USE_TMA:
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
+                                               strides=[stride_wg, stride_wn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tile = pid
+        base = 0
+        for g in range(0, G + 1):
+            start, end = _group_rows(offs_ptr, g, G, M)
+            tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
+            count = tiles_m * tiles_n
+            while tile < base + count:
+                pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
+                m0 = start + pm * BLOCK_M
+                rows = m0 + tl.arange(0, BLOCK_M)
+                row_ok = rows < end
+                cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = cols < N
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                if g < G:
+                    for k0 in range(0, K, BLOCK_K):
+                        if USE_TMA:
+                            xa = x_desc.load([m0.to(tl.int32), k0])
+                        else:
+                            k = k0 + tl.arange(0, BLOCK_K)
+                            xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
+                                         mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+                        wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg,
+                                     stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+                        acc = tl.dot(xa, wt, acc)
+                        if SWIGLU:
+                            wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K,
+                                         stride_wg, stride_wn, stride_wk, USE_TMA, BLOCK_N,
+                                         BLOCK_K)
+                            acc_u = tl.dot(xa, wu, acc_u)
+                mask = row_ok[:, None] & col_ok[None, :]
+                h_row = h_ptr + rows[:, None] * h_cols
+                hg = acc.to(h_ptr.dtype.element_ty)
+                tl.store(h_row + cols[None, :], hg, mask=mask)
+                if SWIGLU:
+                    hu = acc_u.to(h_ptr.dtype.element_ty)
+                    tl.store(h_row + N + cols[None, :], hu, mask=mask)
+                    up = hu.to(tl.float32)
+                    _, silu = _core(hg.to(tl.float32), up)
+                    out = silu * up
+                    if HAS_P:
+                        p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                        out = out * p[:, None]
+                    tl.store(a_ptr + rows[:, None] * N + cols[None, :],
+                             out.to(a_ptr.dtype.element_ty), mask=mask)
+                tile += P
+            base += count
+
+
+def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+            probs: torch.Tensor | None, swiglu: bool, config: dict | None, kernel
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate the outputs and launch ``kernel``: (h, a) for fc1 (``swiglu``), (y, None)."""
+    m, k = x.shape
+    groups, n_rows = weights.shape[0], weights.shape[1]
+    n = n_rows // 2 if swiglu else n_rows
+    h = torch.empty(m, n_rows, device=x.device, dtype=x.dtype)
+    a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
+    if m == 0 or n == 0:
+        return h, a
+    cfg = dict(large_config("fc1_swiglu" if swiglu else "fprop"))
+    cfg.update(config or {})
+    if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
+        cfg["USE_TMA"] = False
+    if cfg["USE_TMA"] and x.device.type == "cuda":
+        _ensure_allocator()
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    p = probs if probs is not None else x
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k, groups,
+           grid[0], weights.stride(0), weights.stride(1), weights.stride(2), SWIGLU=swiglu,
+           HAS_P=probs is not None, **cfg)
+    return h, a
+
+
+def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``y_g = x_g @ W_g^T`` with the persistent kernel (prototype, not dispatched).
+
+    Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, N, K) any strides (TMA loads need them
+    k-contiguous, else pointer loads), offsets (G,) int32/int64 cumulative group ends on x's
+    device -> y (M, N) in x's dtype; rows past ``offsets[-1]`` are zero. ``config`` overrides
+    keys of :func:`large_config` (benchmarks). Under a ``torch.compile`` trace the call is the
+    op ``te_ops::grouped_gemm_large``.
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
+    RuntimeError
+        The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
+    """
+    _check(x, weights, offsets, None, swiglu=False)
+    x = x.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_gemm_large(x, weights, offsets)
+    return _launch(x, weights, offsets, None, False, config, _large_kernel)[0]
+
+
+def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                     probs: torch.Tensor | None = None, config: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (prototype, not dispatched).
+
+    ``h_g = x_g @ W_g^T``; ``a = SiLU(h[:, :F]) * h[:, F:]`` (times ``probs[:, None]``) in fp32
+    from the rounded h (``swiglu_triton._core``; formula of ``te_ops.basic.swiglu``).
+
+    Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, 2F, K) (gate rows first, then up rows),
+    offsets (G,) int32/int64 cumulative group ends, probs (M,) any float dtype or ``None`` ->
+    (h (M, 2F), a (M, F)) in x's dtype; rows past ``offsets[-1]`` have h = 0 and a computed
+    from those zeros. Under a ``torch.compile`` trace the call is the op
+    ``te_ops::grouped_fc1_swiglu_large``.
+
+    Raises
+    ------
+    ValueError, RuntimeError
+        As :func:`large_fprop`; also an odd weight row count (no gate/up halves).
+    """
+    _check(x, weights, offsets, probs, swiglu=True)
+    x = x.contiguous()
+    probs = None if probs is None else probs.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_fc1_swiglu_large(x, weights, offsets, probs)
+    h, a = _launch(x, weights, offsets, probs, True, config, _large_kernel)
+    return h, a
+
+
+def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+           probs: torch.Tensor | None, swiglu: bool) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if weights.dim() != 3 or weights.dtype != x.dtype or weights.device != x.device:
+        raise ValueError(f"weights must be 3-D (G, N, K) {x.dtype} on {x.device}, got shape "
+                         f"{tuple(weights.shape)} {weights.dtype} on {weights.device}")
+    if weights.shape[2] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
+                         f"{weights.shape[2]}")
+    if swiglu and weights.shape[1] % 2:
+        raise ValueError(f"weights (G, 2F, K) must have an even number of rows (gate and up "
+                         f"halves), got 2F={weights.shape[1]}")
+    groups = weights.shape[0]
+    if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be int32/int64 of shape ({groups},) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
+        raise ValueError(f"probs must have shape ({x.shape[0]},) on {x.device}, got "
+                         f"{tuple(probs.shape)} on {probs.device}")
+    why = unsupported_reason(x.device, x.dtype)
+    if why is not None:
+        raise RuntimeError(f"the large-shape Triton grouped GEMM cannot run: {why}")
+
+
+if triton is not None:
+
+    @torch.library.triton_op("te_ops::grouped_gemm_large", mutates_args={})
+    def _grouped_gemm_large_op(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                               ) -> torch.Tensor:
+        """:func:`large_fprop` as an op; the body, run on FakeTensors, is also the fake."""
+        return _launch(x, weights, offsets, None, False, None,
+                       torch.library.wrap_triton(_large_kernel))[0]
+
+    @torch.library.triton_op("te_ops::grouped_fc1_swiglu_large", mutates_args={})
+    def _grouped_fc1_swiglu_large_op(x: torch.Tensor, weights: torch.Tensor,
+                                     offsets: torch.Tensor, probs: torch.Tensor | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`large_fc1_swiglu` as an op; the body, run on FakeTensors, is also the fake."""
+        h, a = _launch(x, weights, offsets, probs, True, None,
+                       torch.library.wrap_triton(_large_kernel))
+        return h, a
