@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 __all__ = ["large_config", "large_fprop", "large_fc1_swiglu", "tma_unsupported_reason",
-           "unsupported_reason", "grid_size"]
+           "unsupported_reason", "grid_size", "tile_ends"]
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
@@ -75,7 +75,7 @@ def large_config(kind: str) -> dict[str, int | bool]:
         raise ValueError(f"kind must be 'fprop' or 'fc1_swiglu', got {kind!r}")
     block_n = 256 if kind == "fprop" else 128
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "num_warps": 8, "num_stages": 3}
+            "FLAT": False, "num_warps": 8, "num_stages": 3}
 
 
 def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -163,14 +163,64 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
-    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
+    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, pm, pn, N,
+              K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
+              HAS_P: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile: row tile ``pm`` of group ``g``'s rows [start, end), column tile
+        ``pn``; the padding group (g == G) runs no k-step and stores zeros."""
+        m0 = start + pm * BLOCK_M
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_end = tl.where(g < G, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            if USE_TMA:
+                xa = x_desc.load([m0.to(tl.int32), k0])
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
+                             mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+                         stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+            acc = tl.dot(xa, wt, acc)
+            if SWIGLU:
+                wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
+                             stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+                acc_u = tl.dot(xa, wu, acc_u)
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_row = h_ptr + rows[:, None] * h_cols
+        hg = acc.to(h_ptr.dtype.element_ty)
+        tl.store(h_row + cols[None, :], hg, mask=mask)
+        if SWIGLU:
+            hu = acc_u.to(h_ptr.dtype.element_ty)
+            tl.store(h_row + N + cols[None, :], hu, mask=mask)
+            up = hu.to(tl.float32)
+            _, silu = _core(hg.to(tl.float32), up)
+            out = silu * up
+            if HAS_P:
+                p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                out = out * p[:, None]
+            tl.store(a_ptr + rows[:, None] * N + cols[None, :],
+                     out.to(a_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, ends_ptr, M, N, K, G, P,
                       stride_wg, stride_wn, stride_wk,
                       SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
+                      FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
-        x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows."""
+        x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
+        FLAT: one loop over this program's tiles (``ends_ptr``: int32 (G + 1,) cumulative
+        tile counts; the group of a tile by a SEARCH_STEPS-step binary search), which
+        Triton may flatten with the k-loop and pipeline across tiles; else each program
+        walks the groups in order (no table)."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
@@ -185,54 +235,50 @@ if triton is not None:
                                                strides=[stride_wg, stride_wn, 1],
                                                block_shape=[1, BLOCK_N, BLOCK_K])
         tiles_n = tl.cdiv(N, BLOCK_N)
-        tile = pid
-        base = 0
-        for g in range(0, G + 1):
-            start, end = _group_rows(offs_ptr, g, G, M)
-            tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-            count = tiles_m * tiles_n
-            while tile < base + count:
+        if FLAT:
+            total = tl.load(ends_ptr + G)
+            for tile in tl.range(pid, total, P, flatten=True):
+                lo = tl.zeros([], dtype=tl.int32)
+                hi = lo + G
+                for _ in tl.static_range(SEARCH_STEPS):  # first g with ends[g] > tile
+                    mid = (lo + hi) // 2
+                    right = tl.load(ends_ptr + mid) <= tile
+                    lo = tl.where(right, mid + 1, lo)
+                    hi = tl.where(right, hi, mid)
+                g = lo
+                base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+                start, end = _group_rows(offs_ptr, g, G, M)
+                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
-                m0 = start + pm * BLOCK_M
-                rows = m0 + tl.arange(0, BLOCK_M)
-                row_ok = rows < end
-                cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-                col_ok = cols < N
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                if g < G:
-                    for k0 in range(0, K, BLOCK_K):
-                        if USE_TMA:
-                            xa = x_desc.load([m0.to(tl.int32), k0])
-                        else:
-                            k = k0 + tl.arange(0, BLOCK_K)
-                            xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
-                                         mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-                        wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg,
-                                     stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
-                        acc = tl.dot(xa, wt, acc)
-                        if SWIGLU:
-                            wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K,
-                                         stride_wg, stride_wn, stride_wk, USE_TMA, BLOCK_N,
-                                         BLOCK_K)
-                            acc_u = tl.dot(xa, wu, acc_u)
-                mask = row_ok[:, None] & col_ok[None, :]
-                h_row = h_ptr + rows[:, None] * h_cols
-                hg = acc.to(h_ptr.dtype.element_ty)
-                tl.store(h_row + cols[None, :], hg, mask=mask)
-                if SWIGLU:
-                    hu = acc_u.to(h_ptr.dtype.element_ty)
-                    tl.store(h_row + N + cols[None, :], hu, mask=mask)
-                    up = hu.to(tl.float32)
-                    _, silu = _core(hg.to(tl.float32), up)
-                    out = silu * up
-                    if HAS_P:
-                        p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-                        out = out * p[:, None]
-                    tl.store(a_ptr + rows[:, None] * N + cols[None, :],
-                             out.to(a_ptr.dtype.element_ty), mask=mask)
-                tile += P
-            base += count
+                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
+                      pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU, HAS_P,
+                      USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            tile = pid
+            base = 0
+            for g in range(0, G + 1):
+                start, end = _group_rows(offs_ptr, g, G, M)
+                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
+                count = tiles_m * tiles_n
+                while tile < base + count:
+                    pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
+                    _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start,
+                          end, pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk,
+                          SWIGLU, HAS_P, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+                    tile += P
+                base += count
+
+
+def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: int
+              ) -> torch.Tensor:
+    """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
+    (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
+    ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
+    ends = offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends])
+    ends = torch.cat([ends, ends.new_full((1,), rows)])
+    counts = (ends - starts + block_m - 1) // block_m * cdiv(n, block_n)
+    return counts.cumsum(0).to(torch.int32)
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -254,9 +300,12 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         _ensure_allocator()
     grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
     p = probs if probs is not None else x
-    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k, groups,
-           grid[0], weights.stride(0), weights.stride(1), weights.stride(2), SWIGLU=swiglu,
-           HAS_P=probs is not None, **cfg)
+    ends = (tile_ends(offsets, m, n, cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg["FLAT"]
+            else offsets)
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, ends, m, n, k,
+           groups, grid[0], weights.stride(0), weights.stride(1), weights.stride(2),
+           SWIGLU=swiglu, HAS_P=probs is not None, SEARCH_STEPS=groups.bit_length() + 1,
+           **cfg)
     return h, a
 
 
