@@ -20,9 +20,9 @@ GEMM, the ratios ``triton_x`` = grouped_mm / triton and ``fused_x`` = grouped_mm
 whether TMA loads ran, and checks: ``max_abs_diff`` of the Triton output against
 ``_grouped_mm``'s and ``a_equal`` (the fused ``a`` equals the Triton SwiGLU on the fused
 ``h`` bit for bit). ``--sweep`` times the launch configurations of :data:`SWEEP` (tiles,
-``GROUP_M``, warps, stages, TMA or pointer loads; ``sweep`` records, ``ms`` median of
-``--sweep-reps``, errors such as out-of-resources recorded, not raised) for each shape and
-kind, then runs the comparison with the fastest configuration of each (shape, kind).
+``GROUP_M``, warps, stages, the FLAT schedule, TMA or pointer loads; ``sweep`` records,
+``ms`` median of ``--sweep-reps``, errors such as out-of-resources recorded, not raised) for
+each shape and kind, then runs the comparison with the fastest configuration of each (shape, kind).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
@@ -66,19 +66,19 @@ SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large sh
 GEMMS = ("fc1", "fc2")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
-#: Launch configurations of ``--sweep`` (keys of ``grouped_gemm_large_triton.large_config``);
-#: BLOCK_N is the plain fprop's tile, halved for the fused kernel (gate + up tiles).
-SWEEP = [
-    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w,
-     "num_stages": s, "USE_TMA": tma}
-    for bm, bn, bk, gm, w, s, tma in itertools.chain(
-        itertools.product((128,), (128, 256), (64,), (8,), (4, 8), (3, 4), (True,)),
-        itertools.product((64,), (256,), (64,), (8,), (4,), (4,), (True,)),
-        itertools.product((128,), (256,), (64,), (4, 16), (8,), (3,), (True,)),
-        itertools.product((128,), (128,), (128,), (8,), (8,), (3,), (True,)),
-        itertools.product((128,), (256,), (64,), (8,), (8,), (3,), (False,)),
-    )
-]
+#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
+#: the plain fprop's tile, halved for the fused kernel: gate + up tiles).
+_BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+         "FLAT": False, "num_warps": 8, "num_stages": 3}
+SWEEP = [{**_BASE, **change} for change in (
+    *({"BLOCK_N": bn, "num_warps": w, "num_stages": s}
+      for bn, w, s in itertools.product((128, 256), (4, 8), (3, 4))),
+    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "BLOCK_N": 128},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
+    {"GROUP_M": 4}, {"GROUP_M": 16},
+    {"BLOCK_N": 128, "BLOCK_K": 128},
+    {"USE_TMA": False},
+)]
 
 
 def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[str, Any]:

@@ -88,6 +88,44 @@ def test_grid_size_is_bounded_by_tiles():
     assert L.grid_size(cpu, 4096, 8, 4096, 128, 256) == L._CPU_PROGRAMS
 
 
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
+             "p_ptr": "*fp32", "offs_ptr": "*i32", "ends_ptr": "*i32", "M": "i32", "N": "i32",
+             "K": "i32", "G": "i32", "P": "i32", "stride_wg": "i32", "stride_wn": "i32",
+             "stride_wk": "i32"}
+
+
+@pytest.mark.parametrize("swiglu, flat, tma", [(False, False, True), (True, True, True),
+                                               (True, False, False)])
+def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma):
+    """Ahead-of-time compile for SM90 (no GPU needed, Triton's bundled ptxas): the default
+    tiles fit (3 stages of x, W tiles in shared memory), the dots are wgmma and the TMA
+    variant's loads are TMA copies. Checked with Triton 3.6.0 (the H200's) and 3.9.0."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the Triton version
+        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    cfg = L.large_config("fc1_swiglu" if swiglu else "fprop")
+    const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat,
+             "SEARCH_STEPS": 8, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                                         "GROUP_M")}}
+    src = ASTSource(L._large_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": cfg["num_warps"],
+                                         "num_stages": cfg["num_stages"]})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == tma
+    assert kernel.metadata.shared <= 227 * 1024
+
+
 # ---------------------------------------------------------------------------------- CUDA
 def _reference(x, w, sizes):
     out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
@@ -130,13 +168,16 @@ CASES = [
 ]
 
 
+LOADS = [(True, False), (False, False), (True, True)]  # (USE_TMA, FLAT)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma, flat", LOADS)
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
-def test_fprop_against_fp64_reference(dtype, tma, sizes, m, n, k):
+def test_fprop_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
     x, w, offs, _ = _operands(sizes, m, n, k, dtype)
-    y = L.large_fprop(x, w, offs, config={"USE_TMA": tma})
+    y = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
@@ -146,15 +187,16 @@ def test_fprop_against_fp64_reference(dtype, tma, sizes, m, n, k):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma, flat", LOADS)
 @pytest.mark.parametrize("with_p", [True, False])
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
-def test_fc1_swiglu_against_reference_and_swiglu_bits(dtype, tma, with_p, sizes, m, n, k):
+def test_fc1_swiglu_against_reference_and_swiglu_bits(dtype, tma, flat, with_p, sizes, m, n,
+                                                      k):
     from te_ops.kernels import swiglu_triton as st
 
     x, w, offs, probs = _operands(sizes, m, n, k, dtype)
     p = probs if with_p else None
-    h, a = L.large_fc1_swiglu(x, w, offs, p, config={"USE_TMA": tma})
+    h, a = L.large_fc1_swiglu(x, w, offs, p, config={"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert not h[total:].any() and not a[total:].any()
     assert torch.equal(a, st._forward(h, p, st._fwd_kernel))
@@ -179,6 +221,8 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     offsets), and under torch.compile(fullgraph=True): bitwise the eager values."""
     x, w, offs, probs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
     want = L.large_fc1_swiglu(x, w, offs, probs)
+    flat = L.large_fc1_swiglu(x, w, offs, probs, config={"FLAT": True})
+    assert torch.equal(flat[0], want[0]) and torch.equal(flat[1], want[1])  # same k-steps
     static_offs = offs.clone()
     L.large_fc1_swiglu(x, w, static_offs, probs)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
