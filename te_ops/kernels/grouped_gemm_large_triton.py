@@ -21,6 +21,10 @@ Schedule. A persistent kernel: ``min(#SMs, tile bound)`` programs; the tiles of 
 group, ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` per group, and program ``p`` takes tiles
 ``p, p + P, p + 2P, ...``. Each program walks the groups in order, reading the offsets on the
 device (no host sync, launch size known on the host: graph-safe), so no tile table is built.
+``FLAT=True`` (a launch constexpr) instead runs one ``tl.range(..., flatten=True)`` loop over
+the program's tiles and finds each tile's group by binary search in a (G + 1,) tile table that
+:func:`tile_ends` builds on the device with a few torch ops (whether Triton then pipelines
+across tiles on SM90 is for the benchmark to show).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
@@ -69,7 +73,8 @@ def large_config(kind: str) -> dict[str, int | bool]:
     (``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
     for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
     te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
-    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads. ``USE_TMA`` is dropped by the launch
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the group-walk schedule
+    (``FLAT=False``). ``USE_TMA`` is dropped by the launch
     where :func:`tma_unsupported_reason` says the operands cannot take it."""
     if kind not in ("fprop", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop' or 'fc1_swiglu', got {kind!r}")
