@@ -26,8 +26,9 @@ CUDA = torch.device("cuda")
 def test_config_kinds_and_bad_kind():
     assert L.large_config("fprop")["BLOCK_N"] == 256
     assert L.large_config("fc1_swiglu")["BLOCK_N"] == 128
-    with pytest.raises(ValueError, match="kind must be 'fprop' or 'fc1_swiglu', got 'dgrad'"):
-        L.large_config("dgrad")
+    assert L.large_config("dgrad")["BLOCK_N"] == 256
+    with pytest.raises(ValueError, match="kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got 'wgrad'"):
+        L.large_config("wgrad")
 
 
 def _ops(m=8, n=6, k=4, g=2, dtype=torch.bfloat16):
@@ -94,9 +95,10 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
              "stride_wk": "i32"}
 
 
-@pytest.mark.parametrize("swiglu, flat, tma", [(False, False, True), (True, True, True),
-                                               (True, False, False)])
-def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma):
+@pytest.mark.parametrize("swiglu, flat, tma, dgrad", [
+    (False, False, True, False), (True, True, True, False), (True, False, False, False),
+    (False, False, True, True), (False, False, False, True)])
+def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad):
     """Ahead-of-time compile for SM90 (no GPU needed, Triton's bundled ptxas): the default
     tiles fit (3 stages of x, W tiles in shared memory), the dots are wgmma and the TMA
     variant's loads are TMA copies. Checked with Triton 3.6.0 (the H200's) and 3.9.0."""
@@ -106,8 +108,8 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma):
         from triton.compiler import ASTSource
     except ImportError as exc:  # pragma: no cover - depends on the Triton version
         pytest.skip(f"no ahead-of-time compile API: {exc}")
-    cfg = L.large_config("fc1_swiglu" if swiglu else "fprop")
-    const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat,
+    cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
+    const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
              "SEARCH_STEPS": 8, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K",
                                                          "GROUP_M")}}
     src = ASTSource(L._large_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
@@ -188,6 +190,26 @@ def test_fprop_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tma, flat", LOADS)
+@pytest.mark.parametrize("sizes, m, n, k", CASES)
+def test_dgrad_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
+    """dx_g = dy_g @ W_g, W (G, N, K): dy (m, n) -> dx (m, k); NaN padding rows of dy give
+    zeros."""
+    x, w, offs, _ = _operands(sizes, m, n, k, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dy = torch.randn(m, n, generator=gen, device=CUDA).to(dtype)
+    total = sum(sizes)
+    dy[total:] = float("nan")
+    dx = L.large_dgrad(dy, w, offs, config={"USE_TMA": tma, "FLAT": flat})
+    assert dx.shape == (m, k) and dx.dtype == dtype
+    assert not dx[total:].any()
+    err = ((dx.double() - _reference(dy, w.transpose(1, 2), sizes)).abs().max().item()
+           if total else 0.0)
+    assert err <= _tol(dtype, n), err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tma, flat", LOADS)
 @pytest.mark.parametrize("with_p", [True, False])
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
 def test_fc1_swiglu_against_reference_and_swiglu_bits(dtype, tma, flat, with_p, sizes, m, n,
@@ -238,3 +260,6 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     fprop = torch.compile(lambda *a: L.large_fprop(*a), fullgraph=True)
     assert torch.equal(fprop(x, w, offs), L.large_fprop(x, w, offs))
+    dy = torch.randn(x.shape[0], w.shape[1], device=CUDA).to(x.dtype)
+    dgrad = torch.compile(lambda *a: L.large_dgrad(*a), fullgraph=True)
+    assert torch.equal(dgrad(dy, w, offs), L.large_dgrad(dy, w, offs))

@@ -11,7 +11,8 @@ Against a float64 per-expert ``torch.nn.functional.linear`` reference: empty gro
 rows over NaN garbage (zero output), a skewed group, no rows, dims not multiples of the tiles,
 non-contiguous weights (pointer loads). The fc1 variant: ``h`` against the reference, ``a``
 equal bit for bit to the Triton SwiGLU forward kernel (also interpreted) run on the kernel's
-``h``, with and without probs.
+``h``, with and without probs. dgrad (``W_KN``: W read as (G, K_red, N_out)) on the same
+weights.
 """
 
 from __future__ import annotations
@@ -57,14 +58,20 @@ def case(sizes, m, n, k, odt, cfg, tma, with_p, transposed=False, flat=False):
     conf = {**cfg, "USE_TMA": tma, "FLAT": flat}
     want = reference(x, w, sizes)
     tag = (sizes, m, n, k, odt, cfg, tma, flat)
-    y, none = L._launch(x, w, offs, None, False, conf, L._large_kernel)
+    y, none = L._launch(x, w, offs, None, "fprop", conf, L._large_kernel)
     assert none is None and y.shape == (m, n) and y.dtype == torch.float16, tag
     assert not y[total:].any(), tag  # zeros, not NaN
     close("y", y, want, tag)
+    # dgrad: dy (m, n) @ W_g (n, k) -> (m, k), the same kernel reading W as (G, K_red, N_out)
+    dy = torch.randn(m, n, generator=gen).half()
+    dy[total:] = float("nan")
+    dx, _ = L._launch(dy, w, offs, None, "dgrad", conf, L._large_kernel)
+    assert dx.shape == (m, k) and not dx[total:].any(), tag
+    close("dx", dx, reference(dy, w.transpose(1, 2), sizes), tag)
     if n % 2:
         return
     p = torch.rand(m, generator=gen) if with_p else None
-    h, a = L._launch(x, w, offs, p, True, conf, L._large_kernel)
+    h, a = L._launch(x, w, offs, p, "fc1_swiglu", conf, L._large_kernel)
     assert h.shape == (m, n) and a.shape == (m, n // 2), tag
     assert not h[total:].any() and not a[total:].any(), tag
     close("h", h, want, tag)

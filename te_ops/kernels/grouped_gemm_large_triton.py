@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["large_config", "large_fprop", "large_fc1_swiglu", "tma_unsupported_reason",
+__all__ = ["large_config", "large_fprop", "large_dgrad", "large_fc1_swiglu", "tma_unsupported_reason",
            "unsupported_reason", "grid_size", "tile_ends"]
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
@@ -76,9 +76,9 @@ def large_config(kind: str) -> dict[str, int | bool]:
     step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the group-walk schedule
     (``FLAT=False``). ``USE_TMA`` is dropped by the launch
     where :func:`tma_unsupported_reason` says the operands cannot take it."""
-    if kind not in ("fprop", "fc1_swiglu"):
-        raise ValueError(f"kind must be 'fprop' or 'fc1_swiglu', got {kind!r}")
-    block_n = 256 if kind == "fprop" else 128
+    if kind not in ("fprop", "dgrad", "fc1_swiglu"):
+        raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
+    block_n = 128 if kind == "fc1_swiglu" else 256
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
             "FLAT": False, "num_warps": 8, "num_stages": 3}
 
@@ -107,7 +107,8 @@ def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None
 
 
 def _fake(t: torch.Tensor) -> bool:
-    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``): no data."""
+    return torch._subclasses.fake_tensor.is_fake(t)
 
 
 def grid_size(device: torch.device, rows: int, groups: int, n: int, block_m: int,
@@ -154,10 +155,14 @@ if triton is not None:
 
     @triton.jit
     def _load_w(w_desc, w_ptr, g, n0, k0, N_ROWS, K, stride_wg, stride_wn, stride_wk,
-                USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """W[g, n0:n0+BLOCK_N, k0:k0+BLOCK_K] transposed to (BLOCK_K, BLOCK_N), zeros past
-        N_ROWS / K."""
+                USE_TMA: tl.constexpr, W_KN: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+        """The (BLOCK_K, BLOCK_N) operand tile B[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of group g,
+        zeros past K / N_ROWS: B = W[g]^T for fprop (W (G, N, K), k-contiguous), B = W[g]
+        for dgrad (``W_KN``: W (G, K, N) as the kernel sees it, n-contiguous)."""
         if USE_TMA:
+            if W_KN:
+                return w_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
             w = w_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K)
             return w.T
         else:
@@ -170,7 +175,8 @@ if triton is not None:
     @triton.jit
     def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, pm, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
-              HAS_P: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
+              BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One output tile: row tile ``pm`` of group ``g``'s rows [start, end), column tile
         ``pn``; the padding group (g == G) runs no k-step and stores zeros."""
@@ -190,11 +196,11 @@ if triton is not None:
                 xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                              mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
             wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
-                         stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+                         stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
             if SWIGLU:
                 wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
-                             stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+                             stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
         mask = row_ok[:, None] & col_ok[None, :]
         h_row = h_ptr + rows[:, None] * h_cols
@@ -216,7 +222,7 @@ if triton is not None:
     def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, ends_ptr, M, N, K, G, P,
                       stride_wg, stride_wn, stride_wk,
                       SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
-                      FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                      W_KN: tl.constexpr, FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
@@ -236,9 +242,14 @@ if triton is not None:
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
-                                               strides=[stride_wg, stride_wn, 1],
-                                               block_shape=[1, BLOCK_N, BLOCK_K])
+            if W_KN:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
+                                                   strides=[stride_wg, stride_wk, 1],
+                                                   block_shape=[1, BLOCK_K, BLOCK_N])
+            else:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
+                                                   strides=[stride_wg, stride_wn, 1],
+                                                   block_shape=[1, BLOCK_N, BLOCK_K])
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
             total = tl.load(ends_ptr + G)
@@ -257,7 +268,7 @@ if triton is not None:
                 pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
                       pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU, HAS_P,
-                      USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+                      USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             tile = pid
             base = 0
@@ -269,7 +280,7 @@ if triton is not None:
                     pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                     _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start,
                           end, pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk,
-                          SWIGLU, HAS_P, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+                          SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
                     tile += P
                 base += count
 
@@ -287,17 +298,20 @@ def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: i
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-            probs: torch.Tensor | None, swiglu: bool, config: dict | None, kernel
+            probs: torch.Tensor | None, kind: str, config: dict | None, kernel
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Allocate the outputs and launch ``kernel``: (h, a) for fc1 (``swiglu``), (y, None)."""
+    """Allocate the outputs and launch ``kernel`` for ``kind`` (``"fprop"``, ``"dgrad"``,
+    ``"fc1_swiglu"``): (h, a) for fc1 with the SwiGLU, (y, None) otherwise."""
     m, k = x.shape
-    groups, n_rows = weights.shape[0], weights.shape[1]
+    swiglu, dgrad = kind == "fc1_swiglu", kind == "dgrad"
+    groups = weights.shape[0]
+    n_rows = weights.shape[2] if dgrad else weights.shape[1]
     n = n_rows // 2 if swiglu else n_rows
     h = torch.empty(m, n_rows, device=x.device, dtype=x.dtype)
     a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
     if m == 0 or n == 0:
         return h, a
-    cfg = dict(large_config("fc1_swiglu" if swiglu else "fprop"))
+    cfg = dict(large_config(kind))
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
         cfg["USE_TMA"] = False
@@ -307,10 +321,14 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     p = probs if probs is not None else x
     ends = (tile_ends(offsets, m, n, cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg["FLAT"]
             else offsets)
+    # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
+    # as (G, K_red=N, N_out=K).
+    stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
+                          else (weights.stride(1), weights.stride(2)))
     launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, ends, m, n, k,
-           groups, grid[0], weights.stride(0), weights.stride(1), weights.stride(2),
-           SWIGLU=swiglu, HAS_P=probs is not None, SEARCH_STEPS=groups.bit_length() + 1,
-           **cfg)
+           groups, grid[0], weights.stride(0), stride_n, stride_k,
+           SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
+           SEARCH_STEPS=groups.bit_length() + 1, **cfg)
     return h, a
 
 
@@ -335,7 +353,29 @@ def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     x = x.contiguous()
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_gemm_large(x, weights, offsets)
-    return _launch(x, weights, offsets, None, False, config, _large_kernel)[0]
+    return _launch(x, weights, offsets, None, "fprop", config, _large_kernel)[0]
+
+
+def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``dx_g = dy_g @ W_g`` with the persistent kernel (the fprop kernel reading W as
+    (G, K_red, N_out), n-contiguous: ``W_KN``).
+
+    Shapes: dy (M, N) bf16/fp16 on CUDA, weights (G, N, K) (TMA loads need them contiguous
+    along K, else pointer loads), offsets (G,) int32/int64 cumulative group ends on dy's
+    device -> dx (M, K) in dy's dtype; rows past ``offsets[-1]`` are zero. Under a
+    ``torch.compile`` trace the call is the op ``te_ops::grouped_dgrad_large``.
+
+    Raises
+    ------
+    ValueError, RuntimeError
+        As :func:`large_fprop` (dy's columns must equal N).
+    """
+    _check(dy, weights, offsets, None, swiglu=False, dgrad=True)
+    dy = dy.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_dgrad_large(dy, weights, offsets)
+    return _launch(dy, weights, offsets, None, "dgrad", config, _large_kernel)[0]
 
 
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -362,18 +402,21 @@ def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
     probs = None if probs is None else probs.contiguous()
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_fc1_swiglu_large(x, weights, offsets, probs)
-    h, a = _launch(x, weights, offsets, probs, True, config, _large_kernel)
+    h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", config, _large_kernel)
     return h, a
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-           probs: torch.Tensor | None, swiglu: bool) -> None:
+           probs: torch.Tensor | None, swiglu: bool, dgrad: bool = False) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
     if weights.dim() != 3 or weights.dtype != x.dtype or weights.device != x.device:
         raise ValueError(f"weights must be 3-D (G, N, K) {x.dtype} on {x.device}, got shape "
                          f"{tuple(weights.shape)} {weights.dtype} on {weights.device}")
-    if weights.shape[2] != x.shape[1]:
+    if dgrad and weights.shape[1] != x.shape[1]:
+        raise ValueError(f"dy has {x.shape[1]} columns, weights (G, N, K) have N="
+                         f"{weights.shape[1]}")
+    if not dgrad and weights.shape[2] != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
                          f"{weights.shape[2]}")
     if swiglu and weights.shape[1] % 2:
@@ -398,7 +441,14 @@ if triton is not None:
     def _grouped_gemm_large_op(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
                                ) -> torch.Tensor:
         """:func:`large_fprop` as an op; the body, run on FakeTensors, is also the fake."""
-        return _launch(x, weights, offsets, None, False, None,
+        return _launch(x, weights, offsets, None, "fprop", None,
+                       torch.library.wrap_triton(_large_kernel))[0]
+
+    @torch.library.triton_op("te_ops::grouped_dgrad_large", mutates_args={})
+    def _grouped_dgrad_large_op(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                                ) -> torch.Tensor:
+        """:func:`large_dgrad` as an op; the body, run on FakeTensors, is also the fake."""
+        return _launch(dy, weights, offsets, None, "dgrad", None,
                        torch.library.wrap_triton(_large_kernel))[0]
 
     @torch.library.triton_op("te_ops::grouped_fc1_swiglu_large", mutates_args={})
@@ -406,6 +456,6 @@ if triton is not None:
                                      offsets: torch.Tensor, probs: torch.Tensor | None
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`large_fc1_swiglu` as an op; the body, run on FakeTensors, is also the fake."""
-        h, a = _launch(x, weights, offsets, probs, True, None,
+        h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", None,
                        torch.library.wrap_triton(_large_kernel))
         return h, a
