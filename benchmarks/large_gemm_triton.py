@@ -63,7 +63,7 @@ SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large sh
     "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
 }
-GEMMS = ("fc1", "fc2")
+GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
 #: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
@@ -87,9 +87,11 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
     sizes = skewed_sizes(experts, tokens, seed)
     offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    k, n = (hidden, 2 * ffn) if gemm == "fc1" else (ffn, hidden)
-    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    k, n = (hidden, 2 * ffn) if gemm.startswith("fc1") else (ffn, hidden)
     w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5
+    # dgrad: the layer's output gradient (T, N) is the operand, dx (T, K) the output
+    x = torch.randn(tokens, n if gemm.endswith("dgrad") else k, device=dev,
+                    dtype=torch.bfloat16, generator=gen)
     probs = torch.rand(tokens, device=dev, generator=gen)
     return {"x": x, "w": w, "offs": offs, "probs": probs, "sizes": sizes,
             "flop": 2.0 * tokens * n * k}
@@ -101,6 +103,9 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
     from te_ops.kernels import swiglu_triton as st
 
     x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
+    if gemm.endswith("dgrad"):
+        return {"grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
+                "triton": lambda: lg.large_dgrad(x, w, offs, cfg or {})}
     calls = {"grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
              "triton": lambda: lg.large_fprop(x, w, offs, cfg or {})}
     if gemm == "fc1":
@@ -182,7 +187,8 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
 
     ops = _operands(SHAPES[shape_name], gemm, args.seed)
     x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
-    kinds = {"fprop": lambda c: lg.large_fprop(x, w, offs, c)}
+    kinds = {"fprop": (lambda c: lg.large_dgrad(x, w, offs, c)) if gemm.endswith("dgrad")
+             else (lambda c: lg.large_fprop(x, w, offs, c))}
     if gemm == "fc1":
         kinds["fc1_swiglu"] = lambda c: lg.large_fc1_swiglu(x, w, offs, probs, c)
     best: dict[str, tuple[float, dict] | None] = {"fprop": None, "fc1_swiglu": None}
@@ -209,12 +215,12 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
 
 def summarize(path: str) -> str:
     """A table of the comparison records of ``path`` (and the best sweep config per kind)."""
-    lines = [f"{'shape':26} {'gemm':4} {'grouped_mm':>10} {'triton':>8} {'x':>5} "
+    lines = [f"{'shape':26} {'gemm':9} {'grouped_mm':>10} {'triton':>8} {'x':>5} "
              f"{'mm+swiglu':>9} {'fused':>8} {'x':>5} {'tma':>4} {'a_equal':>7}"]
     for r in read_records(path, BENCH):
         fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
                  if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
-        lines.append(f"{r['shape']:26} {r['gemm']:4} {r['grouped_mm_ms']:10.3f} "
+        lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
                      f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7}")
     best: dict[tuple, dict] = {}

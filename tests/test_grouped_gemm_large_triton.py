@@ -27,7 +27,8 @@ def test_config_kinds_and_bad_kind():
     assert L.large_config("fprop")["BLOCK_N"] == 256
     assert L.large_config("fc1_swiglu")["BLOCK_N"] == 128
     assert L.large_config("dgrad")["BLOCK_N"] == 256
-    with pytest.raises(ValueError, match="kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got 'wgrad'"):
+    with pytest.raises(ValueError,
+                       match="kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got 'wgrad'"):
         L.large_config("wgrad")
 
 

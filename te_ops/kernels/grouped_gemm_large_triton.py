@@ -1,16 +1,18 @@
-"""PROTOTYPE persistent Triton grouped GEMM for many rows per group, with an fc1 SwiGLU epilogue.
+"""Persistent Triton grouped GEMMs for many rows per group (fprop, dgrad; fc1 + SwiGLU).
 
-**Not dispatched**: nothing in te_ops calls this module yet. It exists so that
-``benchmarks/large_gemm_triton.py`` can measure, on the H200, whether a Triton grouped GEMM
-reaches ``torch._grouped_mm``'s (CUTLASS) speed at the large MoE shapes of issue 10 (E8 T16384
-H4096 FF14336, E128 T65536 H2048 FF768, E32 T32768 H7168 FF2048), and whether fc1's fprop with
-the (Scaled)SwiGLU in its epilogue beats fprop + the Triton SwiGLU pass there. Until it is
-measured, its speed is unknown (docs/benchmarks.md, "Large-shape Triton grouped GEMM").
+Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
+:data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
+(CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
+(``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Large-shape Triton grouped GEMM").
+The fc1 variant with the (Scaled)SwiGLU in its epilogue is not dispatched: on the issue-10
+shapes it measured 0.98-1.02x fprop + the Triton SwiGLU pass.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding):
 
 * :func:`large_fprop`: ``y_g = x_g @ W_g^T``, x (M, K), W (G, N, K) -> y (M, N);
+* :func:`large_dgrad`: ``dx_g = dy_g @ W_g``, dy (M, N), W (G, N, K) -> dx (M, K) (the same
+  kernel with ``W_KN``: it reads W as (G, K_red, N_out), rows contiguous along the output);
 * :func:`large_fc1_swiglu`: ``h_g = x_g @ W1_g^T`` with W1 (G, 2F, K) -> h (M, 2F), and
   ``a = SiLU(h[:, :F]) * h[:, F:] (* probs[:, None])`` -> a (M, F), computed in fp32 from the
   *rounded* h with ``swiglu_triton._core`` (the Triton SwiGLU forward's function and order of
@@ -61,8 +63,17 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["large_config", "large_fprop", "large_dgrad", "large_fc1_swiglu", "tma_unsupported_reason",
-           "unsupported_reason", "grid_size", "tile_ends"]
+__all__ = ["MIN_ROWS_PER_GROUP", "large_kinds", "large_config", "large_fprop", "large_dgrad",
+           "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
+           "tile_ends"]
+
+#: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
+#: average rows per group (padding included) of at least this many: SM90, bfloat16. The
+#: lowest average of the three issue-10 shapes measured faster than ``torch._grouped_mm``
+#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30: E128 T65536 H2048 FF768,
+#: 512 rows per group, fprop fc1 1.18x, fc2 1.07x; E32 1024 rows 1.07x / 1.07x; E8 2048 rows
+#: 1.02x / 1.09x). Fewer rows were not measured: torch._grouped_mm stays there.
+MIN_ROWS_PER_GROUP = {"fprop": 512, "dgrad": 512}
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
@@ -81,6 +92,14 @@ def large_config(kind: str) -> dict[str, int | bool]:
     block_n = 128 if kind == "fc1_swiglu" else 256
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
             "FLAT": False, "num_warps": 8, "num_stages": 3}
+
+
+def large_kinds(rows_per_group: float | None) -> tuple[str, ...]:
+    """The GEMM kinds auto dispatch runs in this module's kernels at ``rows_per_group``
+    (:data:`MIN_ROWS_PER_GROUP`; none when not known)."""
+    if rows_per_group is None:
+        return ()
+    return tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
 
 
 def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -334,7 +353,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 
 def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
-    """``y_g = x_g @ W_g^T`` with the persistent kernel (prototype, not dispatched).
+    """``y_g = x_g @ W_g^T`` with the persistent kernel.
 
     Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, N, K) any strides (TMA loads need them
     k-contiguous, else pointer loads), offsets (G,) int32/int64 cumulative group ends on x's
@@ -381,7 +400,7 @@ def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                      probs: torch.Tensor | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (prototype, not dispatched).
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (not dispatched).
 
     ``h_g = x_g @ W_g^T``; ``a = SiLU(h[:, :F]) * h[:, F:]`` (times ``probs[:, None]``) in fp32
     from the rounded h (``swiglu_triton._core``; formula of ``te_ops.basic.swiglu``).
