@@ -62,6 +62,10 @@ def _ref_fprop(x, w, offs, cfg=None):
     return out
 
 
+def _ref_dgrad(dy, w, offs, cfg=None):
+    return _ref_fprop(dy, w.transpose(1, 2), offs)
+
+
 def _ref_swiglu(h, probs):
     f = h.shape[1] // 2
     a = F.silu(h[:, :f].float()) * h[:, f:].float()
@@ -72,6 +76,7 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
     monkeypatch.setattr(lg, "large_fprop", _ref_fprop)
+    monkeypatch.setattr(lg, "large_dgrad", _ref_dgrad)
     monkeypatch.setattr(lg, "large_fc1_swiglu",
                         lambda x, w, o, p, c=None: (h := _ref_fprop(x, w, o), _ref_swiglu(h, p)))
     monkeypatch.setattr(st, "swiglu_forward", _ref_swiglu)
@@ -85,7 +90,9 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
         out.write(bench.compare("E2_T64_H32_FF16", gemm, args))
     out.close()
     capsys.readouterr()  # the records JsonLines echoed
-    fc1, fc2 = bench.read_records(str(path), bench.BENCH)
+    fc1, fc2, fc1_dgrad, fc2_dgrad = bench.read_records(str(path), bench.BENCH)
+    assert fc1_dgrad["max_abs_diff"] < 0.1 and fc2_dgrad["max_abs_diff"] < 0.1
+    assert fc1_dgrad["triton_x"] == 0.5 and "fused_ms" not in fc2_dgrad
     assert fc1["max_abs_diff"] < 0.1 and fc1["a_equal"] is True
     assert fc1["grouped_mm_ms"] == 1.0 and fc1["triton_ms"] == 2.0 and fc1["triton_x"] == 0.5
     assert fc1["fused_x"] == 3.0 / 5.0 and fc1["triton_swiglu_x"] == 3.0 / 4.0
@@ -93,5 +100,5 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     assert fc1["fused_config"]["BLOCK_N"] == 128 and "fused_ms" not in fc2
     assert bench.main(["--summarize", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 3 and "0.60" in table[1]
+    assert len(table) == 5 and "0.60" in table[1]
     assert table[1].split()[:2] == ["E2_T64_H32_FF16", "fc1"]
