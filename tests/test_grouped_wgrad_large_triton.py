@@ -24,7 +24,8 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 def test_config_keys():
     cfg = W.large_wgrad_config()
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "num_warps", "num_stages"}
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "SORTED", "num_warps",
+                        "num_stages"}
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 256)
 
 
@@ -121,7 +122,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(tma, accumulate):
     except ImportError as exc:  # pragma: no cover - depends on the Triton version
         pytest.skip(f"no ahead-of-time compile API: {exc}")
     cfg = W.large_wgrad_config()
-    const = {"ACCUMULATE": accumulate, "USE_TMA": tma,
+    const = {"ACCUMULATE": accumulate, "USE_TMA": tma, "SORTED": True,
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
     sig = {**SIGNATURE, "out_ptr": "*fp32" if accumulate else "*bf16",
            **{k: "constexpr" for k in const}}
@@ -187,11 +188,11 @@ CASES = [
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma, ordered", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
-def test_wgrad_against_fp64_reference(dtype, tma, sizes, m, n, k):
+def test_wgrad_against_fp64_reference(dtype, tma, ordered, sizes, m, n, k):
     x, dy, offs = _operands(sizes, m, n, k, dtype)
-    dw = W.large_wgrad(x, dy, offs, config={"USE_TMA": tma})
+    dw = W.large_wgrad(x, dy, offs, config={"USE_TMA": tma, "SORTED": ordered})
     assert dw.shape == (len(sizes), n, k) and dw.dtype == dtype
     _assert_close(dw, _reference(x, dy, sizes), dtype)
     for g, size in enumerate(sizes):

@@ -3,15 +3,16 @@ CPU interpreter (``TRITON_INTERPRET=1``).
 
 Runs where triton is installed and no GPU is (the GPU runs the compiled kernel in
 ``tests/test_grouped_wgrad_large_triton.py``). float16 only (the interpreter's ``tl.dot`` on
-bfloat16 is wrong, see ``tests/test_grouped_gemm_triton_interpret.py``). Note: with numpy 2.x
-the interpreter of Triton 3.6 cannot take loop bounds derived from ``tl.program_id`` (nor can
-it for ``grouped_gemm_large_triton``); Triton 3.9's can. Both load variants (pointer loads;
-TMA descriptors with the ``tl.where`` masking of the tail step), small tiles (several row
-steps, n- and k-tiles per group, more tiles than programs) and the default tiles, int32 and
-int64 offsets, two program counts. Against a float64 per-group ``dy_g^T @ x_g`` reference at
-N(0, 1) inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their
-tail rows are the next group's), padding rows of NaN, dims off the tiles, no rows; and the
-fp32 accumulation into ``out``.
+bfloat16 is wrong, see ``tests/test_grouped_gemm_triton_interpret.py``). Note: Triton 3.6's
+interpreter fails here with numpy 2.x (``range()`` over a scalar kernel argument, which it
+holds as a 1-element array; so does ``grouped_gemm_large_triton``'s test); Triton 3.9's runs
+it. Both load variants (pointer loads; TMA descriptors with the ``tl.where`` masking of the
+tail step), small tiles (several row steps, n- and k-tiles per group, more tiles than programs)
+and the default tiles, int32 and int64 offsets, two program counts, groups by decreasing rows
+and by index (``SORTED``). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
+inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their tail rows are
+the next group's), padding rows of NaN, dims off the tiles, no rows; and the fp32 accumulation
+into ``out``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ case([20, 0, 7], 30, 36, 17, torch.int32, SMALL, True)     # K*2 bytes not 16-al
 W._CPU_PROGRAMS = 3  # another program count: a different tile-to-program assignment
 case([70, 0, 1, 9], 85, 40, 48, torch.int32, SMALL, True)
 case([5, 40, 0, 21, 3], 75, 20, 30, torch.int64, SMALL, False)
+case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, "SORTED": False}, True)  # by index
 print("ok")
 '''
 

@@ -19,9 +19,12 @@ numbered by decreasing row count: a stable ``torch.argsort`` of the split sizes 
 (graph-safe: no host sync) gives the ``order`` table, and tile ``t`` belongs to group
 ``order[t // tiles_per_group]``. The round-robin assignment of tiles in that order is the
 "longest first" list schedule: each wave of P tiles holds tiles of similar cost and the last
-wave holds the cheapest ones. Inside a group the k-tile runs fastest, so the programs of one
-wave share the same dy column slab and sweep x's rows together (L2 reuse); a band order
-(``GROUP_M`` of the fprop module) matters less here than this load balance.
+wave holds the cheapest ones. The order costs a few small torch kernels per call (diff,
+argsort, cast); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
+so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
+runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
+together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
+load balance.
 
 Masking. Each tile runs the full ``BLOCK_M`` row steps of its group unmasked and then, when
 the group's row count is not a multiple of ``BLOCK_M``, one tail step whose rows past the
@@ -69,10 +72,10 @@ def large_wgrad_config() -> dict[str, int | bool]:
     """Default launch parameters, not yet tuned (``benchmarks/large_gemm_triton.py --sweep
     --gemms fc1_wgrad,fc2_wgrad`` is the tuning run): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
     the tile of torch's CUTLASS kernel), 64 rows per step, 8 warps, 3 stages (3 x 48 KiB of
-    shared memory), TMA loads. ``USE_TMA`` is dropped by the launch where
-    :func:`tma_unsupported_reason` says the operands cannot take it."""
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "num_warps": 8,
-            "num_stages": 3}
+    shared memory), TMA loads, groups by decreasing rows (``SORTED``). ``USE_TMA`` is dropped
+    by the launch where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "SORTED": True,
+            "num_warps": 8, "num_stages": 3}
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -174,11 +177,12 @@ if triton is not None:
     @triton.jit
     def _wgrad_large_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
                             ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """out[g, n, k] (=, or += with ACCUMULATE) sum over group g's rows m of
         dy[m, n] * x[m, k]; x (M, K), dy (M, N), out (G, N, K) contiguous; offs (G,)
-        cumulative group ends; order (G,) int32 groups by decreasing rows; P programs."""
+        cumulative group ends; order (G,) int32 groups by decreasing rows (SORTED; else
+        unread, groups in index order); P programs."""
         pid = tl.program_id(0)
         x_desc = None
         dy_desc = None
@@ -192,7 +196,10 @@ if triton is not None:
         tile = pid
         base = 0
         for rank in range(0, G):  # walk the groups in order; this program's tiles in each
-            g = tl.load(order_ptr + rank)
+            if SORTED:
+                g = tl.load(order_ptr + rank)
+            else:
+                g = rank
             start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
             start = tl.where(g == 0, 0, start)
             end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), M)
@@ -227,7 +234,8 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
         _ensure_allocator()
     grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
-    launch(kernel, grid, x, dy, out, offsets, group_order(offsets), m, n, k, groups,
+    order = group_order(offsets) if cfg["SORTED"] else offsets
+    launch(kernel, grid, x, dy, out, offsets, order, m, n, k, groups,
            grid[0], ACCUMULATE=accumulate, **cfg)
     return out
 
