@@ -106,6 +106,16 @@ def test_group_order_is_by_decreasing_rows_ties_by_index(dtype):
     assert order.dtype == torch.int32 and order.tolist() == [2, 3, 0, 4, 1]
 
 
+def test_ops_are_registered_with_the_mutation():
+    """The compile-time ops: the accumulating one declares that it writes ``out``."""
+    pytest.importorskip("triton")
+    acc = torch.ops.te_ops.grouped_wgrad_large_accumulate.default._schema
+    plain = torch.ops.te_ops.grouped_wgrad_large.default._schema
+    assert [a.alias_info is not None and a.alias_info.is_write for a in acc.arguments] == [
+        False, False, False, True]
+    assert not any(a.alias_info for a in plain.arguments) and len(plain.returns) == 1
+
+
 SIGNATURE = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "out_ptr": "*bf16", "offs_ptr": "*i32",
              "order_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32"}
 
