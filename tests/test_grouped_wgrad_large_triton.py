@@ -103,7 +103,7 @@ def test_grid_size_is_bounded_by_tiles():
 def test_group_order_is_by_decreasing_rows_ties_by_index(dtype):
     offs = torch.tensor([3, 3, 8, 13, 14], dtype=dtype)  # sizes 3, 0, 5, 5, 1
     order = W.group_order(offs)
-    assert order.dtype == torch.int32 and order.tolist() == [2, 3, 0, 4, 1]
+    assert order.dtype == torch.int64 and order.tolist() == [2, 3, 0, 4, 1]
 
 
 def test_ops_are_registered_with_the_mutation():
@@ -117,7 +117,7 @@ def test_ops_are_registered_with_the_mutation():
 
 
 SIGNATURE = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "out_ptr": "*bf16", "offs_ptr": "*i32",
-             "order_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32"}
+             "order_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32"}
 
 
 @pytest.mark.parametrize("tma, accumulate", [(True, False), (False, False), (True, True)])

@@ -20,7 +20,7 @@ numbered by decreasing row count: a stable ``torch.argsort`` of the split sizes 
 ``order[t // tiles_per_group]``. The round-robin assignment of tiles in that order is the
 "longest first" list schedule: each wave of P tiles holds tiles of similar cost and the last
 wave holds the cheapest ones. The order costs a few small torch kernels per call (diff,
-argsort, cast); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
+argsort); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
 so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
 runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
 together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
@@ -115,11 +115,11 @@ def grid_size(device: torch.device, groups: int, n: int, k: int, block_n: int,
 
 
 def group_order(offsets: torch.Tensor) -> torch.Tensor:
-    """int32 (G,) group indices by decreasing row count (ties by index), on the device with
-    torch ops (no host sync): the kernel's tile order (module docstring, "Schedule")."""
-    ends = offsets.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    return torch.argsort(sizes, descending=True, stable=True).to(torch.int32)
+    """int64 (G,) group indices by decreasing row count (ties by index), on the device with
+    torch ops (no host sync; a zero fill, a concatenation and a difference for the split
+    sizes, then the sort): the kernel's tile order (module docstring, "Schedule")."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.argsort(sizes, descending=True, stable=True)
 
 
 if triton is not None:
@@ -181,7 +181,7 @@ if triton is not None:
                             BLOCK_K: tl.constexpr):
         """out[g, n, k] (=, or += with ACCUMULATE) sum over group g's rows m of
         dy[m, n] * x[m, k]; x (M, K), dy (M, N), out (G, N, K) contiguous; offs (G,)
-        cumulative group ends; order (G,) int32 groups by decreasing rows (SORTED; else
+        cumulative group ends; order (G,) int64 groups by decreasing rows (SORTED; else
         unread, groups in index order); P programs."""
         pid = tl.program_id(0)
         x_desc = None
