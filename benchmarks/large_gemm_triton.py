@@ -12,23 +12,29 @@ the peer's"), median of ``--reps`` (>= 20) rounds:
   ``grouped_mm_swiglu`` (``_grouped_mm`` then the Triton ScaledSwiGLU forward: what te_ops
   runs now), ``triton_swiglu`` (the Triton fprop then the same SwiGLU) and ``fused``
   (``large_fc1_swiglu``: h and a in one launch);
-* ``fc2`` (a (T, FF) @ W2_g^T, W2 (E, H, FF)): ``grouped_mm`` and ``triton``.
+* ``fc2`` (a (T, FF) @ W2_g^T, W2 (E, H, FF)): ``grouped_mm`` and ``triton``;
+* ``fc1_wgrad`` (dW1_g = dh_g^T @ x_g: x (T, H), dh (T, 2FF) -> (E, 2FF, H)) and
+  ``fc2_wgrad`` (dW2_g = dy_g^T @ a_g: a (T, FF), dy (T, H) -> (E, H, FF)): ``grouped_mm``
+  (``torch._grouped_mm(dy.t(), x, offs=offs)``, te_ops' wgrad call) and ``triton``
+  (``grouped_wgrad_large_triton.large_wgrad``).
 
 Each record (``bench: "large_gemm_triton"``) has the medians (``*_ms``), p10/p90, TFLOP/s of the
 GEMM, the ratios ``triton_x`` = grouped_mm / triton and ``fused_x`` = grouped_mm_swiglu / fused
 (> 1: the Triton path is faster; issue 10 asks for the whole block >= 1.15x), the config and
 whether TMA loads ran, and checks: ``max_abs_diff`` of the Triton output against
 ``_grouped_mm``'s and ``a_equal`` (the fused ``a`` equals the Triton SwiGLU on the fused
-``h`` bit for bit). ``--sweep`` times the launch configurations of :data:`SWEEP` (tiles,
-``GROUP_M``, warps, stages, the FLAT schedule, TMA or pointer loads; ``sweep`` records,
-``ms`` median of ``--sweep-reps``, errors such as out-of-resources recorded, not raised) for
-each shape and kind, then runs the comparison with the fastest configuration of each (shape, kind).
+``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s).
+``--sweep`` times the launch configurations of :data:`SWEEP` (tiles, ``GROUP_M``, warps,
+stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgrad kinds;
+``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
+recorded, not raised) for each shape and kind, then runs the comparison with the fastest
+configuration of each (shape, kind).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
-    python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2] [--reps 30]
-        [--sweep] [--out FILE]
+    python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2,fc1_wgrad,fc2_wgrad]
+        [--reps 30] [--sweep] [--out FILE]
     python benchmarks/large_gemm_triton.py --summarize FILE
 """
 
@@ -63,7 +69,8 @@ SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large sh
     "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
 }
-GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad")
+GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
+WGRADS = ("fc1_wgrad", "fc2_wgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
 #: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
@@ -79,6 +86,18 @@ SWEEP = [{**_BASE, **change} for change in (
     {"BLOCK_N": 128, "BLOCK_K": 128},
     {"USE_TMA": False},
 )]
+#: Launch configurations of ``--sweep`` for the wgrad kinds: changes to
+#: ``large_wgrad_config()`` (dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one
+#: fits SM90's shared memory, and the fp32 accumulator stays <= 128 registers per thread).
+_WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
+               "SORTED": True, "num_warps": 8, "num_stages": 3}
+WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
+    {}, {"num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4},
+    {"BLOCK_K": 128, "num_warps": 4, "num_stages": 4}, {"BLOCK_K": 128, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4},
+    {"USE_TMA": False}, {"SORTED": False},
+)]
 
 
 def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[str, Any]:
@@ -88,20 +107,29 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
     offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     gen = torch.Generator(device=dev).manual_seed(seed)
     k, n = (hidden, 2 * ffn) if gemm.startswith("fc1") else (ffn, hidden)
+    flop = 2.0 * tokens * n * k
+    if gemm in WGRADS:  # x (T, k), dy (T, n) -> dW (E, n, k)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16, generator=gen)
+        return {"x": x, "dy": dy, "offs": offs, "sizes": sizes, "flop": flop}
     w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5
     # dgrad: the layer's output gradient (T, N) is the operand, dx (T, K) the output
     x = torch.randn(tokens, n if gemm.endswith("dgrad") else k, device=dev,
                     dtype=torch.bfloat16, generator=gen)
     probs = torch.rand(tokens, device=dev, generator=gen)
-    return {"x": x, "w": w, "offs": offs, "probs": probs, "sizes": sizes,
-            "flop": 2.0 * tokens * n * k}
+    return {"x": x, "w": w, "offs": offs, "probs": probs, "sizes": sizes, "flop": flop}
 
 
 def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None
            ) -> dict[str, Any]:
     from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
 
+    if gemm in WGRADS:
+        x, dy, offs = ops["x"], ops["dy"], ops["offs"]
+        return {"grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                "triton": lambda: lw.large_wgrad(x, dy, offs, cfg or {})}
     x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
     if gemm.endswith("dgrad"):
         return {"grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
@@ -136,14 +164,16 @@ def _time_interleaved(calls: dict[str, Any], reps: int, warmup: int) -> dict[str
     return times
 
 
-def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor) -> dict[str, Any]:
+def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None
+            ) -> dict[str, Any]:
     """Triton output against ``_grouped_mm``'s; for fc1 also the fused h, and a's bits."""
     from te_ops.kernels import swiglu_triton as st
 
     want = calls["grouped_mm"]()
     got = calls["triton"]()
     out = {"max_abs_diff": (got.float() - want.float()).abs().max().item(),
-           "ref_max_abs": want.float().abs().max().item()}
+           "ref_max_abs": want.float().abs().max().item(),
+           "bitwise_equal": bool(torch.equal(got, want))}
     if gemm == "fc1":
         h, a = calls["fused"]()
         out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
@@ -155,16 +185,21 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
             fused_cfg: dict | None = None) -> dict[str, Any]:
     """The interleaved comparison record of one (shape, GEMM) (module docstring)."""
     from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
 
     ops = _operands(SHAPES[shape_name], gemm, args.seed)
     calls = _calls(ops, gemm, cfg, fused_cfg)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
-                           "reps": args.reps, "split_sizes": ops["sizes"],
-                           "config": {**lg.large_config("fprop"), **(cfg or {})},
-                           "tma_reason": lg.tma_unsupported_reason(ops["x"], ops["w"])}
+                           "reps": args.reps, "split_sizes": ops["sizes"]}
+    if gemm in WGRADS:
+        rec["config"] = {**lw.large_wgrad_config(), **(cfg or {})}
+        rec["tma_reason"] = lw.tma_unsupported_reason(ops["x"], ops["dy"])
+    else:
+        rec["config"] = {**lg.large_config("fprop"), **(cfg or {})}
+        rec["tma_reason"] = lg.tma_unsupported_reason(ops["x"], ops["w"])
     if gemm == "fc1":
         rec["fused_config"] = {**lg.large_config("fc1_swiglu"), **(fused_cfg or {})}
-    rec.update(_checks(calls, gemm, ops["probs"]))
+    rec.update(_checks(calls, gemm, ops.get("probs")))
     times = _time_interleaved(calls, args.reps, args.warmup)
     for name, ts in times.items():
         s = summarize_times(ts)
@@ -182,19 +217,15 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
 def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
           ) -> tuple[dict | None, dict | None]:
     """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel
-    with BLOCK_N halved); return the fastest of each (``None`` when none ran)."""
-    from te_ops.kernels import grouped_gemm_large_triton as lg
-
+    with BLOCK_N halved; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
+    kernel); return the fastest of each (``None`` when none ran)."""
     ops = _operands(SHAPES[shape_name], gemm, args.seed)
-    x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
-    kinds = {"fprop": (lambda c: lg.large_dgrad(x, w, offs, c)) if gemm.endswith("dgrad")
-             else (lambda c: lg.large_fprop(x, w, offs, c))}
-    if gemm == "fc1":
-        kinds["fc1_swiglu"] = lambda c: lg.large_fc1_swiglu(x, w, offs, probs, c)
-    best: dict[str, tuple[float, dict] | None] = {"fprop": None, "fc1_swiglu": None}
+    kinds = _sweep_kinds(ops, gemm)
+    best: dict[str, tuple[float, dict]] = {}
     for kind, fn in kinds.items():
-        for cfg in SWEEP:
-            cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // (2 if kind == "fc1_swiglu" else 1))
+        for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
+            if kind == "fc1_swiglu":
+                cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
             rec = {"bench": BENCH + "_sweep", "shape": shape_name, "gemm": gemm, "kind": kind,
                    "config": cfg}
             try:
@@ -208,21 +239,41 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
             rec["ms"] = ms
             rec["tflops"] = ops["flop"] / ms / 1e9
             out.write(rec)
-            if best[kind] is None or ms < best[kind][0]:
+            if best.get(kind) is None or ms < best[kind][0]:
                 best[kind] = (ms, cfg)
-    return tuple(None if best[k] is None else best[k][1] for k in ("fprop", "fc1_swiglu"))
+    first = "wgrad" if gemm in WGRADS else "fprop"
+    return tuple(None if best.get(k) is None else best[k][1] for k in (first, "fc1_swiglu"))
+
+
+def _sweep_kinds(ops: dict[str, Any], gemm: str) -> dict[str, Any]:
+    """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
+
+    x, offs = ops["x"], ops["offs"]
+    if gemm in WGRADS:
+        return {"wgrad": lambda c: lw.large_wgrad(x, ops["dy"], offs, c)}
+    w, probs = ops["w"], ops["probs"]
+    if gemm.endswith("dgrad"):
+        return {"fprop": lambda c: lg.large_dgrad(x, w, offs, c)}
+    kinds = {"fprop": lambda c: lg.large_fprop(x, w, offs, c)}
+    if gemm == "fc1":
+        kinds["fc1_swiglu"] = lambda c: lg.large_fc1_swiglu(x, w, offs, probs, c)
+    return kinds
 
 
 def summarize(path: str) -> str:
     """A table of the comparison records of ``path`` (and the best sweep config per kind)."""
     lines = [f"{'shape':26} {'gemm':9} {'grouped_mm':>10} {'triton':>8} {'x':>5} "
-             f"{'mm+swiglu':>9} {'fused':>8} {'x':>5} {'tma':>4} {'a_equal':>7}"]
+             f"{'mm+swiglu':>9} {'fused':>8} {'x':>5} {'tma':>4} {'a_equal':>7} "
+             f"{'max_diff':>8} {'bits':>5}"]
     for r in read_records(path, BENCH):
         fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
                  if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
         lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
-                     f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7}")
+                     f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
+                     f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
     best: dict[tuple, dict] = {}
     for r in read_records(path, BENCH + "_sweep"):
         key = (r["shape"], r["gemm"], r["kind"])
