@@ -220,7 +220,7 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     with BLOCK_N halved; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
     kernel); return the fastest of each (``None`` when none ran)."""
     ops = _operands(SHAPES[shape_name], gemm, args.seed)
-    kinds = _sweep_kinds(ops, gemm)
+    kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
     for kind, fn in kinds.items():
         for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
@@ -245,7 +245,7 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     return tuple(None if best.get(k) is None else best[k][1] for k in (first, "fc1_swiglu"))
 
 
-def _sweep_kinds(ops: dict[str, Any], gemm: str) -> dict[str, Any]:
+def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
     """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
@@ -257,7 +257,7 @@ def _sweep_kinds(ops: dict[str, Any], gemm: str) -> dict[str, Any]:
     if gemm.endswith("dgrad"):
         return {"fprop": lambda c: lg.large_dgrad(x, w, offs, c)}
     kinds = {"fprop": lambda c: lg.large_fprop(x, w, offs, c)}
-    if gemm == "fc1":
+    if gemm == "fc1" and fused:
         kinds["fc1_swiglu"] = lambda c: lg.large_fc1_swiglu(x, w, offs, probs, c)
     return kinds
 
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="time SWEEP's configs first")
     parser.add_argument("--sweep-reps", type=int, default=20)
+    parser.add_argument("--no-fused-sweep", action="store_true",
+                        help="--sweep: leave out the fc1 + SwiGLU kernel's configs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append JSON lines here")
     parser.add_argument("--summarize", metavar="FILE", default=None)
