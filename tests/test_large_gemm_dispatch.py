@@ -4,13 +4,17 @@ CPU (CI): the rule (``MIN_ROWS_PER_GROUP``: kinds at and above the threshold, no
 row count is not known), the reason auto gives where it does not take them (CPU, dtype), and a
 mixed choice routing each GEMM kind (wgrad in ``torch._grouped_mm`` against the fp64
 reference; fprop / dgrad to the Triton kernels, which refuse a CPU tensor with their reason).
-CUDA: a block at >= 512 rows per group takes them (``explain()`` says so), matches the fp64
-reference, fused equals unfused bit for bit; with the threshold lowered, the existing
+The forced rule (``TE_OPS_GROUPED_GEMM_BACKEND=triton``: all three kinds, wgrad too, in the
+persistent kernels at many rows). CUDA: a block at >= 512 rows per group takes them
+(``explain()`` says so), matches the fp64 reference, fused equals unfused bit for bit (auto
+and forced); with the threshold lowered, the existing
 compile (fullgraph, default and reduce-overhead) and CUDA-graph replay checks run on them
 bitwise equal to eager.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import reference as ref
@@ -35,6 +39,31 @@ def test_rule_kinds_at_and_above_the_threshold():
     assert set(lg.large_kinds(low)) == {k for k, r in lg.MIN_ROWS_PER_GROUP.items()
                                         if r <= low}
     assert set(lg.large_kinds(1e9)) == set(lg.MIN_ROWS_PER_GROUP)
+
+
+def test_forced_rule_all_three_kinds_at_many_rows():
+    limit = lg.FORCED_MIN_ROWS_PER_GROUP
+    assert lg.large_kinds(limit, forced=True) == ("fprop", "dgrad", "wgrad")
+    assert lg.large_kinds(limit - 1, forced=True) == ()
+    assert lg.large_kinds(None, forced=True) == ()
+
+
+def test_forced_choice_splits_kinds_between_the_kernel_families(monkeypatch):
+    """TE_OPS_GROUPED_GEMM_BACKEND=triton: the persistent kernels for every kind at many rows
+    (the reason says so), the few-rows kernels otherwise; wgrad then routes to the persistent
+    wgrad (which refuses the CPU tensor with its reason)."""
+    monkeypatch.setattr(grouped_gemm, "triton_unsupported_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    many = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "triton", "auto",
+                                        (), ("fprop", "dgrad", "wgrad"))
+    assert many.large_kinds == ("fprop", "dgrad", "wgrad") and many.triton_kinds == ()
+    assert "persistent many-rows kernels" in many.reason
+    few = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "triton", "auto")
+    assert few.triton_kinds == ("fprop", "dgrad", "wgrad") and few.large_kinds == ()
+    splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
+    x, dy = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(10, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run: device type cpu is not cuda"):
+        grouped_wgrad(x, dy, splits, many)
 
 
 def test_auto_does_not_take_them_on_cpu_or_off_bf16():
@@ -117,7 +146,8 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
     """4 experts, 2600 rows (one skewed, one empty group, 40 padding rows): auto takes the
     persistent kernels for fprop and dgrad; output and all gradients match the fp64
     per-expert reference; fused and unfused give the same bits (same kernels)."""
-    _needs_sm90()
+    if os.environ.get("TE_OPS_GROUPED_GEMM_BACKEND") != "triton":
+        _needs_sm90()
     sizes = [1500, 0, 700, 360]
     rows, hidden, ffn = 2600, 256, 384
     x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
@@ -130,7 +160,9 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
         monkeypatch.setenv("TE_OPS_FUSION", fusion)
         block = _block(4, hidden, ffn)
         outs[fusion] = _run(block, x, probs, splits, dy)
-        assert "persistent Triton grouped GEMM" in block.explain(), block.explain()
+        text = block.explain()
+        assert ("persistent Triton grouped GEMM" in text
+                or "persistent many-rows kernels" in text), text
     for i, (a, b) in enumerate(zip(outs["1"], outs["0"])):
         assert torch.equal(a, b), f"tensor {i}: fused != unfused"
     total = sum(sizes)
@@ -149,6 +181,14 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
     assert_close(outs["1"][2][:total], leaves["probs"].grad, torch.bfloat16, "probs.grad")
     for i, leaf in enumerate(w1 + w2):
         assert_close(outs["1"][3 + i], leaf.grad, torch.bfloat16, f"weight grad {i}")
+
+
+@pytest.mark.cuda
+def test_forced_triton_block_at_many_rows_matches_reference(monkeypatch):
+    """TE_OPS_GROUPED_GEMM_BACKEND=triton at >= FORCED_MIN_ROWS_PER_GROUP rows per group:
+    all six GEMMs in the persistent kernels (wgrad included); same checks as auto."""
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
+    test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypatch)
 
 
 @pytest.mark.cuda

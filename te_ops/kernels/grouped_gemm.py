@@ -22,8 +22,14 @@ Backends
     ``torch._grouped_mm`` on the H200, per GEMM kind (``BackendChoice.triton_kinds``): CUDA
     SM90, bfloat16, rows (padding included) per group on average at most
     ``grouped_gemm_triton.MAX_ROWS_PER_GROUP[kind]`` (the caller passes ``rows_per_group``);
-    the other kinds of the call run in ``torch._grouped_mm``. Forced, all three kinds run in
-    Triton, for bf16/fp16 on any CUDA GPU.
+    the other kinds of the call run in ``torch._grouped_mm``. For many rows per group, the
+    persistent Triton kernels (``kernels/grouped_gemm_large_triton.py``,
+    ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
+    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more (measured
+    1.02-1.17x ``torch._grouped_mm`` on the issue-10 shapes), wgrad stays in
+    ``torch._grouped_mm`` (the persistent wgrad measured 0.82-0.91x). Forced, all three kinds
+    run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
+    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below.
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -50,6 +56,7 @@ from .grouped_gemm_triton import (
     triton_wgrad,
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
+from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
 __all__ = [
@@ -177,7 +184,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
     auto = forced == "auto" and device.type == "cuda"
     kinds = triton_kinds(rows_per_group) if auto else ()
-    large = large_kinds(rows_per_group) if auto else ()
+    large = (large_kinds(rows_per_group) if auto else
+             large_kinds(rows_per_group, forced=True) if forced == "triton"
+             and device.type == "cuda" else ())
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
            kinds, large)
     choice = _CHOICES.get(key)
@@ -210,9 +219,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         why = triton_unsupported_reason(device, dtype)
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
-        choice = BackendChoice("triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
-                               graph_safe=device_split_sizes,
-                               triton_kinds=("fprop", "dgrad", "wgrad"))
+        choice = BackendChoice(
+            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND" + (
+                " (persistent many-rows kernels: >= FORCED_MIN_ROWS_PER_GROUP rows per group)"
+                if large else ""),
+            graph_safe=device_split_sizes,
+            triton_kinds=tuple(k for k in ("fprop", "dgrad", "wgrad") if k not in large),
+            large_kinds=large)
     elif forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
@@ -424,6 +437,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
     if "wgrad" in backend.triton_kinds:
         return triton_wgrad(x, dy, splits.offsets)
+    if "wgrad" in backend.large_kinds:
+        return large_wgrad(x, dy, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])

@@ -63,7 +63,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MIN_ROWS_PER_GROUP", "large_kinds", "large_config", "large_fprop", "large_dgrad",
+__all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "large_config",
+           "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
            "tile_ends"]
 
@@ -74,6 +75,12 @@ __all__ = ["MIN_ROWS_PER_GROUP", "large_kinds", "large_config", "large_fprop", "
 #: 512 rows per group, fprop fc1 1.18x, fc2 1.07x; E32 1024 rows 1.07x / 1.07x; E8 2048 rows
 #: 1.02x / 1.09x). Fewer rows were not measured: torch._grouped_mm stays there.
 MIN_ROWS_PER_GROUP = {"fprop": 512, "dgrad": 512}
+
+#: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
+#: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
+#: group on average, and in the few-rows kernels below it. Forced only: the persistent wgrad
+#: measured 0.82-0.91x ``torch._grouped_mm`` on the issue-10 shapes (H200, 2026-11-30).
+FORCED_MIN_ROWS_PER_GROUP = 512
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
@@ -94,11 +101,15 @@ def large_config(kind: str) -> dict[str, int | bool]:
             "FLAT": False, "num_warps": 8, "num_stages": 3}
 
 
-def large_kinds(rows_per_group: float | None) -> tuple[str, ...]:
-    """The GEMM kinds auto dispatch runs in this module's kernels at ``rows_per_group``
-    (:data:`MIN_ROWS_PER_GROUP`; none when not known)."""
+def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
+    """The GEMM kinds auto dispatch (``forced``: ``TE_OPS_GROUPED_GEMM_BACKEND=triton``) runs
+    in the persistent kernels at ``rows_per_group`` (:data:`MIN_ROWS_PER_GROUP`,
+    :data:`FORCED_MIN_ROWS_PER_GROUP`; none when not known)."""
     if rows_per_group is None:
         return ()
+    if forced:
+        return (("fprop", "dgrad", "wgrad") if rows_per_group >= FORCED_MIN_ROWS_PER_GROUP
+                else ())
     return tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
 
 
