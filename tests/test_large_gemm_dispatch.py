@@ -204,7 +204,7 @@ def test_large_gemms_against_fp64_at_realistic_magnitudes():
     x = torch.randn(rows, k, device=CUDA, dtype=torch.bfloat16)
     dy = torch.randn(rows, n, device=CUDA, dtype=torch.bfloat16)
     w = (torch.randn(4, n, k, device=CUDA) * k ** -0.5).to(torch.bfloat16)
-    splits = make_splits(torch.tensor(sizes, device=CUDA), 4, rows, CUDA)
+    splits = make_splits(torch.tensor(sizes, device=x.device), 4, rows, x.device)
     y = grouped_fprop(x, w, splits, choice)
     dx = grouped_dgrad(dy, w, splits, choice)
     start = 0
@@ -228,9 +228,11 @@ def test_existing_compile_and_graph_checks_on_the_large_kernels(fusion, monkeypa
 
     monkeypatch.setattr(lg, "MIN_ROWS_PER_GROUP", {k: 1 for k in lg.MIN_ROWS_PER_GROUP})
     block = test_torch_compile_cuda._block(fusion, monkeypatch)
-    x = torch.randn(64, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
-    block(x, torch.tensor([16] * 4, device=CUDA), torch.rand(64, device=CUDA), torch.tensor(
-        [16] * 4, device=CUDA))
+    # 64 rows per group: above the few-rows kernels' MAX_ROWS_PER_GROUP (which auto checks
+    # first), like the compile test's T=256 over 4 experts and the graph test's 1024 over 8
+    x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
+    sizes = torch.tensor([64] * 4, device=CUDA)
+    block(x, sizes, torch.rand(256, device=CUDA), sizes)
     assert "persistent Triton grouped GEMM" in block.explain()
     for mode in ("default", "reduce-overhead"):
         test_torch_compile_cuda._check_compiled_bitwise(block, mode)
