@@ -275,6 +275,18 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
                        ) -> str | None:
     """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
     measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
+    why = _measured_on_reason(device, dtype)
+    if why is not None:
+        return why
+    if not kinds:
+        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
+                "known), where torch._grouped_mm was measured as fast or faster")
+    return None
+
+
+def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the measured Triton rules do not apply here: Triton cannot run, or the device and
+    dtype are not the ones measured (SM90, bfloat16)."""
     why = triton_unsupported_reason(device, dtype)
     if why is not None:
         return why
@@ -283,9 +295,6 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"measured faster on SM90 only, not SM{major}{minor}"
-    if not kinds:
-        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
-                "known), where torch._grouped_mm was measured as fast or faster")
     return None
 
 
@@ -294,14 +303,9 @@ def large_auto_reason(device: torch.device, dtype: torch.dtype, large: tuple[str
     """Why auto dispatch does not take the persistent many-rows Triton kernels (``None``
     when it does): the measured rule (docs/benchmarks.md, ``benchmarks/large_gemm_triton.py``).
     """
-    why = triton_unsupported_reason(device, dtype)
+    why = _measured_on_reason(device, dtype)
     if why is not None:
         return why
-    if dtype != torch.bfloat16:
-        return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return f"measured faster on SM90 only, not SM{major}{minor}"
     if not large:
         return (f"fewer rows per group than MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP} (or not "
                 "known), where the persistent Triton kernel was not measured faster")
