@@ -30,6 +30,9 @@
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     tgemm       benchmarks/triton_grouped_gemm.py --rows 1,2,4,8: each Triton decode GEMM vs
 #                 torch._grouped_mm -> "$OUT/tgemm.jsonl"
+#     large_gemm  benchmarks/large_gemm_triton.py: each persistent Triton GEMM (fprop, dgrad,
+#                 wgrad of fc1 / fc2) vs torch._grouped_mm on the three large shapes, the
+#                 dispatch rule MIN_ROWS_PER_GROUP -> "$OUT/large_gemm.jsonl"
 #     profile_graph  benchmarks/profile_graph_e64.py: every kernel of one replay of the graphed
 #                 E64 step, gaps between them, GEMM / other sums -> "$OUT/profile_graph.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
@@ -56,7 +59,8 @@
 # BENCH_ARGS (extra benchmark arguments, e.g. "--quick --device cpu"; the E64 steps name their
 # shape, so a CPU dry run of them also needs a small one: "--quick --device cpu --shapes
 # E16_T128_H32_FF48 --iters 5"), PROFILE_ARGS (the same for the profile script), CUDA_TEST_SHARDS
-# (default 3), HOST_AB_BASE (see host_ab), STEPS (space-separated step names to run; default all
+# (default 3), HOST_AB_BASE (see host_ab), LARGE_GEMM_ARGS (extra large_gemm arguments, e.g.
+# "--gemms fc1,fc2"), STEPS (space-separated step names to run; default all
 # but cpu_tests).
 
 set -uo pipefail
@@ -68,7 +72,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile tgemm profile_graph gaps host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile tgemm large_gemm profile_graph gaps host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -172,6 +176,11 @@ bench_lane() {
     # Per-GEMM Triton decode kernels vs torch._grouped_mm at 1-8 rows per expert, E64 and E128
     # layers: the dispatch rule (MAX_ROWS_PER_GROUP) with stop 11's tiles.
     step tgemm 90 "$PY" benchmarks/triton_grouped_gemm.py --rows 1,2,4,8 --out "$OUT/tgemm.jsonl"
+    # Per-GEMM persistent Triton kernels vs torch._grouped_mm at the large shapes (the rule
+    # MIN_ROWS_PER_GROUP; wgrad measured, not dispatched).
+    # shellcheck disable=SC2086
+    step large_gemm 150 "$PY" benchmarks/large_gemm_triton.py --out "$OUT/large_gemm.jsonl" \
+        ${LARGE_GEMM_ARGS:-}
     # Every kernel of the graphed E64 step (and the eager peers'), with the gaps between them.
     step profile_graph 60 "$PY" benchmarks/profile_graph_e64.py --out "$OUT/profile_graph.jsonl"
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
@@ -228,6 +237,10 @@ fi
     grep -hE '^(recipe |max \|eager| +eager:| +cuda-graph:)' "$OUT/main_job.log" 2>/dev/null
     grep -hE '^(recipe|none|fp8|fp8fast|mxfp8) ' "$OUT/main_job_seeds.log" "$OUT/main_job_mxfp8.log" \
         2>/dev/null
+    if [ -s "$OUT/large_gemm.jsonl" ]; then
+        echo
+        "$PY" benchmarks/large_gemm_triton.py --summarize "$OUT/large_gemm.jsonl"
+    fi
     if [ -s "$OUT/profile_graph.jsonl" ]; then
         echo
         "$PY" benchmarks/profile_graph_e64.py --summarize "$OUT/profile_graph.jsonl" | tail -n 40

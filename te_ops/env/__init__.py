@@ -53,10 +53,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto",
             ("auto", "grouped_mm", "loop", "triton"),
             "Grouped GEMM backend: auto picks torch._grouped_mm where device, dtype and "
-            "alignment allow it (with te_ops' Triton GEMMs for few rows per group on SM90 in "
-            "bf16, where measured faster: fprop <= 8, dgrad <= 4, wgrad <= 32 rows per group "
-            "on average), else a per-group loop; grouped_mm keeps Triton off, triton runs all "
-            "three high-precision GEMMs in Triton (native FP8 GEMMs under a recipe stay "
+            "alignment allow it (with te_ops' Triton GEMMs on SM90 in bf16 where measured "
+            "faster: the few-rows kernels for fprop <= 8, dgrad <= 4, wgrad <= 32 rows per "
+            "group on average, the persistent kernels for fprop and dgrad at >= 512), else a "
+            "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
+            "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
+            "GEMMs under a recipe stay "
             "torch._scaled_grouped_mm, an fp32 main_grad wgrad torch._grouped_mm); a forced "
             "backend that cannot run raises with the reason.",
         ),

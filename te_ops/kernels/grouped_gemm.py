@@ -22,8 +22,14 @@ Backends
     ``torch._grouped_mm`` on the H200, per GEMM kind (``BackendChoice.triton_kinds``): CUDA
     SM90, bfloat16, rows (padding included) per group on average at most
     ``grouped_gemm_triton.MAX_ROWS_PER_GROUP[kind]`` (the caller passes ``rows_per_group``);
-    the other kinds of the call run in ``torch._grouped_mm``. Forced, all three kinds run in
-    Triton, for bf16/fp16 on any CUDA GPU.
+    the other kinds of the call run in ``torch._grouped_mm``. For many rows per group, the
+    persistent Triton kernels (``kernels/grouped_gemm_large_triton.py``,
+    ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
+    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more (measured
+    1.02-1.17x ``torch._grouped_mm`` on the issue-10 shapes), wgrad stays in
+    ``torch._grouped_mm`` (the persistent wgrad measured 0.82-0.91x). Forced, all three kinds
+    run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
+    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below.
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -41,6 +47,7 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from .grouped_gemm_large_triton import MIN_ROWS_PER_GROUP, large_dgrad, large_fprop, large_kinds
 from .grouped_gemm_triton import (
     MAX_ROWS_PER_GROUP,
     triton_dgrad,
@@ -49,6 +56,7 @@ from .grouped_gemm_triton import (
     triton_wgrad,
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
+from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
 __all__ = [
@@ -73,8 +81,12 @@ class BackendChoice:
     reason: str
     graph_safe: bool
     #: With ``name == "triton"``: the GEMM kinds ("fprop", "dgrad", "wgrad") that run in
-    #: Triton; the others run in ``torch._grouped_mm``.
+    #: te_ops' few-rows Triton kernels (``grouped_gemm_triton``); the others run in
+    #: ``torch._grouped_mm`` unless in ``large_kinds``.
     triton_kinds: tuple[str, ...] = ()
+    #: With ``name == "triton"``: the GEMM kinds that run in the persistent many-rows Triton
+    #: kernels (``grouped_gemm_large_triton``).
+    large_kinds: tuple[str, ...] = ()
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -170,14 +182,17 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
     # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
-    kinds = (triton_kinds(rows_per_group) if forced == "auto" and device.type == "cuda"
-             else ())
+    auto = forced == "auto" and device.type == "cuda"
+    kinds = triton_kinds(rows_per_group) if auto else ()
+    large = (large_kinds(rows_per_group) if auto else
+             large_kinds(rows_per_group, forced=True) if forced == "triton"
+             and device.type == "cuda" else ())
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds)
+           kinds, large)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds)
+                                 forced, graph_safe, kinds, large)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -193,18 +208,24 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
-                    graph_safe: str, kinds: tuple[str, ...] = ()) -> BackendChoice:
+                    graph_safe: str, kinds: tuple[str, ...] = (),
+                    large: tuple[str, ...] = ()) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
     auto_triton = None if forced != "auto" else triton_auto_reason(device, dtype, kinds)
+    auto_large = None if forced != "auto" else large_auto_reason(device, dtype, large)
     if forced == "triton":
         why = triton_unsupported_reason(device, dtype)
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
-        choice = BackendChoice("triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND",
-                               graph_safe=device_split_sizes,
-                               triton_kinds=("fprop", "dgrad", "wgrad"))
+        choice = BackendChoice(
+            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND" + (
+                " (persistent many-rows kernels: >= FORCED_MIN_ROWS_PER_GROUP rows per group)"
+                if large else ""),
+            graph_safe=device_split_sizes,
+            triton_kinds=tuple(k for k in ("fprop", "dgrad", "wgrad") if k not in large),
+            large_kinds=large)
     elif forced == "grouped_mm":
         if reason is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm cannot run: {reason}")
@@ -222,10 +243,18 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             f"{MAX_ROWS_PER_GROUP})" + (f"; {'/'.join(rest)} in torch._grouped_mm" if rest
                                         else ""),
             graph_safe=mm_graph_safe, triton_kinds=kinds)
+    elif auto_large is None and reason is None and large:
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in large]
+        choice = BackendChoice(
+            "triton", f"{'/'.join(large)} in the persistent Triton grouped GEMM (many rows "
+            "per group, SM90, bfloat16: measured faster than torch._grouped_mm there, rule "
+            f"MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP})" + (
+                f"; {'/'.join(rest)} in torch._grouped_mm" if rest else ""),
+            graph_safe=mm_graph_safe, large_kinds=large)
     elif reason is None:
         why = "device, dtype and alignment allow it"
-        if device.type == "cuda" and auto_triton is not None:
-            why += f"; triton not taken: {auto_triton}"
+        if device.type == "cuda" and auto_triton is not None and auto_large is not None:
+            why += f"; triton not taken: {auto_triton}; {auto_large}"
         choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
@@ -246,6 +275,18 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
                        ) -> str | None:
     """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
     measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
+    why = _measured_on_reason(device, dtype)
+    if why is not None:
+        return why
+    if not kinds:
+        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
+                "known), where torch._grouped_mm was measured as fast or faster")
+    return None
+
+
+def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the measured Triton rules do not apply here: Triton cannot run, or the device and
+    dtype are not the ones measured (SM90, bfloat16)."""
     why = triton_unsupported_reason(device, dtype)
     if why is not None:
         return why
@@ -254,9 +295,20 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"measured faster on SM90 only, not SM{major}{minor}"
-    if not kinds:
-        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
-                "known), where torch._grouped_mm was measured as fast or faster")
+    return None
+
+
+def large_auto_reason(device: torch.device, dtype: torch.dtype, large: tuple[str, ...]
+                      ) -> str | None:
+    """Why auto dispatch does not take the persistent many-rows Triton kernels (``None``
+    when it does): the measured rule (docs/benchmarks.md, ``benchmarks/large_gemm_triton.py``).
+    """
+    why = _measured_on_reason(device, dtype)
+    if why is not None:
+        return why
+    if not large:
+        return (f"fewer rows per group than MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP} (or not "
+                "known), where the persistent Triton kernel was not measured faster")
     return None
 
 
@@ -349,6 +401,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
+    if "fprop" in backend.large_kinds:
+        return large_fprop(x, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
             return x.new_zeros(0, weights.shape[1])
@@ -367,6 +421,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
     if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
+    if "dgrad" in backend.large_kinds:
+        return large_dgrad(dy, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()
             return dy.new_zeros(0, weights.shape[2])
@@ -385,6 +441,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
     if "wgrad" in backend.triton_kinds:
         return triton_wgrad(x, dy, splits.offsets)
+    if "wgrad" in backend.large_kinds:
+        return large_wgrad(x, dy, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:
             return x.new_zeros(splits.num_groups, dy.shape[1], x.shape[1])

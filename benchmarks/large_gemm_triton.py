@@ -1,0 +1,331 @@
+"""The prototype large-shape Triton grouped GEMM against ``torch._grouped_mm`` (CUDA, bf16).
+
+For the issue-10 shapes (``benchmarks/grouped_mlp.py``'s E8 T16384 H4096 FF14336, E128 T65536
+H2048 FF768, E32 T32768 H7168 FF2048; Zipf(1.2)-skewed split sizes as there) it times, per
+GEMM, with CUDA events around each call, the calls interleaved round by round (every variant
+sees the same clock and power history; docs/benchmarks.md "Why te_ops' GEMMs timed slower than
+the peer's"), median of ``--reps`` (>= 20) rounds:
+
+* ``fc1`` (x (T, H) @ W1_g^T, W1 (E, 2FF, H)):
+  ``grouped_mm`` (``torch._grouped_mm`` with the ``W^T`` view: te_ops' and the peer's call),
+  ``triton`` (``grouped_gemm_large_triton.large_fprop``),
+  ``grouped_mm_swiglu`` (``_grouped_mm`` then the Triton ScaledSwiGLU forward: what te_ops
+  runs now), ``triton_swiglu`` (the Triton fprop then the same SwiGLU) and ``fused``
+  (``large_fc1_swiglu``: h and a in one launch);
+* ``fc2`` (a (T, FF) @ W2_g^T, W2 (E, H, FF)): ``grouped_mm`` and ``triton``;
+* ``fc1_wgrad`` (dW1_g = dh_g^T @ x_g: x (T, H), dh (T, 2FF) -> (E, 2FF, H)) and
+  ``fc2_wgrad`` (dW2_g = dy_g^T @ a_g: a (T, FF), dy (T, H) -> (E, H, FF)): ``grouped_mm``
+  (``torch._grouped_mm(dy.t(), x, offs=offs)``, te_ops' wgrad call) and ``triton``
+  (``grouped_wgrad_large_triton.large_wgrad``).
+
+Each record (``bench: "large_gemm_triton"``) has the medians (``*_ms``), p10/p90, TFLOP/s of the
+GEMM, the ratios ``triton_x`` = grouped_mm / triton and ``fused_x`` = grouped_mm_swiglu / fused
+(> 1: the Triton path is faster; issue 10 asks for the whole block >= 1.15x), the config and
+whether TMA loads ran, and checks: ``max_abs_diff`` of the Triton output against
+``_grouped_mm``'s and ``a_equal`` (the fused ``a`` equals the Triton SwiGLU on the fused
+``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s).
+``--sweep`` times the launch configurations of :data:`SWEEP` (tiles, ``GROUP_M``, warps,
+stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgrad kinds;
+``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
+recorded, not raised) for each shape and kind, then runs the comparison with the fastest
+configuration of each (shape, kind).
+``--summarize FILE`` prints a table of a results file (no GPU needed).
+
+Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
+
+    python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2,fc1_wgrad,fc2_wgrad]
+        [--reps 30] [--sweep] [--out FILE]
+    python benchmarks/large_gemm_triton.py --summarize FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    JsonLines,
+    check_file,
+    check_list,
+    check_min,
+    machine_info,
+    read_records,
+    summarize_times,
+)
+from grouped_mlp import skewed_sizes  # noqa: E402
+
+BENCH = "large_gemm_triton"
+SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large shapes)
+    "E8_T16384_H4096_FF14336": (8, 16384, 4096, 14336),
+    "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
+    "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
+}
+GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
+WGRADS = ("fc1_wgrad", "fc2_wgrad")
+DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
+
+#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
+#: the plain fprop's tile, halved for the fused kernel: gate + up tiles).
+_BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+         "FLAT": False, "num_warps": 8, "num_stages": 3}
+SWEEP = [{**_BASE, **change} for change in (
+    *({"BLOCK_N": bn, "num_warps": w, "num_stages": s}
+      for bn, w, s in itertools.product((128, 256), (4, 8), (3, 4))),
+    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "BLOCK_N": 128},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
+    {"GROUP_M": 4}, {"GROUP_M": 16},
+    {"BLOCK_N": 128, "BLOCK_K": 128},
+    {"USE_TMA": False},
+)]
+#: Launch configurations of ``--sweep`` for the wgrad kinds: changes to
+#: ``large_wgrad_config()`` (dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one
+#: fits SM90's shared memory, and the fp32 accumulator stays <= 128 registers per thread).
+_WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
+               "SORTED": True, "num_warps": 8, "num_stages": 3}
+WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
+    {}, {"num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4},
+    {"BLOCK_K": 128, "num_warps": 4, "num_stages": 4}, {"BLOCK_K": 128, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4},
+    {"USE_TMA": False}, {"SORTED": False},
+)]
+
+
+def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[str, Any]:
+    experts, tokens, hidden, ffn = shape
+    dev = torch.device(DEVICE)
+    sizes = skewed_sizes(experts, tokens, seed)
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    k, n = (hidden, 2 * ffn) if gemm.startswith("fc1") else (ffn, hidden)
+    flop = 2.0 * tokens * n * k
+    if gemm in WGRADS:  # x (T, k), dy (T, n) -> dW (E, n, k)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16, generator=gen)
+        return {"x": x, "dy": dy, "offs": offs, "sizes": sizes, "flop": flop}
+    w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5
+    # dgrad: the layer's output gradient (T, N) is the operand, dx (T, K) the output
+    x = torch.randn(tokens, n if gemm.endswith("dgrad") else k, device=dev,
+                    dtype=torch.bfloat16, generator=gen)
+    probs = torch.rand(tokens, device=dev, generator=gen)
+    return {"x": x, "w": w, "offs": offs, "probs": probs, "sizes": sizes, "flop": flop}
+
+
+def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None
+           ) -> dict[str, Any]:
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
+    from te_ops.kernels import swiglu_triton as st
+
+    if gemm in WGRADS:
+        x, dy, offs = ops["x"], ops["dy"], ops["offs"]
+        return {"grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                "triton": lambda: lw.large_wgrad(x, dy, offs, cfg or {})}
+    x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
+    if gemm.endswith("dgrad"):
+        return {"grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
+                "triton": lambda: lg.large_dgrad(x, w, offs, cfg or {})}
+    calls = {"grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
+             "triton": lambda: lg.large_fprop(x, w, offs, cfg or {})}
+    if gemm == "fc1":
+        calls["grouped_mm_swiglu"] = lambda: st.swiglu_forward(calls["grouped_mm"](), probs)
+        calls["triton_swiglu"] = lambda: st.swiglu_forward(calls["triton"](), probs)
+        calls["fused"] = lambda: lg.large_fc1_swiglu(x, w, offs, probs, fused_cfg or {})
+    return calls
+
+
+def _time_interleaved(calls: dict[str, Any], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Milliseconds of each call per round; the calls run one after the other in each round."""
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        events = []
+        for fn in calls.values():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        for name, (start, end) in zip(calls, events):
+            times[name].append(start.elapsed_time(end))
+    return times
+
+
+def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None
+            ) -> dict[str, Any]:
+    """Triton output against ``_grouped_mm``'s; for fc1 also the fused h, and a's bits."""
+    from te_ops.kernels import swiglu_triton as st
+
+    want = calls["grouped_mm"]()
+    got = calls["triton"]()
+    out = {"max_abs_diff": (got.float() - want.float()).abs().max().item(),
+           "ref_max_abs": want.float().abs().max().item(),
+           "bitwise_equal": bool(torch.equal(got, want))}
+    if gemm == "fc1":
+        h, a = calls["fused"]()
+        out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
+        out["a_equal"] = bool(torch.equal(a, st.swiglu_forward(h, probs)))
+    return out
+
+
+def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | None = None,
+            fused_cfg: dict | None = None) -> dict[str, Any]:
+    """The interleaved comparison record of one (shape, GEMM) (module docstring)."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
+
+    ops = _operands(SHAPES[shape_name], gemm, args.seed)
+    calls = _calls(ops, gemm, cfg, fused_cfg)
+    rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
+                           "reps": args.reps, "split_sizes": ops["sizes"]}
+    if gemm in WGRADS:
+        rec["config"] = {**lw.large_wgrad_config(), **(cfg or {})}
+        rec["tma_reason"] = lw.tma_unsupported_reason(ops["x"], ops["dy"])
+    else:
+        rec["config"] = {**lg.large_config("fprop"), **(cfg or {})}
+        rec["tma_reason"] = lg.tma_unsupported_reason(ops["x"], ops["w"])
+    if gemm == "fc1":
+        rec["fused_config"] = {**lg.large_config("fc1_swiglu"), **(fused_cfg or {})}
+    rec.update(_checks(calls, gemm, ops.get("probs")))
+    times = _time_interleaved(calls, args.reps, args.warmup)
+    for name, ts in times.items():
+        s = summarize_times(ts)
+        rec[f"{name}_ms"] = s["ms_median"]
+        rec[f"{name}_p10_ms"], rec[f"{name}_p90_ms"] = s["ms_p10"], s["ms_p90"]
+    for name in ("grouped_mm", "triton"):
+        rec[f"{name}_tflops"] = ops["flop"] / rec[f"{name}_ms"] / 1e9
+    rec["triton_x"] = rec["grouped_mm_ms"] / rec["triton_ms"]
+    if gemm == "fc1":
+        rec["fused_x"] = rec["grouped_mm_swiglu_ms"] / rec["fused_ms"]
+        rec["triton_swiglu_x"] = rec["grouped_mm_swiglu_ms"] / rec["triton_swiglu_ms"]
+    return rec
+
+
+def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
+          ) -> tuple[dict | None, dict | None]:
+    """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel
+    with BLOCK_N halved; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
+    kernel); return the fastest of each (``None`` when none ran)."""
+    ops = _operands(SHAPES[shape_name], gemm, args.seed)
+    kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
+    best: dict[str, tuple[float, dict]] = {}
+    for kind, fn in kinds.items():
+        for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
+            if kind == "fc1_swiglu":
+                cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
+            rec = {"bench": BENCH + "_sweep", "shape": shape_name, "gemm": gemm, "kind": kind,
+                   "config": cfg}
+            try:
+                ms = statistics.median(_time_interleaved({"k": lambda c=cfg, f=fn: f(c)},
+                                                         args.sweep_reps, 2)["k"])
+            except Exception as exc:  # noqa: BLE001 - out of resources etc.: record, go on
+                rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                out.write(rec)
+                torch.cuda.synchronize()
+                continue
+            rec["ms"] = ms
+            rec["tflops"] = ops["flop"] / ms / 1e9
+            out.write(rec)
+            if best.get(kind) is None or ms < best[kind][0]:
+                best[kind] = (ms, cfg)
+    first = "wgrad" if gemm in WGRADS else "fprop"
+    return tuple(None if best.get(k) is None else best[k][1] for k in (first, "fc1_swiglu"))
+
+
+def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
+    """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import grouped_wgrad_large_triton as lw
+
+    x, offs = ops["x"], ops["offs"]
+    if gemm in WGRADS:
+        return {"wgrad": lambda c: lw.large_wgrad(x, ops["dy"], offs, c)}
+    w, probs = ops["w"], ops["probs"]
+    if gemm.endswith("dgrad"):
+        return {"fprop": lambda c: lg.large_dgrad(x, w, offs, c)}
+    kinds = {"fprop": lambda c: lg.large_fprop(x, w, offs, c)}
+    if gemm == "fc1" and fused:
+        kinds["fc1_swiglu"] = lambda c: lg.large_fc1_swiglu(x, w, offs, probs, c)
+    return kinds
+
+
+def summarize(path: str) -> str:
+    """A table of the comparison records of ``path`` (and the best sweep config per kind)."""
+    lines = [f"{'shape':26} {'gemm':9} {'grouped_mm':>10} {'triton':>8} {'x':>5} "
+             f"{'mm+swiglu':>9} {'fused':>8} {'x':>5} {'tma':>4} {'a_equal':>7} "
+             f"{'max_diff':>8} {'bits':>5}"]
+    for r in read_records(path, BENCH):
+        fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
+                 if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
+        lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
+                     f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
+                     f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
+                     f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
+    best: dict[tuple, dict] = {}
+    for r in read_records(path, BENCH + "_sweep"):
+        key = (r["shape"], r["gemm"], r["kind"])
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    for (shape, gemm, kind), r in sorted(best.items()):
+        lines.append(f"best sweep {shape} {gemm} {kind}: {r['ms']:.3f} ms "
+                     f"({r['tflops']:.0f} TFLOP/s) {r['config']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--gemms", default=",".join(GEMMS))
+    parser.add_argument("--reps", type=int, default=30, help="timed rounds (>= 20)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="time SWEEP's configs first")
+    parser.add_argument("--sweep-reps", type=int, default=20)
+    parser.add_argument("--no-fused-sweep", action="store_true",
+                        help="--sweep: leave out the fc1 + SwiGLU kernel's configs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    parser.add_argument("--summarize", metavar="FILE", default=None)
+    args = parser.parse_args(argv)
+    shapes = check_list(parser, "--shapes", args.shapes, SHAPES)
+    gemms = check_list(parser, "--gemms", args.gemms, GEMMS)
+    check_min(parser, "--reps", args.reps, 20)
+    check_min(parser, "--sweep-reps", args.sweep_reps, 5)
+    check_min(parser, "--warmup", args.warmup, 0)
+    check_file(parser, "--summarize", args.summarize)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+    if not torch.cuda.is_available():
+        parser.error("measuring needs CUDA (torch.cuda.is_available() is False); "
+                     "--summarize FILE works without it")
+    out = JsonLines(args.out)
+    out.write({"bench": BENCH + "_machine", **machine_info(torch.device("cuda"))})
+    try:
+        for shape, gemm in itertools.product(shapes, gemms):
+            cfg = fused_cfg = None
+            if args.sweep:
+                cfg, fused_cfg = sweep(shape, gemm, args, out)
+            out.write(compare(shape, gemm, args, cfg, fused_cfg))
+            torch.cuda.empty_cache()
+    finally:
+        out.close()
+    if args.out:
+        print(summarize(args.out), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""Persistent Triton grouped GEMMs for many rows per group (fprop, dgrad; fc1 + SwiGLU).
+
+Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
+:data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
+(CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
+(``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Large-shape Triton grouped GEMM").
+The fc1 variant with the (Scaled)SwiGLU in its epilogue is not dispatched: on the issue-10
+shapes it measured 0.98-1.02x fprop + the Triton SwiGLU pass.
+
+For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
+padding):
+
+* :func:`large_fprop`: ``y_g = x_g @ W_g^T``, x (M, K), W (G, N, K) -> y (M, N);
+* :func:`large_dgrad`: ``dx_g = dy_g @ W_g``, dy (M, N), W (G, N, K) -> dx (M, K) (the same
+  kernel with ``W_KN``: it reads W as (G, K_red, N_out), rows contiguous along the output);
+* :func:`large_fc1_swiglu`: ``h_g = x_g @ W1_g^T`` with W1 (G, 2F, K) -> h (M, 2F), and
+  ``a = SiLU(h[:, :F]) * h[:, F:] (* probs[:, None])`` -> a (M, F), computed in fp32 from the
+  *rounded* h with ``swiglu_triton._core`` (the Triton SwiGLU forward's function and order of
+  operations, so ``a`` equals that kernel's output on this ``h`` bit for bit).
+
+Schedule. A persistent kernel: ``min(#SMs, tile bound)`` programs; the tiles of all groups
+(and of the padding tail, group index ``G``, whose tiles write zeros) are numbered group after
+group, ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` per group, and program ``p`` takes tiles
+``p, p + P, p + 2P, ...``. Each program walks the groups in order, reading the offsets on the
+device (no host sync, launch size known on the host: graph-safe), so no tile table is built.
+``FLAT=True`` (a launch constexpr) instead runs one ``tl.range(..., flatten=True)`` loop over
+the program's tiles and finds each tile's group by binary search in a (G + 1,) tile table that
+:func:`tile_ends` builds on the device with a few torch ops (whether Triton then pipelines
+across tiles on SM90 is for the benchmark to show).
+Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
+matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
+``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
+fc1 variant accumulates a gate tile (columns ``j``) and the matching up tile (columns
+``j + F``) per program, so the epilogue has both halves of each ``a`` element in registers.
+
+Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
+(device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
+k-contiguous with 16-byte-aligned strides and base pointers, :func:`tma_unsupported_reason`;
+Triton then needs a global-memory allocator for the descriptors, which
+:func:`_ensure_allocator` installs when none is set). ``USE_TMA=False``: masked pointer loads
+(any strides; what Triton's CPU interpreter runs in the tests). The output is stored with
+masked pointer stores in both (a TMA store would have to clip per group). Rows of a tile past
+its group's end are loaded (they belong to the next group or the padding, possibly garbage)
+but never stored; rows are independent in a GEMM, so they do not touch the stored rows.
+
+Registered as ``torch.library.triton_op`` (``te_ops::grouped_gemm_large``,
+``te_ops::grouped_fc1_swiglu_large``; the bodies, run on FakeTensors, are the fake kernels);
+eager calls launch through :func:`te_ops.kernels.triton_launch.launch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+from .grouped_gemm_triton import unsupported_reason
+from .triton_launch import cdiv, launch
+
+try:  # Triton is optional: CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "large_config",
+           "large_fprop", "large_dgrad",
+           "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
+           "tile_ends"]
+
+#: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
+#: average rows per group (padding included) of at least this many: SM90, bfloat16. The
+#: lowest average of the three issue-10 shapes measured faster than ``torch._grouped_mm``
+#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30: E128 T65536 H2048 FF768,
+#: 512 rows per group, fprop fc1 1.18x, fc2 1.07x; E32 1024 rows 1.07x / 1.07x; E8 2048 rows
+#: 1.02x / 1.09x). Fewer rows were not measured: torch._grouped_mm stays there.
+MIN_ROWS_PER_GROUP = {"fprop": 512, "dgrad": 512}
+
+#: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
+#: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
+#: group on average, and in the few-rows kernels below it. Forced only: the persistent wgrad
+#: measured 0.82-0.91x ``torch._grouped_mm`` on the issue-10 shapes (H200, 2026-11-30).
+FORCED_MIN_ROWS_PER_GROUP = 512
+
+#: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
+_CPU_PROGRAMS = 4
+
+
+def large_config(kind: str) -> dict[str, int | bool]:
+    """Default launch parameters of ``kind`` (``"fprop"`` or ``"fc1_swiglu"``), not yet tuned
+    (``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
+    for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
+    te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the group-walk schedule
+    (``FLAT=False``). ``USE_TMA`` is dropped by the launch
+    where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    if kind not in ("fprop", "dgrad", "fc1_swiglu"):
+        raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
+    block_n = 128 if kind == "fc1_swiglu" else 256
+    return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+            "FLAT": False, "num_warps": 8, "num_stages": 3}
+
+
+def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
+    """The GEMM kinds auto dispatch (``forced``: ``TE_OPS_GROUPED_GEMM_BACKEND=triton``) runs
+    in the persistent kernels at ``rows_per_group`` (:data:`MIN_ROWS_PER_GROUP`,
+    :data:`FORCED_MIN_ROWS_PER_GROUP`; none when not known)."""
+    if rows_per_group is None:
+        return ()
+    if forced:
+        return (("fprop", "dgrad", "wgrad") if rows_per_group >= FORCED_MIN_ROWS_PER_GROUP
+                else ())
+    return tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
+
+
+def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
+    """Why the TMA loads cannot take these operands (``None`` when they can): no
+    ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, x not
+    contiguous, W not contiguous along K, a stride or base pointer not 16-byte aligned."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    size = x.element_size()
+    if not x.is_contiguous():
+        return "x is not contiguous"
+    if weights.stride(2) != 1:
+        return f"weights are not contiguous along K (stride {weights.stride(2)})"
+    strides = (x.stride(0), weights.stride(0), weights.stride(1))
+    if any(s * size % 16 for s in strides):
+        return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
+    if _fake(x):  # FakeTensors have no data pointer; the real call checks it
+        return None
+    if x.data_ptr() % 16 or weights.data_ptr() % 16:
+        return "x or weights do not start on a 16-byte boundary"
+    return None
+
+
+def _fake(t: torch.Tensor) -> bool:
+    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``): no data."""
+    return torch._subclasses.fake_tensor.is_fake(t)
+
+
+def grid_size(device: torch.device, rows: int, groups: int, n: int, block_m: int,
+              block_n: int) -> int:
+    """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
+    tile count's upper bound (each group and the padding tail round up one row tile)."""
+    programs = (torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else _CPU_PROGRAMS)
+    bound = (cdiv(rows, block_m) + groups + 1) * cdiv(n, block_n)
+    return max(1, min(programs, bound))
+
+
+def _ensure_allocator() -> None:
+    """Install a torch-backed allocator for Triton's device-side TMA descriptors when none is
+    set (Triton's default raises "no allocator was set"). A user-set allocator is kept."""
+    from triton.runtime import _allocation  # private: read where the default is installed
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "_NULL_ALLOCATOR", None)
+    if current is not None and null is not None and current.get() is not null:
+        return
+    triton.set_allocator(_torch_alloc)
+
+
+def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Scratch bytes on the current CUDA device from torch's caching allocator (its blocks are
+    at least 512-byte aligned, more than the 128 bytes TMA descriptors need)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+if triton is not None:
+    from .grouped_gemm_triton import _group_rows
+    from .swiglu_triton import _core
+
+    @triton.jit
+    def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of a group's ``local``-th tile in GROUP_M-row-tile bands."""
+        band = GROUP_M * tiles_n
+        first_m = (local // band) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pm = first_m + (local % band) % size_m
+        pn = (local % band) // size_m
+        return pm, pn
+
+    @triton.jit
+    def _load_w(w_desc, w_ptr, g, n0, k0, N_ROWS, K, stride_wg, stride_wn, stride_wk,
+                USE_TMA: tl.constexpr, W_KN: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+        """The (BLOCK_K, BLOCK_N) operand tile B[k0:k0+BLOCK_K, n0:n0+BLOCK_N] of group g,
+        zeros past K / N_ROWS: B = W[g]^T for fprop (W (G, N, K), k-contiguous), B = W[g]
+        for dgrad (``W_KN``: W (G, K, N) as the kernel sees it, n-contiguous)."""
+        if USE_TMA:
+            if W_KN:
+                return w_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            w = w_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            return w.T
+        else:
+            n = n0 + tl.arange(0, BLOCK_N)
+            k = k0 + tl.arange(0, BLOCK_K)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg + k[:, None] * stride_wk
+                   + n[None, :].to(tl.int64) * stride_wn)
+            return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
+
+    @triton.jit
+    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, pm, pn, N,
+              K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
+              HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
+              BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile: row tile ``pm`` of group ``g``'s rows [start, end), column tile
+        ``pn``; the padding group (g == G) runs no k-step and stores zeros."""
+        m0 = start + pm * BLOCK_M
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_end = tl.where(g < G, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            if USE_TMA:
+                xa = x_desc.load([m0.to(tl.int32), k0])
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
+                             mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+                         stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
+            acc = tl.dot(xa, wt, acc)
+            if SWIGLU:
+                wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
+                             stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
+                acc_u = tl.dot(xa, wu, acc_u)
+        mask = row_ok[:, None] & col_ok[None, :]
+        h_row = h_ptr + rows[:, None] * h_cols
+        hg = acc.to(h_ptr.dtype.element_ty)
+        tl.store(h_row + cols[None, :], hg, mask=mask)
+        if SWIGLU:
+            hu = acc_u.to(h_ptr.dtype.element_ty)
+            tl.store(h_row + N + cols[None, :], hu, mask=mask)
+            up = hu.to(tl.float32)
+            _, silu = _core(hg.to(tl.float32), up)
+            out = silu * up
+            if HAS_P:
+                p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                out = out * p[:, None]
+            tl.store(a_ptr + rows[:, None] * N + cols[None, :],
+                     out.to(a_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, ends_ptr, M, N, K, G, P,
+                      stride_wg, stride_wn, stride_wk,
+                      SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
+                      W_KN: tl.constexpr, FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+        """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
+        gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
+        x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
+        FLAT: one loop over this program's tiles (``ends_ptr``: int32 (G + 1,) cumulative
+        tile counts; the group of a tile by a SEARCH_STEPS-step binary search), which
+        Triton may flatten with the k-loop and pipeline across tiles; else each program
+        walks the groups in order (no table)."""
+        pid = tl.program_id(0)
+        if SWIGLU:
+            h_cols = 2 * N
+        else:
+            h_cols = N
+        x_desc = None
+        w_desc = None
+        if USE_TMA:
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            if W_KN:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
+                                                   strides=[stride_wg, stride_wk, 1],
+                                                   block_shape=[1, BLOCK_K, BLOCK_N])
+            else:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
+                                                   strides=[stride_wg, stride_wn, 1],
+                                                   block_shape=[1, BLOCK_N, BLOCK_K])
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        if FLAT:
+            total = tl.load(ends_ptr + G)
+            for tile in tl.range(pid, total, P, flatten=True):
+                lo = tl.zeros([], dtype=tl.int32)
+                hi = lo + G
+                for _ in tl.static_range(SEARCH_STEPS):  # first g with ends[g] > tile
+                    mid = (lo + hi) // 2
+                    right = tl.load(ends_ptr + mid) <= tile
+                    lo = tl.where(right, mid + 1, lo)
+                    hi = tl.where(right, hi, mid)
+                g = lo
+                base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+                start, end = _group_rows(offs_ptr, g, G, M)
+                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
+                pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
+                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
+                      pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU, HAS_P,
+                      USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            tile = pid
+            base = 0
+            for g in range(0, G + 1):
+                start, end = _group_rows(offs_ptr, g, G, M)
+                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
+                count = tiles_m * tiles_n
+                while tile < base + count:
+                    pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
+                    _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start,
+                          end, pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk,
+                          SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                    tile += P
+                base += count
+
+
+def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: int
+              ) -> torch.Tensor:
+    """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
+    (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
+    ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
+    ends = offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends])
+    ends = torch.cat([ends, ends.new_full((1,), rows)])
+    counts = (ends - starts + block_m - 1) // block_m * cdiv(n, block_n)
+    return counts.cumsum(0).to(torch.int32)
+
+
+def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+            probs: torch.Tensor | None, kind: str, config: dict | None, kernel
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate the outputs and launch ``kernel`` for ``kind`` (``"fprop"``, ``"dgrad"``,
+    ``"fc1_swiglu"``): (h, a) for fc1 with the SwiGLU, (y, None) otherwise."""
+    m, k = x.shape
+    swiglu, dgrad = kind == "fc1_swiglu", kind == "dgrad"
+    groups = weights.shape[0]
+    n_rows = weights.shape[2] if dgrad else weights.shape[1]
+    n = n_rows // 2 if swiglu else n_rows
+    h = torch.empty(m, n_rows, device=x.device, dtype=x.dtype)
+    a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
+    if m == 0 or n == 0:
+        return h, a
+    cfg = dict(large_config(kind))
+    cfg.update(config or {})
+    if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
+        cfg["USE_TMA"] = False
+    if cfg["USE_TMA"] and x.device.type == "cuda":
+        _ensure_allocator()
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    p = probs if probs is not None else x
+    ends = (tile_ends(offsets, m, n, cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg["FLAT"]
+            else offsets)
+    # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
+    # as (G, K_red=N, N_out=K).
+    stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
+                          else (weights.stride(1), weights.stride(2)))
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, ends, m, n, k,
+           groups, grid[0], weights.stride(0), stride_n, stride_k,
+           SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
+           SEARCH_STEPS=groups.bit_length() + 1, **cfg)
+    return h, a
+
+
+def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``y_g = x_g @ W_g^T`` with the persistent kernel.
+
+    Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, N, K) any strides (TMA loads need them
+    k-contiguous, else pointer loads), offsets (G,) int32/int64 cumulative group ends on x's
+    device -> y (M, N) in x's dtype; rows past ``offsets[-1]`` are zero. ``config`` overrides
+    keys of :func:`large_config` (benchmarks). Under a ``torch.compile`` trace the call is the
+    op ``te_ops::grouped_gemm_large``.
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
+    RuntimeError
+        The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
+    """
+    _check(x, weights, offsets, None, swiglu=False)
+    x = x.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_gemm_large(x, weights, offsets)
+    return _launch(x, weights, offsets, None, "fprop", config, _large_kernel)[0]
+
+
+def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``dx_g = dy_g @ W_g`` with the persistent kernel (the fprop kernel reading W as
+    (G, K_red, N_out), n-contiguous: ``W_KN``).
+
+    Shapes: dy (M, N) bf16/fp16 on CUDA, weights (G, N, K) (TMA loads need them contiguous
+    along K, else pointer loads), offsets (G,) int32/int64 cumulative group ends on dy's
+    device -> dx (M, K) in dy's dtype; rows past ``offsets[-1]`` are zero. Under a
+    ``torch.compile`` trace the call is the op ``te_ops::grouped_dgrad_large``.
+
+    Raises
+    ------
+    ValueError, RuntimeError
+        As :func:`large_fprop` (dy's columns must equal N).
+    """
+    _check(dy, weights, offsets, None, swiglu=False, dgrad=True)
+    dy = dy.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_dgrad_large(dy, weights, offsets)
+    return _launch(dy, weights, offsets, None, "dgrad", config, _large_kernel)[0]
+
+
+def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                     probs: torch.Tensor | None = None, config: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (not dispatched).
+
+    ``h_g = x_g @ W_g^T``; ``a = SiLU(h[:, :F]) * h[:, F:]`` (times ``probs[:, None]``) in fp32
+    from the rounded h (``swiglu_triton._core``; formula of ``te_ops.basic.swiglu``).
+
+    Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, 2F, K) (gate rows first, then up rows),
+    offsets (G,) int32/int64 cumulative group ends, probs (M,) any float dtype or ``None`` ->
+    (h (M, 2F), a (M, F)) in x's dtype; rows past ``offsets[-1]`` have h = 0 and a computed
+    from those zeros. Under a ``torch.compile`` trace the call is the op
+    ``te_ops::grouped_fc1_swiglu_large``.
+
+    Raises
+    ------
+    ValueError, RuntimeError
+        As :func:`large_fprop`; also an odd weight row count (no gate/up halves).
+    """
+    _check(x, weights, offsets, probs, swiglu=True)
+    x = x.contiguous()
+    probs = None if probs is None else probs.contiguous()
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_fc1_swiglu_large(x, weights, offsets, probs)
+    h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", config, _large_kernel)
+    return h, a
+
+
+def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+           probs: torch.Tensor | None, swiglu: bool, dgrad: bool = False) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if weights.dim() != 3 or weights.dtype != x.dtype or weights.device != x.device:
+        raise ValueError(f"weights must be 3-D (G, N, K) {x.dtype} on {x.device}, got shape "
+                         f"{tuple(weights.shape)} {weights.dtype} on {weights.device}")
+    if dgrad and weights.shape[1] != x.shape[1]:
+        raise ValueError(f"dy has {x.shape[1]} columns, weights (G, N, K) have N="
+                         f"{weights.shape[1]}")
+    if not dgrad and weights.shape[2] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, weights (G, N, K) have K="
+                         f"{weights.shape[2]}")
+    if swiglu and weights.shape[1] % 2:
+        raise ValueError(f"weights (G, 2F, K) must have an even number of rows (gate and up "
+                         f"halves), got 2F={weights.shape[1]}")
+    groups = weights.shape[0]
+    if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be int32/int64 of shape ({groups},) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
+        raise ValueError(f"probs must have shape ({x.shape[0]},) on {x.device}, got "
+                         f"{tuple(probs.shape)} on {probs.device}")
+    why = unsupported_reason(x.device, x.dtype)
+    if why is not None:
+        raise RuntimeError(f"the large-shape Triton grouped GEMM cannot run: {why}")
+
+
+if triton is not None:
+
+    @torch.library.triton_op("te_ops::grouped_gemm_large", mutates_args={})
+    def _grouped_gemm_large_op(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                               ) -> torch.Tensor:
+        """:func:`large_fprop` as an op; the body, run on FakeTensors, is also the fake."""
+        return _launch(x, weights, offsets, None, "fprop", None,
+                       torch.library.wrap_triton(_large_kernel))[0]
+
+    @torch.library.triton_op("te_ops::grouped_dgrad_large", mutates_args={})
+    def _grouped_dgrad_large_op(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                                ) -> torch.Tensor:
+        """:func:`large_dgrad` as an op; the body, run on FakeTensors, is also the fake."""
+        return _launch(dy, weights, offsets, None, "dgrad", None,
+                       torch.library.wrap_triton(_large_kernel))[0]
+
+    @torch.library.triton_op("te_ops::grouped_fc1_swiglu_large", mutates_args={})
+    def _grouped_fc1_swiglu_large_op(x: torch.Tensor, weights: torch.Tensor,
+                                     offsets: torch.Tensor, probs: torch.Tensor | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`large_fc1_swiglu` as an op; the body, run on FakeTensors, is also the fake."""
+        h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", None,
+                       torch.library.wrap_triton(_large_kernel))
+        return h, a

@@ -1,0 +1,311 @@
+"""PROTOTYPE persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
+
+**Not dispatched**: nothing in te_ops calls this module yet. It is the wgrad counterpart of
+``grouped_gemm_large_triton`` (fprop), for ``benchmarks/large_gemm_triton.py`` to measure
+against ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10 shapes.
+
+For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
+padding, possibly NaN garbage, and never contribute): ``dW[g] = dy_g^T @ x_g``, x (M, K),
+dy (M, N) -> dW (G, N, K) in x's dtype, fp32 accumulation, zeros for an empty group. With
+``out`` (fp32 (G, N, K), Megatron's ``main_grad``) the kernel adds its fp32 sum into ``out``
+instead (the ``ACCUMULATE`` launch constexpr: one fp32 load and add per output element).
+
+Schedule. A persistent kernel: ``min(#SMs, G * tiles_n * tiles_k)`` programs; program ``p``
+takes tiles ``p, p + P, p + 2P, ...``. A tile is (group, n-tile, k-tile) and loops over its
+group's rows in ``BLOCK_M`` steps, so its cost is proportional to the group's rows while the
+tile count per group is fixed (``cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)``). To keep big groups
+from running last (a long tail where a few programs work and the rest idle), the groups are
+numbered by decreasing row count: a stable ``torch.argsort`` of the split sizes on the device
+(graph-safe: no host sync) gives the ``order`` table, and tile ``t`` belongs to group
+``order[t // tiles_per_group]``. The round-robin assignment of tiles in that order is the
+"longest first" list schedule: each wave of P tiles holds tiles of similar cost and the last
+wave holds the cheapest ones. The order costs a few small torch kernels per call (diff,
+argsort); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
+so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
+runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
+together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
+load balance.
+
+Masking. Each tile runs the full ``BLOCK_M`` row steps of its group unmasked and then, when
+the group's row count is not a multiple of ``BLOCK_M``, one tail step whose rows past the
+group's end (the next group's rows or the padding) are set to zero with ``tl.where`` on the
+loaded tiles before the dot (a multiply would keep NaN: NaN * 0 is NaN). Pointer loads are
+masked loads with ``other=0`` (the masked rows are not read at all).
+
+Loads. ``USE_TMA=True`` (a launch constexpr): x and dy through ``tl.make_tensor_descriptor``
+(device-side TMA descriptors, Triton >= 3.4; needs both contiguous with 16-byte-aligned row
+strides and base pointers, :func:`tma_unsupported_reason`, and a global-memory allocator for
+the descriptors, installed by ``grouped_gemm_large_triton._ensure_allocator``).
+``USE_TMA=False``: pointer loads (what Triton's CPU interpreter runs in the tests). dW is
+stored with masked pointer stores. The dot is ``tl.dot(dy_tile^T, x_tile)`` (wgmma on SM90,
+the transposed operand read from shared memory).
+
+Registered as ``torch.library.triton_op`` (``te_ops::grouped_wgrad_large`` and, for ``out``,
+``te_ops::grouped_wgrad_large_accumulate`` which mutates ``out``; the bodies, run on
+FakeTensors, are the fake kernels); eager calls launch through
+:func:`te_ops.kernels.triton_launch.launch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+from .grouped_gemm_triton import unsupported_reason
+from .triton_launch import cdiv, launch
+
+try:  # Triton is optional: CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = ["large_wgrad", "large_wgrad_config", "tma_unsupported_reason", "grid_size",
+           "group_order", "unsupported_reason"]
+
+#: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
+_CPU_PROGRAMS = 4
+
+
+def large_wgrad_config() -> dict[str, int | bool]:
+    """Default launch parameters, not yet tuned (``benchmarks/large_gemm_triton.py --sweep
+    --gemms fc1_wgrad,fc2_wgrad`` is the tuning run): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
+    the tile of torch's CUTLASS kernel), 64 rows per step, 8 warps, 3 stages (3 x 48 KiB of
+    shared memory), TMA loads, groups by decreasing rows (``SORTED``). ``USE_TMA`` is dropped
+    by the launch where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "SORTED": True,
+            "num_warps": 8, "num_stages": 3}
+
+
+def _fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no data pointer (a FakeTensor, also when wrapped in a
+    FunctionalTensor under ``torch.compile``)."""
+    return torch._subclasses.fake_tensor.is_fake(t) or t.device.type == "meta"
+
+
+def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
+    """Why the TMA loads cannot take x (M, K) and dy (M, N) (``None`` when they can): no
+    ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, an operand not
+    contiguous, a row stride or base pointer not 16-byte aligned."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16:
+            return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
+                    f"16 bytes")
+    if _fake(x) or _fake(dy):  # no data pointer; the real call checks it
+        return None
+    if x.data_ptr() % 16 or dy.data_ptr() % 16:
+        return "x or dy do not start on a 16-byte boundary"
+    return None
+
+
+def grid_size(device: torch.device, groups: int, n: int, k: int, block_n: int,
+              block_k: int) -> int:
+    """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
+    tile count ``groups * cdiv(n, block_n) * cdiv(k, block_k)``, at least 1."""
+    programs = (torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else _CPU_PROGRAMS)
+    return max(1, min(programs, groups * cdiv(n, block_n) * cdiv(k, block_k)))
+
+
+def group_order(offsets: torch.Tensor) -> torch.Tensor:
+    """int64 (G,) group indices by decreasing row count (ties by index), on the device with
+    torch ops (no host sync; a zero fill, a concatenation and a difference for the split
+    sizes, then the sort): the kernel's tile order (module docstring, "Schedule")."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.argsort(sizes, descending=True, stable=True)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_step(x_desc, dy_desc, x_ptr, dy_ptr, m0, end, n0, k0, N, K,
+                   MASK: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """dy[m0:m0+BLOCK_M, n0:n0+BLOCK_N] and x[m0:m0+BLOCK_M, k0:k0+BLOCK_K], zeros past
+        N / K; with MASK, rows >= end are zero too (tl.where on TMA tiles, whose rows may hold
+        NaN; masked pointer loads never read them)."""
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        if USE_TMA:
+            d = dy_desc.load([m0, n0])
+            xa = x_desc.load([m0, k0])
+            if MASK:
+                d = tl.where(row_ok[:, None], d, tl.zeros_like(d))
+                xa = tl.where(row_ok[:, None], xa, tl.zeros_like(xa))
+        else:
+            cols_n = n0 + tl.arange(0, BLOCK_N)
+            cols_k = k0 + tl.arange(0, BLOCK_K)
+            r64 = rows.to(tl.int64)[:, None]
+            d = tl.load(dy_ptr + r64 * N + cols_n[None, :],
+                        mask=row_ok[:, None] & (cols_n[None, :] < N), other=0.0)
+            xa = tl.load(x_ptr + r64 * K + cols_k[None, :],
+                         mask=row_ok[:, None] & (cols_k[None, :] < K), other=0.0)
+        return d, xa
+
+    @triton.jit
+    def _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end, pn, pk, N, K,
+                    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """dW[g, n-tile pn, k-tile pk] over the group's rows [start, end): full BLOCK_M steps
+        unmasked, then the tail step masked."""
+        cols_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        full_end = start + (end - start) // BLOCK_M * BLOCK_M
+        for m0 in range(start, full_end, BLOCK_M):
+            d, xa = _load_step(x_desc, dy_desc, x_ptr, dy_ptr, m0, end, pn * BLOCK_N,
+                               pk * BLOCK_K, N, K, False, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tl.dot(tl.trans(d), xa, acc)
+        if full_end < end:
+            d, xa = _load_step(x_desc, dy_desc, x_ptr, dy_ptr, full_end, end, pn * BLOCK_N,
+                               pk * BLOCK_K, N, K, True, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tl.dot(tl.trans(d), xa, acc)
+        mask = (cols_n[:, None] < N) & (cols_k[None, :] < K)
+        ptr = (out_ptr + g.to(tl.int64) * N * K + cols_n[:, None].to(tl.int64) * K
+               + cols_k[None, :])
+        if ACCUMULATE:
+            acc += tl.load(ptr, mask=mask, other=0.0)
+        tl.store(ptr, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _wgrad_large_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+                            ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
+                            SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """out[g, n, k] (=, or += with ACCUMULATE) sum over group g's rows m of
+        dy[m, n] * x[m, k]; x (M, K), dy (M, N), out (G, N, K) contiguous; offs (G,)
+        cumulative group ends; order (G,) int64 groups by decreasing rows (SORTED; else
+        unread, groups in index order); P programs."""
+        pid = tl.program_id(0)
+        x_desc = None
+        dy_desc = None
+        if USE_TMA:
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[N, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+        tiles_k = tl.cdiv(K, BLOCK_K)
+        per_group = tl.cdiv(N, BLOCK_N) * tiles_k
+        tile = pid
+        base = 0
+        for rank in range(0, G):  # walk the groups in order; this program's tiles in each
+            if SORTED:
+                g = tl.load(order_ptr + rank)
+            else:
+                g = rank
+            start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
+            start = tl.where(g == 0, 0, start)
+            end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), M)
+            while tile < base + per_group:
+                local = tile - base
+                _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
+                            local // tiles_k, local % tiles_k, N, K, ACCUMULATE, USE_TMA,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
+                tile += P
+            base += per_group
+
+
+def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+            out: torch.Tensor | None, config: dict | None, kernel) -> torch.Tensor:
+    """Launch ``kernel`` into ``out`` (accumulate) or a new (G, N, K) tensor in x's dtype."""
+    m, k = x.shape
+    n = dy.shape[1]
+    groups = offsets.shape[0]
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
+        if m == 0 or n == 0 or k == 0 or groups == 0:
+            return out.zero_()
+    elif m == 0 or n == 0 or k == 0 or groups == 0:
+        return out
+    cfg = dict(large_wgrad_config())
+    cfg.update(config or {})
+    if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
+        cfg["USE_TMA"] = False
+    if cfg["USE_TMA"] and x.device.type == "cuda":
+        from .grouped_gemm_large_triton import _ensure_allocator
+
+        _ensure_allocator()
+    grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
+    order = group_order(offsets) if cfg["SORTED"] else offsets
+    launch(kernel, grid, x, dy, out, offsets, order, m, n, k, groups,
+           grid[0], ACCUMULATE=accumulate, **cfg)
+    return out
+
+
+def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (prototype, not dispatched).
+
+    Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
+    ``kernels.grouped_gemm.grouped_wgrad``), with fp32 accumulation.
+
+    Shapes: x (M, K) and dy (M, N), bf16/fp16 on CUDA, same dtype; offsets (G,) int32/int64
+    cumulative group ends on x's device, ``offsets[-1] <= M`` (rows past it are padding and
+    do not contribute, whatever they hold) -> dW (G, N, K) in x's dtype, zeros for an empty
+    group. With ``out`` (fp32 (G, N, K) contiguous, e.g. Megatron's ``main_grad``): ``out +=``
+    the fp32 sums (rounded once, to fp32) and ``out`` is returned. ``config`` overrides keys
+    of :func:`large_wgrad_config` (benchmarks). Under a ``torch.compile`` trace the call is
+    the op ``te_ops::grouped_wgrad_large`` (``..._accumulate`` with ``out``).
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
+    RuntimeError
+        The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
+    """
+    _check(x, dy, offsets, out)
+    x, dy = x.contiguous(), dy.contiguous()
+    if tracing() and config is None:
+        if out is None:
+            return torch.ops.te_ops.grouped_wgrad_large(x, dy, offsets)
+        torch.ops.te_ops.grouped_wgrad_large_accumulate(x, dy, offsets, out)
+        return out
+    return _launch(x, dy, offsets, out, config, _wgrad_large_kernel)
+
+
+def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+           out: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or (
+            dy.device != x.device):
+        raise ValueError(f"dy must be 2-D ({x.shape[0]}, out_features) {x.dtype} on "
+                         f"{x.device}, got shape {tuple(dy.shape)} {dy.dtype} on {dy.device}")
+    groups = offsets.shape[0] if offsets.dim() == 1 else -1
+    if (offsets.dim() != 1 or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be 1-D int32/int64 (G,) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    want = (groups, dy.shape[1], x.shape[1])
+    if out is not None and (tuple(out.shape) != want or out.dtype != torch.float32
+                            or out.device != x.device or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous torch.float32 tensor of shape {want} on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    why = unsupported_reason(x.device, x.dtype)
+    if why is not None:
+        raise RuntimeError(f"the large-shape Triton grouped wgrad cannot run: {why}")
+
+
+if triton is not None:
+
+    @torch.library.triton_op("te_ops::grouped_wgrad_large", mutates_args={})
+    def _grouped_wgrad_large_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
+                                ) -> torch.Tensor:
+        """:func:`large_wgrad` as an op; the body, run on FakeTensors, is also the fake."""
+        return _launch(x, dy, offsets, None, None, torch.library.wrap_triton(_wgrad_large_kernel))
+
+    @torch.library.triton_op("te_ops::grouped_wgrad_large_accumulate", mutates_args={"out"})
+    def _grouped_wgrad_large_accumulate_op(x: torch.Tensor, dy: torch.Tensor,
+                                           offsets: torch.Tensor, out: torch.Tensor) -> None:
+        """:func:`large_wgrad` with ``out`` as an op (``out += dW``, in place)."""
+        _launch(x, dy, offsets, out, None, torch.library.wrap_triton(_wgrad_large_kernel))
