@@ -47,7 +47,13 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
-from .grouped_gemm_large_triton import MIN_ROWS_PER_GROUP, large_dgrad, large_fprop, large_kinds
+from .grouped_gemm_large_triton import (
+    FORCED_MIN_ROWS_PER_GROUP,
+    MIN_ROWS_PER_GROUP,
+    large_dgrad,
+    large_fprop,
+    large_kinds,
+)
 from .grouped_gemm_triton import (
     MAX_ROWS_PER_GROUP,
     triton_dgrad,
@@ -220,9 +226,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
         choice = BackendChoice(
-            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND" + (
-                " (persistent many-rows kernels: >= FORCED_MIN_ROWS_PER_GROUP rows per group)"
-                if large else ""),
+            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND: " + (
+                f"{'/'.join(large)} in the persistent many-rows kernels (>= "
+                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group)"
+                if large else "fprop/dgrad/wgrad in the few-rows Triton kernels (< "
+                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group, or "
+                "not known yet)") + "; wgrad into an fp32 main_grad in torch._grouped_mm "
+            "where it runs",
             graph_safe=device_split_sizes,
             triton_kinds=tuple(k for k in ("fprop", "dgrad", "wgrad") if k not in large),
             large_kinds=large)
@@ -254,7 +264,8 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
-            why += f"; triton not taken: {auto_triton}; {auto_large}"
+            why += f"; triton not taken: {auto_triton}" + (
+                f"; {auto_large}" if auto_large != auto_triton else "")
         choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
