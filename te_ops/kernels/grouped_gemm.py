@@ -25,11 +25,14 @@ Backends
     the other kinds of the call run in ``torch._grouped_mm``. For many rows per group, the
     persistent Triton kernels (``kernels/grouped_gemm_large_triton.py``,
     ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
-    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more (measured
-    1.02-1.17x ``torch._grouped_mm`` on the issue-10 shapes), wgrad stays in
-    ``torch._grouped_mm`` (the persistent wgrad measured 0.82-0.91x). Forced, all three kinds
+    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
+    ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
+    issue-10 shapes), wgrad stays in ``torch._grouped_mm`` (the persistent wgrad measured
+    0.76-0.91x). Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
-    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below.
+    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
+    into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
+    ``kernels/wgrad_into.py``).
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
