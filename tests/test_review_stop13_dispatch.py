@@ -205,3 +205,33 @@ def test_forced_triton_unaligned_features_fp32_main_grad(monkeypatch, sizes):
     want.backward(dy[:total].double())
     for i, (p, leaf) in enumerate(zip([*fc1.parameters(), *fc2.parameters()], w1 + w2)):
         ref.assert_close(p.main_grad, leaf.grad, torch.bfloat16, f"main_grad {i}")
+
+
+@pytest.mark.parametrize("capability,dtype,read", [
+    ((9, 0), torch.bfloat16, True),  # the measured device and dtype: the rules apply
+    ((9, 0), torch.float16, False),
+    ((9, 0), torch.float32, False),
+    ((8, 0), torch.bfloat16, False),
+    ((10, 0), torch.bfloat16, False),
+])
+def test_row_rules_read_only_where_they_can_apply(monkeypatch, capability, dtype, read):
+    """Auto compares the call's rows per group with the Triton rules (MAX_ROWS_PER_GROUP,
+    MIN_ROWS_PER_GROUP) only on SM90 in bf16: under torch.compile each comparison of a traced
+    row count is a guard, so elsewhere (an A100, fp16/fp32 training) a dynamic row count
+    crossing 4, 8, 32 or 512 rows per group recompiled for the same grouped_mm choice."""
+    calls = []
+    monkeypatch.setattr(grouped_gemm, "triton_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(grouped_gemm, "_MEASURED_ON", {})
+    monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append("few") or ())
+    monkeypatch.setattr(grouped_gemm, "large_kinds",
+                        lambda rows, forced=False: calls.append("large") or ())
+    monkeypatch.setattr(grouped_gemm, "_select_backend",
+                        lambda *a: BackendChoice("grouped_mm", "stub", True))
+    cuda = torch.device("cuda", 0)
+    grouped_gemm.select_backend(cuda, dtype, 64, 64, True, rows_per_group=600.0)
+    assert calls == (["few", "large"] if read else [])
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")  # forced: any CUDA GPU, dtype
+    calls.clear()
+    grouped_gemm.select_backend(cuda, dtype, 64, 64, True, rows_per_group=600.0)
+    assert calls == ["large"]

@@ -190,8 +190,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
-    auto = forced == "auto" and device.type == "cuda"
+    # Only where the rule can apply (CUDA, and the measured device and dtype): a comparison of
+    # a traced (symbolic) row count is a guard, a recompile where a dynamic count crosses it.
+    auto = forced == "auto" and device.type == "cuda" and _measured_on(device, dtype)
     kinds = triton_kinds(rows_per_group) if auto else ()
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
@@ -296,6 +297,19 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
         return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
                 "known), where torch._grouped_mm was measured as fast or faster")
     return None
+
+
+def _measured_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the measured Triton rules can apply on ``device`` for ``dtype`` (remembered per
+    device and dtype: :func:`select_backend` asks on every call)."""
+    key = (device.type, device.index, dtype)
+    applies = _MEASURED_ON.get(key)
+    if applies is None:
+        applies = _MEASURED_ON[key] = _measured_on_reason(device, dtype) is None
+    return applies
+
+
+_MEASURED_ON: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
