@@ -187,7 +187,7 @@ def test_forced_triton_unaligned_features_fp32_main_grad(monkeypatch, sizes):
         p.main_grad = torch.zeros(p.shape, device="cuda", dtype=torch.float32)
         p.grad_added_to_main_grad = False
     rows = sum(sizes) + 8
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     probs = torch.rand(rows, device="cuda", dtype=torch.bfloat16)
     splits = torch.tensor(sizes, device="cuda")
     dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -199,10 +199,12 @@ def test_forced_triton_unaligned_features_fp32_main_grad(monkeypatch, sizes):
     fc1, _, fc2 = block
     w1 = [ref.leaf(p) for p in fc1.parameters()]
     w2 = [ref.leaf(p) for p in fc2.parameters()]
-    xl, pl = ref.leaf(x[:total].clone()), ref.leaf(probs[:total].clone())
+    xl, pl = ref.leaf(x[:total].detach().clone()), ref.leaf(probs[:total].clone())
     h = ref.grouped_linear(xl, w1, None, sizes)
     want = ref.grouped_linear(ref.scaled_swiglu(h, pl), w2, None, sizes)
     want.backward(dy[:total].double())
+    ref.assert_close(x.grad[:total], xl.grad, torch.bfloat16, "x.grad")
+    assert not x.grad[total:].any()
     for i, (p, leaf) in enumerate(zip([*fc1.parameters(), *fc2.parameters()], w1 + w2)):
         ref.assert_close(p.main_grad, leaf.grad, torch.bfloat16, f"main_grad {i}")
 
