@@ -59,7 +59,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
             "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
             "GEMMs under a recipe stay "
-            "torch._scaled_grouped_mm, an fp32 main_grad wgrad torch._grouped_mm); a forced "
+            "torch._scaled_grouped_mm, an fp32 main_grad wgrad torch._grouped_mm where rows are "
+            "16-byte aligned); a forced "
             "backend that cannot run raises with the reason.",
         ),
         EnvVar(
@@ -75,8 +76,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto",
             ("auto", "0", "1"),
             "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
-            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop and the "
-            "activation run in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
+            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop runs in the "
+            "few-rows Triton kernel (not the persistent one of >= 512 rows per group) and the "
+            "activation in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
             "at the measured rule (<= 8 rows per group, grouped_mlp_triton.MAX_ROWS_PER_GROUP: "
             "1.02-1.08x the two launches on the H200), 1 wherever it can run, 0 never.",
         ),

@@ -8,9 +8,12 @@ it when :func:`fc1_epilogue_reason` returns ``None``:
 * ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not ``0``;
 * no recipe (fc1's fprop would read quantized operands) and no bias on fc1 (the bias is added
   between the GEMM and the activation);
-* fc1's fprop runs in Triton (``"fprop" in backend.triton_kinds``: CUDA, bf16 under auto, few
-  rows per group, or the forced ``triton`` backend) and the activation runs in Triton (halves
-  layout, contiguous; ``swiglu_triton.select_backend``);
+* fc1's fprop runs in the few-rows Triton kernel (``"fprop" in backend.triton_kinds``: CUDA,
+  bf16 under auto, few rows per group, or the forced ``triton`` backend below its
+  ``FORCED_MIN_ROWS_PER_GROUP``; not where it runs in the persistent many-rows kernel,
+  ``backend.large_kinds``: the fused launch gives the few-rows kernel's bits, and the unfused
+  forward would call the persistent one) and the activation runs in Triton (halves layout,
+  contiguous; ``swiglu_triton.select_backend``);
 * under ``auto`` (the default), at most
   :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
   (padding rows counted): the measured rule (docs/benchmarks.md, "Epilogue-fused decode
@@ -48,6 +51,10 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
         return "a recipe (fc1's fprop reads quantized operands)"
     if has_bias:
         return "fc1 has a bias (added between the GEMM and the activation)"
+    if "fprop" in backend1.large_kinds:
+        return (f"fc1's fprop runs in the persistent many-rows Triton kernel (backend "
+                f"{backend1.name}, large_kinds), not in the few-rows kernel whose bits the "
+                "fused launch gives")
     if "fprop" not in backend1.triton_kinds:
         return f"fc1's fprop does not run in Triton (backend {backend1.name})"
     if interleave is not None:

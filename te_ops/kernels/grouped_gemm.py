@@ -25,11 +25,14 @@ Backends
     the other kinds of the call run in ``torch._grouped_mm``. For many rows per group, the
     persistent Triton kernels (``kernels/grouped_gemm_large_triton.py``,
     ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
-    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more (measured
-    1.02-1.17x ``torch._grouped_mm`` on the issue-10 shapes), wgrad stays in
-    ``torch._grouped_mm`` (the persistent wgrad measured 0.82-0.91x). Forced, all three kinds
+    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
+    ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
+    issue-10 shapes), wgrad stays in ``torch._grouped_mm`` (the persistent wgrad measured
+    0.76-0.91x). Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
-    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below.
+    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
+    into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
+    ``kernels/wgrad_into.py``).
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``kernels.padding``).
@@ -47,7 +50,13 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
-from .grouped_gemm_large_triton import MIN_ROWS_PER_GROUP, large_dgrad, large_fprop, large_kinds
+from .grouped_gemm_large_triton import (
+    FORCED_MIN_ROWS_PER_GROUP,
+    MIN_ROWS_PER_GROUP,
+    large_dgrad,
+    large_fprop,
+    large_kinds,
+)
 from .grouped_gemm_triton import (
     MAX_ROWS_PER_GROUP,
     triton_dgrad,
@@ -181,8 +190,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    # Only where the rule can apply: a comparison of a traced (symbolic) row count is a guard.
-    auto = forced == "auto" and device.type == "cuda"
+    # Only where the rule can apply (CUDA, and the measured device and dtype): a comparison of
+    # a traced (symbolic) row count is a guard, a recompile where a dynamic count crosses it.
+    auto = forced == "auto" and device.type == "cuda" and _measured_on(device, dtype)
     kinds = triton_kinds(rows_per_group) if auto else ()
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
@@ -220,9 +230,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
         choice = BackendChoice(
-            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND" + (
-                " (persistent many-rows kernels: >= FORCED_MIN_ROWS_PER_GROUP rows per group)"
-                if large else ""),
+            "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND: " + (
+                f"{'/'.join(large)} in the persistent many-rows kernels (>= "
+                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group)"
+                if large else "fprop/dgrad/wgrad in the few-rows Triton kernels (< "
+                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group, or "
+                "not known yet)") + "; wgrad into an fp32 main_grad in torch._grouped_mm "
+            "where it runs",
             graph_safe=device_split_sizes,
             triton_kinds=tuple(k for k in ("fprop", "dgrad", "wgrad") if k not in large),
             large_kinds=large)
@@ -254,7 +268,8 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
-            why += f"; triton not taken: {auto_triton}; {auto_large}"
+            why += f"; triton not taken: {auto_triton}" + (
+                f"; {auto_large}" if auto_large != auto_triton else "")
         choice = BackendChoice("grouped_mm", why, graph_safe=mm_graph_safe)
     else:
         choice = BackendChoice("loop", reason, False)
@@ -282,6 +297,19 @@ def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[st
         return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
                 "known), where torch._grouped_mm was measured as fast or faster")
     return None
+
+
+def _measured_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the measured Triton rules can apply on ``device`` for ``dtype`` (remembered per
+    device and dtype: :func:`select_backend` asks on every call)."""
+    key = (device.type, device.index, dtype)
+    applies = _MEASURED_ON.get(key)
+    if applies is None:
+        applies = _MEASURED_ON[key] = _measured_on_reason(device, dtype) is None
+    return applies
+
+
+_MEASURED_ON: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:

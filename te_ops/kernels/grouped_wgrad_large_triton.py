@@ -1,8 +1,12 @@
-"""PROTOTYPE persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
+"""Persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
 
-**Not dispatched**: nothing in te_ops calls this module yet. It is the wgrad counterpart of
-``grouped_gemm_large_triton`` (fprop), for ``benchmarks/large_gemm_triton.py`` to measure
-against ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10 shapes.
+Dispatched only under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
+``grouped_gemm_large_triton.FORCED_MIN_ROWS_PER_GROUP`` rows per group or more
+(``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32 ``main_grad`` that
+``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant): it measured
+0.76-0.91x ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10 shapes
+(``benchmarks/large_gemm_triton.py``), so auto keeps wgrad there. It is the wgrad counterpart
+of ``grouped_gemm_large_triton`` (fprop, dgrad).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
 padding, possibly NaN garbage, and never contribute): ``dW[g] = dy_g^T @ x_g``, x (M, K),
@@ -242,7 +246,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (prototype, not dispatched).
+    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (forced ``triton`` backend only).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
     ``kernels.grouped_gemm.grouped_wgrad``), with fp32 accumulation.

@@ -19,6 +19,11 @@ How each backend writes into the targets
     (also when the targets are adjacent in reverse order, as Megatron's gradient buffer lays
     out parameters: then on the product flipped along the groups; per group otherwise).
     A zero-token group's product is zero, so accumulating leaves its target unchanged.
+``triton``
+    As ``grouped_mm`` where the targets' dtype differs and ``torch._grouped_mm`` takes it
+    (out_dtype probe, 16-byte aligned rows): the Triton wgrad kernels write the operands'
+    dtype only. Otherwise the backend's wgrad (few-rows or persistent Triton kernel), then one
+    ``add_`` / ``copy_``.
 
 Graph-safe exactly when the backend is (no host reads beyond the loop backend's own).
 """
@@ -29,7 +34,7 @@ import torch
 
 from ..quantization.gemm import is_quantized
 from ..splits import GroupedSplits
-from .grouped_gemm import BackendChoice, grouped_wgrad
+from .grouped_gemm import BackendChoice, grouped_mm_unsupported_reason, grouped_wgrad
 
 __all__ = ["grouped_wgrad_into", "grouped_mm_out_dtype_reason"]
 
@@ -124,11 +129,16 @@ def grouped_wgrad_into(targets: list[torch.Tensor], x: torch.Tensor, dy: torch.T
 def _high_precision_wgrad(targets: list[torch.Tensor | None], live: list[int], x: torch.Tensor,
                           dy: torch.Tensor, splits: GroupedSplits,
                           backend: BackendChoice) -> torch.Tensor:
-    """(G, N, K) wgrad, straight in the targets' dtype where ``torch._grouped_mm`` allows."""
+    """(G, N, K) wgrad, straight in the targets' dtype where ``torch._grouped_mm`` allows:
+    the out_dtype probe passes and the rows are 16-byte aligned (a forced ``triton`` backend
+    takes in/out features that ``torch._grouped_mm`` rejects; its wgrad then runs there and
+    is added in the targets' dtype)."""
     out_dtype = targets[live[0]].dtype
     same = all(targets[g].dtype == out_dtype for g in live)
     if (same and out_dtype != x.dtype and x.shape[0] > 0
-            and grouped_mm_out_dtype_reason(x.device, x.dtype, out_dtype) is None):
+            and grouped_mm_out_dtype_reason(x.device, x.dtype, out_dtype) is None
+            and grouped_mm_unsupported_reason(x.device, x.dtype, x.shape[1], dy.shape[1])
+            is None):
         return torch._grouped_mm(dy.t(), x, offs=splits.offsets, out_dtype=out_dtype)
     return grouped_wgrad(x, dy, splits, backend)
 
