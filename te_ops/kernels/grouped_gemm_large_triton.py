@@ -129,7 +129,9 @@ def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None
     strides = (x.stride(0), weights.stride(0), weights.stride(1))
     if any(s * size % 16 for s in strides):
         return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
-    if _fake(x):  # FakeTensors have no data pointer; the real call checks it
+    if _fake(x) or _fake(weights):  # no data pointer: the storage offset is what is known
+        if x.storage_offset() * size % 16 or weights.storage_offset() * size % 16:
+            return "x or weights do not start on a 16-byte boundary (storage offset)"
         return None
     if x.data_ptr() % 16 or weights.data_ptr() % 16:
         return "x or weights do not start on a 16-byte boundary"
@@ -174,6 +176,14 @@ if triton is not None:
     from .swiglu_triton import _core
 
     @triton.jit
+    def _rows_in_x(offs_ptr, g, G, M):
+        """Rows [start, end) of group ``g`` (``g == G``: the padding tail), int64, clamped
+        to ``M``: offsets past the rows of x (bad split sizes, not checkable on the host
+        without a sync) never address memory past x or the outputs."""
+        start, end = _group_rows(offs_ptr, g, G, M)
+        return tl.minimum(start, M), tl.minimum(end, M)
+
+    @triton.jit
     def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
         """(row tile, column tile) of a group's ``local``-th tile in GROUP_M-row-tile bands."""
         band = GROUP_M * tiles_n
@@ -198,8 +208,8 @@ if triton is not None:
         else:
             n = n0 + tl.arange(0, BLOCK_N)
             k = k0 + tl.arange(0, BLOCK_K)
-            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg + k[:, None] * stride_wk
-                   + n[None, :].to(tl.int64) * stride_wn)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg
+                   + k[:, None].to(tl.int64) * stride_wk + n[None, :].to(tl.int64) * stride_wn)
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
@@ -293,7 +303,7 @@ if triton is not None:
                     hi = tl.where(right, hi, mid)
                 g = lo
                 base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
-                start, end = _group_rows(offs_ptr, g, G, M)
+                start, end = _rows_in_x(offs_ptr, g, G, M)
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
@@ -303,7 +313,7 @@ if triton is not None:
             tile = pid
             base = 0
             for g in range(0, G + 1):
-                start, end = _group_rows(offs_ptr, g, G, M)
+                start, end = _rows_in_x(offs_ptr, g, G, M)
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 count = tiles_m * tiles_n
                 while tile < base + count:
@@ -320,7 +330,7 @@ def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: i
     """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
     (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
     ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
-    ends = offsets.to(torch.int64)
+    ends = offsets.to(torch.int64).clamp(max=rows)  # as the kernel: no rows past x
     starts = torch.cat([ends.new_zeros(1), ends])
     ends = torch.cat([ends, ends.new_full((1,), rows)])
     counts = (ends - starts + block_m - 1) // block_m * cdiv(n, block_n)
@@ -341,6 +351,15 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
     if m == 0 or n == 0:
         return h, a
+    if groups == 0:  # every row is padding (the kernel reads offsets[0], which is not there)
+        h.zero_()
+        if a is not None:
+            a.zero_()
+            if probs is not None:  # as the kernel's padding rows: SwiGLU(0, 0) * probs
+                a.mul_(probs[:, None])
+        return h, a
+    x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
+    probs = None if probs is None else probs.contiguous()
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:

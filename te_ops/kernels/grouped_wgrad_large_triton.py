@@ -98,7 +98,9 @@ def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
         if t.stride(0) * t.element_size() % 16:
             return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
                     f"16 bytes")
-    if _fake(x) or _fake(dy):  # no data pointer; the real call checks it
+    if _fake(x) or _fake(dy):  # no data pointer: the storage offset is what is known
+        if any(t.storage_offset() * t.element_size() % 16 for t in (x, dy)):
+            return "x or dy do not start on a 16-byte boundary (storage offset)"
         return None
     if x.data_ptr() % 16 or dy.data_ptr() % 16:
         return "x or dy do not start on a 16-byte boundary"
@@ -203,6 +205,7 @@ if triton is not None:
             start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
             start = tl.where(g == 0, 0, start)
             end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), M)
+            start = tl.minimum(start, end)  # offsets past M: no rows, never a negative count
             while tile < base + per_group:
                 local = tile - base
                 _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
@@ -225,6 +228,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
             return out.zero_()
     elif m == 0 or n == 0 or k == 0 or groups == 0:
         return out
+    x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
