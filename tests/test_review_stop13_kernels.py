@@ -22,7 +22,6 @@ import re
 
 import pytest
 import torch
-
 from interpret import interpreter_marks, run_interpreted
 
 HEADER = r'''
@@ -72,8 +71,13 @@ m, n, k = 40, 48, 24
 x = torch.randn(m, k, generator=gen).half()
 w = (torch.randn(3, n, k, generator=gen) * k ** -0.5).half()
 dy = torch.randn(m, n, generator=gen).half()
-for offsets in ([16, 2000, 3000], [8, 30, 45], [50, 60, 70]):
-    bounds = [(min(s, m), min(e, m)) for s, e in zip([0] + offsets[:-1], offsets)]
+def clamped(offsets):  # the kernels' rows: 0 <= start <= end <= m
+    ends = [min(max(e, 0), m) for e in offsets]
+    return [(min(s, e), e) for s, e in zip([0] + ends[:-1], ends)]
+
+
+for offsets in ([16, 2000, 3000], [8, 30, 45], [50, 60, 70], [-8, 10, 40], [-5, -3, 12]):
+    bounds = clamped(offsets)
     for odt in (torch.int32, torch.int64):
         offs = torch.tensor(offsets, dtype=odt)
         for tma, flat in ((True, False), (False, False), (True, True), (False, True)):
@@ -89,6 +93,18 @@ for offsets in ([16, 2000, 3000], [8, 30, 45], [50, 60, 70]):
             conf = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "USE_TMA": tma}
             dw = W._launch(x, dy, offs, None, conf, W._wgrad_large_kernel)
             close(dw, ref_wgrad(x, dy, bounds), (offsets, odt, tma, "wgrad"))
+# decreasing offsets (a negative split size): groups overlap, so the overlapped rows are
+# ill-defined, but no access leaves x / the outputs (a crash or heap corruption here) and the
+# rows only one group owns are right (0:10 group 0, 30:40 padding)
+offs = torch.tensor([30, 10, 20], dtype=torch.int32)
+for tma, flat in ((True, False), (False, True)):
+    conf = {**SMALL, "USE_TMA": tma, "FLAT": flat}
+    y, _ = L._launch(x, w, offs, None, "fprop", conf, L._large_kernel)
+    want = ref_fprop(x, w, [(0, 30), (10, 10), (10, 20)])
+    close(y[:10], want[:10], ("decreasing", tma, flat))
+    assert not y[30:].any()
+assert L.tile_ends(offs, m, n, 16, 16).tolist() == [6, 6, 9, 15]
+W._launch(x, dy, offs, None, {"USE_TMA": False}, W._wgrad_large_kernel)
 print("ok")
 '''
 

@@ -178,10 +178,12 @@ if triton is not None:
     @triton.jit
     def _rows_in_x(offs_ptr, g, G, M):
         """Rows [start, end) of group ``g`` (``g == G``: the padding tail), int64, clamped
-        to ``M``: offsets past the rows of x (bad split sizes, not checkable on the host
-        without a sync) never address memory past x or the outputs."""
+        to ``0 <= start <= end <= M``: offsets past the rows of x, negative or decreasing
+        (bad split sizes, not checkable on the host without a sync) never address memory
+        outside x and the outputs, and no group has a negative tile count."""
         start, end = _group_rows(offs_ptr, g, G, M)
-        return tl.minimum(start, M), tl.minimum(end, M)
+        end = tl.minimum(tl.maximum(end, 0), M)
+        return tl.minimum(tl.maximum(start, 0), end), end
 
     @triton.jit
     def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -330,10 +332,10 @@ def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: i
     """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
     (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
     ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
-    ends = offsets.to(torch.int64).clamp(max=rows)  # as the kernel: no rows past x
+    ends = offsets.to(torch.int64).clamp(0, rows)  # the kernel's clamped rows
     starts = torch.cat([ends.new_zeros(1), ends])
     ends = torch.cat([ends, ends.new_full((1,), rows)])
-    counts = (ends - starts + block_m - 1) // block_m * cdiv(n, block_n)
+    counts = ((ends - starts).clamp(min=0) + block_m - 1) // block_m * cdiv(n, block_n)
     return counts.cumsum(0).to(torch.int32)
 
 

@@ -204,8 +204,9 @@ if triton is not None:
                 g = rank
             start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
             start = tl.where(g == 0, 0, start)
-            end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), M)
-            start = tl.minimum(start, end)  # offsets past M: no rows, never a negative count
+            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
+            # offsets past M, negative or decreasing: 0 <= start <= end <= M, rows of x only
+            start = tl.minimum(tl.maximum(start, 0), end)
             while tile < base + per_group:
                 local = tile - base
                 _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
