@@ -230,3 +230,66 @@ def test_wgrad_pointer_loads_use_int64_offsets():
     ttir = _ttir(W._wgrad_large_kernel, _WGRAD_SIG, const)
     assert "tt.addptr" in ttir
     assert not _I32_TENSOR_MUL.findall(ttir)
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _ref_fprop(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]
+               ) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
+    for g, (s, e) in enumerate(bounds):
+        out[s:e] = x[s:e].double() @ w[g].double().t()
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got.double(), want, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_offsets_past_rows_and_no_groups():
+    """Compiled kernels (TMA and pointer loads, both schedules): offsets past M give the
+    clamped groups' rows (without the clamp the kernel wrote rows past h: run under
+    ``compute-sanitizer`` to see the writes themselves); no groups give zeros."""
+    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.kernels import grouped_wgrad_large_triton as W
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 300, 256, 128
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(3, n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+    offs = torch.tensor([100, 5000, 9000], device="cuda", dtype=torch.int32)
+    bounds = [(0, 100), (100, 300), (300, 300)]
+    for tma, flat in ((True, False), (False, False), (True, True)):
+        y = L.large_fprop(x, w, offs, {"USE_TMA": tma, "FLAT": flat})
+        _close(y, _ref_fprop(x, w, bounds))
+    dy = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    dw = W.large_wgrad(x, dy, offs)
+    want = torch.stack([dy[s:e].double().t() @ x[s:e].double() for s, e in bounds])
+    torch.testing.assert_close(dw.double(), want, rtol=1.6e-2, atol=0.2)
+    none = torch.zeros(0, n, k, device="cuda", dtype=torch.bfloat16)
+    y = L.large_fprop(x, none, torch.zeros(0, device="cuda", dtype=torch.int32))
+    torch.cuda.synchronize()
+    assert y.shape == (m, n) and not y.any()
+
+
+@pytest.mark.cuda
+def test_cuda_compile_misaligned_weights_view():
+    """Weights that are a view of a larger buffer at a 2-byte offset: eager (data pointer) and
+    torch.compile (FakeTensor storage offset) both take pointer loads, no misaligned TMA."""
+    from te_ops.kernels import grouped_gemm_large_triton as L
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    g, n, k, m = 2, 256, 128, 256
+    buf = torch.randn(g * n * k + 8, device="cuda", generator=gen).bfloat16() * k ** -0.5
+    w = buf[1:1 + g * n * k].view(g, n, k)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    offs = torch.tensor([100, 256], device="cuda", dtype=torch.int32)
+    want = _ref_fprop(x, w, [(0, 100), (100, 256)])
+    _close(L.large_fprop(x, w, offs), want)
+
+    def call(x, buf, offs):
+        return L.large_fprop(x, buf[1:1 + g * n * k].view(g, n, k), offs)
+
+    got = torch.compile(call, fullgraph=True)(x, buf, offs)
+    torch.cuda.synchronize()
+    _close(got, want)
