@@ -8,6 +8,8 @@ The fc1 variant with the (Scaled)SwiGLU in its epilogue is not dispatched: on th
 shapes it measured 0.98-1.02x fprop + the Triton SwiGLU pass.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
+padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
+negative or decreasing never address memory outside x and the outputs; no groups: all rows
 padding):
 
 * :func:`large_fprop`: ``y_g = x_g @ W_g^T``, x (M, K), W (G, N, K) -> y (M, N);
