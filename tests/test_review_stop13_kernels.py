@@ -62,6 +62,14 @@ for tma, flat in ((True, False), (False, True)):
     assert dx.shape == (40, 24) and not dx.any(), (tma, flat)
     h, a = L._launch(x, w, offs, p, "fc1_swiglu", conf, L._large_kernel)
     assert h.shape == (40, 32) and a.shape == (40, 16) and not h.any() and not a.any()
+    # no reduction (K = 0): zeros, with groups
+    offs2 = torch.tensor([10, 30], dtype=torch.int32)
+    y, _ = L._launch(x[:, :0], torch.zeros(2, 32, 0).half(), offs2, None, "fprop", conf,
+                     L._large_kernel)
+    assert y.shape == (40, 32) and not y.any(), (tma, flat)
+    h, a = L._launch(x[:, :0], torch.zeros(2, 32, 0).half(), offs2, p, "fc1_swiglu", conf,
+                     L._large_kernel)
+    assert h.shape == (40, 32) and not h.any() and not a.any()
 print("ok")
 '''
 

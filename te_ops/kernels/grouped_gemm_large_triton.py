@@ -355,7 +355,8 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
     if m == 0 or n == 0:
         return h, a
-    if groups == 0:  # every row is padding (the kernel reads offsets[0], which is not there)
+    if groups == 0 or k == 0:  # no groups: every row is padding (the kernel would read
+        # offsets[0], which is not there); no reduction: zeros (no 0-wide TMA descriptor)
         h.zero_()
         if a is not None:
             a.zero_()

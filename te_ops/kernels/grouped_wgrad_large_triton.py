@@ -6,10 +6,11 @@ against ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
 padding, possibly NaN garbage, and never contribute; bad offsets, past M, negative or
-decreasing, are clamped on the device to ``0 <= start <= end <= M``): ``dW[g] = dy_g^T @ x_g``, x (M, K),
-dy (M, N) -> dW (G, N, K) in x's dtype, fp32 accumulation, zeros for an empty group. With
-``out`` (fp32 (G, N, K), Megatron's ``main_grad``) the kernel adds its fp32 sum into ``out``
-instead (the ``ACCUMULATE`` launch constexpr: one fp32 load and add per output element).
+decreasing, are clamped on the device to ``0 <= start <= end <= M``):
+``dW[g] = dy_g^T @ x_g``, x (M, K), dy (M, N) -> dW (G, N, K) in x's dtype, fp32
+accumulation, zeros for an empty group. With ``out`` (fp32 (G, N, K), Megatron's
+``main_grad``) the kernel adds its fp32 sum into ``out`` instead (the ``ACCUMULATE`` launch
+constexpr: one fp32 load and add per output element).
 
 Schedule. A persistent kernel: ``min(#SMs, G * tiles_n * tiles_k)`` programs; program ``p``
 takes tiles ``p, p + P, p + 2P, ...``. A tile is (group, n-tile, k-tile) and loops over its
