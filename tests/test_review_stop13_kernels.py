@@ -140,13 +140,32 @@ print("ok")
 '''
 
 
+FEW_ROWS_PAST = HEADER + r'''
+from te_ops.kernels import grouped_gemm_triton as gt
+
+gen = torch.Generator().manual_seed(2)
+m, n, k = 12, 40, 24
+x = torch.randn(m, k, generator=gen).half()
+dy = torch.randn(m, n, generator=gen).half()
+w = torch.randn(3, n, k, generator=gen).half()
+for offsets, bounds in (([5, 300, 900], [(0, 5), (5, 12), (12, 12)]),
+                        ([-4, 7, 9], [(0, 0), (0, 7), (7, 9)])):
+    offs = torch.tensor(offsets, dtype=torch.int32)
+    close(gt._fprop(x, w, offs), ref_fprop(x, w, bounds), ("fprop", offsets))
+    close(gt._dgrad(dy, w, offs), ref_fprop(dy, w.transpose(1, 2), bounds), ("dgrad", offsets))
+    close(gt._wgrad_launch(x, dy, offs, None, gt._wgrad_kernel), ref_wgrad(x, dy, bounds),
+          ("wgrad", offsets))
+print("ok")
+'''
+
 _INTERPRETER = interpreter_marks("tests/test_grouped_gemm_large_triton.py")
 
 
 @pytest.mark.parametrize("script", [
     pytest.param(NO_GROUPS, marks=_INTERPRETER, id="no_groups"),
     pytest.param(PAST_ROWS, marks=_INTERPRETER, id="offsets_past_rows"),
-    pytest.param(OPS_NONCONTIGUOUS, marks=_INTERPRETER, id="ops_noncontiguous")])
+    pytest.param(OPS_NONCONTIGUOUS, marks=_INTERPRETER, id="ops_noncontiguous"),
+    pytest.param(FEW_ROWS_PAST, marks=_INTERPRETER, id="few_rows_offsets_past_rows")])
 def test_interpreted(script):
     run_interpreted(script)
 

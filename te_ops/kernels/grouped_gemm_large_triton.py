@@ -178,16 +178,6 @@ if triton is not None:
     from .swiglu_triton import _core
 
     @triton.jit
-    def _rows_in_x(offs_ptr, g, G, M):
-        """Rows [start, end) of group ``g`` (``g == G``: the padding tail), int64, clamped
-        to ``0 <= start <= end <= M``: offsets past the rows of x, negative or decreasing
-        (bad split sizes, not checkable on the host without a sync) never address memory
-        outside x and the outputs, and no group has a negative tile count."""
-        start, end = _group_rows(offs_ptr, g, G, M)
-        end = tl.minimum(tl.maximum(end, 0), M)
-        return tl.minimum(tl.maximum(start, 0), end), end
-
-    @triton.jit
     def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
         """(row tile, column tile) of a group's ``local``-th tile in GROUP_M-row-tile bands."""
         band = GROUP_M * tiles_n
@@ -307,7 +297,7 @@ if triton is not None:
                     hi = tl.where(right, hi, mid)
                 g = lo
                 base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
-                start, end = _rows_in_x(offs_ptr, g, G, M)
+                start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
@@ -317,7 +307,7 @@ if triton is not None:
             tile = pid
             base = 0
             for g in range(0, G + 1):
-                start, end = _rows_in_x(offs_ptr, g, G, M)
+                start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 count = tiles_m * tiles_n
                 while tile < base + count:
