@@ -8,6 +8,8 @@ The fc1 variant with the (Scaled)SwiGLU in its epilogue is not dispatched: on th
 shapes it measured 0.98-1.02x fprop + the Triton SwiGLU pass.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
+padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
+negative or decreasing never address memory outside x and the outputs; no groups: all rows
 padding):
 
 * :func:`large_fprop`: ``y_g = x_g @ W_g^T``, x (M, K), W (G, N, K) -> y (M, N);
@@ -129,7 +131,9 @@ def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None
     strides = (x.stride(0), weights.stride(0), weights.stride(1))
     if any(s * size % 16 for s in strides):
         return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
-    if _fake(x):  # FakeTensors have no data pointer; the real call checks it
+    if _fake(x) or _fake(weights):  # no data pointer: the storage offset is what is known
+        if x.storage_offset() * size % 16 or weights.storage_offset() * size % 16:
+            return "x or weights do not start on a 16-byte boundary (storage offset)"
         return None
     if x.data_ptr() % 16 or weights.data_ptr() % 16:
         return "x or weights do not start on a 16-byte boundary"
@@ -198,8 +202,8 @@ if triton is not None:
         else:
             n = n0 + tl.arange(0, BLOCK_N)
             k = k0 + tl.arange(0, BLOCK_K)
-            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg + k[:, None] * stride_wk
-                   + n[None, :].to(tl.int64) * stride_wn)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg
+                   + k[:, None].to(tl.int64) * stride_wk + n[None, :].to(tl.int64) * stride_wn)
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
@@ -293,7 +297,7 @@ if triton is not None:
                     hi = tl.where(right, hi, mid)
                 g = lo
                 base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
-                start, end = _group_rows(offs_ptr, g, G, M)
+                start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
@@ -303,7 +307,7 @@ if triton is not None:
             tile = pid
             base = 0
             for g in range(0, G + 1):
-                start, end = _group_rows(offs_ptr, g, G, M)
+                start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 count = tiles_m * tiles_n
                 while tile < base + count:
@@ -320,10 +324,10 @@ def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: i
     """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
     (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
     ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
-    ends = offsets.to(torch.int64)
+    ends = offsets.to(torch.int64).clamp(0, rows)  # the kernel's clamped rows
     starts = torch.cat([ends.new_zeros(1), ends])
     ends = torch.cat([ends, ends.new_full((1,), rows)])
-    counts = (ends - starts + block_m - 1) // block_m * cdiv(n, block_n)
+    counts = ((ends - starts).clamp(min=0) + block_m - 1) // block_m * cdiv(n, block_n)
     return counts.cumsum(0).to(torch.int32)
 
 
@@ -341,6 +345,16 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
     if m == 0 or n == 0:
         return h, a
+    if groups == 0 or k == 0:  # no groups: every row is padding (the kernel would read
+        # offsets[0], which is not there); no reduction: zeros (no 0-wide TMA descriptor)
+        h.zero_()
+        if a is not None:
+            a.zero_()
+            if probs is not None:  # as the kernel's padding rows: SwiGLU(0, 0) * probs
+                a.mul_(probs[:, None])
+        return h, a
+    x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
+    probs = None if probs is None else probs.contiguous()
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:

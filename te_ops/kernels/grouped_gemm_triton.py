@@ -133,13 +133,16 @@ if triton is not None:
 
     @triton.jit
     def _group_rows(offs_ptr, g, G, M):
-        """Rows [start, end) of program group ``g``; ``g == G`` is the padding tail."""
+        """Rows [start, end) of program group ``g`` (int64); ``g == G`` is the padding tail.
+        Clamped to ``0 <= start <= end <= M``: offsets past M, negative or decreasing (bad
+        device split sizes, not checkable without a sync) never address memory outside the
+        operands, and no group has a negative row count."""
         prev = tl.maximum(g - 1, 0)
         start = tl.load(offs_ptr + prev).to(tl.int64)
         start = tl.where(g == 0, 0, start)
         end = tl.load(offs_ptr + tl.minimum(g, G - 1)).to(tl.int64)
-        end = tl.where(g == G, M, end)
-        return start, end
+        end = tl.minimum(tl.maximum(tl.where(g == G, M, end), 0), M)
+        return tl.minimum(tl.maximum(start, 0), end), end
 
     @triton.jit
     def _rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, M, J, R, G,

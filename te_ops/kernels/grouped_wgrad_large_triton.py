@@ -9,10 +9,12 @@ Dispatched only under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
 of ``grouped_gemm_large_triton`` (fprop, dgrad).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
-padding, possibly NaN garbage, and never contribute): ``dW[g] = dy_g^T @ x_g``, x (M, K),
-dy (M, N) -> dW (G, N, K) in x's dtype, fp32 accumulation, zeros for an empty group. With
-``out`` (fp32 (G, N, K), Megatron's ``main_grad``) the kernel adds its fp32 sum into ``out``
-instead (the ``ACCUMULATE`` launch constexpr: one fp32 load and add per output element).
+padding, possibly NaN garbage, and never contribute; bad offsets, past M, negative or
+decreasing, are clamped on the device to ``0 <= start <= end <= M``):
+``dW[g] = dy_g^T @ x_g``, x (M, K), dy (M, N) -> dW (G, N, K) in x's dtype, fp32
+accumulation, zeros for an empty group. With ``out`` (fp32 (G, N, K), Megatron's
+``main_grad``) the kernel adds its fp32 sum into ``out`` instead (the ``ACCUMULATE`` launch
+constexpr: one fp32 load and add per output element).
 
 Schedule. A persistent kernel: ``min(#SMs, G * tiles_n * tiles_k)`` programs; program ``p``
 takes tiles ``p, p + P, p + 2P, ...``. A tile is (group, n-tile, k-tile) and loops over its
@@ -102,7 +104,9 @@ def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
         if t.stride(0) * t.element_size() % 16:
             return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
                     f"16 bytes")
-    if _fake(x) or _fake(dy):  # no data pointer; the real call checks it
+    if _fake(x) or _fake(dy):  # no data pointer: the storage offset is what is known
+        if any(t.storage_offset() * t.element_size() % 16 for t in (x, dy)):
+            return "x or dy do not start on a 16-byte boundary (storage offset)"
         return None
     if x.data_ptr() % 16 or dy.data_ptr() % 16:
         return "x or dy do not start on a 16-byte boundary"
@@ -206,7 +210,9 @@ if triton is not None:
                 g = rank
             start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
             start = tl.where(g == 0, 0, start)
-            end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), M)
+            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
+            # offsets past M, negative or decreasing: 0 <= start <= end <= M, rows of x only
+            start = tl.minimum(tl.maximum(start, 0), end)
             while tile < base + per_group:
                 local = tile - base
                 _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
@@ -229,6 +235,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
             return out.zero_()
     elif m == 0 or n == 0 or k == 0 or groups == 0:
         return out
+    x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
