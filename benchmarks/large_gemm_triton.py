@@ -69,6 +69,17 @@ SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large sh
     "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
 }
+#: Fewer rows per group (selectable with ``--shapes``, not run by default): where the rule
+#: ``MIN_ROWS_PER_GROUP`` stops (E128 T65536 is 512 rows per group on average).
+MID_SHAPES = {
+    "E128_T32768_H2048_FF768": (128, 32768, 2048, 768),    # 256 rows per group
+    "E128_T16384_H2048_FF768": (128, 16384, 2048, 768),    # 128
+    "E64_T16384_H7168_FF2048": (64, 16384, 7168, 2048),    # 256
+    "E128_T8192_H2048_FF768": (128, 8192, 2048, 768),      # 64
+    "E64_T4096_H7168_FF2048": (64, 4096, 7168, 2048),      # 64
+    "E128_T4096_H2048_FF768": (128, 4096, 2048, 768),      # 32
+}
+ALL_SHAPES = {**SHAPES, **MID_SHAPES}
 GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
 WGRADS = ("fc1_wgrad", "fc2_wgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
@@ -187,7 +198,7 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
 
-    ops = _operands(SHAPES[shape_name], gemm, args.seed)
+    ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     calls = _calls(ops, gemm, cfg, fused_cfg)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
                            "reps": args.reps, "split_sizes": ops["sizes"]}
@@ -219,7 +230,7 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel
     with BLOCK_N halved; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
     kernel); return the fastest of each (``None`` when none ran)."""
-    ops = _operands(SHAPES[shape_name], gemm, args.seed)
+    ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
     for kind, fn in kinds.items():
@@ -299,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="append JSON lines here")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
-    shapes = check_list(parser, "--shapes", args.shapes, SHAPES)
+    shapes = check_list(parser, "--shapes", args.shapes, ALL_SHAPES)
     gemms = check_list(parser, "--gemms", args.gemms, GEMMS)
     check_min(parser, "--reps", args.reps, 20)
     check_min(parser, "--sweep-reps", args.sweep_reps, 5)

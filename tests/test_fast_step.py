@@ -413,7 +413,8 @@ def test_fast_path_on_meta_device():
 @pytest.mark.parametrize("single", [True, False])
 @pytest.mark.parametrize("rows", [256, 4096])
 def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
-    """bf16 on the GPU (Triton GEMMs at 4 rows per expert, torch._grouped_mm at 64): fast and
+    """bf16 on the GPU (few-rows Triton GEMMs at 4 rows per expert; at 64 the persistent Triton
+    fprop / dgrad and torch._grouped_mm's wgrad): fast and
     general paths equal bit for bit; a CUDA graph captured after fast eager calls (the capture
     takes the general path) replays with new split sizes to the eager values."""
     groups = 64

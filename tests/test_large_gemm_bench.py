@@ -96,6 +96,7 @@ def _ref_swiglu(h, probs):
 def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
+    monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
     monkeypatch.setattr(lg, "large_fprop", _ref_fprop)
     monkeypatch.setattr(lg, "large_dgrad", _ref_dgrad)
     monkeypatch.setattr(lg, "large_fc1_swiglu",

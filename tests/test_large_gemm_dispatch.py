@@ -237,3 +237,29 @@ def test_existing_compile_and_graph_checks_on_the_large_kernels(fusion, monkeypa
     for mode in ("default", "reduce-overhead"):
         test_torch_compile_cuda._check_compiled_bitwise(block, mode)
     test_cuda_graphs.test_replay_matches_eager_bitwise(monkeypatch, fusion, torch.bfloat16)
+
+
+def test_both_rules_at_32_rows_give_one_choice_with_both_families(monkeypatch):
+    """At 32 rows per group the few-rows rule takes wgrad (<= 32) and the persistent rule
+    fprop / dgrad (>= 32): one choice carries both, each kind in one family, and the reason
+    names both rules; routing sends wgrad to the few-rows kernel and fprop / dgrad to the
+    persistent one (each refuses the CPU tensor with its own reason)."""
+    from te_ops.kernels.grouped_gemm_triton import triton_kinds
+
+    assert triton_kinds(32.0) == ("wgrad",) and lg.large_kinds(32.0) == ("fprop", "dgrad")
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "auto", "auto",
+                                          ("wgrad",), ("fprop", "dgrad"))
+    assert choice.name == "triton"
+    assert choice.triton_kinds == ("wgrad",) and choice.large_kinds == ("fprop", "dgrad")
+    assert "wgrad in Triton (few rows per group" in choice.reason
+    assert "fprop/dgrad in the persistent Triton grouped GEMM" in choice.reason
+    assert "torch._grouped_mm" not in choice.reason.split("measured faster than")[0]
+    x, dy = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(10, 32, dtype=torch.bfloat16)
+    splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
+    with pytest.raises(RuntimeError, match="large-shape Triton grouped GEMM cannot run"):
+        grouped_fprop(x, torch.randn(3, 32, 16, dtype=torch.bfloat16), splits, choice)
+    with pytest.raises(RuntimeError, match="Triton grouped GEMMs cannot run"):
+        grouped_wgrad(x, dy, splits, choice)

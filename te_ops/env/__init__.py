@@ -55,7 +55,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "Grouped GEMM backend: auto picks torch._grouped_mm where device, dtype and "
             "alignment allow it (with te_ops' Triton GEMMs on SM90 in bf16 where measured "
             "faster: the few-rows kernels for fprop <= 8, dgrad <= 4, wgrad <= 32 rows per "
-            "group on average, the persistent kernels for fprop and dgrad at >= 512), else a "
+            "group on average, the persistent kernels for fprop and dgrad at >= 32), else a "
             "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
             "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
             "GEMMs under a recipe stay "
@@ -77,7 +77,7 @@ ENV_VARS: dict[str, EnvVar] = {
             ("auto", "0", "1"),
             "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
             "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop runs in the "
-            "few-rows Triton kernel (not the persistent one of >= 512 rows per group) and the "
+            "few-rows Triton kernel (not the persistent one of >= 32 rows per group) and the "
             "activation in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
             "at the measured rule (<= 8 rows per group, grouped_mlp_triton.MAX_ROWS_PER_GROUP: "
             "1.02-1.08x the two launches on the H200), 1 wherever it can run, 0 never.",

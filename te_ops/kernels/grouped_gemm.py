@@ -249,22 +249,26 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "forced by TE_OPS_GROUPED_GEMM_BACKEND", False)
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
-    elif auto_triton is None and reason is None and kinds:
-        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in kinds]
-        choice = BackendChoice(
-            "triton", f"{'/'.join(kinds)} in Triton (few rows per group, SM90, bfloat16: "
-            "measured faster than torch._grouped_mm there, rule MAX_ROWS_PER_GROUP="
-            f"{MAX_ROWS_PER_GROUP})" + (f"; {'/'.join(rest)} in torch._grouped_mm" if rest
-                                        else ""),
-            graph_safe=mm_graph_safe, triton_kinds=kinds)
-    elif auto_large is None and reason is None and large:
-        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in large]
-        choice = BackendChoice(
-            "triton", f"{'/'.join(large)} in the persistent Triton grouped GEMM (many rows "
-            "per group, SM90, bfloat16: measured faster than torch._grouped_mm there, rule "
-            f"MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP})" + (
-                f"; {'/'.join(rest)} in torch._grouped_mm" if rest else ""),
-            graph_safe=mm_graph_safe, large_kinds=large)
+    elif reason is None and ((auto_triton is None and kinds)
+                             or (auto_large is None and large)):
+        # Both rules can hold at once (at 32 rows per group: the few-rows wgrad, the
+        # persistent fprop/dgrad); a kind never runs in both.
+        small = kinds if auto_triton is None else ()
+        big = tuple(k for k in large if k not in small) if auto_large is None else ()
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big]
+        parts = []
+        if small:
+            parts.append(f"{'/'.join(small)} in Triton (few rows per group, SM90, bfloat16: "
+                         "measured faster than torch._grouped_mm there, rule "
+                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP})")
+        if big:
+            parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows "
+                         "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
+                         f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP})")
+        if rest:
+            parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
+        choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
+                               triton_kinds=small, large_kinds=big)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:

@@ -71,12 +71,15 @@ __all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "la
            "tile_ends"]
 
 #: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
-#: average rows per group (padding included) of at least this many: SM90, bfloat16. The
-#: lowest average of the three issue-10 shapes measured faster than ``torch._grouped_mm``
-#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30: E128 T65536 H2048 FF768,
-#: 512 rows per group, fprop fc1 1.18x, fc2 1.07x; E32 1024 rows 1.07x / 1.07x; E8 2048 rows
-#: 1.02x / 1.09x). Fewer rows were not measured: torch._grouped_mm stays there.
-MIN_ROWS_PER_GROUP = {"fprop": 512, "dgrad": 512}
+#: average rows per group (padding included) of at least this many: SM90, bfloat16. Measured
+#: faster than ``torch._grouped_mm`` with bitwise equal outputs at every average tried
+#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30, fprop / dgrad of fc1 and
+#: fc2): 1.24-1.62x at 32-64 rows per group (E128 T4096 / T8192 H2048 FF768, E64 T4096 H7168
+#: FF2048), 1.22-1.58x at 128-256 (E128 T16384 / T32768, E64 T16384 H7168), 1.07-1.22x at
+#: 512 (E128 T65536), 1.04-1.11x at 1024 (E32 T32768 H7168 FF2048), 1.00-1.09x at 2048 (E8
+#: T16384 H4096 FF14336). Below 32, the few-rows kernels (``grouped_gemm_triton``: fprop <= 8,
+#: dgrad <= 4 rows per group) or ``torch._grouped_mm`` (in between, not measured here).
+MIN_ROWS_PER_GROUP = {"fprop": 32, "dgrad": 32}
 
 #: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
 #: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
