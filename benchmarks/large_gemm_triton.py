@@ -1,7 +1,8 @@
-"""The prototype large-shape Triton grouped GEMM against ``torch._grouped_mm`` (CUDA, bf16).
+"""te_ops' persistent Triton grouped GEMMs against ``torch._grouped_mm`` (CUDA, bf16).
 
 For the issue-10 shapes (``benchmarks/grouped_mlp.py``'s E8 T16384 H4096 FF14336, E128 T65536
-H2048 FF768, E32 T32768 H7168 FF2048; Zipf(1.2)-skewed split sizes as there) it times, per
+H2048 FF768, E32 T32768 H7168 FF2048; Zipf(1.2)-skewed split sizes as there; ``MID_SHAPES``
+with 32-256 rows per group on request) it times, per
 GEMM, with CUDA events around each call, the calls interleaved round by round (every variant
 sees the same clock and power history; docs/benchmarks.md "Why te_ops' GEMMs timed slower than
 the peer's"), median of ``--reps`` (>= 20) rounds:
@@ -13,6 +14,9 @@ the peer's"), median of ``--reps`` (>= 20) rounds:
   runs now), ``triton_swiglu`` (the Triton fprop then the same SwiGLU) and ``fused``
   (``large_fc1_swiglu``: h and a in one launch);
 * ``fc2`` (a (T, FF) @ W2_g^T, W2 (E, H, FF)): ``grouped_mm`` and ``triton``;
+* ``fc1_dgrad`` / ``fc2_dgrad`` (the layer's output gradient (T, N) @ W_g, W (E, N, K)):
+  ``grouped_mm`` (``torch._grouped_mm(dy, w, offs=offs)``) and ``triton``
+  (``grouped_gemm_large_triton.large_dgrad``);
 * ``fc1_wgrad`` (dW1_g = dh_g^T @ x_g: x (T, H), dh (T, 2FF) -> (E, 2FF, H)) and
   ``fc2_wgrad`` (dW2_g = dy_g^T @ a_g: a (T, FF), dy (T, H) -> (E, H, FF)): ``grouped_mm``
   (``torch._grouped_mm(dy.t(), x, offs=offs)``, te_ops' wgrad call) and ``triton``

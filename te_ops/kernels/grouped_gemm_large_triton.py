@@ -3,9 +3,10 @@
 Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
 :data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
 (CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
-(``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Large-shape Triton grouped GEMM").
-The fc1 variant with the (Scaled)SwiGLU in its epilogue is not dispatched: on the issue-10
-shapes it measured 0.98-1.02x fprop + the Triton SwiGLU pass.
+(``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Persistent Triton grouped GEMMs
+for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue is not
+dispatched: it measured 0.93-0.98x this module's fprop + the Triton SwiGLU pass at 32-2048
+rows per group.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
