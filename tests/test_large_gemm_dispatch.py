@@ -104,8 +104,9 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
         grouped_dgrad(dy, w, splits, choice)
 
 
-def test_choice_cache_key_holds_the_large_kinds(monkeypatch):
-    """A changed rule gives a new choice (not a cached one of the old rule)."""
+def test_large_rule_not_read_off_cuda_or_when_forced_elsewhere(monkeypatch):
+    """The persistent kernels' row rule is not evaluated on CPU, nor under a forced
+    ``grouped_mm`` (a traced row count compared there would be a needless guard)."""
     seen = []
     monkeypatch.setattr(grouped_gemm, "large_kinds", lambda rows: seen.append(rows) or ())
     grouped_gemm.select_backend(torch.device("cpu"), torch.float32, 8, 8, True,

@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .grouped_gemm_triton import unsupported_reason
+from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
 from .triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
@@ -470,14 +470,7 @@ def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if swiglu and weights.shape[1] % 2:
         raise ValueError(f"weights (G, 2F, K) must have an even number of rows (gate and up "
                          f"halves), got 2F={weights.shape[1]}")
-    groups = weights.shape[0]
-    if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
-            or offsets.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"offsets must be int32/int64 of shape ({groups},) on {x.device}, got "
-                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
-    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
-        raise ValueError(f"probs must have shape ({x.shape[0]},) on {x.device}, got "
-                         f"{tuple(probs.shape)} on {probs.device}")
+    check_offsets_and_probs(x, offsets, weights.shape[0], probs)
     why = unsupported_reason(x.device, x.dtype)
     if why is not None:
         raise RuntimeError(f"the large-shape Triton grouped GEMM cannot run: {why}")

@@ -116,6 +116,25 @@ def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype, device: tor
         raise ValueError(f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
 
+def check_offsets_and_probs(x: torch.Tensor, offsets: torch.Tensor, groups: int,
+                            probs: torch.Tensor | None) -> None:
+    """The argument checks the fc1 + SwiGLU and persistent kernels share: ``offsets`` int32 /
+    int64 of shape (groups,) on x's device, ``probs`` (None or) of shape (rows,) there.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument, the expected and the actual shape / dtype / device.
+    """
+    if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be int32/int64 of shape ({groups},) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
+        raise ValueError(f"probs must have shape ({x.shape[0]},) on {x.device}, got "
+                         f"{tuple(probs.shape)} on {probs.device}")
+
+
 def _check_offsets(offsets: torch.Tensor, groups: int, device: torch.device,
                    dtype: torch.dtype) -> None:
     if offsets.dim() != 1 or offsets.shape[0] != groups:

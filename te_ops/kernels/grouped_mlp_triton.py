@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .grouped_gemm_triton import rows_config
+from .grouped_gemm_triton import check_offsets_and_probs, rows_config
 from .grouped_gemm_triton import unsupported_reason as gemm_unsupported_reason
 from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
 
@@ -257,14 +257,7 @@ def _check(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                          f"halves), got 2F={weights.shape[1]}")
     if weights.shape[0] == 0:  # the kernel reads offsets[0] and offsets[G - 1]
         raise ValueError("weights (G, 2F, K) must have at least one group, got G=0")
-    groups = weights.shape[0]
-    if (offsets.dim() != 1 or offsets.shape[0] != groups or offsets.device != x.device
-            or offsets.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"offsets must be int32/int64 of shape ({groups},) on {x.device}, got "
-                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
-    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
-        raise ValueError(f"probs must have shape ({x.shape[0]},) on {x.device}, got "
-                         f"{tuple(probs.shape)} on {probs.device}")
+    check_offsets_and_probs(x, offsets, weights.shape[0], probs)
     why = unsupported_reason(x.device, x.dtype, None)
     if why is not None:
         raise RuntimeError(f"the fused fc1 + SwiGLU kernel cannot run: {why}")
