@@ -112,6 +112,12 @@ WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
     {"BLOCK_K": 128, "num_warps": 4, "num_stages": 4}, {"BLOCK_K": 128, "num_stages": 4},
     {"BLOCK_M": 128, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4},
     {"USE_TMA": False}, {"SORTED": False},
+    # the flat schedule (one pipelined loop over all row steps of a program's tiles)
+    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "DESC_BOUNDS": False},
+    {"FLAT": True, "TMA_STORE": True}, {"FLAT": True, "TMA_STORE": True, "num_stages": 4},
+    {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128},
+    {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128, "TMA_STORE": True},
+    {"FLAT": True, "BLOCK_M": 128, "BLOCK_K": 128, "num_stages": 3},
 )]
 
 
@@ -237,6 +243,7 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
+    want = _calls(ops, gemm, None, None)["grouped_mm"]()
     for kind, fn in kinds.items():
         for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
             if kind == "fc1_swiglu":
@@ -253,6 +260,8 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
                 continue
             rec["ms"] = ms
             rec["tflops"] = ops["flop"] / ms / 1e9
+            if kind != "fc1_swiglu":  # every config's output against _grouped_mm's
+                rec["bitwise_equal"] = bool(torch.equal(fn(cfg), want))
             out.write(rec)
             if best.get(kind) is None or ms < best[kind][0]:
                 best[kind] = (ms, cfg)

@@ -286,3 +286,63 @@ def test_difference_from_grouped_mm(sizes, m, n, k):
     print(f"max_abs_diff {diff.max().item():.3g} of max {want.abs().max().item():.3g}, "
           f"bitwise equal: {torch.equal(got, want)}")
     assert (diff <= 2.0 ** -7 * want.float().abs() + 1e-2).all()
+
+
+#: The FLAT schedule's variants (per-group TMA bounds or tl.where masks; TMA or pointer
+#: stores; pointer loads).
+FLAT_CONFIGS = [
+    {"FLAT": True},
+    {"FLAT": True, "DESC_BOUNDS": False},
+    {"FLAT": True, "TMA_STORE": True},
+    {"FLAT": True, "USE_TMA": False},
+    {"FLAT": True, "SORTED": False, "BLOCK_N": 256, "BLOCK_K": 128},
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", FLAT_CONFIGS, ids=str)
+@pytest.mark.parametrize("sizes, m, n, k", CASES)
+def test_flat_schedule_against_fp64_reference(cfg, sizes, m, n, k):
+    """The flat schedule (NaN padding rows, empty groups, groups ending inside a row step)
+    against the fp64 reference, and bitwise equal to the nested schedule."""
+    x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
+    dw = W.large_wgrad(x, dy, offs, config=cfg)
+    _assert_close(dw, _reference(x, dy, sizes), torch.bfloat16)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert not dw[g].any()
+    nested = {**cfg, "FLAT": False}
+    nested.pop("DESC_BOUNDS", None)
+    nested.pop("TMA_STORE", None)
+    assert torch.equal(dw, W.large_wgrad(x, dy, offs, config=nested))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", FLAT_CONFIGS[:2] + FLAT_CONFIGS[3:4], ids=str)
+def test_flat_schedule_accumulates_into_fp32_out(cfg):
+    sizes, m, n, k = [300, 0, 17, 129], 460, 384, 256
+    x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
+    main_grad = torch.randn(len(sizes), n, k, device=CUDA)
+    before = main_grad.clone()
+    W.large_wgrad(x, dy, offs, config=cfg, out=main_grad)
+    want = before.double() + _reference(x, dy, sizes)
+    assert (main_grad.double() - want).abs().max().item() <= 1e-3
+    assert torch.equal(main_grad[1], before[1])
+
+
+@pytest.mark.cuda
+def test_flat_schedule_graph_replay_bitwise_equal_to_eager():
+    """Captured with one set of split sizes, replayed with others (groups emptied, grown):
+    bitwise the eager flat result."""
+    cfg = {"FLAT": True}
+    x, dy, offs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
+    static_offs = offs.clone()
+    W.large_wgrad(x, dy, static_offs, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = W.large_wgrad(x, dy, static_offs, config=cfg)
+    for sizes in ([10, 400, 90], [0, 0, 520], [513, 7, 0]):
+        new = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+        static_offs.copy_(new)
+        graph.replay()
+        assert torch.equal(out, W.large_wgrad(x, dy, new, config=cfg))
