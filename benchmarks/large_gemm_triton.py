@@ -118,6 +118,10 @@ WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
     {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128},
     {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128, "TMA_STORE": True},
     {"FLAT": True, "BLOCK_M": 128, "BLOCK_K": 128, "num_stages": 3},
+    {"FLAT": True, "TMA_STORE": True, "SUBTILE": 2},
+    {"FLAT": True, "TMA_STORE": True, "SUBTILE": 2, "num_stages": 4},
+    {"FLAT": True, "TMA_STORE": True, "WARP_SPEC": True},
+    {"FLAT": True, "TMA_STORE": True, "WARP_SPEC": True, "num_warps": 4},
 )]
 
 
@@ -245,7 +249,8 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     best: dict[str, tuple[float, dict]] = {}
     want = _calls(ops, gemm, None, None)["grouped_mm"]()
     for kind, fn in kinds.items():
-        for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
+        for cfg in _filtered(WGRAD_SWEEP if kind == "wgrad" else SWEEP,
+                             getattr(args, "sweep_filter", None)):
             if kind == "fc1_swiglu":
                 cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
             rec = {"bench": BENCH + "_sweep", "shape": shape_name, "gemm": gemm, "kind": kind,
@@ -267,6 +272,15 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
                 best[kind] = (ms, cfg)
     first = "wgrad" if gemm in WGRADS else "fprop"
     return tuple(None if best.get(k) is None else best[k][1] for k in (first, "fc1_swiglu"))
+
+
+def _filtered(configs: list[dict], spec: str | None) -> list[dict]:
+    """The configs whose values match ``spec`` (``KEY=VALUE,...``, values as Python
+    literals; a config without the key does not match); all of them without a spec."""
+    if not spec:
+        return configs
+    want = dict(item.split("=", 1) for item in spec.split(","))
+    return [c for c in configs if all(k in c and str(c[k]) == v for k, v in want.items())]
 
 
 def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
@@ -317,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="time SWEEP's configs first")
     parser.add_argument("--sweep-reps", type=int, default=20)
+    parser.add_argument("--sweep-filter", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="sweep only the configs with these values (e.g. FLAT=True)")
     parser.add_argument("--no-fused-sweep", action="store_true",
                         help="--sweep: leave out the fc1 + SwiGLU kernel's configs")
     parser.add_argument("--seed", type=int, default=0)

@@ -243,7 +243,8 @@ if triton is not None:
     def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
                            ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
                            SORTED: tl.constexpr, DESC_BOUNDS: tl.constexpr,
-                           TMA_STORE: tl.constexpr, G_POW2: tl.constexpr,
+                           TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+                           WARP_SPEC: tl.constexpr, G_POW2: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         """The ``FLAT`` schedule of :func:`_wgrad_large_kernel` (same tiles, same order, same
@@ -285,7 +286,7 @@ if triton is not None:
         if TMA_STORE:
             out_desc = tl.make_tensor_descriptor(out_ptr, shape=[G, N, K],
                                                  strides=[N * K, K, 1],
-                                                 block_shape=[1, BLOCK_N, BLOCK_K])
+                                                 block_shape=[1, BLOCK_N, BLOCK_K // SUBTILE])
         tile = pid - P
         kk = -1
         steps = 0
@@ -294,15 +295,17 @@ if triton is not None:
         end = 0
         pn = 0
         pk = 0
+        desc_g = -1
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for _ in range(0, total):
+        for _ in tl.range(0, total, warp_specialize=WARP_SPEC):
             kk = tl.where(kk == steps - 1, 0, kk + 1)
             if kk == 0:
                 tile += P
                 g, start, end, steps, pn, pk = _rank_info(offs_ptr, order_ptr, tile,
                                                           per_group, tiles_k, M, SORTED,
                                                           BLOCK_M)
-                if USE_TMA and DESC_BOUNDS:
+                if USE_TMA and DESC_BOUNDS and g != desc_g:  # a new group: new bounds
+                    desc_g = g
                     # an empty group reads row 0 (inside x and dy) and stores zeros
                     base = tl.where(end > start, start, 0).to(tl.int64)
                     rows = tl.maximum(end - start, 1)
@@ -324,7 +327,14 @@ if triton is not None:
             if kk == steps - 1:
                 if USE_TMA and DESC_BOUNDS:  # an empty group read one row of its neighbour: zeros
                     acc = tl.where(end > start, acc, 0.0)
-                if TMA_STORE:
+                if TMA_STORE and SUBTILE == 2:  # two (BLOCK_N, BLOCK_K / 2) stores
+                    res = acc.to(out_ptr.dtype.element_ty)
+                    lo, hi = res.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
+                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
+                                   lo.reshape(1, BLOCK_N, BLOCK_K // 2))
+                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K + BLOCK_K // 2],
+                                   hi.reshape(1, BLOCK_N, BLOCK_K // 2))
+                elif TMA_STORE:
                     out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
                                    acc.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_N,
                                                                             BLOCK_K))
@@ -362,7 +372,9 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         cfg["USE_TMA"] = False
     flat = cfg.pop("FLAT", False)
     flat_keys = {"DESC_BOUNDS": cfg.pop("DESC_BOUNDS", True),
-                 "TMA_STORE": cfg.pop("TMA_STORE", False)}
+                 "TMA_STORE": cfg.pop("TMA_STORE", False),
+                 "SUBTILE": cfg.pop("SUBTILE", 1), "WARP_SPEC": cfg.pop("WARP_SPEC", False)}
+    flat = flat and not accumulate  # the accumulate launch keeps the nested schedule
     if flat_keys["TMA_STORE"] and (accumulate or not cfg["USE_TMA"]
                                    or k * out.element_size() % 16):
         flat_keys["TMA_STORE"] = False
