@@ -105,7 +105,8 @@ SWEEP = [{**_BASE, **change} for change in (
 #: ``large_wgrad_config()`` (dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one
 #: fits SM90's shared memory, and the fp32 accumulator stays <= 128 registers per thread).
 _WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
-               "SORTED": True, "num_warps": 8, "num_stages": 3}
+               "SORTED": True, "FLAT": False, "TMA_STORE": False, "num_warps": 8,
+               "num_stages": 3}
 WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
     {}, {"num_stages": 4},
     {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4},

@@ -24,8 +24,10 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 def test_config_keys():
     cfg = W.large_wgrad_config()
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "SORTED", "num_warps",
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "SORTED", "FLAT",
+                        "DESC_BOUNDS", "TMA_STORE", "SUBTILE", "WARP_SPEC", "num_warps",
                         "num_stages"}
+    assert cfg["FLAT"] and cfg["TMA_STORE"]
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 256)
 
 
@@ -152,6 +154,38 @@ def test_compiles_for_sm90_with_wgmma_and_tma(tma, accumulate):
     if tma:  # the row loop is pipelined: num_stages buffers of the dy and x tiles
         step = (cfg["BLOCK_N"] + cfg["BLOCK_K"]) * cfg["BLOCK_M"] * 2
         assert kernel.metadata.shared >= cfg["num_stages"] * step
+
+
+@pytest.mark.parametrize("subtile, stages", [(1, 3), (2, 4)])
+def test_flat_kernel_compiles_for_sm90_as_one_pipelined_loop(subtile, stages):
+    """Ahead-of-time compile of the flat schedule for SM90 (no GPU needed): one loop in the
+    TTGIR (no nested k-loop left), wgmma dots, TMA loads and a TMA store, and the shared
+    memory of the stages and the epilogue tile within SM90's 227 KiB. Checked with Triton
+    3.6.0 (the H200's)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the Triton version
+        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    cfg = W.large_wgrad_config()
+    const = {"ACCUMULATE": False, "USE_TMA": True, "SORTED": True, "DESC_BOUNDS": True,
+             "TMA_STORE": True, "SUBTILE": subtile, "WARP_SPEC": False, "G_POW2": 8,
+             **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    src = ASTSource(W._wgrad_flat_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": cfg["num_warps"], "num_stages": stages})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise
+    assert kernel.asm["ttgir"].count("scf.for") == 1
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "global.shared::cta" in ptx  # loads and store
+    assert kernel.metadata.shared <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------- CUDA

@@ -81,7 +81,8 @@ def large_wgrad_config() -> dict[str, int | bool]:
     shared memory), TMA loads, groups by decreasing rows (``SORTED``). ``USE_TMA`` is dropped
     by the launch where :func:`tma_unsupported_reason` says the operands cannot take it."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "SORTED": True,
-            "num_warps": 8, "num_stages": 3}
+            "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True, "SUBTILE": 1,
+            "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -329,11 +330,11 @@ if triton is not None:
                     acc = tl.where(end > start, acc, 0.0)
                 if TMA_STORE and SUBTILE == 2:  # two (BLOCK_N, BLOCK_K / 2) stores
                     res = acc.to(out_ptr.dtype.element_ty)
-                    lo, hi = res.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
+                    left, right = res.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
                     out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
-                                   lo.reshape(1, BLOCK_N, BLOCK_K // 2))
+                                   left.reshape(1, BLOCK_N, BLOCK_K // 2))
                     out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K + BLOCK_K // 2],
-                                   hi.reshape(1, BLOCK_N, BLOCK_K // 2))
+                                   right.reshape(1, BLOCK_N, BLOCK_K // 2))
                 elif TMA_STORE:
                     out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
                                    acc.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_N,
