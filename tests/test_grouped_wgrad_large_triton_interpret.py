@@ -9,7 +9,8 @@ holds as a 1-element array; so does ``grouped_gemm_large_triton``'s test); Trito
 it. Both load variants (pointer loads; TMA descriptors with the ``tl.where`` masking of the
 tail step), small tiles (several row steps, n- and k-tiles per group, more tiles than programs)
 and the default tiles, the nested and the flat schedules (per-group TMA bounds or
-``tl.where`` masks; TMA or pointer stores, whole or in two halves), int32 and int64 offsets, two program counts, groups by decreasing rows
+``tl.where`` masks; TMA or pointer stores, whole or in two halves), int32 and int64
+offsets, two program counts, groups by decreasing rows
 and by index (``SORTED``). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
 inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their tail rows are
 the next group's), padding rows of NaN, dims off the tiles, no rows; and the fp32 accumulation
