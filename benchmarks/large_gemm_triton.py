@@ -102,27 +102,20 @@ SWEEP = [{**_BASE, **change} for change in (
     {"USE_TMA": False},
 )]
 #: Launch configurations of ``--sweep`` for the wgrad kinds: changes to
-#: ``large_wgrad_config()`` (dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one
-#: fits SM90's shared memory, and the fp32 accumulator stays <= 128 registers per thread).
+#: ``large_wgrad_config()`` (the flat schedule with per-group TMA bounds and a TMA-store
+#: epilogue; dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one fits SM90's shared
+#: memory, stages plus the epilogue tile, and the fp32 accumulator stays <= 128 registers
+#: per thread). ``FLAT=False`` is stop 13's nested schedule (a k-loop per tile).
 _WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
-               "SORTED": True, "FLAT": False, "TMA_STORE": False, "num_warps": 8,
-               "num_stages": 3}
+               "SORTED": True, "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True,
+               "SUBTILE": 1, "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
-    {}, {"num_stages": 4},
-    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4},
-    {"BLOCK_K": 128, "num_warps": 4, "num_stages": 4}, {"BLOCK_K": 128, "num_stages": 4},
-    {"BLOCK_M": 128, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4},
-    {"USE_TMA": False}, {"SORTED": False},
-    # the flat schedule (one pipelined loop over all row steps of a program's tiles)
-    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "DESC_BOUNDS": False},
-    {"FLAT": True, "TMA_STORE": True}, {"FLAT": True, "TMA_STORE": True, "num_stages": 4},
-    {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128},
-    {"FLAT": True, "BLOCK_N": 256, "BLOCK_K": 128, "TMA_STORE": True},
-    {"FLAT": True, "BLOCK_M": 128, "BLOCK_K": 128, "num_stages": 3},
-    {"FLAT": True, "TMA_STORE": True, "SUBTILE": 2},
-    {"FLAT": True, "TMA_STORE": True, "SUBTILE": 2, "num_stages": 4},
-    {"FLAT": True, "TMA_STORE": True, "WARP_SPEC": True},
-    {"FLAT": True, "TMA_STORE": True, "WARP_SPEC": True, "num_warps": 4},
+    {}, {"FLAT": False, "TMA_STORE": False}, {"FLAT": False, "TMA_STORE": False,
+                                              "num_stages": 4},
+    {"TMA_STORE": False}, {"DESC_BOUNDS": False},
+    {"SUBTILE": 2}, {"SUBTILE": 2, "num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128},
+    {"WARP_SPEC": True}, {"USE_TMA": False}, {"SORTED": False},
 )]
 
 
