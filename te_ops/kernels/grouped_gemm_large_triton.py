@@ -66,7 +66,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "large_config",
+__all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP",
+           "large_kinds", "large_config",
            "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
            "tile_ends"]
