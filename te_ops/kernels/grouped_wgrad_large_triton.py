@@ -260,12 +260,12 @@ if triton is not None:
         per_group = tl.cdiv(N, BLOCK_N) * tiles_k
         # the program's total row steps: its tile count in each rank times that group's
         # steps, over all ranks at once (vector ops, no loop)
-        r = tl.arange(0, G_POW2)
+        r = tl.arange(0, G_POW2).to(tl.int64)  # 64-bit: the counts are summed products
         valid = r < G
         if SORTED:
             gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
         else:
-            gr = r
+            gr = r.to(tl.int32)
         end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0)
                                       .to(tl.int32), 0), M)
         start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0).to(tl.int32)
