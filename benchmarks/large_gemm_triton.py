@@ -102,16 +102,20 @@ SWEEP = [{**_BASE, **change} for change in (
     {"USE_TMA": False},
 )]
 #: Launch configurations of ``--sweep`` for the wgrad kinds: changes to
-#: ``large_wgrad_config()`` (dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one
-#: fits SM90's shared memory, and the fp32 accumulator stays <= 128 registers per thread).
+#: ``large_wgrad_config()`` (the flat schedule with per-group TMA bounds and a TMA-store
+#: epilogue; dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one fits SM90's shared
+#: memory, stages plus the epilogue tile, and the fp32 accumulator stays <= 128 registers
+#: per thread). ``FLAT=False`` is stop 13's nested schedule (a k-loop per tile).
 _WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
-               "SORTED": True, "num_warps": 8, "num_stages": 3}
+               "SORTED": True, "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True,
+               "SUBTILE": 1, "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 WGRAD_SWEEP = [{**_WGRAD_BASE, **change} for change in (
-    {}, {"num_stages": 4},
-    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4},
-    {"BLOCK_K": 128, "num_warps": 4, "num_stages": 4}, {"BLOCK_K": 128, "num_stages": 4},
-    {"BLOCK_M": 128, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4},
-    {"USE_TMA": False}, {"SORTED": False},
+    {}, {"FLAT": False, "TMA_STORE": False}, {"FLAT": False, "TMA_STORE": False,
+                                              "num_stages": 4},
+    {"TMA_STORE": False}, {"DESC_BOUNDS": False},
+    {"SUBTILE": 2}, {"SUBTILE": 2, "num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 128}, {"BLOCK_M": 128, "BLOCK_K": 128},
+    {"WARP_SPEC": True}, {"USE_TMA": False}, {"SORTED": False},
 )]
 
 
@@ -237,8 +241,10 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
+    want = _calls(ops, gemm, None, None)["grouped_mm"]()
     for kind, fn in kinds.items():
-        for cfg in WGRAD_SWEEP if kind == "wgrad" else SWEEP:
+        for cfg in _filtered(WGRAD_SWEEP if kind == "wgrad" else SWEEP,
+                             getattr(args, "sweep_filter", None)):
             if kind == "fc1_swiglu":
                 cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
             rec = {"bench": BENCH + "_sweep", "shape": shape_name, "gemm": gemm, "kind": kind,
@@ -253,11 +259,22 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
                 continue
             rec["ms"] = ms
             rec["tflops"] = ops["flop"] / ms / 1e9
+            if kind != "fc1_swiglu":  # every config's output against _grouped_mm's
+                rec["bitwise_equal"] = bool(torch.equal(fn(cfg), want))
             out.write(rec)
             if best.get(kind) is None or ms < best[kind][0]:
                 best[kind] = (ms, cfg)
     first = "wgrad" if gemm in WGRADS else "fprop"
     return tuple(None if best.get(k) is None else best[k][1] for k in (first, "fc1_swiglu"))
+
+
+def _filtered(configs: list[dict], spec: str | None) -> list[dict]:
+    """The configs whose values match ``spec`` (``KEY=VALUE,...``, values as Python
+    literals; a config without the key does not match); all of them without a spec."""
+    if not spec:
+        return configs
+    want = dict(item.split("=", 1) for item in spec.split(","))
+    return [c for c in configs if all(k in c and str(c[k]) == v for k, v in want.items())]
 
 
 def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
@@ -308,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="time SWEEP's configs first")
     parser.add_argument("--sweep-reps", type=int, default=20)
+    parser.add_argument("--sweep-filter", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="sweep only the configs with these values (e.g. FLAT=True)")
     parser.add_argument("--no-fused-sweep", action="store_true",
                         help="--sweep: leave out the fc1 + SwiGLU kernel's configs")
     parser.add_argument("--seed", type=int, default=0)

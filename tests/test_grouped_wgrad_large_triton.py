@@ -24,8 +24,10 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 def test_config_keys():
     cfg = W.large_wgrad_config()
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "SORTED", "num_warps",
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_TMA", "SORTED", "FLAT",
+                        "DESC_BOUNDS", "TMA_STORE", "SUBTILE", "WARP_SPEC", "num_warps",
                         "num_stages"}
+    assert cfg["FLAT"] and cfg["TMA_STORE"]
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 256)
 
 
@@ -152,6 +154,38 @@ def test_compiles_for_sm90_with_wgmma_and_tma(tma, accumulate):
     if tma:  # the row loop is pipelined: num_stages buffers of the dy and x tiles
         step = (cfg["BLOCK_N"] + cfg["BLOCK_K"]) * cfg["BLOCK_M"] * 2
         assert kernel.metadata.shared >= cfg["num_stages"] * step
+
+
+@pytest.mark.parametrize("subtile, stages", [(1, 3), (2, 4)])
+def test_flat_kernel_compiles_for_sm90_as_one_pipelined_loop(subtile, stages):
+    """Ahead-of-time compile of the flat schedule for SM90 (no GPU needed): one loop in the
+    TTGIR (no nested k-loop left), wgmma dots, TMA loads and a TMA store, and the shared
+    memory of the stages and the epilogue tile within SM90's 227 KiB. Checked with Triton
+    3.6.0 (the H200's)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the Triton version
+        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    cfg = W.large_wgrad_config()
+    const = {"ACCUMULATE": False, "USE_TMA": True, "SORTED": True, "DESC_BOUNDS": True,
+             "TMA_STORE": True, "SUBTILE": subtile, "WARP_SPEC": False, "G_POW2": 8,
+             **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    src = ASTSource(W._wgrad_flat_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": cfg["num_warps"], "num_stages": stages})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise
+    assert kernel.asm["ttgir"].count("scf.for") == 1
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "global.shared::cta" in ptx  # loads and store
+    assert kernel.metadata.shared <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -286,3 +320,64 @@ def test_difference_from_grouped_mm(sizes, m, n, k):
     print(f"max_abs_diff {diff.max().item():.3g} of max {want.abs().max().item():.3g}, "
           f"bitwise equal: {torch.equal(got, want)}")
     assert (diff <= 2.0 ** -7 * want.float().abs() + 1e-2).all()
+
+
+#: The FLAT schedule's variants (per-group TMA bounds or tl.where masks; TMA or pointer
+#: stores; pointer loads).
+FLAT_CONFIGS = [
+    {"FLAT": True},
+    {"FLAT": True, "DESC_BOUNDS": False},
+    {"FLAT": True, "TMA_STORE": True},
+    {"FLAT": True, "USE_TMA": False},
+    {"FLAT": True, "SORTED": False, "BLOCK_N": 256, "BLOCK_K": 128},
+    {"FLAT": True, "TMA_STORE": True, "SUBTILE": 2},
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", FLAT_CONFIGS, ids=str)
+@pytest.mark.parametrize("sizes, m, n, k", CASES)
+def test_flat_schedule_against_fp64_reference(cfg, sizes, m, n, k):
+    """The flat schedule (NaN padding rows, empty groups, groups ending inside a row step)
+    against the fp64 reference, and bitwise equal to the nested schedule."""
+    x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
+    dw = W.large_wgrad(x, dy, offs, config=cfg)
+    _assert_close(dw, _reference(x, dy, sizes), torch.bfloat16)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert not dw[g].any()
+    nested = {**cfg, "FLAT": False}
+    nested.pop("DESC_BOUNDS", None)
+    for key in ("TMA_STORE", "SUBTILE", "WARP_SPEC"):
+        nested.pop(key, None)
+    assert torch.equal(dw, W.large_wgrad(x, dy, offs, config=nested))
+
+
+@pytest.mark.cuda
+def test_flat_schedule_is_not_used_to_accumulate():
+    """With ``out`` the launch keeps the nested schedule (the flat one failed this test on
+    the H200): FLAT or not, the same bits."""
+    sizes, m, n, k = [300, 0, 17, 129], 460, 384, 256
+    x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
+    main_grad = torch.randn(len(sizes), n, k, device=CUDA)
+    flat = W.large_wgrad(x, dy, offs, config={"FLAT": True}, out=main_grad.clone())
+    assert torch.equal(flat, W.large_wgrad(x, dy, offs, config={"FLAT": False},
+                                           out=main_grad.clone()))
+
+
+@pytest.mark.cuda
+def test_flat_schedule_graph_replay_bitwise_equal_to_eager():
+    """Captured with one set of split sizes, replayed with others (groups emptied, grown):
+    bitwise the eager flat result."""
+    cfg = {"FLAT": True}
+    x, dy, offs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
+    static_offs = offs.clone()
+    W.large_wgrad(x, dy, static_offs, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = W.large_wgrad(x, dy, static_offs, config=cfg)
+    for sizes in ([10, 400, 90], [0, 0, 500], [493, 7, 0]):  # rows 500: NaN padding
+        new = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+        static_offs.copy_(new)
+        graph.replay()
+        assert torch.equal(out, W.large_wgrad(x, dy, new, config=cfg))

@@ -1,4 +1,4 @@
-"""The prototype large-shape Triton grouped wgrad (``grouped_wgrad_large_triton``) in Triton's
+"""The large-shape Triton grouped wgrad (``grouped_wgrad_large_triton``) in Triton's
 CPU interpreter (``TRITON_INTERPRET=1``).
 
 Runs where triton is installed and no GPU is (the GPU runs the compiled kernel in
@@ -8,7 +8,9 @@ interpreter fails here with numpy 2.x (``range()`` over a scalar kernel argument
 holds as a 1-element array; so does ``grouped_gemm_large_triton``'s test); Triton 3.9's runs
 it. Both load variants (pointer loads; TMA descriptors with the ``tl.where`` masking of the
 tail step), small tiles (several row steps, n- and k-tiles per group, more tiles than programs)
-and the default tiles, int32 and int64 offsets, two program counts, groups by decreasing rows
+and the default tiles, the nested and the flat schedules (per-group TMA bounds or
+``tl.where`` masks; TMA or pointer stores, whole or in two halves), int32 and int64
+offsets, two program counts, groups by decreasing rows
 and by index (``SORTED``). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
 inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their tail rows are
 the next group's), padding rows of NaN, dims off the tiles, no rows; and the fp32 accumulation
@@ -50,7 +52,7 @@ def case(sizes, m, n, k, odt, cfg, tma):
     want = reference(x, dy, sizes)
     if tma and n % 8 == 0 and k % 8 == 0:
         assert W.tma_unsupported_reason(x, dy) is None, tag  # the TMA loads run
-    dw = W._launch(x, dy, offs, None, conf, W._wgrad_large_kernel)
+    dw = W._launch(x, dy, offs, None, conf)
     assert dw.shape == (len(sizes), n, k) and dw.dtype == torch.float16, tag
     err = ((dw.double() - want).abs() - 2.0 ** -11 * want.abs()).max().item() if dw.numel() else 0
     assert err <= 1e-3, (tag, err)
@@ -58,26 +60,32 @@ def case(sizes, m, n, k, odt, cfg, tma):
         assert size or not dw[g].any(), tag
     main_grad = torch.randn(len(sizes), n, k, generator=gen)
     before = main_grad.clone()
-    got = W._launch(x, dy, offs, main_grad, conf, W._wgrad_large_kernel)
+    got = W._launch(x, dy, offs, main_grad, conf)  # the accumulate launch: nested schedule
     assert got is main_grad, tag
     if main_grad.numel():
         err = (main_grad.double() - before.double() - want).abs().max().item()
         assert err <= 1e-4, (tag, err)
 
 
-for tma in (False, True):
-    for odt in (torch.int32, torch.int64):
-        case([37, 0, 5, 13], 64, 40, 24, odt, SMALL, tma)       # empty, < BLOCK_M, NaN pad
-        case([0, 0, 0], 4, 16, 16, odt, SMALL, tma)             # padding only
-        case([0, 0], 0, 16, 16, odt, SMALL, tma)                # no rows
-        case([70, 0, 1, 9], 85, 40, 48, odt, SMALL, tma)        # skewed, off tiles
-    case([33, 2], 40, 40, 24, torch.int32, {}, tma)  # default 64-row steps, 128 x 256 tiles
+NESTED = {"FLAT": False}
+FLAT_WHERE = {"FLAT": True, "DESC_BOUNDS": False, "TMA_STORE": False}
+FLAT_SUB = {"FLAT": True, "SUBTILE": 2}  # per-group TMA bounds, subtiled TMA store
+for sched in (NESTED, {}, FLAT_WHERE, FLAT_SUB):  # {}: the default (flat, TMA store)
+    for tma in (False, True):
+        for odt in (torch.int32, torch.int64):
+            small = {**SMALL, **sched}
+            case([37, 0, 5, 13], 64, 40, 24, odt, small, tma)   # empty, < BLOCK_M, NaN pad
+            case([0, 0, 0], 4, 16, 16, odt, small, tma)         # padding only
+            case([0, 0], 0, 16, 16, odt, small, tma)            # no rows
+            case([70, 0, 1, 9], 85, 40, 48, odt, small, tma)    # skewed, off tiles
+        case([33, 2], 40, 40, 24, torch.int32, sched, tma)  # default 64-row steps, tiles
 case([70, 0, 1, 9], 85, 34, 40, torch.int32, SMALL, True)  # N*2 bytes not 16-aligned: pointers
 case([20, 0, 7], 30, 36, 17, torch.int32, SMALL, True)     # K*2 bytes not 16-aligned: pointers
 W._CPU_PROGRAMS = 3  # another program count: a different tile-to-program assignment
 case([70, 0, 1, 9], 85, 40, 48, torch.int32, SMALL, True)
 case([5, 40, 0, 21, 3], 75, 20, 30, torch.int64, SMALL, False)
 case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, "SORTED": False}, True)  # by index
+case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, **NESTED, "SORTED": False}, True)
 print("ok")
 '''
 

@@ -41,6 +41,35 @@ def test_rule_kinds_at_and_above_the_threshold():
     assert set(lg.large_kinds(1e9)) == set(lg.MIN_ROWS_PER_GROUP)
 
 
+@pytest.mark.parametrize("rows, wgrad", [(32, False), (63, False), (64, True), (128, True),
+                                         (256, True), (256.5, False), (512, False),
+                                         (2048, False)])
+def test_wgrad_rule_is_a_window(rows, wgrad):
+    """wgrad joins fprop / dgrad only inside ``WGRAD_ROWS_PER_GROUP`` (64-256 rows per group:
+    measured faster there; parity at 512-2048, the few-rows wgrad at <= 32)."""
+    assert lg.WGRAD_ROWS_PER_GROUP == (64, 256)
+    kinds = lg.large_kinds(rows)
+    assert kinds[:2] == ("fprop", "dgrad")
+    assert ("wgrad" in kinds) == wgrad
+
+
+def test_wgrad_window_choice_routes_wgrad_and_explains(monkeypatch):
+    """At 128 rows per group one choice carries all three kinds in the persistent kernels;
+    the reason names both rules, and wgrad is routed to the persistent wgrad (which refuses
+    the CPU tensor with its own reason)."""
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "auto", "auto",
+                                          (), lg.large_kinds(128.0))
+    assert choice.large_kinds == ("fprop", "dgrad", "wgrad") and choice.triton_kinds == ()
+    assert "WGRAD_ROWS_PER_GROUP=(64, 256)" in choice.reason
+    assert "wgrad in torch._grouped_mm" not in choice.reason
+    x, dy = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(10, 32, dtype=torch.bfloat16)
+    splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
+    with pytest.raises(RuntimeError, match="large-shape Triton grouped wgrad cannot run"):
+        grouped_gemm.grouped_wgrad(x, dy, splits, choice)
+
+
 def test_forced_rule_all_three_kinds_at_many_rows():
     limit = lg.FORCED_MIN_ROWS_PER_GROUP
     assert lg.large_kinds(limit, forced=True) == ("fprop", "dgrad", "wgrad")

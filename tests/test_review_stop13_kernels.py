@@ -97,10 +97,10 @@ for offsets in ([16, 2000, 3000], [8, 30, 45], [50, 60, 70], [-8, 10, 40], [-5, 
             close(dx, ref_fprop(dy, w.transpose(1, 2), bounds), tag)
             h, a = L._launch(x, w, offs, None, "fc1_swiglu", conf, L._large_kernel)
             close(h, ref_fprop(x, w, bounds), tag)
-        for tma in (True, False):
-            conf = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "USE_TMA": tma}
-            dw = W._launch(x, dy, offs, None, conf, W._wgrad_large_kernel)
-            close(dw, ref_wgrad(x, dy, bounds), (offsets, odt, tma, "wgrad"))
+        for tma, flat in ((True, False), (False, False), (True, True), (False, True)):
+            conf = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "USE_TMA": tma, "FLAT": flat}
+            dw = W._launch(x, dy, offs, None, conf)
+            close(dw, ref_wgrad(x, dy, bounds), (offsets, odt, tma, flat, "wgrad"))
 # decreasing offsets (a negative split size): groups overlap, so the overlapped rows are
 # ill-defined, but no access leaves x / the outputs (a crash or heap corruption here) and the
 # rows only one group owns are right (0:10 group 0, 30:40 padding)
@@ -112,7 +112,8 @@ for tma, flat in ((True, False), (False, True)):
     close(y[:10], want[:10], ("decreasing", tma, flat))
     assert not y[30:].any()
 assert L.tile_ends(offs, m, n, 16, 16).tolist() == [6, 6, 9, 15]
-W._launch(x, dy, offs, None, {"USE_TMA": False}, W._wgrad_large_kernel)
+for flat in (False, True):
+    W._launch(x, dy, offs, None, {"USE_TMA": False, "FLAT": flat})
 print("ok")
 '''
 
@@ -249,14 +250,19 @@ def test_pointer_loads_use_int64_offsets(kind):
     assert not _I32_TENSOR_MUL.findall(ttir)
 
 
-def test_wgrad_pointer_loads_use_int64_offsets():
+@pytest.mark.parametrize("flat", [False, True])
+def test_wgrad_pointer_loads_use_int64_offsets(flat):
     pytest.importorskip("triton")
     from te_ops.kernels import grouped_wgrad_large_triton as W
 
     cfg = W.large_wgrad_config()
-    const = {"ACCUMULATE": True, "USE_TMA": False, "SORTED": True,
+    const = {"ACCUMULATE": not flat, "USE_TMA": False, "SORTED": True,
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
-    ttir = _ttir(W._wgrad_large_kernel, _WGRAD_SIG, const)
+    kernel = W._wgrad_large_kernel
+    if flat:  # the flat schedule (pointer loads and stores)
+        const.update(DESC_BOUNDS=True, TMA_STORE=False, SUBTILE=1, WARP_SPEC=False, G_POW2=8)
+        kernel = W._wgrad_flat_kernel
+    ttir = _ttir(kernel, _WGRAD_SIG, const)
     assert "tt.addptr" in ttir
     assert not _I32_TENSOR_MUL.findall(ttir)
 

@@ -27,8 +27,9 @@ Backends
     ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
     ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
     ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
-    issue-10 shapes), wgrad stays in ``torch._grouped_mm`` (the persistent wgrad measured
-    0.76-0.91x). Forced, all three kinds
+    issue-10 shapes), and wgrad at ``WGRAD_ROWS_PER_GROUP`` (64-256) rows per group (measured
+    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes, where it stays in
+    ``torch._grouped_mm``). Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
     ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
     into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
@@ -53,6 +54,7 @@ from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tra
 from .grouped_gemm_large_triton import (
     FORCED_MIN_ROWS_PER_GROUP,
     MIN_ROWS_PER_GROUP,
+    WGRAD_ROWS_PER_GROUP,
     large_dgrad,
     large_fprop,
     large_kinds,
@@ -264,7 +266,8 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         if big:
             parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows "
                          "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
-                         f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP})")
+                         f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
+                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,

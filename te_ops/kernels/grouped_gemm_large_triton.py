@@ -66,7 +66,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "large_config",
+__all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP",
+           "large_kinds", "large_config",
            "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
            "tile_ends"]
@@ -81,6 +82,15 @@ __all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "la
 #: T16384 H4096 FF14336). Below 32, the few-rows kernels (``grouped_gemm_triton``: fprop <= 8,
 #: dgrad <= 4 rows per group) or ``torch._grouped_mm`` (in between, not measured here).
 MIN_ROWS_PER_GROUP = {"fprop": 32, "dgrad": 32}
+
+#: Auto dispatch runs wgrad in ``grouped_wgrad_large_triton`` (its flat schedule) at average
+#: rows per group in this closed range: SM90, bfloat16. Measured against ``torch._grouped_mm``
+#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30, fc1 + fc2 wgrad times
+#: summed, bitwise equal outputs): 1.05-1.09x at 64-128 rows per group (E128 T8192 /
+#: T16384 H2048 FF768, E64 T4096 H7168 FF2048), 1.01-1.06x at 256 (E128 T32768, E64
+#: T16384), but 0.96-1.07x per GEMM at 512-2048 (the issue-10 shapes: parity, so CUTLASS
+#: stays there). At 32 and below the few-rows wgrad (``grouped_gemm_triton``) runs.
+WGRAD_ROWS_PER_GROUP = (64, 256)
 
 #: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
 #: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
@@ -109,14 +119,16 @@ def large_config(kind: str) -> dict[str, int | bool]:
 
 def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
     """The GEMM kinds auto dispatch (``forced``: ``TE_OPS_GROUPED_GEMM_BACKEND=triton``) runs
-    in the persistent kernels at ``rows_per_group`` (:data:`MIN_ROWS_PER_GROUP`,
-    :data:`FORCED_MIN_ROWS_PER_GROUP`; none when not known)."""
+    in the persistent kernels at ``rows_per_group`` (:data:`MIN_ROWS_PER_GROUP` and
+    :data:`WGRAD_ROWS_PER_GROUP`, :data:`FORCED_MIN_ROWS_PER_GROUP`; none when not known)."""
     if rows_per_group is None:
         return ()
     if forced:
         return (("fprop", "dgrad", "wgrad") if rows_per_group >= FORCED_MIN_ROWS_PER_GROUP
                 else ())
-    return tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
+    kinds = tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
+    low, high = WGRAD_ROWS_PER_GROUP
+    return kinds + (("wgrad",) if low <= rows_per_group <= high else ())
 
 
 def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:

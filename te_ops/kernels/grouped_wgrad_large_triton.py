@@ -58,7 +58,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import unsupported_reason
-from .triton_launch import cdiv, launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -81,7 +81,8 @@ def large_wgrad_config() -> dict[str, int | bool]:
     shared memory), TMA loads, groups by decreasing rows (``SORTED``). ``USE_TMA`` is dropped
     by the launch where :func:`tma_unsupported_reason` says the operands cannot take it."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "SORTED": True,
-            "num_warps": 8, "num_stages": 3}
+            "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True, "SUBTILE": 1,
+            "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -222,9 +223,139 @@ if triton is not None:
             base += per_group
 
 
+    @triton.jit
+    def _rank_info(offs_ptr, order_ptr, tile, per_group, tiles_k, M,
+                   SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Group, its clamped rows [start, end), its row steps (>= 1) and the (n, k) tile
+        indices of the flat schedule's tile ``tile``."""
+        rank = tile // per_group
+        local = tile % per_group
+        if SORTED:
+            g = tl.load(order_ptr + rank).to(tl.int32)
+        else:
+            g = rank
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
+        start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
+        start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end)
+        steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
+        return g, start, end, steps, local // tiles_k, local % tiles_k
+
+    @triton.jit
+    def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+                           ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
+                           SORTED: tl.constexpr, DESC_BOUNDS: tl.constexpr,
+                           TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+                           WARP_SPEC: tl.constexpr, G_POW2: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """The ``FLAT`` schedule of :func:`_wgrad_large_kernel` (same tiles, same order, same
+        results): one loop over this program's row steps of all its tiles, so Triton's
+        software pipeliner overlaps a tile's epilogue with the next tile's first loads.
+        ``DESC_BOUNDS`` (TMA only): per-group descriptors whose row count ends at the
+        group's end, so TMA fills the tail step's rows past it with zeros (no ``tl.where``
+        on the loaded tiles); else every step masks rows >= end with ``tl.where``.
+        ``TMA_STORE``: dW tiles leave through a TMA store (not with ACCUMULATE)."""
+        pid = tl.program_id(0)
+        tiles_k = tl.cdiv(K, BLOCK_K)
+        per_group = tl.cdiv(N, BLOCK_N) * tiles_k
+        # the program's total row steps: its tile count in each rank times that group's
+        # steps, over all ranks at once (vector ops, no loop)
+        r = tl.arange(0, G_POW2).to(tl.int64)  # 64-bit: the counts are summed products
+        valid = r < G
+        if SORTED:
+            gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
+        else:
+            gr = r.to(tl.int32)
+        end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0)
+                                      .to(tl.int32), 0), M)
+        start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0).to(tl.int32)
+        start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r)
+        steps_r = tl.maximum((end_r - start_r + BLOCK_M - 1) // BLOCK_M, 1)
+        lo = r * per_group - pid
+        hi = lo + per_group
+        cnt = (tl.maximum(hi + P - 1, 0) // P) - (tl.maximum(lo + P - 1, 0) // P)
+        total = tl.sum(tl.where(valid, cnt * steps_r, 0))
+
+        x_desc = None
+        dy_desc = None
+        if USE_TMA:  # whole-tensor descriptors (DESC_BOUNDS: replaced per tile below)
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[N, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+        out_desc = None
+        if TMA_STORE:
+            out_desc = tl.make_tensor_descriptor(out_ptr, shape=[G, N, K],
+                                                 strides=[N * K, K, 1],
+                                                 block_shape=[1, BLOCK_N, BLOCK_K // SUBTILE])
+        tile = pid - P
+        kk = -1
+        steps = 0
+        g = 0
+        start = 0
+        end = 0
+        pn = 0
+        pk = 0
+        desc_g = -1
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for _ in tl.range(0, total, warp_specialize=WARP_SPEC):
+            kk = tl.where(kk == steps - 1, 0, kk + 1)
+            if kk == 0:
+                tile += P
+                g, start, end, steps, pn, pk = _rank_info(offs_ptr, order_ptr, tile,
+                                                          per_group, tiles_k, M, SORTED,
+                                                          BLOCK_M)
+                if USE_TMA and DESC_BOUNDS and g != desc_g:  # a new group: new bounds
+                    desc_g = g
+                    # an empty group reads row 0 (inside x and dy) and stores zeros
+                    base = tl.where(end > start, start, 0).to(tl.int64)
+                    rows = tl.maximum(end - start, 1)
+                    x_desc = tl.make_tensor_descriptor(
+                        x_ptr + base * K, shape=[rows, K], strides=[K, 1],
+                        block_shape=[BLOCK_M, BLOCK_K])
+                    dy_desc = tl.make_tensor_descriptor(
+                        dy_ptr + base * N, shape=[rows, N], strides=[N, 1],
+                        block_shape=[BLOCK_M, BLOCK_N])
+            m0 = start + kk * BLOCK_M
+            if USE_TMA and DESC_BOUNDS:
+                d = dy_desc.load([kk * BLOCK_M, pn * BLOCK_N])
+                xa = x_desc.load([kk * BLOCK_M, pk * BLOCK_K])
+            else:
+                d, xa = _load_step(x_desc, dy_desc, x_ptr, dy_ptr, m0, end, pn * BLOCK_N,
+                                   pk * BLOCK_K, N, K, True, USE_TMA, BLOCK_M, BLOCK_N,
+                                   BLOCK_K)
+            acc = tl.dot(tl.trans(d), xa, acc)
+            if kk == steps - 1:
+                if USE_TMA and DESC_BOUNDS:  # an empty group read one row of its neighbour: zeros
+                    acc = tl.where(end > start, acc, 0.0)
+                if TMA_STORE and SUBTILE == 2:  # two (BLOCK_N, BLOCK_K / 2) stores
+                    res = acc.to(out_ptr.dtype.element_ty)
+                    left, right = res.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
+                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
+                                   left.reshape(1, BLOCK_N, BLOCK_K // 2))
+                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K + BLOCK_K // 2],
+                                   right.reshape(1, BLOCK_N, BLOCK_K // 2))
+                elif TMA_STORE:
+                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
+                                   acc.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_N,
+                                                                            BLOCK_K))
+                else:
+                    cols_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+                    cols_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+                    mask = (cols_n[:, None] < N) & (cols_k[None, :] < K)
+                    ptr = (out_ptr + g.to(tl.int64) * N * K
+                           + cols_n[:, None].to(tl.int64) * K + cols_k[None, :])
+                    res = acc
+                    if ACCUMULATE:
+                        res += tl.load(ptr, mask=mask, other=0.0)
+                    tl.store(ptr, res.to(out_ptr.dtype.element_ty), mask=mask)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
 def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-            out: torch.Tensor | None, config: dict | None, kernel) -> torch.Tensor:
-    """Launch ``kernel`` into ``out`` (accumulate) or a new (G, N, K) tensor in x's dtype."""
+            out: torch.Tensor | None, config: dict | None, wrap=None) -> torch.Tensor:
+    """Launch the configured kernel (``FLAT``: :func:`_wgrad_flat_kernel`, else
+    :func:`_wgrad_large_kernel`; ``wrap``: ``torch.library.wrap_triton`` inside the ops) into
+    ``out`` (accumulate) or a new (G, N, K) tensor in x's dtype."""
     m, k = x.shape
     n = dy.shape[1]
     groups = offsets.shape[0]
@@ -240,14 +371,27 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
         cfg["USE_TMA"] = False
+    flat = cfg.pop("FLAT", False)
+    flat_keys = {"DESC_BOUNDS": cfg.pop("DESC_BOUNDS", True),
+                 "TMA_STORE": cfg.pop("TMA_STORE", False),
+                 "SUBTILE": cfg.pop("SUBTILE", 1), "WARP_SPEC": cfg.pop("WARP_SPEC", False)}
+    flat = flat and not accumulate  # the accumulate launch keeps the nested schedule
+    if flat_keys["TMA_STORE"] and (accumulate or not cfg["USE_TMA"]
+                                   or k * out.element_size() % 16):
+        flat_keys["TMA_STORE"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
         from .grouped_gemm_large_triton import _ensure_allocator
 
         _ensure_allocator()
     grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
     order = group_order(offsets) if cfg["SORTED"] else offsets
-    launch(kernel, grid, x, dy, out, offsets, order, m, n, k, groups,
-           grid[0], ACCUMULATE=accumulate, **cfg)
+    if flat:
+        kernel = _wgrad_flat_kernel
+        cfg.update(flat_keys, G_POW2=next_power_of_2(groups))
+    else:
+        kernel = _wgrad_large_kernel
+    launch(wrap(kernel) if wrap is not None else kernel, grid, x, dy, out, offsets, order,
+           m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
     return out
 
 
@@ -280,7 +424,7 @@ def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
             return torch.ops.te_ops.grouped_wgrad_large(x, dy, offsets)
         torch.ops.te_ops.grouped_wgrad_large_accumulate(x, dy, offsets, out)
         return out
-    return _launch(x, dy, offsets, out, config, _wgrad_large_kernel)
+    return _launch(x, dy, offsets, out, config)
 
 
 def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
@@ -313,10 +457,10 @@ if triton is not None:
     def _grouped_wgrad_large_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
                                 ) -> torch.Tensor:
         """:func:`large_wgrad` as an op; the body, run on FakeTensors, is also the fake."""
-        return _launch(x, dy, offsets, None, None, torch.library.wrap_triton(_wgrad_large_kernel))
+        return _launch(x, dy, offsets, None, None, torch.library.wrap_triton)
 
     @torch.library.triton_op("te_ops::grouped_wgrad_large_accumulate", mutates_args={"out"})
     def _grouped_wgrad_large_accumulate_op(x: torch.Tensor, dy: torch.Tensor,
                                            offsets: torch.Tensor, out: torch.Tensor) -> None:
         """:func:`large_wgrad` with ``out`` as an op (``out += dW``, in place)."""
-        _launch(x, dy, offsets, out, None, torch.library.wrap_triton(_wgrad_large_kernel))
+        _launch(x, dy, offsets, out, None, torch.library.wrap_triton)
