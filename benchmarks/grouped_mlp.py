@@ -96,6 +96,14 @@ HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
     # The CPU shape's expert and row counts with (almost) no math: its host work.
     "E8_T4096_H8_FF8": (8, 4096, 8, 8),
 }
+#: Fewer rows per expert than the large shapes (``--shapes``, not run by default): where the
+#: persistent Triton kernels' rules apply below the issue-10 shapes (64-256 rows per expert:
+#: fprop / dgrad and wgrad in Triton; ``large_gemm_triton.py``'s ``MID_SHAPES``).
+MID_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "E128_T8192_H2048_FF768": (128, 8192, 2048, 768),      # 64 rows per expert
+    "E128_T16384_H2048_FF768": (128, 16384, 2048, 768),    # 128
+    "E64_T16384_H7168_FF2048": (64, 16384, 7168, 2048),    # 256
+}
 QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
     "E16_T128_H32_FF48": (16, 128, 32, 48),
@@ -594,7 +602,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names (default: all of the chosen set): "
-                             + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
+                             + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *MID_SHAPES,
+                                          *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(PEERS),
                         help="comma-separated peers: " + ", ".join(PEERS + EXTRA_PEERS))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
@@ -637,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **QUICK_SHAPES}
+    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     names = args.shapes.split(",") if args.shapes else list(default)

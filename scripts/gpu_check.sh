@@ -26,6 +26,9 @@
 #                 -> "$OUT/grouped_mlp_e64_interleaved.jsonl"
 #     bench_interleaved  the peer and te_ops fused (per-expert, single weight) on the three large
 #                 shapes, one step of each in turn -> "$OUT/grouped_mlp_interleaved.jsonl"
+#     bench_mid   the same, interleaved, at 64-256 rows per expert (grouped_mlp.py's MID_SHAPES:
+#                 E128 T8192 / T16384 H2048 FF768, E64 T16384 H7168 FF2048)
+#                 -> "$OUT/grouped_mlp_mid.jsonl"
 #     profile     benchmarks/profile_grouped_mlp.py, all four shapes, te_ops fused vs the torch
 #                 peer: top kernels / aten ops / host ops per step -> "$OUT/profile.jsonl"
 #     tgemm       benchmarks/triton_grouped_gemm.py --rows 1,2,4,8: each Triton decode GEMM vs
@@ -72,7 +75,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved profile tgemm large_gemm profile_graph gaps host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm profile_graph gaps host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -170,6 +173,13 @@ bench_lane() {
     step bench_interleaved 60 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
         --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$ILV_JSON" \
         --shapes E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048 \
+        ${BENCH_ARGS:-}
+    # The same at 64-256 rows per expert (grouped_mlp.py's MID_SHAPES): the persistent Triton
+    # fprop / dgrad and, there, wgrad (WGRAD_ROWS_PER_GROUP) against the peer's CUTLASS calls.
+    # shellcheck disable=SC2086
+    step bench_mid 60 "$PY" benchmarks/grouped_mlp.py --interleaved --iters 20 \
+        --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$OUT/grouped_mlp_mid.jsonl" \
+        --shapes E128_T8192_H2048_FF768,E128_T16384_H2048_FF768,E64_T16384_H7168_FF2048 \
         ${BENCH_ARGS:-}
     # shellcheck disable=SC2086  # PROFILE_ARGS holds several arguments
     step profile 50 "$PY" benchmarks/profile_grouped_mlp.py --out "$PROFILE_JSON" ${PROFILE_ARGS:-}
