@@ -74,7 +74,8 @@ SHAPES = {  # experts, tokens, hidden, ffn (benchmarks/grouped_mlp.py's large sh
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
 }
 #: Fewer rows per group (selectable with ``--shapes``, not run by default): where the rule
-#: ``MIN_ROWS_PER_GROUP`` stops (E128 T65536 is 512 rows per group on average).
+#: ``MIN_ROWS_PER_GROUP`` stops (E128 T65536 is 512 rows per group on average), and one shape
+#: below it (16 rows, where ``torch._grouped_mm`` runs fprop and the few-rows kernel does not).
 MID_SHAPES = {
     "E128_T32768_H2048_FF768": (128, 32768, 2048, 768),    # 256 rows per group
     "E128_T16384_H2048_FF768": (128, 16384, 2048, 768),    # 128
@@ -82,6 +83,7 @@ MID_SHAPES = {
     "E128_T8192_H2048_FF768": (128, 8192, 2048, 768),      # 64
     "E64_T4096_H7168_FF2048": (64, 4096, 7168, 2048),      # 64
     "E128_T4096_H2048_FF768": (128, 4096, 2048, 768),      # 32
+    "E128_T2048_H2048_FF768": (128, 2048, 2048, 768),      # 16 (below the rule: measured only)
 }
 ALL_SHAPES = {**SHAPES, **MID_SHAPES}
 GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
