@@ -371,6 +371,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         return h, a
     x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
     probs = None if probs is None else probs.contiguous()
+    offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:

@@ -209,11 +209,13 @@ if triton is not None:
                 g = tl.load(order_ptr + rank)
             else:
                 g = rank
-            start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
+            start = tl.load(offs_ptr + tl.maximum(g - 1, 0))
             start = tl.where(g == 0, 0, start)
-            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
             # offsets past M, negative or decreasing: 0 <= start <= end <= M, rows of x only
-            start = tl.minimum(tl.maximum(start, 0), end)
+            # (clamped in the offsets' dtype: an int64 offset past 2**31 is past M, too)
+            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)
+            start = tl.minimum(tl.maximum(start, 0), end).to(tl.int32)
+            end = end.to(tl.int32)
             while tile < base + per_group:
                 local = tile - base
                 _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
@@ -234,9 +236,10 @@ if triton is not None:
             g = tl.load(order_ptr + rank).to(tl.int32)
         else:
             g = rank
-        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
-        start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
-        start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end)
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)  # clamped before the
+        start = tl.load(offs_ptr + tl.maximum(g - 1, 0))  # cast: int64 offsets past 2**31
+        start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end).to(tl.int32)
+        end = end.to(tl.int32)
         steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
         return g, start, end, steps, local // tiles_k, local % tiles_k
 
@@ -266,10 +269,10 @@ if triton is not None:
             gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
         else:
             gr = r.to(tl.int32)
-        end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0)
-                                      .to(tl.int32), 0), M)
-        start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0).to(tl.int32)
-        start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r)
+        end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0), 0), M)
+        start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0)
+        start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r).to(tl.int32)
+        end_r = end_r.to(tl.int32)
         steps_r = tl.maximum((end_r - start_r + BLOCK_M - 1) // BLOCK_M, 1)
         lo = r * per_group - pid
         hi = lo + per_group
@@ -367,6 +370,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     elif m == 0 or n == 0 or k == 0 or groups == 0:
         return out
     x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
+    offsets = offsets.contiguous()  # the kernels read offs_ptr + g
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
