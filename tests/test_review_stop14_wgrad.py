@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from interpret import interpreter_marks, run_interpreted
 
-pytestmark = interpreter_marks("tests/test_grouped_wgrad_large_triton.py")
+_INTERPRETER = interpreter_marks("tests/test_review_stop14_wgrad.py (the cuda tests)")
 
 SCRIPT = r'''
 import torch
@@ -83,7 +85,105 @@ print("ok")
 '''
 
 
+@_INTERPRETER[0]
+@_INTERPRETER[1]
 def test_strided_and_int64_offsets_interpreted():
     """Non-contiguous offsets give the contiguous call's bits in every Triton grouped GEMM
     launch; int64 offsets past 2**31 clamp to M in the persistent wgrad (flat, nested)."""
     run_interpreted(SCRIPT)
+
+
+def test_flat_accumulate_does_not_fit_sm90_shared_memory():
+    """Why the accumulate launch keeps the nested schedule (docs/architecture.md): the flat
+    kernel with ``ACCUMULATE`` (fp32 ``out`` loaded in the epilogue) needs more shared memory
+    than an SM90 block has (232,448 bytes), so its launch cannot run; the nested one fits.
+    Ahead-of-time compile, Triton 3.6 (the H200's)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the Triton version
+        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    from te_ops.kernels import grouped_wgrad_large_triton as W
+
+    cfg = W.large_wgrad_config()
+    sig = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "out_ptr": "*fp32", "offs_ptr": "*i32",
+           "order_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32"}
+    shared = {}
+    for name, kernel, extra in (
+            ("flat", W._wgrad_flat_kernel, {"DESC_BOUNDS": True, "TMA_STORE": False,
+                                            "SUBTILE": 1, "WARP_SPEC": False, "G_POW2": 8}),
+            ("nested", W._wgrad_large_kernel, {})):
+        const = {"ACCUMULATE": True, "USE_TMA": True, "SORTED": True, **extra,
+                 **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+        src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": cfg["num_warps"],
+                                               "num_stages": cfg["num_stages"]})
+        except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+            if "ptxas" in str(exc).lower():
+                pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+            raise
+        shared[name] = compiled.metadata.shared
+    assert shared["flat"] > 232448 >= shared["nested"], shared
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _cuda_operands(sizes, m, n, k, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    dy = torch.randn(m, n, generator=gen, device="cuda").to(dtype)
+    total = sum(sizes)
+    x[total:] = float("nan")
+    dy[total:] = float("nan")
+    return x, dy, torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+
+
+def _fp64_wgrad(x, dy, bounds):
+    return torch.stack([dy[s:e].double().t() @ x[s:e].double() for s, e in bounds])
+
+
+@pytest.mark.cuda
+def test_cuda_strided_and_int64_offsets():
+    """On the GPU (default flat config: per-group TMA bounds, TMA store): strided offsets give
+    the contiguous call's bits (wgrad, persistent fprop); int64 offsets past 2**31 end at M."""
+    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.kernels import grouped_wgrad_large_triton as W
+
+    x, dy, offs = _cuda_operands([300, 0, 17, 129, 64], 600, 256, 512, torch.bfloat16)
+    strided = torch.stack([offs, torch.full_like(offs, 7)], 1).reshape(-1)[::2]
+    assert torch.equal(strided, offs) and not strided.is_contiguous()
+    assert torch.equal(W.large_wgrad(x, dy, strided), W.large_wgrad(x, dy, offs))
+    w = torch.randn(5, 256, 512, device="cuda", dtype=torch.bfloat16)
+    want = L.large_fprop(x, w, offs)
+    assert torch.equal(L.large_fprop(x, w, strided)[:510], want[:510])
+    xs, dys = x[:510].contiguous(), dy[:510].contiguous()
+    big = torch.tensor([300, 2 ** 32 + 5], device="cuda", dtype=torch.int64)
+    ref = _fp64_wgrad(xs, dys, [(0, 300), (300, 510)])
+    for flat in (True, False):
+        got = W.large_wgrad(xs, dys, big, config={"FLAT": flat}).double()
+        assert ((got - ref).abs() - 2.0 ** -8 * ref.abs()).max().item() <= 1e-2, flat
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{}, {"SUBTILE": 2}, {"DESC_BOUNDS": False},
+                                 {"TMA_STORE": False}], ids=str)
+def test_cuda_flat_many_tiles_per_program(dtype, cfg):
+    """The flat schedule where programs run many tiles of several groups (300 groups, not a
+    power of 2, 1200 tiles over the SMs: descriptors change per group inside one program's
+    pipelined loop; stop 14's GPU cases had at most one tile per program), with empty groups,
+    skewed sizes and NaN padding: the fp64 reference and the nested schedule's bits."""
+    from te_ops.kernels import grouped_wgrad_large_triton as W
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = [int(s) for s in torch.randint(0, 5, (300,), generator=gen) ** 3]  # 0..64
+    x, dy, offs = _cuda_operands(sizes, sum(sizes) + 40, 256, 512, dtype)
+    dw = W.large_wgrad(x, dy, offs, config={"FLAT": True, **cfg})
+    ends = offs.tolist()
+    ref = _fp64_wgrad(x, dy, list(zip([0] + ends[:-1], ends)))
+    rel = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((dw.double() - ref).abs() - rel * ref.abs()).max().item() <= 1e-2
+    assert torch.equal(dw, W.large_wgrad(x, dy, offs, config={"FLAT": False,
+                                                              "TMA_STORE": False}))

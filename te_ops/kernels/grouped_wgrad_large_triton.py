@@ -1,12 +1,16 @@
 """Persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
 
-Dispatched only under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
-``grouped_gemm_large_triton.FORCED_MIN_ROWS_PER_GROUP`` rows per group or more
-(``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32 ``main_grad`` that
-``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant): it measured
-0.76-0.91x ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10 shapes
-(``benchmarks/large_gemm_triton.py``), so auto keeps wgrad there. It is the wgrad counterpart
-of ``grouped_gemm_large_triton`` (fprop, dgrad).
+Dispatched (``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32
+``main_grad`` that ``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant)
+by auto at ``grouped_gemm_large_triton.WGRAD_ROWS_PER_GROUP`` (64-256) rows per group on SM90
+in bf16, where the flat schedule measured 1.01-1.09x
+``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at the issue-10 shapes, 512-2048
+rows, where auto keeps CUTLASS), and under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
+``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more (``benchmarks/large_gemm_triton.py``,
+docs/benchmarks.md). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
+dgrad). The schedule, masking and stores below describe the nested schedule
+(``FLAT=False``, the accumulate launch); the default ``FLAT`` one is
+:func:`_wgrad_flat_kernel` (one pipelined loop, per-group TMA bounds, TMA-store epilogue).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
 padding, possibly NaN garbage, and never contribute; bad offsets, past M, negative or
@@ -43,8 +47,9 @@ Loads. ``USE_TMA=True`` (a launch constexpr): x and dy through ``tl.make_tensor_
 strides and base pointers, :func:`tma_unsupported_reason`, and a global-memory allocator for
 the descriptors, installed by ``grouped_gemm_large_triton._ensure_allocator``).
 ``USE_TMA=False``: pointer loads (what Triton's CPU interpreter runs in the tests). dW is
-stored with masked pointer stores. The dot is ``tl.dot(dy_tile^T, x_tile)`` (wgmma on SM90,
-the transposed operand read from shared memory).
+stored with masked pointer stores (the flat schedule: a TMA store where ``TMA_STORE``). The
+dot is ``tl.dot(dy_tile^T, x_tile)`` (wgmma on SM90, the transposed operand read from shared
+memory).
 
 Registered as ``torch.library.triton_op`` (``te_ops::grouped_wgrad_large`` and, for ``out``,
 ``te_ops::grouped_wgrad_large_accumulate`` which mutates ``out``; the bodies, run on
@@ -401,7 +406,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (forced ``triton`` backend only).
+    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (module docstring: when dispatched).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
     ``kernels.grouped_gemm.grouped_wgrad``), with fp32 accumulation.
