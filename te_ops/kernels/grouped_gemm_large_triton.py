@@ -94,8 +94,10 @@ WGRAD_ROWS_PER_GROUP = (64, 256)
 
 #: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
 #: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
-#: group on average, and in the few-rows kernels below it. Forced only: the persistent wgrad
-#: measured 0.82-0.91x ``torch._grouped_mm`` on the issue-10 shapes (H200, 2026-11-30).
+#: group on average, and in the few-rows kernels below it (set when stop 13's nested wgrad
+#: measured 0.82-0.91x ``torch._grouped_mm`` on the issue-10 shapes, H200, 2026-11-30; auto
+#: now runs the flat wgrad at :data:`WGRAD_ROWS_PER_GROUP`, where forcing gives the few-rows
+#: kernels).
 FORCED_MIN_ROWS_PER_GROUP = 512
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
@@ -371,6 +373,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         return h, a
     x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
     probs = None if probs is None else probs.contiguous()
+    offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:

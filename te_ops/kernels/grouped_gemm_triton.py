@@ -244,6 +244,7 @@ def _rows_launch(kind: str, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
     if m == 0 or j == 0:
         return out
     cfg, grid = _rows_grid(kind, m, j, groups, config)
+    offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
     launch(kernel, grid, a, b, out, offsets, m, j, r, groups, *strides, **cfg)
     return out
 
@@ -257,6 +258,7 @@ def _wgrad_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if out.numel() == 0:
         return out
     cfg, grid = _wgrad_grid(m, n, k, groups, config)
+    offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
     launch(kernel, grid, x, dy, out, offsets, m, n, k, groups, **cfg)
     return out
 

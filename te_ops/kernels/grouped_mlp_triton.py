@@ -161,6 +161,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     if m == 0 or ffn == 0:
         return h, a
     cfg, grid = _grid(m, ffn, groups, config)
+    offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
     p = probs if probs is not None else x
     launch(kernel, grid, x, weights, h, a, p, offsets, m, ffn, k, groups,
            weights.stride(0), weights.stride(1), weights.stride(2), HAS_P=probs is not None,

@@ -1,12 +1,16 @@
 """Persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
 
-Dispatched only under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
-``grouped_gemm_large_triton.FORCED_MIN_ROWS_PER_GROUP`` rows per group or more
-(``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32 ``main_grad`` that
-``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant): it measured
-0.76-0.91x ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS) at the issue-10 shapes
-(``benchmarks/large_gemm_triton.py``), so auto keeps wgrad there. It is the wgrad counterpart
-of ``grouped_gemm_large_triton`` (fprop, dgrad).
+Dispatched (``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32
+``main_grad`` that ``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant)
+by auto at ``grouped_gemm_large_triton.WGRAD_ROWS_PER_GROUP`` (64-256) rows per group on SM90
+in bf16, where the flat schedule measured 1.01-1.09x
+``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at the issue-10 shapes, 512-2048
+rows, where auto keeps CUTLASS), and under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
+``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more (``benchmarks/large_gemm_triton.py``,
+docs/benchmarks.md). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
+dgrad). The schedule, masking and stores below describe the nested schedule
+(``FLAT=False``, the accumulate launch); the default ``FLAT`` one is
+:func:`_wgrad_flat_kernel` (one pipelined loop, per-group TMA bounds, TMA-store epilogue).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1] <= M``; rows past it are
 padding, possibly NaN garbage, and never contribute; bad offsets, past M, negative or
@@ -43,8 +47,9 @@ Loads. ``USE_TMA=True`` (a launch constexpr): x and dy through ``tl.make_tensor_
 strides and base pointers, :func:`tma_unsupported_reason`, and a global-memory allocator for
 the descriptors, installed by ``grouped_gemm_large_triton._ensure_allocator``).
 ``USE_TMA=False``: pointer loads (what Triton's CPU interpreter runs in the tests). dW is
-stored with masked pointer stores. The dot is ``tl.dot(dy_tile^T, x_tile)`` (wgmma on SM90,
-the transposed operand read from shared memory).
+stored with masked pointer stores (the flat schedule: a TMA store where ``TMA_STORE``). The
+dot is ``tl.dot(dy_tile^T, x_tile)`` (wgmma on SM90, the transposed operand read from shared
+memory).
 
 Registered as ``torch.library.triton_op`` (``te_ops::grouped_wgrad_large`` and, for ``out``,
 ``te_ops::grouped_wgrad_large_accumulate`` which mutates ``out``; the bodies, run on
@@ -209,11 +214,13 @@ if triton is not None:
                 g = tl.load(order_ptr + rank)
             else:
                 g = rank
-            start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
+            start = tl.load(offs_ptr + tl.maximum(g - 1, 0))
             start = tl.where(g == 0, 0, start)
-            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
             # offsets past M, negative or decreasing: 0 <= start <= end <= M, rows of x only
-            start = tl.minimum(tl.maximum(start, 0), end)
+            # (clamped in the offsets' dtype: an int64 offset past 2**31 is past M, too)
+            end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)
+            start = tl.minimum(tl.maximum(start, 0), end).to(tl.int32)
+            end = end.to(tl.int32)
             while tile < base + per_group:
                 local = tile - base
                 _wgrad_tile(x_desc, dy_desc, x_ptr, dy_ptr, out_ptr, g, start, end,
@@ -234,9 +241,10 @@ if triton is not None:
             g = tl.load(order_ptr + rank).to(tl.int32)
         else:
             g = rank
-        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
-        start = tl.load(offs_ptr + tl.maximum(g - 1, 0)).to(tl.int32)
-        start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end)
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)  # clamped before the
+        start = tl.load(offs_ptr + tl.maximum(g - 1, 0))  # cast: int64 offsets past 2**31
+        start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end).to(tl.int32)
+        end = end.to(tl.int32)
         steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
         return g, start, end, steps, local // tiles_k, local % tiles_k
 
@@ -266,10 +274,10 @@ if triton is not None:
             gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
         else:
             gr = r.to(tl.int32)
-        end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0)
-                                      .to(tl.int32), 0), M)
-        start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0).to(tl.int32)
-        start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r)
+        end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0), 0), M)
+        start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0)
+        start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r).to(tl.int32)
+        end_r = end_r.to(tl.int32)
         steps_r = tl.maximum((end_r - start_r + BLOCK_M - 1) // BLOCK_M, 1)
         lo = r * per_group - pid
         hi = lo + per_group
@@ -367,6 +375,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     elif m == 0 or n == 0 or k == 0 or groups == 0:
         return out
     x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
+    offsets = offsets.contiguous()  # the kernels read offs_ptr + g
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
     if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
@@ -397,7 +406,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (forced ``triton`` backend only).
+    """``dW_g = dy_g^T @ x_g`` with the persistent kernel (module docstring: when dispatched).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
     ``kernels.grouped_gemm.grouped_wgrad``), with fp32 accumulation.
