@@ -57,7 +57,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
-from .triton_launch import cdiv, launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["MIN_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP", "large_kinds", "large_config",
            "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
-           "tile_ends"]
+           "FLAT_MAX_GROUPS"]
 
 #: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
 #: average rows per group (padding included) of at least this many: SM90, bfloat16. Measured
@@ -91,6 +91,11 @@ FORCED_MIN_ROWS_PER_GROUP = 512
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
 
+#: The ``FLAT`` schedule keeps one int32 tile count per group (and the padding) in registers,
+#: ``next_power_of_2(G + 1)`` lanes per program; above this many groups + 1 the launch runs the
+#: group walk instead (same outputs).
+FLAT_MAX_GROUPS = 1024
+
 
 def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"`` or ``"fc1_swiglu"``), not yet tuned
@@ -104,7 +109,34 @@ def large_config(kind: str) -> dict[str, int | bool]:
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     block_n = 128 if kind == "fc1_swiglu" else 256
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": False, "num_warps": 8, "num_stages": 3}
+            "FLAT": False, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+
+
+def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
+    """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
+    ``FLAT``, ``TAIL`` needs the group walk (two tile shapes in one loop would stop Triton
+    from flattening it) and an even ``BLOCK_M`` of at least 32 (wgmma's 16-row minimum per
+    half). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group walk
+    instead (the same tiles and k-steps; the in-register tile table would take too many
+    registers)."""
+    cfg = dict(large_config(kind))
+    cfg.update(config or {})
+    unknown = sorted(set(cfg) - set(large_config(kind)))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(large_config(kind))}, got "
+                         f"unknown {unknown}")
+    if cfg["FLAT"] and groups + 1 > FLAT_MAX_GROUPS:
+        cfg["FLAT"] = cfg["WARP_SPEC"] = False
+    if cfg["WARP_SPEC"] and not cfg["FLAT"]:
+        raise ValueError("config WARP_SPEC=True needs FLAT=True (it applies to the flattened "
+                         "tile loop), got FLAT=False")
+    if cfg["TAIL"] and cfg["FLAT"]:
+        raise ValueError("config TAIL=True needs FLAT=False (a second tile shape keeps "
+                         "Triton from flattening the tile loop), got FLAT=True")
+    if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
+        raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
+                         f"rows), got BLOCK_M={cfg['BLOCK_M']}")
+    return cfg
 
 
 def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
@@ -211,21 +243,28 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
-    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, pm, pn, N,
+    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, m0, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
               HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
-              BLOCK_M: tl.constexpr,
+              FLAT: tl.constexpr, TILE_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One output tile: row tile ``pm`` of group ``g``'s rows [start, end), column tile
-        ``pn``; the padding group (g == G) runs no k-step and stores zeros."""
-        m0 = start + pm * BLOCK_M
-        rows = m0 + tl.arange(0, BLOCK_M)
+        """One output tile: rows [m0, m0 + TILE_M) of group ``g``'s rows [start, end),
+        column tile ``pn``. The padding group (g == G) stores zeros: it runs no k-step in the
+        group walk; under ``FLAT`` it runs all K (a k-loop bound that does not depend on the
+        tile, so Triton can flatten the tile loop with it), reading W[G - 1], and the
+        epilogue stores ``where(g < G, acc, 0)`` (padding rows may hold NaN garbage)."""
+        rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_end = tl.where(g < G, K, 0)
+        acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+        if FLAT:
+            k_end = K
+            gw = tl.minimum(g, G - 1)
+        else:
+            k_end = tl.where(g < G, K, 0)
+            gw = g
         for k0 in range(0, k_end, BLOCK_K):
             if USE_TMA:
                 xa = x_desc.load([m0.to(tl.int32), k0])
@@ -233,13 +272,16 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                              mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+            wt = _load_w(w_desc, w_ptr, gw, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
                          stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
             if SWIGLU:
-                wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
+                wu = _load_w(w_desc, w_ptr, gw, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
                              stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
+        if FLAT:
+            acc = tl.where(g < G, acc, 0.0)
+            acc_u = tl.where(g < G, acc_u, 0.0)
         mask = row_ok[:, None] & col_ok[None, :]
         h_row = h_ptr + rows[:, None] * h_cols
         hg = acc.to(h_ptr.dtype.element_ty)
@@ -257,29 +299,49 @@ if triton is not None:
                      out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, ends_ptr, M, N, K, G, P,
+    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, GBLOCK: tl.constexpr):
+        """The ``FLAT`` schedule's tile table in registers (int64): lane g < G + 1 holds the
+        cumulative tile count of groups 0..g (group G = the padding rows), clamped rows as
+        :func:`_group_rows`; lanes past G hold the total."""
+        gi = tl.arange(0, GBLOCK)
+        end = tl.load(offs_ptr + gi, mask=gi < G, other=0).to(tl.int64)
+        end = tl.minimum(tl.maximum(tl.where(gi < G, end, M), 0), M)
+        start = tl.load(offs_ptr + gi - 1, mask=(gi > 0) & (gi <= G), other=0).to(tl.int64)
+        start = tl.minimum(tl.maximum(start, 0), end)
+        tiles = (end - start + BLOCK_M - 1) // BLOCK_M * tiles_n
+        return tl.cumsum(tl.where(gi <= G, tiles, 0), 0)
+
+    @triton.jit
+    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
                       stride_wg, stride_wn, stride_wk,
                       SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
-                      W_KN: tl.constexpr, FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                      W_KN: tl.constexpr, FLAT: tl.constexpr, WARP_SPEC: tl.constexpr,
+                      TAIL: tl.constexpr, GBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
-        FLAT: one loop over this program's tiles (``ends_ptr``: int32 (G + 1,) cumulative
-        tile counts; the group of a tile by a SEARCH_STEPS-step binary search), which
-        Triton may flatten with the k-loop and pipeline across tiles; else each program
-        walks the groups in order (no table)."""
+        FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles (the group of a
+        tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >= G + 1 lanes), whose
+        k-loop bound is K for every tile, so Triton fuses the two loops (``WARP_SPEC``: ask
+        for warp specialization of that loop too); else each program walks the groups in
+        order (no table). TAIL (group walk): a row tile with at most BLOCK_M / 2 rows of
+        its group left runs as a BLOCK_M / 2-row tile."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
         else:
             h_cols = N
         x_desc = None
+        x_half = None
         w_desc = None
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
+            if TAIL:
+                x_half = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                                   block_shape=[BLOCK_M // 2, BLOCK_K])
             if W_KN:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
                                                    strides=[stride_wg, stride_wk, 1],
@@ -290,23 +352,19 @@ if triton is not None:
                                                    block_shape=[1, BLOCK_N, BLOCK_K])
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
-            total = tl.load(ends_ptr + G)
-            for tile in tl.range(pid, total, P, flatten=True):
-                lo = tl.zeros([], dtype=tl.int32)
-                hi = lo + G
-                for _ in tl.static_range(SEARCH_STEPS):  # first g with ends[g] > tile
-                    mid = (lo + hi) // 2
-                    right = tl.load(ends_ptr + mid) <= tile
-                    lo = tl.where(right, mid + 1, lo)
-                    hi = tl.where(right, hi, mid)
-                g = lo
-                base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+            ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK)
+            total = tl.max(ends, 0)
+            for tile in tl.range(pid, total, P, flatten=True, warp_specialize=WARP_SPEC):
+                before = ends <= tile
+                g = tl.sum(before.to(tl.int32), 0)
+                base = tl.max(tl.where(before, ends, 0), 0)
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-                pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
+                pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m, tiles_n, GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
-                      pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU, HAS_P,
-                      USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                      start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
+                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, True, BLOCK_M, BLOCK_N,
+                      BLOCK_K)
         else:
             tile = pid
             base = 0
@@ -316,23 +374,25 @@ if triton is not None:
                 count = tiles_m * tiles_n
                 while tile < base + count:
                     pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
-                    _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start,
-                          end, pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk,
-                          SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                    m0 = start + pm * BLOCK_M
+                    if TAIL:
+                        if end - m0 <= BLOCK_M // 2:  # the group's last rows: a half tile
+                            _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
+                                  start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False,
+                                  BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                        else:
+                            _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
+                                  start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False, BLOCK_M,
+                                  BLOCK_N, BLOCK_K)
+                    else:
+                        _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
+                              start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                              stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False, BLOCK_M,
+                              BLOCK_N, BLOCK_K)
                     tile += P
                 base += count
-
-
-def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: int
-              ) -> torch.Tensor:
-    """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
-    (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
-    ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
-    ends = offsets.to(torch.int64).clamp(0, rows)  # the kernel's clamped rows
-    starts = torch.cat([ends.new_zeros(1), ends])
-    ends = torch.cat([ends, ends.new_full((1,), rows)])
-    counts = ((ends - starts).clamp(min=0) + block_m - 1) // block_m * cdiv(n, block_n)
-    return counts.cumsum(0).to(torch.int32)
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -359,24 +419,21 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         return h, a
     x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
     probs = None if probs is None else probs.contiguous()
-    cfg = dict(large_config(kind))
-    cfg.update(config or {})
+    cfg = _resolve(kind, config, groups)
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
         cfg["USE_TMA"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
         _ensure_allocator()
     grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
     p = probs if probs is not None else x
-    ends = (tile_ends(offsets, m, n, cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg["FLAT"]
-            else offsets)
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
     # as (G, K_red=N, N_out=K).
     stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
                           else (weights.stride(1), weights.stride(2)))
-    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, ends, m, n, k,
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k,
            groups, grid[0], weights.stride(0), stride_n, stride_k,
            SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
-           SEARCH_STEPS=groups.bit_length() + 1, **cfg)
+           GBLOCK=next_power_of_2(groups + 1) if cfg["FLAT"] else 1, **cfg)
     return h, a
 
 
