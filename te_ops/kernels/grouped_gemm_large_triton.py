@@ -109,7 +109,8 @@ def large_config(kind: str) -> dict[str, int | bool]:
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     block_n = 128 if kind == "fc1_swiglu" else 256
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": False, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+            "FLAT": kind != "fc1_swiglu", "WARP_SPEC": False, "TAIL": False, "num_warps": 8,
+            "num_stages": 3}
 
 
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
@@ -243,28 +244,17 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
-    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, m0, pn, N,
+    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end, end, m0, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
               HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
-              FLAT: tl.constexpr, TILE_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One output tile: rows [m0, m0 + TILE_M) of group ``g``'s rows [start, end),
-        column tile ``pn``. The padding group (g == G) stores zeros: it runs no k-step in the
-        group walk; under ``FLAT`` it runs all K (a k-loop bound that does not depend on the
-        tile, so Triton can flatten the tile loop with it), reading W[G - 1], and the
-        epilogue stores ``where(g < G, acc, 0)`` (padding rows may hold NaN garbage)."""
+              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile: rows [m0, m0 + TILE_M) of group ``g`` (rows up to ``end``),
+        column tile ``pn``, k-steps up to ``k_end`` (K; 0 for the padding group, which then
+        stores zeros)."""
         rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
         acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-        if FLAT:
-            k_end = K
-            gw = tl.minimum(g, G - 1)
-        else:
-            k_end = tl.where(g < G, K, 0)
-            gw = g
         for k0 in range(0, k_end, BLOCK_K):
             if USE_TMA:
                 xa = x_desc.load([m0.to(tl.int32), k0])
@@ -272,17 +262,23 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                              mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-            wt = _load_w(w_desc, w_ptr, gw, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
                          stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
             if SWIGLU:
-                wu = _load_w(w_desc, w_ptr, gw, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
+                wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
                              stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
-        if FLAT:
-            acc = tl.where(g < G, acc, 0.0)
-            acc_u = tl.where(g < G, acc_u, 0.0)
-        mask = row_ok[:, None] & col_ok[None, :]
+        _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU, HAS_P,
+                  BLOCK_N)
+
+    @triton.jit
+    def _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols,
+                  SWIGLU: tl.constexpr, HAS_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Store h = acc (SWIGLU: h's gate columns, acc_u its up columns, and a) for the
+        tile's ``rows`` where ``row_ok``, column tile ``pn``."""
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < N)[None, :]
         h_row = h_ptr + rows[:, None] * h_cols
         hg = acc.to(h_ptr.dtype.element_ty)
         tl.store(h_row + cols[None, :], hg, mask=mask)
@@ -322,12 +318,13 @@ if triton is not None:
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
-        FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles (the group of a
-        tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >= G + 1 lanes), whose
-        k-loop bound is K for every tile, so Triton fuses the two loops (``WARP_SPEC``: ask
-        for warp specialization of that loop too); else each program walks the groups in
-        order (no table). TAIL (group walk): a row tile with at most BLOCK_M / 2 rows of
-        its group left runs as a BLOCK_M / 2-row tile."""
+        FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles of groups
+        0..G-1 (the group of a tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >=
+        G + 1 lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops
+        (``WARP_SPEC``: ask for warp specialization of that loop too), then a loop over the
+        padding rows' tiles that stores zeros (no k-step, no read of those rows); else each
+        program walks the groups in order (no table). TAIL (group walk): a row tile with at
+        most BLOCK_M / 2 rows of its group left runs as a BLOCK_M / 2-row tile."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
@@ -353,18 +350,24 @@ if triton is not None:
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
             ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK)
-            total = tl.max(ends, 0)
-            for tile in tl.range(pid, total, P, flatten=True, warp_specialize=WARP_SPEC):
+            pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
+            pad_tiles = (pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n
+            real = tl.max(ends, 0) - pad_tiles  # the groups' tiles, padding last
+            for tile in tl.range(pid, real, P, flatten=True, warp_specialize=WARP_SPEC):
                 before = ends <= tile
-                g = tl.sum(before.to(tl.int32), 0)
+                g = tl.sum(before.to(tl.int32), 0)  # < G: only the groups' tiles here
                 base = tl.max(tl.where(before, ends, 0), 0)
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m, tiles_n, GROUP_M)
-                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
+                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
                       start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
-                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, True, BLOCK_M, BLOCK_N,
-                      BLOCK_K)
+                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+            for tile in range(pid, pad_tiles.to(tl.int32), P):  # padding rows: zeros
+                rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                _epilogue(zero, zero, h_ptr, a_ptr, p_ptr, rows, rows < pad_end,
+                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, BLOCK_N)
         else:
             tile = pid
             base = 0
@@ -372,24 +375,25 @@ if triton is not None:
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 count = tiles_m * tiles_n
+                k_end = tl.where(g < G, K, 0)  # the padding group: no k-step, zeros
                 while tile < base + count:
                     pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                     m0 = start + pm * BLOCK_M
                     if TAIL:
                         if end - m0 <= BLOCK_M // 2:  # the group's last rows: a half tile
-                            _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
-                                  start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False,
-                                  BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                            _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2,
+                                  BLOCK_N, BLOCK_K)
                         else:
-                            _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
-                                  start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False, BLOCK_M,
+                            _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
                                   BLOCK_N, BLOCK_K)
                     else:
-                        _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G,
-                              start, end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                              stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, False, BLOCK_M,
+                        _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                              end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                              stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
                               BLOCK_N, BLOCK_K)
                     tile += P
                 base += count
