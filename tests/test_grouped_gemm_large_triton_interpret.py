@@ -6,9 +6,10 @@ Runs where triton is installed and no GPU is (the GPU runs the compiled kernel i
 bfloat16 is wrong, see ``tests/test_grouped_gemm_triton_interpret.py``). Both load variants
 (TMA descriptors and plain pointers), both schedules (groups walked in order; ``FLAT``: one
 loop over the tiles, each tile's group from a tile table in registers; many groups, one, and
-more than ``FLAT_MAX_GROUPS``), ``TAIL`` (a group's last rows as a half-height row tile:
-remainders of 1, half a tile, half + 1, a full tile), small tiles (many tiles per group, the
-GROUP_M bands, more tiles than programs) and the default tiles, int32 and int64 offsets.
+more than ``FLAT_MAX_GROUPS``), ``TAIL`` in both schedules (a group's last rows as a
+half-height row tile: remainders of 1, half a tile, half + 1, a full tile), small tiles
+(many tiles per group, the GROUP_M bands, more tiles than programs) and the default tiles,
+int32 and int64 offsets.
 Against a float64 per-expert ``torch.nn.functional.linear`` reference: empty groups, padding
 rows over NaN garbage (zero output), a skewed group, no rows, dims not multiples of the tiles,
 non-contiguous weights (pointer loads). The fc1 variant: ``h`` against the reference, ``a``
@@ -107,18 +108,21 @@ assert L.tma_unsupported_reason(x[:, :16], torch.zeros(2, 4, 16).half()) == "x i
 # TAIL: 32-row tiles, a group's last row tile with <= 16 rows left runs as a 16-row tile;
 # remainders 0 (none), 1, 16 (half), 17 (full), 31; empty groups; NaN padding rows
 MID = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
-for tma in (True, False):
-    case([33, 0, 48, 16, 17, 31, 64], 250, 40, 24, torch.int32, MID, tma, True, tail=True)
-    case([1, 0, 0], 20, 16, 16, torch.int64, MID, tma, True, tail=True)  # one half tile + pad
-    case([0, 0], 9, 16, 16, torch.int32, MID, tma, False, tail=True)     # padding only
+for tma, flat in ((True, False), (False, False), (True, True), (False, True)):
+    case([33, 0, 48, 16, 17, 31, 64], 250, 40, 24, torch.int32, MID, tma, True, flat=flat,
+         tail=True)
+    case([1, 0, 0], 20, 16, 16, torch.int64, MID, tma, True, flat=flat, tail=True)  # + pad
+    case([0, 0], 9, 16, 16, torch.int32, MID, tma, False, flat=flat, tail=True)  # padding only
 case([20, 0, 7], 30, 36, 24, torch.int64, MID, False, True, transposed=True, tail=True)
+case([20, 0, 7], 30, 36, 24, torch.int64, MID, False, True, transposed=True, flat=True,
+     tail=True)
 # FLAT over many groups (17 groups + padding: a 32-lane tile table), one group, and more
 # groups than FLAT_MAX_GROUPS (the launch takes the group walk: same outputs)
 sizes17 = [0, 3, 17, 1, 0, 40, 2, 5, 16, 0, 9, 33, 1, 1, 0, 7, 12]
 for tma in (True, False):
     case(sizes17, 160, 24, 16, torch.int32, SMALL, tma, True, flat=True)
     case([37], 45, 32, 24, torch.int64, SMALL, tma, False, flat=True)
-L.FLAT_MAX_GROUPS = 4
+L.FLAT_MAX_GROUPS = 3
 case([3, 0, 5, 1], 12, 40, 24, torch.int32, SMALL, True, True, flat=True)
 print("ok")
 '''

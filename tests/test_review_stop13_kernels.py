@@ -231,7 +231,8 @@ def _ttir(fn, signature: dict, const: dict) -> str:
     return kernel.asm["ttir"]
 
 
-@pytest.mark.parametrize("schedule", [{}, {"FLAT": True}, {"TAIL": True}])
+@pytest.mark.parametrize("schedule", [{}, {"FLAT": True}, {"TAIL": True},
+                                      {"FLAT": True, "TAIL": True}])
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "fc1_swiglu"])
 def test_pointer_loads_use_int64_offsets(kind, schedule):
     """Every tensor product in the pointer-load kernel (row * row stride, index * weight
@@ -242,7 +243,7 @@ def test_pointer_loads_use_int64_offsets(kind, schedule):
     swiglu = kind == "fc1_swiglu"
     cfg = L.large_config(kind)
     const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": False, "W_KN": kind == "dgrad",
-             "GBLOCK": 256 if schedule.get("FLAT") else 1,
+             "GBLOCK": 128 if schedule.get("FLAT") else 1,
              **{k: cfg[k] for k in ("FLAT", "WARP_SPEC", "TAIL", "BLOCK_M", "BLOCK_N",
                                     "BLOCK_K", "GROUP_M")}, **schedule}
     ttir = _ttir(L._large_kernel, _SIG, const)

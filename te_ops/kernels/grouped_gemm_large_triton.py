@@ -24,12 +24,24 @@ padding):
 Schedule. A persistent kernel: ``min(#SMs, tile bound)`` programs; the tiles of all groups
 (and of the padding tail, group index ``G``, whose tiles write zeros) are numbered group after
 group, ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` per group, and program ``p`` takes tiles
-``p, p + P, p + 2P, ...``. Each program walks the groups in order, reading the offsets on the
-device (no host sync, launch size known on the host: graph-safe), so no tile table is built.
-``FLAT=True`` (a launch constexpr) instead runs one ``tl.range(..., flatten=True)`` loop over
-the program's tiles and finds each tile's group by binary search in a (G + 1,) tile table that
-:func:`tile_ends` builds on the device with a few torch ops (whether Triton then pipelines
-across tiles on SM90 is for the benchmark to show).
+``p, p + P, p + 2P, ...``; offsets are read on the device (no host sync, launch size known on
+the host: graph-safe). ``FLAT`` (a launch constexpr; the default of fprop and dgrad) runs one
+``tl.range(..., flatten=True)`` loop over the program's tiles of the G groups: each program
+builds the groups' cumulative tile counts in registers once (``next_power_of_2(G)`` lanes, at
+most :data:`FLAT_MAX_GROUPS`), a tile's group is the count of lanes <= tile, and the k-loop
+runs to K for every tile, so Triton's FuseNestedLoops pass fuses the two loops into one
+software-pipelined loop (TTGIR: one level of ``scf.for``; the next tile's TMA loads are issued
+during this tile's epilogue). The padding rows' tiles follow in a plain loop that stores zeros
+(no k-step). Measured 1.00-1.12x the group walk at the issue-10 shapes and 1.01-1.23x at
+32-128 rows per group, bitwise equal (H200, 2026-11-30, docs/benchmarks.md). ``FLAT=False``:
+each program walks the groups in order (a ``while`` over the group's tiles inside a loop over
+groups: Triton fuses nothing, the pipeline drains at every tile). ``WARP_SPEC`` passes
+``warp_specialize=True`` to the flattened loop: Triton 3.6 compiles it but builds no
+warp-specialized partitions on SM90 (the same code as without it). ``TAIL``: a group's last
+row tile with at most ``BLOCK_M / 2`` rows runs as a ``BLOCK_M / 2``-row tile (less wgmma work
+on the empty rows); under ``FLAT`` those half tiles get their own flattened loop after the
+full ones, in the group walk a branch picks the tile height. Not a default: it measured
+0.95-1.03x without it (faster where the tails are a large share: 64 rows per group).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
@@ -91,9 +103,9 @@ FORCED_MIN_ROWS_PER_GROUP = 512
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
 
-#: The ``FLAT`` schedule keeps one int32 tile count per group (and the padding) in registers,
-#: ``next_power_of_2(G + 1)`` lanes per program; above this many groups + 1 the launch runs the
-#: group walk instead (same outputs).
+#: The ``FLAT`` schedule keeps two int64 tile counts per group in registers,
+#: ``next_power_of_2(G)`` lanes per program; above this many groups the launch runs the group
+#: walk instead (same outputs).
 FLAT_MAX_GROUPS = 1024
 
 
@@ -115,25 +127,21 @@ def large_config(kind: str) -> dict[str, int | bool]:
 
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
-    ``FLAT``, ``TAIL`` needs the group walk (two tile shapes in one loop would stop Triton
-    from flattening it) and an even ``BLOCK_M`` of at least 32 (wgmma's 16-row minimum per
-    half). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group walk
-    instead (the same tiles and k-steps; the in-register tile table would take too many
-    registers)."""
+    ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
+    wgmma's minimum). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group
+    walk instead (the same tiles and k-steps; the in-register tile table would take too
+    many registers)."""
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     unknown = sorted(set(cfg) - set(large_config(kind)))
     if unknown:
         raise ValueError(f"config keys must be among {sorted(large_config(kind))}, got "
                          f"unknown {unknown}")
-    if cfg["FLAT"] and groups + 1 > FLAT_MAX_GROUPS:
+    if cfg["FLAT"] and groups > FLAT_MAX_GROUPS:
         cfg["FLAT"] = cfg["WARP_SPEC"] = False
     if cfg["WARP_SPEC"] and not cfg["FLAT"]:
         raise ValueError("config WARP_SPEC=True needs FLAT=True (it applies to the flattened "
                          "tile loop), got FLAT=False")
-    if cfg["TAIL"] and cfg["FLAT"]:
-        raise ValueError("config TAIL=True needs FLAT=False (a second tile shape keeps "
-                         "Triton from flattening the tile loop), got FLAT=True")
     if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
         raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
                          f"rows), got BLOCK_M={cfg['BLOCK_M']}")
@@ -295,17 +303,39 @@ if triton is not None:
                      out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, GBLOCK: tl.constexpr):
-        """The ``FLAT`` schedule's tile table in registers (int64): lane g < G + 1 holds the
-        cumulative tile count of groups 0..g (group G = the padding rows), clamped rows as
-        :func:`_group_rows`; lanes past G hold the total."""
+    def _row_tiles(rows, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+        """(full-height row tiles, half-height row tiles) of a group of ``rows`` rows: with
+        TAIL a remainder of at most BLOCK_M / 2 rows is one half tile, else every row tile
+        is full (the last one partly empty)."""
+        full = (rows + BLOCK_M - 1) // BLOCK_M
+        if TAIL:
+            rem = rows % BLOCK_M
+            half = ((rem > 0) & (rem <= BLOCK_M // 2)).to(full.dtype)
+            return full - half, half
+        return full, full * 0
+
+    @triton.jit
+    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, TAIL: tl.constexpr,
+                   GBLOCK: tl.constexpr):
+        """The ``FLAT`` schedule's tile tables in registers (int64, GBLOCK >= G lanes): lane
+        g < G holds the cumulative count of full-height tiles of groups 0..g, and of their
+        half-height tail tiles (:func:`_row_tiles`); rows clamped as :func:`_group_rows`;
+        lanes past G - 1 hold the totals. The padding rows are not in the tables."""
         gi = tl.arange(0, GBLOCK)
-        end = tl.load(offs_ptr + gi, mask=gi < G, other=0).to(tl.int64)
-        end = tl.minimum(tl.maximum(tl.where(gi < G, end, M), 0), M)
-        start = tl.load(offs_ptr + gi - 1, mask=(gi > 0) & (gi <= G), other=0).to(tl.int64)
+        real = gi < G
+        end = tl.load(offs_ptr + gi, mask=real, other=0).to(tl.int64)
+        end = tl.minimum(tl.maximum(end, 0), M)
+        start = tl.load(offs_ptr + gi - 1, mask=(gi > 0) & real, other=0).to(tl.int64)
         start = tl.minimum(tl.maximum(start, 0), end)
-        tiles = (end - start + BLOCK_M - 1) // BLOCK_M * tiles_n
-        return tl.cumsum(tl.where(gi <= G, tiles, 0), 0)
+        full, half = _row_tiles(end - start, BLOCK_M, TAIL)
+        return (tl.cumsum(tl.where(real, full * tiles_n, 0), 0),
+                tl.cumsum(tl.where(real, half * tiles_n, 0), 0))
+
+    @triton.jit
+    def _group_of(ends, tile):
+        """(group, its first tile) of ``tile`` in a cumulative tile table."""
+        before = ends <= tile
+        return tl.sum(before.to(tl.int32), 0), tl.max(tl.where(before, ends, 0), 0)
 
     @triton.jit
     def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
@@ -319,12 +349,14 @@ if triton is not None:
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
         FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles of groups
-        0..G-1 (the group of a tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >=
-        G + 1 lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops
-        (``WARP_SPEC``: ask for warp specialization of that loop too), then a loop over the
-        padding rows' tiles that stores zeros (no k-step, no read of those rows); else each
-        program walks the groups in order (no table). TAIL (group walk): a row tile with at
-        most BLOCK_M / 2 rows of its group left runs as a BLOCK_M / 2-row tile."""
+        0..G-1 (the group of a tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >= G
+        lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops
+        (``WARP_SPEC``: ask for warp specialization of that loop too); with TAIL a second
+        such loop over the groups' half-height last row tiles; then a loop over the padding
+        rows' tiles that stores zeros (no k-step, no read of those rows). Else each program
+        walks the groups in order (no table); TAIL there: a row tile with at most
+        BLOCK_M / 2 rows of its group left runs as a BLOCK_M / 2-row tile (a branch between
+        two k-loops). The tile numbering runs round robin over the programs throughout."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
@@ -349,21 +381,32 @@ if triton is not None:
                                                    block_shape=[1, BLOCK_N, BLOCK_K])
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
-            ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK)
-            pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
-            pad_tiles = (pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n
-            real = tl.max(ends, 0) - pad_tiles  # the groups' tiles, padding last
-            for tile in tl.range(pid, real, P, flatten=True, warp_specialize=WARP_SPEC):
-                before = ends <= tile
-                g = tl.sum(before.to(tl.int32), 0)  # < G: only the groups' tiles here
-                base = tl.max(tl.where(before, ends, 0), 0)
+            ends, half_ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, TAIL, GBLOCK)
+            n_full = tl.max(ends, 0)
+            for tile in tl.range(pid, n_full, P, flatten=True, warp_specialize=WARP_SPEC):
+                g, base = _group_of(ends, tile)  # g < G: the padding is not in the table
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
-                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-                pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m, tiles_n, GROUP_M)
+                tiles_m, _ = _row_tiles(end - start, BLOCK_M, TAIL)
+                pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m.to(tl.int32), tiles_n,
+                                  GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
                       start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
                       stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
-            for tile in range(pid, pad_tiles.to(tl.int32), P):  # padding rows: zeros
+            first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
+            if TAIL:  # the groups' half-height last row tiles, one per (group, column tile)
+                n_half = tl.max(half_ends, 0)
+                for tile in tl.range(first, n_half, P, flatten=True):
+                    g, base = _group_of(half_ends, tile)
+                    start, end = _group_rows(offs_ptr, g, G, M)
+                    m0 = start + (end - start) // BLOCK_M * BLOCK_M
+                    _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end, m0,
+                          (tile - base).to(tl.int32), N, K, h_cols, stride_wg, stride_wn,
+                          stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2, BLOCK_N,
+                          BLOCK_K)
+                first = (first + P - n_half % P) % P
+            pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
+            pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
+            for tile in range(first, pad_tiles, P):  # padding rows: zeros, no k-step
                 rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 _epilogue(zero, zero, h_ptr, a_ptr, p_ptr, rows, rows < pad_end,
@@ -437,7 +480,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k,
            groups, grid[0], weights.stride(0), stride_n, stride_k,
            SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
-           GBLOCK=next_power_of_2(groups + 1) if cfg["FLAT"] else 1, **cfg)
+           GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
     return h, a
 
 
