@@ -33,12 +33,18 @@ stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgr
 ``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
 recorded, not raised) for each shape and kind, then runs the comparison with the fastest
 configuration of each (shape, kind).
+``--variants JSON`` (``{"name": {config changes}}``) times other fprop/dgrad launch configs
+beside the default in the same rounds (``triton_NAME_ms``, ``triton_NAME_x`` against
+``_grouped_mm``, ``triton_NAME_vs_triton`` against the default, ``bitwise_equal_NAME``);
+``--config-override JSON`` changes the default itself; ``--loops`` first records each
+variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
+in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
     python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2,fc1_wgrad,fc2_wgrad]
-        [--reps 30] [--sweep] [--out FILE]
+        [--reps 30] [--sweep] [--variants '{"walk": {"FLAT": false}}'] [--loops] [--out FILE]
     python benchmarks/large_gemm_triton.py --summarize FILE
 """
 

@@ -30,18 +30,20 @@ the host: graph-safe). ``FLAT`` (a launch constexpr; the default of fprop and dg
 builds the groups' cumulative tile counts in registers once (``next_power_of_2(G)`` lanes, at
 most :data:`FLAT_MAX_GROUPS`), a tile's group is the count of lanes <= tile, and the k-loop
 runs to K for every tile, so Triton's FuseNestedLoops pass fuses the two loops into one
-software-pipelined loop (TTGIR: one level of ``scf.for``; the next tile's TMA loads are issued
-during this tile's epilogue). The padding rows' tiles follow in a plain loop that stores zeros
-(no k-step). Measured 1.00-1.12x the group walk at the issue-10 shapes and 1.01-1.23x at
-32-128 rows per group, bitwise equal (H200, 2026-11-30, docs/benchmarks.md). ``FLAT=False``:
+software-pipelined loop (TTGIR: one level of ``scf.for``, in which the TMA loads run ahead
+across tile boundaries). The padding rows' tiles follow in a plain loop that stores zeros
+(no k-step). Measured 0.99-1.12x the group walk at the issue-10 shapes (1.05-1.12x at E128,
+1.01-1.03x at E32, 0.99-1.02x at E8) and 1.01-1.24x at 32-128 rows per group, bitwise equal
+(H200, 2026-11-30, two runs, docs/benchmarks.md). ``FLAT=False``:
 each program walks the groups in order (a ``while`` over the group's tiles inside a loop over
 groups: Triton fuses nothing, the pipeline drains at every tile). ``WARP_SPEC`` passes
 ``warp_specialize=True`` to the flattened loop: Triton 3.6 compiles it but builds no
 warp-specialized partitions on SM90 (the same code as without it). ``TAIL``: a group's last
 row tile with at most ``BLOCK_M / 2`` rows runs as a ``BLOCK_M / 2``-row tile (less wgmma work
 on the empty rows); under ``FLAT`` those half tiles get their own flattened loop after the
-full ones, in the group walk a branch picks the tile height. Not a default: it measured
-0.95-1.03x without it (faster where the tails are a large share: 64 rows per group).
+full ones, in the group walk a branch picks the tile height. Not a default: under ``FLAT``
+it measured 0.94-1.03x ``FLAT`` alone (in the group walk 0.97-1.07x the walk alone), though
+it removes the empty rows' wgmma work (6.6 % of it at E32, 11.7 % at E128 -> 3.1 %, 5.9 %).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
@@ -110,13 +112,15 @@ FLAT_MAX_GROUPS = 1024
 
 
 def large_config(kind: str) -> dict[str, int | bool]:
-    """Default launch parameters of ``kind`` (``"fprop"`` or ``"fc1_swiglu"``), not yet tuned
-    (``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
+    """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
+    ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
     for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
     te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
-    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the group-walk schedule
-    (``FLAT=False``). ``USE_TMA`` is dropped by the launch
-    where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads; the flattened schedule (``FLAT``)
+    for fprop and dgrad (measured faster, module docstring), the group walk for the fc1 +
+    SwiGLU kernel (not measured with ``FLAT``); no ``WARP_SPEC``, no ``TAIL``. ``USE_TMA``
+    is dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot
+    take it."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     block_n = 128 if kind == "fc1_swiglu" else 256
