@@ -33,12 +33,18 @@ stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgr
 ``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
 recorded, not raised) for each shape and kind, then runs the comparison with the fastest
 configuration of each (shape, kind).
+``--variants JSON`` (``{"name": {config changes}}``) times other fprop/dgrad launch configs
+beside the default in the same rounds (``triton_NAME_ms``, ``triton_NAME_x`` against
+``_grouped_mm``, ``triton_NAME_vs_triton`` against the default, ``bitwise_equal_NAME``);
+``--config-override JSON`` changes the default itself; ``--loops`` first records each
+variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
+in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
     python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2,fc1_wgrad,fc2_wgrad]
-        [--reps 30] [--sweep] [--out FILE]
+        [--reps 30] [--sweep] [--variants '{"walk": {"FLAT": false}}'] [--loops] [--out FILE]
     python benchmarks/large_gemm_triton.py --summarize FILE
 """
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -93,11 +100,12 @@ DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu
 #: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
 #: the plain fprop's tile, halved for the fused kernel: gate + up tiles).
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-         "FLAT": False, "num_warps": 8, "num_stages": 3}
+         "FLAT": False, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
 SWEEP = [{**_BASE, **change} for change in (
     *({"BLOCK_N": bn, "num_warps": w, "num_stages": s}
       for bn, w, s in itertools.product((128, 256), (4, 8), (3, 4))),
     {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "BLOCK_N": 128},
+    {"FLAT": True, "WARP_SPEC": True}, {"TAIL": True}, {"TAIL": True, "num_stages": 4},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
     {"GROUP_M": 4}, {"GROUP_M": 16},
     {"BLOCK_N": 128, "BLOCK_K": 128},
@@ -141,8 +149,8 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
     return {"x": x, "w": w, "offs": offs, "probs": probs, "sizes": sizes, "flop": flop}
 
 
-def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None
-           ) -> dict[str, Any]:
+def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None,
+           variants: dict[str, dict] | None = None) -> dict[str, Any]:
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
@@ -152,11 +160,14 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
         return {"grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
                 "triton": lambda: lw.large_wgrad(x, dy, offs, cfg or {})}
     x, w, offs, probs = ops["x"], ops["w"], ops["offs"], ops["probs"]
+    run = lg.large_dgrad if gemm.endswith("dgrad") else lg.large_fprop
+    calls = {"grouped_mm": ((lambda: torch._grouped_mm(x, w, offs=offs)) if gemm.endswith("dgrad")
+                            else (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))),
+             "triton": lambda: run(x, w, offs, cfg or {})}
+    for name, change in (variants or {}).items():  # --variants: other launch configs
+        calls[f"triton_{name}"] = lambda c={**(cfg or {}), **change}: run(x, w, offs, c)
     if gemm.endswith("dgrad"):
-        return {"grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
-                "triton": lambda: lg.large_dgrad(x, w, offs, cfg or {})}
-    calls = {"grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
-             "triton": lambda: lg.large_fprop(x, w, offs, cfg or {})}
+        return calls
     if gemm == "fc1":
         calls["grouped_mm_swiglu"] = lambda: st.swiglu_forward(calls["grouped_mm"](), probs)
         calls["triton_swiglu"] = lambda: st.swiglu_forward(calls["triton"](), probs)
@@ -185,9 +196,10 @@ def _time_interleaved(calls: dict[str, Any], reps: int, warmup: int) -> dict[str
     return times
 
 
-def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None
-            ) -> dict[str, Any]:
-    """Triton output against ``_grouped_mm``'s; for fc1 also the fused h, and a's bits."""
+def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None,
+            variants: dict[str, dict] | None = None) -> dict[str, Any]:
+    """Triton output against ``_grouped_mm``'s (each ``--variants`` config's too); for fc1
+    also the fused h, and a's bits."""
     from te_ops.kernels import swiglu_triton as st
 
     want = calls["grouped_mm"]()
@@ -195,6 +207,8 @@ def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None
     out = {"max_abs_diff": (got.float() - want.float()).abs().max().item(),
            "ref_max_abs": want.float().abs().max().item(),
            "bitwise_equal": bool(torch.equal(got, want))}
+    for name in variants or {}:
+        out[f"bitwise_equal_{name}"] = bool(torch.equal(calls[f"triton_{name}"](), want))
     if gemm == "fc1":
         h, a = calls["fused"]()
         out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
@@ -209,7 +223,8 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     from te_ops.kernels import grouped_wgrad_large_triton as lw
 
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
-    calls = _calls(ops, gemm, cfg, fused_cfg)
+    variants = {} if gemm in WGRADS else (getattr(args, "variants", None) or {})
+    calls = _calls(ops, gemm, cfg, fused_cfg, variants)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
                            "reps": args.reps, "split_sizes": ops["sizes"]}
     if gemm in WGRADS:
@@ -220,7 +235,9 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
         rec["tma_reason"] = lg.tma_unsupported_reason(ops["x"], ops["w"])
     if gemm == "fc1":
         rec["fused_config"] = {**lg.large_config("fc1_swiglu"), **(fused_cfg or {})}
-    rec.update(_checks(calls, gemm, ops.get("probs")))
+    rec.update(_checks(calls, gemm, ops.get("probs"), variants))
+    if variants:
+        rec["variants"] = {n: {**rec["config"], **c} for n, c in variants.items()}
     times = _time_interleaved(calls, args.reps, args.warmup)
     for name, ts in times.items():
         s = summarize_times(ts)
@@ -229,6 +246,9 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     for name in ("grouped_mm", "triton"):
         rec[f"{name}_tflops"] = ops["flop"] / rec[f"{name}_ms"] / 1e9
     rec["triton_x"] = rec["grouped_mm_ms"] / rec["triton_ms"]
+    for name in variants:  # against the peer, and against the default Triton config
+        rec[f"triton_{name}_x"] = rec["grouped_mm_ms"] / rec[f"triton_{name}_ms"]
+        rec[f"triton_{name}_vs_triton"] = rec["triton_ms"] / rec[f"triton_{name}_ms"]
     if gemm == "fc1":
         rec["fused_x"] = rec["grouped_mm_swiglu_ms"] / rec["fused_ms"]
         rec["triton_swiglu_x"] = rec["grouped_mm_swiglu_ms"] / rec["triton_swiglu_ms"]
@@ -308,6 +328,11 @@ def summarize(path: str) -> str:
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
                      f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
                      f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
+        for name in r.get("variants", {}):
+            lines.append(f"  variant {name:12} {r[f'triton_{name}_ms']:8.3f} ms  x "
+                         f"{r[f'triton_{name}_x']:5.3f}  vs default "
+                         f"{r[f'triton_{name}_vs_triton']:5.3f}  bits "
+                         f"{r.get(f'bitwise_equal_{name}')}")
     best: dict[tuple, dict] = {}
     for r in read_records(path, BENCH + "_sweep"):
         key = (r["shape"], r["gemm"], r["kind"])
@@ -317,6 +342,76 @@ def summarize(path: str) -> str:
         lines.append(f"best sweep {shape} {gemm} {kind}: {r['ms']:.3f} ms "
                      f"({r['tflops']:.0f} TFLOP/s) {r['config']}")
     return "\n".join(lines)
+
+
+def _json_arg(parser: argparse.ArgumentParser, flag: str, value: str | None,
+              nested: bool = False) -> dict:
+    """``value`` parsed as a JSON object (of objects when ``nested``); a usage error else."""
+    if value is None:
+        return {}
+    try:
+        got = json.loads(value)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{flag} must be a JSON object, got {value!r} ({exc})")
+    if not isinstance(got, dict) or (nested and not all(isinstance(v, dict)
+                                                        for v in got.values())):
+        parser.error(f"{flag} must be a JSON object{' of objects' if nested else ''}, got "
+                     f"{value!r}")
+    return got
+
+
+def for_nesting(ttgir: str) -> int:
+    """The deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop,
+    e.g. a flattened tile loop)."""
+    stack: list[bool] = []
+    deepest = 0
+    for line in ttgir.splitlines():
+        is_for = "scf.for " in line
+        for ch in line:
+            if ch == "{":
+                stack.append(is_for)
+            elif ch == "}" and stack:
+                stack.pop()
+        deepest = max(deepest, sum(stack))
+    return deepest
+
+
+def loop_report(kind: str, change: dict) -> dict[str, Any]:
+    """Compile the persistent kernel of ``kind`` (bf16, TMA as configured) ahead of time for
+    this machine's GPU and describe its loops: ``scf_for`` (count in the TTGIR),
+    ``for_nesting`` (:func:`for_nesting`), ``warp_specialize_ops`` (``ttg.warp_specialize``
+    partitions), ``shared`` bytes, or ``error``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+
+    cfg = {**lg.large_config(kind), **change}
+    sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "h_ptr", "a_ptr")}
+    sig.update({"p_ptr": "*fp32", "offs_ptr": "*i32"})
+    sig.update({name: "i32" for name in ("M", "N", "K", "G", "P", "stride_wg", "stride_wn",
+                                          "stride_wk")})
+    const = {"SWIGLU": kind == "fc1_swiglu", "HAS_P": False, "W_KN": kind == "dgrad",
+             "GBLOCK": 256 if cfg["FLAT"] else 1,
+             **{k: cfg[k] for k in ("USE_TMA", "FLAT", "WARP_SPEC", "TAIL", "BLOCK_M",
+                                    "BLOCK_N", "BLOCK_K", "GROUP_M")}}
+    cap = (torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0))
+    src = ASTSource(lg._large_kernel, {**sig, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    rec: dict[str, Any] = {"config": cfg, "triton": triton.__version__}
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32),
+                                options={"num_warps": cfg["num_warps"],
+                                         "num_stages": cfg["num_stages"]})
+    except Exception as exc:  # noqa: BLE001 - record the compiler's refusal, go on
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        return rec
+    ttgir = kernel.asm["ttgir"]
+    rec.update(scf_for=ttgir.count("scf.for "), for_nesting=for_nesting(ttgir),
+               warp_specialize_ops=ttgir.count("ttg.warp_specialize"),
+               shared=kernel.metadata.shared)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-sweep", action="store_true",
                         help="--sweep: leave out the fc1 + SwiGLU kernel's configs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default=None, metavar="JSON",
+                        help='fprop/dgrad launch configs timed beside the default, interleaved: '
+                             '{"name": {config changes}, ...} (records triton_NAME_ms, '
+                             'triton_NAME_x, bitwise_equal_NAME)')
+    parser.add_argument("--config-override", default=None, metavar="JSON",
+                        help="changes to the default fprop/dgrad launch config (not --sweep)")
+    parser.add_argument("--loops", action="store_true",
+                        help="first record the loop structure of the compiled kernel of each "
+                             "variant (scf.for count and nesting in the TTGIR, warp-"
+                             "specialized partitions, shared memory)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
@@ -341,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     check_min(parser, "--sweep-reps", args.sweep_reps, 5)
     check_min(parser, "--warmup", args.warmup, 0)
     check_file(parser, "--summarize", args.summarize)
+    args.variants = _json_arg(parser, "--variants", args.variants, nested=True)
+    override = _json_arg(parser, "--config-override", args.config_override)
     if args.summarize:
         print(summarize(args.summarize))
         return 0
@@ -350,8 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     out = JsonLines(args.out)
     out.write({"bench": BENCH + "_machine", **machine_info(torch.device("cuda"))})
     try:
+        if args.loops:
+            for name, change in {"default": {}, **args.variants}.items():
+                for kind in ("fprop", "dgrad"):
+                    out.write({"bench": BENCH + "_loops", "variant": name, "kind": kind,
+                               **loop_report(kind, {**override, **change})})
         for shape, gemm in itertools.product(shapes, gemms):
-            cfg = fused_cfg = None
+            cfg, fused_cfg = (override or None), None
             if args.sweep:
                 cfg, fused_cfg = sweep(shape, gemm, args, out)
             out.write(compare(shape, gemm, args, cfg, fused_cfg))

@@ -91,42 +91,90 @@ def test_grid_size_is_bounded_by_tiles():
 
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
-             "p_ptr": "*fp32", "offs_ptr": "*i32", "ends_ptr": "*i32", "M": "i32", "N": "i32",
+             "p_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32",
              "K": "i32", "G": "i32", "P": "i32", "stride_wg": "i32", "stride_wn": "i32",
              "stride_wk": "i32"}
 
 
-@pytest.mark.parametrize("swiglu, flat, tma, dgrad", [
-    (False, False, True, False), (True, True, True, False), (True, False, False, False),
-    (False, False, True, True), (False, False, False, True)])
-def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad):
+def _for_nesting(ttgir: str) -> int:
+    """Deepest nesting of ``scf.for`` loops in a TTGIR listing (independent of the
+    benchmark's copy: a brace count)."""
+    stack, deepest = [], 0
+    for line in ttgir.splitlines():
+        for ch in line:
+            if ch == "{":
+                stack.append("scf.for " in line)
+            elif ch == "}" and stack:
+                stack.pop()
+        deepest = max(deepest, sum(stack))
+    return deepest
+
+
+@pytest.mark.parametrize("swiglu, flat, tma, dgrad, tail", [
+    (False, False, True, False, False), (True, True, True, False, False),
+    (True, False, False, False, False), (False, False, True, True, False),
+    (False, False, False, True, False), (False, True, True, False, False),
+    (False, True, False, True, False), (False, False, True, False, True),
+    (True, False, True, False, True), (False, True, True, False, True),
+    (True, True, True, False, True)])
+def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     """Ahead-of-time compile for SM90 (no GPU needed, Triton's bundled ptxas): the default
     tiles fit (3 stages of x, W tiles in shared memory), the dots are wgmma and the TMA
-    variant's loads are TMA copies. Checked with Triton 3.6.0 (the H200's) and 3.9.0."""
+    variant's loads are TMA copies. ``FLAT``: Triton fused the k-loops into the tile loops
+    (one level of ``scf.for`` in the TTGIR; the group walk has two); ``TAIL``: a second
+    k-loop (the half tile) and no more shared memory than without it. Checked with Triton
+    3.6.0 (the H200's) and 3.9.0."""
+    cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
+    const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
+             "WARP_SPEC": False, "TAIL": tail, "GBLOCK": 8 if flat else 1,
+             **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
+    kernel = _compile_sm90(const, cfg)
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    assert "wgmma.mma_async" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == tma
+    assert kernel.metadata.shared <= 227 * 1024
+    assert _for_nesting(ttgir) == (1 if flat else 2)
+    if tail and not flat:
+        assert ttgir.count("scf.for ") == 3  # group loop, full-tile and half-tile k-loops
+    if tail:
+        assert kernel.metadata.shared <= _compile_sm90({**const, "TAIL": False},
+                                                       cfg).metadata.shared
+
+
+def _compile_sm90(const: dict, cfg: dict):
     triton = pytest.importorskip("triton")
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as exc:  # pragma: no cover - depends on the Triton version
         pytest.skip(f"no ahead-of-time compile API: {exc}")
-    cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
-    const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
-             "SEARCH_STEPS": 8, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                                         "GROUP_M")}}
     src = ASTSource(L._large_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
                     constexprs=const)
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": cfg["num_warps"],
-                                         "num_stages": cfg["num_stages"]})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg["num_warps"],
+                                       "num_stages": cfg["num_stages"]})
     except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
         if "ptxas" in str(exc).lower():
             pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
         raise
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx
-    assert ("cp.async.bulk.tensor" in ptx) == tma
-    assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"WARP_SPEC": True, "FLAT": False}, "WARP_SPEC=True needs FLAT=True .* got FLAT=False"),
+    ({"TAIL": True, "BLOCK_M": 16}, "TAIL=True needs an even BLOCK_M >= 32 .* got BLOCK_M=16"),
+    ({"FLATTEN": True}, r"config keys must be among .* got unknown \['FLATTEN'\]"),
+])
+def test_config_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        L._resolve("fprop", change, 4)
+
+
+def test_flat_with_too_many_groups_takes_the_group_walk():
+    assert L._resolve("fprop", {"FLAT": True}, L.FLAT_MAX_GROUPS)["FLAT"] is True
+    many = L._resolve("dgrad", {"FLAT": True, "WARP_SPEC": True}, L.FLAT_MAX_GROUPS + 1)
+    assert many["FLAT"] is False and many["WARP_SPEC"] is False
+    assert L._resolve("fc1_swiglu", None, 8) == L.large_config("fc1_swiglu")
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -264,3 +312,61 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     dy = torch.randn(x.shape[0], w.shape[1], device=CUDA).to(x.dtype)
     dgrad = torch.compile(lambda *a: L.large_dgrad(*a), fullgraph=True)
     assert torch.equal(dgrad(dy, w, offs), L.large_dgrad(dy, w, offs))
+
+
+#: Row counts for the half-height tail tiles (BLOCK_M 128): remainders of 1, 64 (a half tile),
+#: 65 (a full one), 0, 127, an empty group and 40 NaN padding rows.
+TAIL_CASES = [([129, 0, 192, 193, 256, 127, 30], 1167, 512, 192)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "fc1_swiglu"])
+@pytest.mark.parametrize("change", [{"FLAT": True}, {"FLAT": True, "USE_TMA": False},
+                                    {"FLAT": False, "TAIL": True}, {"FLAT": True, "TAIL": True}])
+def test_flat_and_tail_bitwise_equal_to_the_group_walk(kind, change):
+    """The flattened schedule (the padding rows, NaN garbage in x, in a loop that stores
+    zeros) and the half-height tail tiles (in the group walk and flattened) give the group
+    walk's bits (same k-steps per output element), zeros in the padding rows, and the fp64
+    reference's values."""
+    tma = change.get("USE_TMA", True)
+    for sizes, m, n, k in CASES + TAIL_CASES:
+        x, w, offs, probs = _operands(sizes, m, n, k, torch.bfloat16)
+        total = sum(sizes)
+        if kind == "dgrad":
+            x = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
+            x[total:] = float("nan")
+            got = L.large_dgrad(x, w, offs, config=change)
+            want = L.large_dgrad(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
+            ref = _reference(x, w.transpose(1, 2), sizes)
+        elif kind == "fprop":
+            got = L.large_fprop(x, w, offs, config=change)
+            want = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
+            ref = _reference(x, w, sizes)
+        else:
+            got, a = L.large_fc1_swiglu(x, w, offs, probs, config=change)
+            want, a_want = L.large_fc1_swiglu(x, w, offs, probs,
+                                              config={"USE_TMA": tma, "FLAT": False})
+            assert torch.equal(a, a_want) and not a[total:].any(), (sizes, change)
+            ref = _reference(x, w, sizes)
+        assert torch.equal(got, want), (sizes, change)
+        assert not got[total:].any(), (sizes, change)
+        if total:
+            red = n if kind == "dgrad" else k
+            assert (got.double() - ref).abs().max().item() <= _tol(torch.bfloat16, red)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("change", [{}, {"FLAT": False}, {"FLAT": False, "TAIL": True},
+                                    {"FLAT": True, "TAIL": True}])
+def test_bitwise_equal_to_grouped_mm(change):
+    """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) bit for bit, as the benchmark
+    finds at the issue-10 shapes, in each schedule (skewed and empty groups, no padding)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    sizes = [300, 0, 17, 195, 64, 600]
+    x, w, offs, _ = _operands(sizes, sum(sizes), 512, 256, torch.bfloat16)
+    assert torch.equal(L.large_fprop(x, w, offs, config=change),
+                       torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+    dy = torch.randn(sum(sizes), 512, device=CUDA).to(torch.bfloat16)
+    assert torch.equal(L.large_dgrad(dy, w, offs, config=change),
+                       torch._grouped_mm(dy, w, offs=offs))

@@ -37,6 +37,9 @@ def _usage_error(capsys, argv: list[str]) -> str:
     (["--sweep-reps", "1"], ["--sweep-reps", ">= 5"]),
     (["--warmup", "-1"], ["--warmup", ">= 0"]),
     (["--summarize", "/no/such/file.jsonl"], ["--summarize", "/no/such/file.jsonl"]),
+    (["--variants", "{bad"], ["--variants must be a JSON object", "'{bad'"]),
+    (["--variants", '{"flat": 1}'], ["--variants must be a JSON object of objects"]),
+    (["--config-override", "[1]"], ["--config-override must be a JSON object", "'[1]'"]),
 ])
 def test_bad_arguments(capsys, argv, words):
     err = _usage_error(capsys, argv)
@@ -141,3 +144,46 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     assert table[5].split()[:2] == ["E2_T64_H32_FF16", "fc1_wgrad"]
     assert table[3].split()[:2] == ["E2_T64_H32_FF16", "fc1_dgrad"]
     assert table[1].split()[:2] == ["E2_T64_H32_FF16", "fc1"]
+
+
+def test_variants_are_timed_checked_and_summarized(monkeypatch, tmp_path, capsys):
+    """``--variants``: each config is one more interleaved call with its own time, ratios
+    and bitwise check, passed to the kernel on top of the default; wgrad GEMMs take none."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    seen = []
+    monkeypatch.setattr(lg, "large_fprop", lambda x, w, o, c=None: (seen.append(c),
+                                                                    _ref_fprop(x, w, o))[1])
+    monkeypatch.setattr(lg, "large_dgrad", _ref_dgrad)
+    monkeypatch.setattr(lw, "large_wgrad", _ref_wgrad)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: (
+        _grouped_mm_wgrad(a, b, offs) if b.dim() == 2 else _ref_fprop(a, b.transpose(1, 2),
+                                                                      offs)))
+    monkeypatch.setattr(bench, "_time_interleaved",
+                        lambda calls, reps, warmup: {n: [1.0 + i] * reps
+                                                     for i, n in enumerate(calls)})
+    monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
+    monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
+    args = argparse.Namespace(seed=0, reps=20, warmup=0,
+                              variants={"walk": {"FLAT": False}, "tail": {"TAIL": True}})
+    rec = bench.compare("E2_T64_H32_FF16", "fc2", args, cfg={"GROUP_M": 4})
+    assert rec["triton_walk_ms"] == 3.0 and rec["triton_tail_ms"] == 4.0
+    assert rec["triton_walk_x"] == 1.0 / 3.0 and rec["triton_tail_vs_triton"] == 2.0 / 4.0
+    assert rec["bitwise_equal_walk"] is True and rec["bitwise_equal_tail"] is True
+    assert rec["variants"]["walk"]["FLAT"] is False and rec["variants"]["tail"]["GROUP_M"] == 4
+    assert {"GROUP_M": 4, "FLAT": False} in seen and {"GROUP_M": 4, "TAIL": True} in seen
+    assert "variants" not in bench.compare("E2_T64_H32_FF16", "fc2_wgrad", args)
+    path = tmp_path / "v.jsonl"
+    out = bench.JsonLines(str(path))
+    out.write(rec)
+    out.close()
+    capsys.readouterr()
+    assert bench.main(["--summarize", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].split()[:2] == ["variant", "walk"] and "bits True" in table[2]
+
+
+def test_for_nesting_counts_loops_inside_loops():
+    ttgir = "scf.for %a {\n  scf.if %c {\n    scf.for %b {\n    }\n  }\n}\nscf.for %d {\n}"
+    assert bench.for_nesting(ttgir) == 2
+    assert bench.for_nesting("scf.for %a {\n}\nscf.for %b {\n}") == 1
+    assert bench.for_nesting("tt.func {\n}") == 0

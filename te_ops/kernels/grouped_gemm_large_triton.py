@@ -24,12 +24,26 @@ padding):
 Schedule. A persistent kernel: ``min(#SMs, tile bound)`` programs; the tiles of all groups
 (and of the padding tail, group index ``G``, whose tiles write zeros) are numbered group after
 group, ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` per group, and program ``p`` takes tiles
-``p, p + P, p + 2P, ...``. Each program walks the groups in order, reading the offsets on the
-device (no host sync, launch size known on the host: graph-safe), so no tile table is built.
-``FLAT=True`` (a launch constexpr) instead runs one ``tl.range(..., flatten=True)`` loop over
-the program's tiles and finds each tile's group by binary search in a (G + 1,) tile table that
-:func:`tile_ends` builds on the device with a few torch ops (whether Triton then pipelines
-across tiles on SM90 is for the benchmark to show).
+``p, p + P, p + 2P, ...``; offsets are read on the device (no host sync, launch size known on
+the host: graph-safe). ``FLAT`` (a launch constexpr; the default of fprop and dgrad) runs one
+``tl.range(..., flatten=True)`` loop over the program's tiles of the G groups: each program
+builds the groups' cumulative tile counts in registers once (``next_power_of_2(G)`` lanes, at
+most :data:`FLAT_MAX_GROUPS`), a tile's group is the count of lanes <= tile, and the k-loop
+runs to K for every tile, so Triton's FuseNestedLoops pass fuses the two loops into one
+software-pipelined loop (TTGIR: one level of ``scf.for``, in which the TMA loads run ahead
+across tile boundaries). The padding rows' tiles follow in a plain loop that stores zeros
+(no k-step). Measured 0.99-1.12x the group walk at the issue-10 shapes (1.05-1.12x at E128,
+1.01-1.03x at E32, 0.99-1.02x at E8) and 1.01-1.24x at 32-128 rows per group, bitwise equal
+(H200, 2026-11-30, two runs, docs/benchmarks.md). ``FLAT=False``:
+each program walks the groups in order (a ``while`` over the group's tiles inside a loop over
+groups: Triton fuses nothing, the pipeline drains at every tile). ``WARP_SPEC`` passes
+``warp_specialize=True`` to the flattened loop: Triton 3.6 compiles it but builds no
+warp-specialized partitions on SM90 (the same code as without it). ``TAIL``: a group's last
+row tile with at most ``BLOCK_M / 2`` rows runs as a ``BLOCK_M / 2``-row tile (less wgmma work
+on the empty rows); under ``FLAT`` those half tiles get their own flattened loop after the
+full ones, in the group walk a branch picks the tile height. Not a default: under ``FLAT``
+it measured 0.94-1.03x ``FLAT`` alone (in the group walk 0.97-1.07x the walk alone), though
+it removes the empty rows' wgmma work (6.6 % of it at E32, 11.7 % at E128 -> 3.1 %, 5.9 %).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
@@ -57,7 +71,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
-from .triton_launch import cdiv, launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -70,7 +84,7 @@ __all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GR
            "large_kinds", "large_config",
            "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
-           "tile_ends"]
+           "FLAT_MAX_GROUPS"]
 
 #: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
 #: average rows per group (padding included) of at least this many: SM90, bfloat16. Measured
@@ -79,7 +93,9 @@ __all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GR
 #: fc2): 1.24-1.62x at 32-64 rows per group (E128 T4096 / T8192 H2048 FF768, E64 T4096 H7168
 #: FF2048), 1.22-1.58x at 128-256 (E128 T16384 / T32768, E64 T16384 H7168), 1.07-1.22x at
 #: 512 (E128 T65536), 1.04-1.11x at 1024 (E32 T32768 H7168 FF2048), 1.00-1.09x at 2048 (E8
-#: T16384 H4096 FF14336). Below 32, the few-rows kernels (``grouped_gemm_triton``: fprop <= 8,
+#: T16384 H4096 FF14336); those numbers are the group-walk schedule's, the ``FLAT`` default
+#: since stop 14 measured 0.99-1.12x the walk at 512-2048 and 1.01-1.24x at 32-128 rows per
+#: group (module docstring). Below 32, the few-rows kernels (``grouped_gemm_triton``: fprop <= 8,
 #: dgrad <= 4 rows per group) or ``torch._grouped_mm`` (in between, not measured here).
 MIN_ROWS_PER_GROUP = {"fprop": 32, "dgrad": 32}
 
@@ -103,20 +119,51 @@ FORCED_MIN_ROWS_PER_GROUP = 512
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
 
+#: The ``FLAT`` schedule keeps two int64 tile counts per group in registers,
+#: ``next_power_of_2(G)`` lanes per program; above this many groups the launch runs the group
+#: walk instead (same outputs).
+FLAT_MAX_GROUPS = 1024
+
 
 def large_config(kind: str) -> dict[str, int | bool]:
-    """Default launch parameters of ``kind`` (``"fprop"`` or ``"fc1_swiglu"``), not yet tuned
-    (``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
+    """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
+    ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
     for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
     te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
-    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the group-walk schedule
-    (``FLAT=False``). ``USE_TMA`` is dropped by the launch
-    where :func:`tma_unsupported_reason` says the operands cannot take it."""
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads; the flattened schedule (``FLAT``)
+    for fprop and dgrad (measured faster, module docstring), the group walk for the fc1 +
+    SwiGLU kernel (not measured with ``FLAT``); no ``WARP_SPEC``, no ``TAIL``. ``USE_TMA``
+    is dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot
+    take it."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     block_n = 128 if kind == "fc1_swiglu" else 256
     return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": False, "num_warps": 8, "num_stages": 3}
+            "FLAT": kind != "fc1_swiglu", "WARP_SPEC": False, "TAIL": False, "num_warps": 8,
+            "num_stages": 3}
+
+
+def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
+    """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
+    ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
+    wgmma's minimum). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group
+    walk instead (the same tiles and k-steps; the in-register tile table would take too
+    many registers)."""
+    cfg = dict(large_config(kind))
+    cfg.update(config or {})
+    unknown = sorted(set(cfg) - set(large_config(kind)))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(large_config(kind))}, got "
+                         f"unknown {unknown}")
+    if cfg["FLAT"] and groups > FLAT_MAX_GROUPS:
+        cfg["FLAT"] = cfg["WARP_SPEC"] = False
+    if cfg["WARP_SPEC"] and not cfg["FLAT"]:
+        raise ValueError("config WARP_SPEC=True needs FLAT=True (it applies to the flattened "
+                         "tile loop), got FLAT=False")
+    if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
+        raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
+                         f"rows), got BLOCK_M={cfg['BLOCK_M']}")
+    return cfg
 
 
 def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
@@ -225,21 +272,17 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
-    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end, pm, pn, N,
+    def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end, end, m0, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
               HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
-              BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One output tile: row tile ``pm`` of group ``g``'s rows [start, end), column tile
-        ``pn``; the padding group (g == G) runs no k-step and stores zeros."""
-        m0 = start + pm * BLOCK_M
-        rows = m0 + tl.arange(0, BLOCK_M)
+              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile: rows [m0, m0 + TILE_M) of group ``g`` (rows up to ``end``),
+        column tile ``pn``, k-steps up to ``k_end`` (K; 0 for the padding group, which then
+        stores zeros)."""
+        rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_end = tl.where(g < G, K, 0)
+        acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
             if USE_TMA:
                 xa = x_desc.load([m0.to(tl.int32), k0])
@@ -254,7 +297,16 @@ if triton is not None:
                 wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
                              stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
-        mask = row_ok[:, None] & col_ok[None, :]
+        _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU, HAS_P,
+                  BLOCK_N)
+
+    @triton.jit
+    def _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols,
+                  SWIGLU: tl.constexpr, HAS_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Store h = acc (SWIGLU: h's gate columns, acc_u its up columns, and a) for the
+        tile's ``rows`` where ``row_ok``, column tile ``pn``."""
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < N)[None, :]
         h_row = h_ptr + rows[:, None] * h_cols
         hg = acc.to(h_ptr.dtype.element_ty)
         tl.store(h_row + cols[None, :], hg, mask=mask)
@@ -271,29 +323,74 @@ if triton is not None:
                      out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, ends_ptr, M, N, K, G, P,
+    def _row_tiles(rows, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+        """(full-height row tiles, half-height row tiles) of a group of ``rows`` rows: with
+        TAIL a remainder of at most BLOCK_M / 2 rows is one half tile, else every row tile
+        is full (the last one partly empty)."""
+        full = (rows + BLOCK_M - 1) // BLOCK_M
+        if TAIL:
+            rem = rows % BLOCK_M
+            half = ((rem > 0) & (rem <= BLOCK_M // 2)).to(full.dtype)
+            return full - half, half
+        return full, full * 0
+
+    @triton.jit
+    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, TAIL: tl.constexpr,
+                   GBLOCK: tl.constexpr):
+        """The ``FLAT`` schedule's tile tables in registers (int64, GBLOCK >= G lanes): lane
+        g < G holds the cumulative count of full-height tiles of groups 0..g, and of their
+        half-height tail tiles (:func:`_row_tiles`); rows clamped as :func:`_group_rows`;
+        lanes past G - 1 hold the totals. The padding rows are not in the tables."""
+        gi = tl.arange(0, GBLOCK)
+        real = gi < G
+        end = tl.load(offs_ptr + gi, mask=real, other=0).to(tl.int64)
+        end = tl.minimum(tl.maximum(end, 0), M)
+        start = tl.load(offs_ptr + gi - 1, mask=(gi > 0) & real, other=0).to(tl.int64)
+        start = tl.minimum(tl.maximum(start, 0), end)
+        full, half = _row_tiles(end - start, BLOCK_M, TAIL)
+        return (tl.cumsum(tl.where(real, full * tiles_n, 0), 0),
+                tl.cumsum(tl.where(real, half * tiles_n, 0), 0))
+
+    @triton.jit
+    def _group_of(ends, tile):
+        """(group, its first tile) of ``tile`` in a cumulative tile table."""
+        before = ends <= tile
+        return tl.sum(before.to(tl.int32), 0), tl.max(tl.where(before, ends, 0), 0)
+
+    @triton.jit
+    def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
                       stride_wg, stride_wn, stride_wk,
                       SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
-                      W_KN: tl.constexpr, FLAT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                      W_KN: tl.constexpr, FLAT: tl.constexpr, WARP_SPEC: tl.constexpr,
+                      TAIL: tl.constexpr, GBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
-        FLAT: one loop over this program's tiles (``ends_ptr``: int32 (G + 1,) cumulative
-        tile counts; the group of a tile by a SEARCH_STEPS-step binary search), which
-        Triton may flatten with the k-loop and pipeline across tiles; else each program
-        walks the groups in order (no table)."""
+        FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles of groups
+        0..G-1 (the group of a tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >= G
+        lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops
+        (``WARP_SPEC``: ask for warp specialization of that loop too); with TAIL a second
+        such loop over the groups' half-height last row tiles; then a loop over the padding
+        rows' tiles that stores zeros (no k-step, no read of those rows). Else each program
+        walks the groups in order (no table); TAIL there: a row tile with at most
+        BLOCK_M / 2 rows of its group left runs as a BLOCK_M / 2-row tile (a branch between
+        two k-loops). The tile numbering runs round robin over the programs throughout."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
         else:
             h_cols = N
         x_desc = None
+        x_half = None
         w_desc = None
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
+            if TAIL:
+                x_half = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                                   block_shape=[BLOCK_M // 2, BLOCK_K])
             if W_KN:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
                                                    strides=[stride_wg, stride_wk, 1],
@@ -304,23 +401,36 @@ if triton is not None:
                                                    block_shape=[1, BLOCK_N, BLOCK_K])
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
-            total = tl.load(ends_ptr + G)
-            for tile in tl.range(pid, total, P, flatten=True):
-                lo = tl.zeros([], dtype=tl.int32)
-                hi = lo + G
-                for _ in tl.static_range(SEARCH_STEPS):  # first g with ends[g] > tile
-                    mid = (lo + hi) // 2
-                    right = tl.load(ends_ptr + mid) <= tile
-                    lo = tl.where(right, mid + 1, lo)
-                    hi = tl.where(right, hi, mid)
-                g = lo
-                base = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+            ends, half_ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, TAIL, GBLOCK)
+            n_full = tl.max(ends, 0)
+            for tile in tl.range(pid, n_full, P, flatten=True, warp_specialize=WARP_SPEC):
+                g, base = _group_of(ends, tile)  # g < G: the padding is not in the table
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
-                tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-                pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
-                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start, end,
-                      pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU, HAS_P,
-                      USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                tiles_m, _ = _row_tiles(end - start, BLOCK_M, TAIL)
+                pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m.to(tl.int32), tiles_n,
+                                  GROUP_M)
+                _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
+                      start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
+                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+            first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
+            if TAIL:  # the groups' half-height last row tiles, one per (group, column tile)
+                n_half = tl.max(half_ends, 0)
+                for tile in tl.range(first, n_half, P, flatten=True):
+                    g, base = _group_of(half_ends, tile)
+                    start, end = _group_rows(offs_ptr, g, G, M)
+                    m0 = start + (end - start) // BLOCK_M * BLOCK_M
+                    _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end, m0,
+                          (tile - base).to(tl.int32), N, K, h_cols, stride_wg, stride_wn,
+                          stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2, BLOCK_N,
+                          BLOCK_K)
+                first = (first + P - n_half % P) % P
+            pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
+            pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
+            for tile in range(first, pad_tiles, P):  # padding rows: zeros, no k-step
+                rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                _epilogue(zero, zero, h_ptr, a_ptr, p_ptr, rows, rows < pad_end,
+                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, BLOCK_N)
         else:
             tile = pid
             base = 0
@@ -328,25 +438,28 @@ if triton is not None:
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
                 tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
                 count = tiles_m * tiles_n
+                k_end = tl.where(g < G, K, 0)  # the padding group: no k-step, zeros
                 while tile < base + count:
                     pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
-                    _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, G, start,
-                          end, pm, pn, N, K, h_cols, stride_wg, stride_wn, stride_wk,
-                          SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                    m0 = start + pm * BLOCK_M
+                    if TAIL:
+                        if end - m0 <= BLOCK_M // 2:  # the group's last rows: a half tile
+                            _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2,
+                                  BLOCK_N, BLOCK_K)
+                        else:
+                            _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
+                                  BLOCK_N, BLOCK_K)
+                    else:
+                        _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                              end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                              stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
+                              BLOCK_N, BLOCK_K)
                     tile += P
                 base += count
-
-
-def tile_ends(offsets: torch.Tensor, rows: int, n: int, block_m: int, block_n: int
-              ) -> torch.Tensor:
-    """The ``FLAT`` schedule's tile table, on the device (torch ops, no host sync): int32
-    (G + 1,) cumulative tile counts of the groups and the padding tail (rows past
-    ``offsets[-1]`` up to ``rows``), ``cdiv(rows_g, block_m) * cdiv(n, block_n)`` each."""
-    ends = offsets.to(torch.int64).clamp(0, rows)  # the kernel's clamped rows
-    starts = torch.cat([ends.new_zeros(1), ends])
-    ends = torch.cat([ends, ends.new_full((1,), rows)])
-    counts = ((ends - starts).clamp(min=0) + block_m - 1) // block_m * cdiv(n, block_n)
-    return counts.cumsum(0).to(torch.int32)
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -374,24 +487,21 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
     probs = None if probs is None else probs.contiguous()
     offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
-    cfg = dict(large_config(kind))
-    cfg.update(config or {})
+    cfg = _resolve(kind, config, groups)
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
         cfg["USE_TMA"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
         _ensure_allocator()
     grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
     p = probs if probs is not None else x
-    ends = (tile_ends(offsets, m, n, cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg["FLAT"]
-            else offsets)
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
     # as (G, K_red=N, N_out=K).
     stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
                           else (weights.stride(1), weights.stride(2)))
-    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, ends, m, n, k,
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k,
            groups, grid[0], weights.stride(0), stride_n, stride_k,
            SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
-           SEARCH_STEPS=groups.bit_length() + 1, **cfg)
+           GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
     return h, a
 
 
