@@ -54,6 +54,7 @@ from common import (  # noqa: E402
 from grouped_mlp import (  # noqa: E402
     CPU_SHAPES,
     HOST_SHAPES,
+    MID_SHAPES,
     PEER_CLASSES,
     QUICK_SHAPES,
     SHAPES,
@@ -182,7 +183,8 @@ def summarize(path: str, top: int = 8) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None, help="comma-separated shape names: "
-                        + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *QUICK_SHAPES]))
+                        + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *MID_SHAPES,
+                                     *QUICK_SHAPES]))
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="comma-separated peers of benchmarks/grouped_mlp.py")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
-    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **QUICK_SHAPES}
+    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES, **QUICK_SHAPES}
     default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
     names = args.shapes.split(",") if args.shapes else list(default)
     peers = args.peers.split(",")
