@@ -5,7 +5,9 @@ This times, on the host clock, how long each kind of call takes to return (the d
 synchronized between batches, so the launch queue never fills): ``torch.cumsum`` of the split
 sizes (cub's scan) and an exact alternative, ``torch.empty`` with keyword device/dtype against
 ``Tensor.new_empty``, te_ops' padding-row Triton kernel launched from Python, one
-``torch._grouped_mm`` and one in-place elementwise op for scale. JSON lines, median
+``torch._grouped_mm`` and one in-place elementwise op for scale; and the persistent many-rows
+Triton kernels' entry points (``large_fprop`` / ``large_dgrad`` / ``large_wgrad``) against the
+``torch._grouped_mm`` calls they replace. JSON lines, median
 microseconds per call.
 
 Usage::
@@ -70,6 +72,24 @@ def main(argv: list[str] | None = None) -> int:
         calls["triton_zero_rows_launch"] = lambda: _launch(x, offs)
     except ImportError:  # no Triton
         pass
+    # The persistent many-rows kernels' eager entry points (argument checks, config, TMA gate,
+    # grid, launch), against the torch._grouped_mm calls they replace: their host cost per
+    # call, which te_ops' fast path pays for every fprop / dgrad (and, at 64-256 rows per
+    # group, wgrad) of a step (docs/benchmarks.md, the goal table's 64-256-rows paragraph).
+    from te_ops.kernels import grouped_gemm_large_triton as large
+    from te_ops.kernels import grouped_wgrad_large_triton as large_w
+
+    if large.unsupported_reason(device, x.dtype) is None:
+        wt = torch.randn(g, 1536, 2048, device=device, dtype=torch.bfloat16)  # (G, N, K)
+        dy = torch.randn(t, 1536, device=device, dtype=torch.bfloat16)
+        calls.update({
+            "large_fprop": lambda: large.large_fprop(x, wt, offs),
+            "grouped_mm_fprop_wt": lambda: torch._grouped_mm(x, wt.transpose(1, 2), offs=offs),
+            "large_dgrad": lambda: large.large_dgrad(dy, wt, offs),
+            "grouped_mm_dgrad": lambda: torch._grouped_mm(dy, wt, offs=offs),
+            "large_wgrad": lambda: large_w.large_wgrad(x, dy, offs),
+            "grouped_mm_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+        })
     out = JsonLines(args.out)
     out.write({"bench": "host_launch_costs_run", **machine_info(device), "groups": g})
     try:
