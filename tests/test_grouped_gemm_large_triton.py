@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from sm90_compile import compile_for_sm90
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
@@ -142,22 +143,9 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
 
 
 def _compile_sm90(const: dict, cfg: dict):
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover - depends on the Triton version
-        pytest.skip(f"no ahead-of-time compile API: {exc}")
-    src = ASTSource(L._large_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
-                    constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"],
-                                       "num_stages": cfg["num_stages"]})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    pytest.importorskip("triton")  # the kernel exists only with triton
+    return compile_for_sm90(L._large_kernel, SIGNATURE, const, cfg["num_warps"],
+                            cfg["num_stages"])
 
 
 @pytest.mark.parametrize("change, match", [

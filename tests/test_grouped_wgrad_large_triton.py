@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sm90_compile import compile_for_sm90
 
 from te_ops.kernels import grouped_wgrad_large_triton as W
 
@@ -127,26 +128,13 @@ def test_compiles_for_sm90_with_wgmma_and_tma(tma, accumulate):
     """Ahead-of-time compile of the default config for SM90 (no GPU needed): the dots are
     wgmma, the TMA variant's loads are TMA copies and its 3 stages fit in shared memory.
     Checked with Triton 3.6.0 (the H200's)."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover - depends on the Triton version
-        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    pytest.importorskip("triton")  # the kernel exists only with triton
     cfg = W.large_wgrad_config()
     const = {"ACCUMULATE": accumulate, "USE_TMA": tma, "SORTED": True,
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
-    sig = {**SIGNATURE, "out_ptr": "*fp32" if accumulate else "*bf16",
-           **{k: "constexpr" for k in const}}
-    src = ASTSource(W._wgrad_large_kernel, sig, constexprs=const)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": cfg["num_warps"],
-                                         "num_stages": cfg["num_stages"]})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    sig = {**SIGNATURE, "out_ptr": "*fp32" if accumulate else "*bf16"}
+    kernel = compile_for_sm90(W._wgrad_large_kernel, sig, const, cfg["num_warps"],
+                              cfg["num_stages"])
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert ("cp.async.bulk.tensor" in ptx) == tma
@@ -162,25 +150,13 @@ def test_flat_kernel_compiles_for_sm90_as_one_pipelined_loop(subtile, stages):
     TTGIR (no nested k-loop left), wgmma dots, TMA loads and a TMA store, and the shared
     memory of the stages and the epilogue tile within SM90's 227 KiB. Checked with Triton
     3.6.0 (the H200's)."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover - depends on the Triton version
-        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    pytest.importorskip("triton")  # the kernel exists only with triton
     cfg = W.large_wgrad_config()
     const = {"ACCUMULATE": False, "USE_TMA": True, "SORTED": True, "DESC_BOUNDS": True,
              "TMA_STORE": True, "SUBTILE": subtile, "WARP_SPEC": False, "G_POW2": 8,
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
-    src = ASTSource(W._wgrad_flat_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
-                    constexprs=const)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": cfg["num_warps"], "num_stages": stages})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    kernel = compile_for_sm90(W._wgrad_flat_kernel, SIGNATURE, const, cfg["num_warps"],
+                              stages)
     assert kernel.asm["ttgir"].count("scf.for") == 1
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx

@@ -98,7 +98,9 @@ def _ref_swiglu(h, probs):
     return (a * probs[:, None]).to(h.dtype)
 
 
-def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
+def _cpu_bench(monkeypatch) -> None:
+    """The benchmark on the CPU with one tiny shape: the kernels, ``torch._grouped_mm`` and
+    the timing replaced by references and fixed times (call i of a round takes 1 + i ms)."""
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
     monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
@@ -114,6 +116,10 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_time_interleaved",
                         lambda calls, reps, warmup: {n: [1.0 + i] * reps
                                                      for i, n in enumerate(calls)})
+
+
+def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
+    _cpu_bench(monkeypatch)
     args = argparse.Namespace(seed=0, reps=20, warmup=0)
     path = tmp_path / "r.jsonl"
     out = bench.JsonLines(str(path))
@@ -149,20 +155,10 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
 def test_variants_are_timed_checked_and_summarized(monkeypatch, tmp_path, capsys):
     """``--variants``: each config is one more interleaved call with its own time, ratios
     and bitwise check, passed to the kernel on top of the default; wgrad GEMMs take none."""
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    _cpu_bench(monkeypatch)
     seen = []
     monkeypatch.setattr(lg, "large_fprop", lambda x, w, o, c=None: (seen.append(c),
                                                                     _ref_fprop(x, w, o))[1])
-    monkeypatch.setattr(lg, "large_dgrad", _ref_dgrad)
-    monkeypatch.setattr(lw, "large_wgrad", _ref_wgrad)
-    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: (
-        _grouped_mm_wgrad(a, b, offs) if b.dim() == 2 else _ref_fprop(a, b.transpose(1, 2),
-                                                                      offs)))
-    monkeypatch.setattr(bench, "_time_interleaved",
-                        lambda calls, reps, warmup: {n: [1.0 + i] * reps
-                                                     for i, n in enumerate(calls)})
-    monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
-    monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
     args = argparse.Namespace(seed=0, reps=20, warmup=0,
                               variants={"walk": {"FLAT": False}, "tail": {"TAIL": True}})
     rec = bench.compare("E2_T64_H32_FF16", "fc2", args, cfg={"GROUP_M": 4})

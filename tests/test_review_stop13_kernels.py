@@ -23,6 +23,7 @@ import re
 import pytest
 import torch
 from interpret import interpreter_marks, run_interpreted
+from sm90_compile import compile_for_sm90
 
 HEADER = r'''
 import torch
@@ -215,21 +216,7 @@ _I32_TENSOR_MUL = re.compile(r"arith\.muli .*: tensor<[0-9x]+xi32>")
 
 
 def _ttir(fn, signature: dict, const: dict) -> str:
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover - depends on the Triton version
-        pytest.skip(f"no ahead-of-time compile API: {exc}")
-    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in const}}, constexprs=const)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 8, "num_stages": 3})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
-    return kernel.asm["ttir"]
+    return compile_for_sm90(fn, signature, const).asm["ttir"]
 
 
 @pytest.mark.parametrize("schedule", [{}, {"FLAT": True}, {"TAIL": True},

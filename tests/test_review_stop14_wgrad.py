@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpret import interpreter_marks, run_interpreted
+from sm90_compile import compile_for_sm90
 
 _INTERPRETER = interpreter_marks("tests/test_review_stop14_wgrad.py (the cuda tests)")
 
@@ -98,12 +99,7 @@ def test_flat_accumulate_does_not_fit_sm90_shared_memory():
     kernel with ``ACCUMULATE`` (fp32 ``out`` loaded in the epilogue) needs more shared memory
     than an SM90 block has (232,448 bytes), so its launch cannot run; the nested one fits.
     Ahead-of-time compile, Triton 3.6 (the H200's)."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover - depends on the Triton version
-        pytest.skip(f"no ahead-of-time compile API: {exc}")
+    pytest.importorskip("triton")
     from te_ops.kernels import grouped_wgrad_large_triton as W
 
     cfg = W.large_wgrad_config()
@@ -116,16 +112,8 @@ def test_flat_accumulate_does_not_fit_sm90_shared_memory():
             ("nested", W._wgrad_large_kernel, {})):
         const = {"ACCUMULATE": True, "USE_TMA": True, "SORTED": True, **extra,
                  **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
-        src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in const}}, constexprs=const)
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": cfg["num_warps"],
-                                               "num_stages": cfg["num_stages"]})
-        except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-            if "ptxas" in str(exc).lower():
-                pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-            raise
-        shared[name] = compiled.metadata.shared
+        shared[name] = compile_for_sm90(kernel, sig, const, cfg["num_warps"],
+                                        cfg["num_stages"]).metadata.shared
     assert shared["flat"] > 232448 >= shared["nested"], shared
 
 
