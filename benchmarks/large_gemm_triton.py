@@ -36,7 +36,9 @@ configuration of each (shape, kind).
 ``--variants JSON`` (``{"name": {config changes}}``) times other fprop/dgrad launch configs
 beside the default in the same rounds (``triton_NAME_ms``, ``triton_NAME_x`` against
 ``_grouped_mm``, ``triton_NAME_vs_triton`` against the default, ``bitwise_equal_NAME``);
-``--config-override JSON`` changes the default itself; ``--loops`` first records each
+``--config-override JSON`` changes the fprop/dgrad default itself (the wgrad GEMMs keep
+theirs; both flags are checked against ``large_config`` before any GPU work); ``--loops``
+first records each
 variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
 in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
@@ -360,6 +362,23 @@ def _json_arg(parser: argparse.ArgumentParser, flag: str, value: str | None,
     return got
 
 
+def _check_configs(parser: argparse.ArgumentParser, override: dict,
+                   variants: dict[str, dict]) -> None:
+    """A usage error (before any GPU work) where ``--config-override`` or a ``--variants``
+    config is not a valid fprop / dgrad launch config (``large_config`` keys, the
+    ``WARP_SPEC`` / ``TAIL`` checks); the message names the flag and the kernel's reason."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+
+    for flag, change in (("--config-override", override),
+                         *((f"--variants {name!r}", {**override, **c})
+                           for name, c in variants.items())):
+        try:
+            for kind in ("fprop", "dgrad"):
+                lg._resolve(kind, change, 1)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+
+
 def for_nesting(ttgir: str) -> int:
     """The deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop,
     e.g. a flattened tile loop)."""
@@ -432,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                              '{"name": {config changes}, ...} (records triton_NAME_ms, '
                              'triton_NAME_x, bitwise_equal_NAME)')
     parser.add_argument("--config-override", default=None, metavar="JSON",
-                        help="changes to the default fprop/dgrad launch config (not --sweep)")
+                        help="changes to the default fprop/dgrad launch config (not --sweep; "
+                             "the wgrad GEMMs keep theirs)")
     parser.add_argument("--loops", action="store_true",
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
@@ -448,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     check_file(parser, "--summarize", args.summarize)
     args.variants = _json_arg(parser, "--variants", args.variants, nested=True)
     override = _json_arg(parser, "--config-override", args.config_override)
+    _check_configs(parser, override, args.variants)
     if args.summarize:
         print(summarize(args.summarize))
         return 0
@@ -463,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     out.write({"bench": BENCH + "_loops", "variant": name, "kind": kind,
                                **loop_report(kind, {**override, **change})})
         for shape, gemm in itertools.product(shapes, gemms):
-            cfg, fused_cfg = (override or None), None
+            # the override and the variants are fprop / dgrad configs: wgrad keeps its own
+            cfg, fused_cfg = (None if gemm in WGRADS else override or None), None
             if args.sweep:
                 cfg, fused_cfg = sweep(shape, gemm, args, out)
             out.write(compare(shape, gemm, args, cfg, fused_cfg))
