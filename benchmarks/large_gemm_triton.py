@@ -99,15 +99,17 @@ GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
 WGRADS = ("fc1_wgrad", "fc2_wgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
-#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
-#: the plain fprop's tile, halved for the fused kernel: gate + up tiles).
+#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (the default,
+#: ``FLAT``, is the first of the tile / warps / stages product; BLOCK_N is the plain fprop's
+#: tile, halved for the fused kernel: gate + up tiles, whose default is ``{"FLAT": False}``).
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-         "FLAT": False, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+         "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
 SWEEP = [{**_BASE, **change} for change in (
     *({"BLOCK_N": bn, "num_warps": w, "num_stages": s}
-      for bn, w, s in itertools.product((128, 256), (4, 8), (3, 4))),
-    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "BLOCK_N": 128},
-    {"FLAT": True, "WARP_SPEC": True}, {"TAIL": True}, {"TAIL": True, "num_stages": 4},
+      for bn, w, s in itertools.product((256, 128), (8, 4), (3, 4))),
+    {"FLAT": False}, {"FLAT": False, "num_stages": 4},  # the group walk
+    {"WARP_SPEC": True}, {"TAIL": True}, {"TAIL": True, "num_stages": 4},
+    {"FLAT": False, "TAIL": True},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
     {"GROUP_M": 4}, {"GROUP_M": 16},
     {"BLOCK_N": 128, "BLOCK_K": 128},

@@ -7,6 +7,7 @@
   (fprop / dgrad keys reached ``large_wgrad``: ``FLAT=False`` silently timed stop 13's nested
   wgrad as "triton", an fprop-only key failed the run on the GPU), and neither it nor
   ``--variants`` was checked before the GPU work.
+* ``--sweep``'s configs were changes to the group walk, not to the ``FLAT`` default.
 * Interpreted (Triton's CPU interpreter, float16): the flattened schedule with half-height
   tail tiles over clamped offsets (past the rows, negative, one group past the rows) and
   program counts of 1, 2, 5 and 7 (the round-robin numbering goes on across the full-tile,
@@ -92,6 +93,20 @@ def test_bad_override_or_variant_is_a_usage_error_before_gpu_work(monkeypatch, c
     err = capsys.readouterr().err
     for word in words:
         assert word in err, err
+
+
+def test_sweep_varies_the_default_schedule():
+    """``--sweep`` tunes around the defaults: each key changed alone from ``large_config``
+    (FLAT since stop 14; the sweep's base was still the group walk, so every tile / warps /
+    stages / GROUP_M change was timed on the walk only), and the fused kernel's default (the
+    walk, BLOCK_N halved) is among its configs."""
+    default = L.large_config("fprop")
+    assert default == L.large_config("dgrad") and default in bench.SWEEP
+    for key in ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "FLAT", "TAIL", "WARP_SPEC",
+                "USE_TMA"):
+        assert any({k for k in c if c[k] != default[k]} == {key} for c in bench.SWEEP), key
+    fused = [{**c, "BLOCK_N": c["BLOCK_N"] // 2} for c in bench.SWEEP]
+    assert L.large_config("fc1_swiglu") in fused
 
 
 SCRIPT = r'''
