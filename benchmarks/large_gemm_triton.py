@@ -303,6 +303,21 @@ def _filtered(configs: list[dict], spec: str | None) -> list[dict]:
     return [c for c in configs if all(k in c and str(c[k]) == v for k, v in want.items())]
 
 
+def _check_sweep_filter(parser: argparse.ArgumentParser, spec: str | None) -> None:
+    """A usage error where ``--sweep-filter`` is not ``KEY=VALUE[,KEY=VALUE]`` or selects no
+    config of :data:`SWEEP` nor of :data:`WGRAD_SWEEP` (e.g. ``FLAT=true``: values are
+    compared as Python literals, ``True``); a filter matching nothing would time no config
+    and compare the defaults."""
+    if not spec:
+        return
+    if any("=" not in item for item in spec.split(",")):
+        parser.error(f"--sweep-filter must be KEY=VALUE[,KEY=VALUE], got {spec!r}")
+    if not _filtered(SWEEP, spec) and not _filtered(WGRAD_SWEEP, spec):
+        keys = sorted(set(SWEEP[0]) | set(WGRAD_SWEEP[0]))
+        parser.error(f"--sweep-filter {spec!r} matches no --sweep config (keys {keys}, "
+                     "values as Python literals, e.g. FLAT=True)")
+
+
 def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
     """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
     from te_ops.kernels import grouped_gemm_large_triton as lg
@@ -471,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = _json_arg(parser, "--variants", args.variants, nested=True)
     override = _json_arg(parser, "--config-override", args.config_override)
     _check_configs(parser, override, args.variants)
+    _check_sweep_filter(parser, args.sweep_filter)
     if args.summarize:
         print(summarize(args.summarize))
         return 0

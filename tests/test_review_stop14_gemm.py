@@ -6,7 +6,8 @@
 * ``benchmarks/large_gemm_triton.py --config-override`` changed the wgrad GEMMs' config too
   (fprop / dgrad keys reached ``large_wgrad``: ``FLAT=False`` silently timed stop 13's nested
   wgrad as "triton", an fprop-only key failed the run on the GPU), and neither it nor
-  ``--variants`` was checked before the GPU work.
+  ``--variants`` was checked before the GPU work; nor was ``--sweep-filter`` (one that
+  matches no config, e.g. ``FLAT=true``, swept nothing and compared the defaults).
 * ``--sweep``'s configs were changes to the group walk, not to the ``FLAT`` default.
 * Interpreted (Triton's CPU interpreter, float16): the flattened schedule with half-height
   tail tiles over clamped offsets (past the rows, negative, one group past the rows) and
@@ -83,6 +84,9 @@ def test_config_override_changes_fprop_dgrad_not_wgrad(monkeypatch, capsys):
      ["--variants 'ws'", "WARP_SPEC=True needs FLAT=True"]),
     (["--config-override", '{"FLAT": false}', "--variants", '{"ws": {"WARP_SPEC": true}}'],
      ["--variants 'ws'", "got FLAT=False"]),  # the variant on top of the override
+    (["--sweep", "--sweep-filter", "FLAT"], ["--sweep-filter must be KEY=VALUE", "'FLAT'"]),
+    (["--sweep", "--sweep-filter", "FLAT=true"],  # matched nothing: the defaults, untimed
+     ["--sweep-filter 'FLAT=true' matches no --sweep config", "FLAT=True"]),
 ])
 def test_bad_override_or_variant_is_a_usage_error_before_gpu_work(monkeypatch, capsys, argv,
                                                                    words):
