@@ -518,7 +518,9 @@ def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them);
+        ``config`` has an unknown key, ``WARP_SPEC`` without ``FLAT`` or ``TAIL`` with a
+        ``BLOCK_M`` below 32 or odd (also where no launch is needed).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
