@@ -36,7 +36,9 @@ configuration of each (shape, kind).
 ``--variants JSON`` (``{"name": {config changes}}``) times other fprop/dgrad launch configs
 beside the default in the same rounds (``triton_NAME_ms``, ``triton_NAME_x`` against
 ``_grouped_mm``, ``triton_NAME_vs_triton`` against the default, ``bitwise_equal_NAME``);
-``--config-override JSON`` changes the default itself; ``--loops`` first records each
+``--config-override JSON`` changes the fprop/dgrad default itself (the wgrad GEMMs keep
+theirs; both flags are checked against ``large_config`` before any GPU work); ``--loops``
+first records each
 variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
 in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
@@ -97,15 +99,17 @@ GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
 WGRADS = ("fc1_wgrad", "fc2_wgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
-#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (BLOCK_N is
-#: the plain fprop's tile, halved for the fused kernel: gate + up tiles).
+#: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (the default,
+#: ``FLAT``, is the first of the tile / warps / stages product; BLOCK_N is the plain fprop's
+#: tile, halved for the fused kernel: gate + up tiles, whose default is ``{"FLAT": False}``).
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-         "FLAT": False, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+         "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
 SWEEP = [{**_BASE, **change} for change in (
     *({"BLOCK_N": bn, "num_warps": w, "num_stages": s}
-      for bn, w, s in itertools.product((128, 256), (4, 8), (3, 4))),
-    {"FLAT": True}, {"FLAT": True, "num_stages": 4}, {"FLAT": True, "BLOCK_N": 128},
-    {"FLAT": True, "WARP_SPEC": True}, {"TAIL": True}, {"TAIL": True, "num_stages": 4},
+      for bn, w, s in itertools.product((256, 128), (8, 4), (3, 4))),
+    {"FLAT": False}, {"FLAT": False, "num_stages": 4},  # the group walk
+    {"WARP_SPEC": True}, {"TAIL": True}, {"TAIL": True, "num_stages": 4},
+    {"FLAT": False, "TAIL": True},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
     {"GROUP_M": 4}, {"GROUP_M": 16},
     {"BLOCK_N": 128, "BLOCK_K": 128},
@@ -299,6 +303,21 @@ def _filtered(configs: list[dict], spec: str | None) -> list[dict]:
     return [c for c in configs if all(k in c and str(c[k]) == v for k, v in want.items())]
 
 
+def _check_sweep_filter(parser: argparse.ArgumentParser, spec: str | None) -> None:
+    """A usage error where ``--sweep-filter`` is not ``KEY=VALUE[,KEY=VALUE]`` or selects no
+    config of :data:`SWEEP` nor of :data:`WGRAD_SWEEP` (e.g. ``FLAT=true``: values are
+    compared as Python literals, ``True``); a filter matching nothing would time no config
+    and compare the defaults."""
+    if not spec:
+        return
+    if any("=" not in item for item in spec.split(",")):
+        parser.error(f"--sweep-filter must be KEY=VALUE[,KEY=VALUE], got {spec!r}")
+    if not _filtered(SWEEP, spec) and not _filtered(WGRAD_SWEEP, spec):
+        keys = sorted(set(SWEEP[0]) | set(WGRAD_SWEEP[0]))
+        parser.error(f"--sweep-filter {spec!r} matches no --sweep config (keys {keys}, "
+                     "values as Python literals, e.g. FLAT=True)")
+
+
 def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
     """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
     from te_ops.kernels import grouped_gemm_large_triton as lg
@@ -358,6 +377,23 @@ def _json_arg(parser: argparse.ArgumentParser, flag: str, value: str | None,
         parser.error(f"{flag} must be a JSON object{' of objects' if nested else ''}, got "
                      f"{value!r}")
     return got
+
+
+def _check_configs(parser: argparse.ArgumentParser, override: dict,
+                   variants: dict[str, dict]) -> None:
+    """A usage error (before any GPU work) where ``--config-override`` or a ``--variants``
+    config is not a valid fprop / dgrad launch config (``large_config`` keys, the
+    ``WARP_SPEC`` / ``TAIL`` checks); the message names the flag and the kernel's reason."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+
+    for flag, change in (("--config-override", override),
+                         *((f"--variants {name!r}", {**override, **c})
+                           for name, c in variants.items())):
+        try:
+            for kind in ("fprop", "dgrad"):
+                lg._resolve(kind, change, 1)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
 
 
 def for_nesting(ttgir: str) -> int:
@@ -432,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                              '{"name": {config changes}, ...} (records triton_NAME_ms, '
                              'triton_NAME_x, bitwise_equal_NAME)')
     parser.add_argument("--config-override", default=None, metavar="JSON",
-                        help="changes to the default fprop/dgrad launch config (not --sweep)")
+                        help="changes to the default fprop/dgrad launch config (not --sweep; "
+                             "the wgrad GEMMs keep theirs)")
     parser.add_argument("--loops", action="store_true",
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
@@ -448,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     check_file(parser, "--summarize", args.summarize)
     args.variants = _json_arg(parser, "--variants", args.variants, nested=True)
     override = _json_arg(parser, "--config-override", args.config_override)
+    _check_configs(parser, override, args.variants)
+    _check_sweep_filter(parser, args.sweep_filter)
     if args.summarize:
         print(summarize(args.summarize))
         return 0
@@ -463,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     out.write({"bench": BENCH + "_loops", "variant": name, "kind": kind,
                                **loop_report(kind, {**override, **change})})
         for shape, gemm in itertools.product(shapes, gemms):
-            cfg, fused_cfg = (override or None), None
+            # the override and the variants are fprop / dgrad configs: wgrad keeps its own
+            cfg, fused_cfg = (None if gemm in WGRADS else override or None), None
             if args.sweep:
                 cfg, fused_cfg = sweep(shape, gemm, args, out)
             out.write(compare(shape, gemm, args, cfg, fused_cfg))

@@ -95,7 +95,7 @@ for tma, flat in ((True, False), (False, False), (True, True)):
         case([70, 0, 1, 9], 85, 66, 40, odt, SMALL, tma, with_p, flat=flat)  # skewed, off tiles
     case([33, 2], 40, 34, 24, torch.int32, {}, tma, True, flat=flat)  # default 128x256x64
 case([70, 0, 1, 9], 85, 66, 40, torch.int32, SMALL, False, True, flat=True)  # flat, pointers
-case([5] * 9, 50, 32, 16, torch.int64, SMALL, True, True, flat=True)  # 9 groups: 4-step search
+case([5] * 9, 50, 32, 16, torch.int64, SMALL, True, True, flat=True)  # 9 groups: 16 lanes
 L._CPU_PROGRAMS = 3  # another program count: a different tile-to-program assignment
 case([70, 0, 1, 9], 85, 66, 40, torch.int32, SMALL, True, True)
 case([70, 0, 1, 9], 85, 66, 40, torch.int32, SMALL, True, True, flat=True)

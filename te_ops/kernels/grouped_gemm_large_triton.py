@@ -474,6 +474,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     n = n_rows // 2 if swiglu else n_rows
     h = torch.empty(m, n_rows, device=x.device, dtype=x.dtype)
     a = torch.empty(m, n, device=x.device, dtype=x.dtype) if swiglu else None
+    cfg = _resolve(kind, config, groups)  # before the early returns: a bad config always raises
     if m == 0 or n == 0:
         return h, a
     if groups == 0 or k == 0:  # no groups: every row is padding (the kernel would read
@@ -487,7 +488,6 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     x = x.contiguous()  # the kernel's row stride is K (the ops may be called directly)
     probs = None if probs is None else probs.contiguous()
     offsets = offsets.contiguous()  # the kernel reads offs_ptr + g
-    cfg = _resolve(kind, config, groups)
     if cfg["USE_TMA"] and tma_unsupported_reason(x, weights) is not None:
         cfg["USE_TMA"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
@@ -518,7 +518,9 @@ def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them);
+        ``config`` has an unknown key, ``WARP_SPEC`` without ``FLAT`` or ``TAIL`` with a
+        ``BLOCK_M`` below 32 or odd (also where no launch is needed).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
