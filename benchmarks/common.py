@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "profile_each_peer",
     "check_trace_args",
+    "gpu_shapes",
     "trace_events",
     "fwd_bwd_step",
     "env_override",
@@ -60,13 +61,21 @@ def check_trace_args(parser: Any, args: Any) -> None:
     """The flags the profile scripts share: ``--steps`` >= 1, ``--warmup`` >= 0, ``--summarize``
     an existing file, ``--shapes`` / ``--peers`` names known to ``benchmarks/grouped_mlp.py``;
     ``parser.error`` (exit 2) naming the flag otherwise."""
-    from grouped_mlp import PEER_CLASSES, SHAPES
+    from grouped_mlp import PEER_CLASSES
 
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
     check_file(parser, "--summarize", args.summarize)
-    check_list(parser, "--shapes", args.shapes, SHAPES)
+    check_list(parser, "--shapes", args.shapes, gpu_shapes())
     check_list(parser, "--peers", args.peers, PEER_CLASSES)
+
+
+def gpu_shapes() -> dict[str, tuple[int, int, int, int]]:
+    """The GPU shapes the profile scripts take by name: ``grouped_mlp``'s issue-10 ``SHAPES``,
+    the decode ``HOST_SHAPES`` and the 64-256 rows-per-expert ``MID_SHAPES``."""
+    from grouped_mlp import HOST_SHAPES, MID_SHAPES, SHAPES
+
+    return {**SHAPES, **HOST_SHAPES, **MID_SHAPES}
 
 
 def check_device(parser: Any, flag: str, text: str | None) -> None:
@@ -291,11 +300,12 @@ def profile_each_peer(args: Any, bench: str,
     build the bf16 CUDA problem (``args.seed``) and yield ``{"bench", "shape", "peer"}`` with
     ``profile_peer(peer, problem, args)``'s result, or ``"error"`` (type and first line) when
     it raised: one failing peer does not stop the run. Memory is freed after each peer."""
-    from grouped_mlp import SHAPES, make_problem
+    from grouped_mlp import make_problem
 
     device = torch.device("cuda")
+    shapes = gpu_shapes()
     for name in args.shapes.split(","):
-        problem = make_problem(name, SHAPES[name], device, torch.bfloat16, args.seed)
+        problem = make_problem(name, shapes[name], device, torch.bfloat16, args.seed)
         for peer in args.peers.split(","):
             record = {"bench": bench, "shape": name, "peer": peer}
             try:

@@ -396,6 +396,17 @@ def _check_configs(parser: argparse.ArgumentParser, override: dict,
             parser.error(f"{flag}: {exc}")
 
 
+def _check_fused_config(parser: argparse.ArgumentParser, change: dict) -> None:
+    """A usage error (before any GPU work) where ``--fused-config`` is not a valid launch
+    config of the fc1 + SwiGLU kernel (``large_config("fc1_swiglu")`` keys and checks)."""
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+
+    try:
+        lg._resolve("fc1_swiglu", change, 1)
+    except ValueError as exc:
+        parser.error(f"--fused-config: {exc}")
+
+
 def for_nesting(ttgir: str) -> int:
     """The deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop,
     e.g. a flattened tile loop)."""
@@ -470,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-override", default=None, metavar="JSON",
                         help="changes to the default fprop/dgrad launch config (not --sweep; "
                              "the wgrad GEMMs keep theirs)")
+    parser.add_argument("--fused-config", default=None, metavar="JSON",
+                        help="changes to the fc1 + SwiGLU kernel's default launch config "
+                             "(large_config('fc1_swiglu'); not --sweep), e.g. "
+                             '\'{"FLAT": true}\'')
     parser.add_argument("--loops", action="store_true",
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
@@ -486,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = _json_arg(parser, "--variants", args.variants, nested=True)
     override = _json_arg(parser, "--config-override", args.config_override)
     _check_configs(parser, override, args.variants)
+    fused_override = _json_arg(parser, "--fused-config", args.fused_config)
+    _check_fused_config(parser, fused_override)
     _check_sweep_filter(parser, args.sweep_filter)
     if args.summarize:
         print(summarize(args.summarize))
@@ -503,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                                **loop_report(kind, {**override, **change})})
         for shape, gemm in itertools.product(shapes, gemms):
             # the override and the variants are fprop / dgrad configs: wgrad keeps its own
-            cfg, fused_cfg = (None if gemm in WGRADS else override or None), None
+            cfg = None if gemm in WGRADS else override or None
+            fused_cfg = fused_override or None
             if args.sweep:
                 cfg, fused_cfg = sweep(shape, gemm, args, out)
             out.write(compare(shape, gemm, args, cfg, fused_cfg))
