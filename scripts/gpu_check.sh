@@ -40,6 +40,10 @@
 #                 E64 step, gaps between them, GEMM / other sums -> "$OUT/profile_graph.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
 #                 kernels of back-to-back steps and the host ops that launched late
+#     gaps_mid    the same at 64-256 rows per expert (MID_SHAPES E128 T8192 / T16384), where te_ops'
+#                 device time is below the peer's and the host decides the step -> "$OUT/gaps_mid.jsonl"
+#     host_costs  benchmarks/host_launch_costs.py: host us per call of the small device calls and
+#                 of the persistent kernels' entry points vs torch._grouped_mm -> "$OUT/host_costs.jsonl"
 #     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py --general: E64 and E128 eager,
 #                 a baseline te_ops copy vs this tree, fast path on and off, one process
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
@@ -75,7 +79,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm profile_graph gaps host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm profile_graph gaps gaps_mid host_costs host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -196,6 +200,10 @@ bench_lane() {
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
     # (16 s for the three large shapes x three peers on one H200, 2026-11-30).
     step gaps 60 "$PY" benchmarks/profile_gaps.py --steps 4 --warmup 3 --out "$OUT/gaps.jsonl"
+    step gaps_mid 60 "$PY" benchmarks/profile_gaps.py --steps 4 --warmup 3 \
+        --shapes E128_T8192_H2048_FF768,E128_T16384_H2048_FF768 \
+        --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$OUT/gaps_mid.jsonl"
+    step host_costs 40 "$PY" benchmarks/host_launch_costs.py --out "$OUT/host_costs.jsonl"
     # Host-overhead A/B in one process against a baseline copy of te_ops (made with
     # `benchmarks/host_ab.py --make-baseline OLD/te_ops DIR`; HOST_AB_BASE=DIR), with this
     # tree's general path (TE_OPS_FAST_STEP=0) as a third variant. Skipped without HOST_AB_BASE.
@@ -236,7 +244,8 @@ fi
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    for f in "$BENCH_JSON" "$LARGE_JSON" "$FP8_JSON" "$E64_JSON" "$E64I_JSON" "$ILV_JSON"; do
+    for f in "$BENCH_JSON" "$LARGE_JSON" "$FP8_JSON" "$E64_JSON" "$E64I_JSON" "$ILV_JSON" \
+             "$OUT/grouped_mlp_mid.jsonl"; do
         if [ -s "$f" ]; then
             echo
             "$PY" benchmarks/grouped_mlp.py --summarize "$f"
@@ -254,6 +263,16 @@ fi
     if [ -s "$OUT/profile_graph.jsonl" ]; then
         echo
         "$PY" benchmarks/profile_graph_e64.py --summarize "$OUT/profile_graph.jsonl" | tail -n 40
+    fi
+    for f in "$OUT/gaps.jsonl" "$OUT/gaps_mid.jsonl"; do  # span / busy / idle per shape and peer
+        if [ -s "$f" ]; then
+            echo
+            "$PY" benchmarks/profile_gaps.py --summarize "$f" | grep -E '^## '
+        fi
+    done
+    if [ -s "$OUT/host_costs.jsonl" ]; then
+        echo
+        grep '"call"' "$OUT/host_costs.jsonl"
     fi
     if [ -s "$PROFILE_JSON" ]; then
         echo
