@@ -25,13 +25,19 @@ takes tiles ``p, p + P, p + 2P, ...``. A tile is (group, n-tile, k-tile) and loo
 group's rows in ``BLOCK_M`` steps, so its cost is proportional to the group's rows while the
 tile count per group is fixed (``cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)``). To keep big groups
 from running last (a long tail where a few programs work and the rest idle), the groups are
-numbered by decreasing row count: a stable ``torch.argsort`` of the split sizes on the device
-(graph-safe: no host sync) gives the ``order`` table, and tile ``t`` belongs to group
+numbered by decreasing row count (ties by index), and tile ``t`` belongs to group
 ``order[t // tiles_per_group]``. The round-robin assignment of tiles in that order is the
 "longest first" list schedule: each wave of P tiles holds tiles of similar cost and the last
-wave holds the cheapest ones. The order costs a few small torch kernels per call (diff,
-argsort); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
-so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
+wave holds the cheapest ones. The flat schedule (the default) builds the order inside the
+kernel: every program loads the G offsets it reads anyway for its pre-pass, sorts the
+``(row count, group)`` keys of the ``next_power_of_2(G)`` lanes with ``tl.sort`` in registers
+and picks a tile's group out of the sorted lanes (no torch kernel, no device copy per call;
+graph-safe). The nested schedule (the accumulate launch) takes the ``order`` table from a
+stable ``torch.argsort`` of the split sizes on the device (:func:`group_order`: a few small
+torch kernels per call). The order decides only which program computes which tile, never a
+tile's sum (each tile's row steps run in one program, in row order), so the outputs are the
+same bits in any order. ``SORTED=False`` (a launch constexpr) takes the groups in index
+order instead, so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
 runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
 together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
 load balance.
@@ -231,14 +237,31 @@ if triton is not None:
 
 
     @triton.jit
-    def _rank_info(offs_ptr, order_ptr, tile, per_group, tiles_k, M,
+    def _rank_order(offs_ptr, r, valid, M, G_POW2: tl.constexpr):
+        """int32 (G_POW2,): lane ``i < G`` holds the group of rank ``i``, groups by decreasing
+        row count (clamped as the tiles clamp them), ties by index; lanes past G hold group
+        0 (never read: masked by the caller). One ``tl.sort`` of unique int64 keys
+        ``rows * G_POW2 + (G_POW2 - 1 - g)`` (descending: more rows first, then the lower
+        index), so no torch kernel runs for the order."""
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + r, mask=valid, other=0), 0), M)
+        start = tl.load(offs_ptr + tl.maximum(r - 1, 0), mask=valid & (r > 0), other=0)
+        start = tl.minimum(tl.maximum(start, 0), end)
+        rows = (end - start).to(tl.int64)
+        key = tl.where(valid, rows * G_POW2 + (G_POW2 - 1 - r), -1)
+        key = tl.sort(key, descending=True)
+        return (G_POW2 - 1 - (key & (G_POW2 - 1))).to(tl.int32)
+
+    @triton.jit
+    def _rank_info(offs_ptr, ranks, lanes, tile, per_group, tiles_k, M,
                    SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
         """Group, its clamped rows [start, end), its row steps (>= 1) and the (n, k) tile
-        indices of the flat schedule's tile ``tile``."""
+        indices of the flat schedule's tile ``tile``; ``ranks`` (SORTED): the groups by
+        rank in registers (:func:`_rank_order`; the lane of this rank is picked out with
+        a masked sum over ``lanes``, the lane indices)."""
         rank = tile // per_group
         local = tile % per_group
         if SORTED:
-            g = tl.load(order_ptr + rank).to(tl.int32)
+            g = tl.sum(tl.where(lanes == rank, ranks, 0), 0)
         else:
             g = rank
         end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)  # clamped before the
@@ -249,7 +272,7 @@ if triton is not None:
         return g, start, end, steps, local // tiles_k, local % tiles_k
 
     @triton.jit
-    def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+    def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, M, N, K, G, P,
                            ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
                            SORTED: tl.constexpr, DESC_BOUNDS: tl.constexpr,
                            TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
@@ -259,6 +282,8 @@ if triton is not None:
         """The ``FLAT`` schedule of :func:`_wgrad_large_kernel` (same tiles, same order, same
         results): one loop over this program's row steps of all its tiles, so Triton's
         software pipeliner overlaps a tile's epilogue with the next tile's first loads.
+        ``SORTED``: each program sorts the groups by decreasing rows itself
+        (:func:`_rank_order`, in registers; no ``order`` table).
         ``DESC_BOUNDS`` (TMA only): per-group descriptors whose row count ends at the
         group's end, so TMA fills the tail step's rows past it with zeros (no ``tl.where``
         on the loaded tiles); else every step masks rows >= end with ``tl.where``.
@@ -271,7 +296,7 @@ if triton is not None:
         r = tl.arange(0, G_POW2).to(tl.int64)  # 64-bit: the counts are summed products
         valid = r < G
         if SORTED:
-            gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
+            gr = _rank_order(offs_ptr, r, valid, M, G_POW2)
         else:
             gr = r.to(tl.int32)
         end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0), 0), M)
@@ -310,9 +335,8 @@ if triton is not None:
             kk = tl.where(kk == steps - 1, 0, kk + 1)
             if kk == 0:
                 tile += P
-                g, start, end, steps, pn, pk = _rank_info(offs_ptr, order_ptr, tile,
-                                                          per_group, tiles_k, M, SORTED,
-                                                          BLOCK_M)
+                g, start, end, steps, pn, pk = _rank_info(offs_ptr, gr, r, tile, per_group,
+                                                          tiles_k, M, SORTED, BLOCK_M)
                 if USE_TMA and DESC_BOUNDS and g != desc_g:  # a new group: new bounds
                     desc_g = g
                     # an empty group reads row 0 (inside x and dy) and stores zeros
@@ -393,14 +417,14 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
         _ensure_allocator()
     grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
-    order = group_order(offsets) if cfg["SORTED"] else offsets
-    if flat:
-        kernel = _wgrad_flat_kernel
+    if flat:  # the group order is the kernel's own (SORTED: sorted in registers)
         cfg.update(flat_keys, G_POW2=next_power_of_2(groups))
-    else:
-        kernel = _wgrad_large_kernel
-    launch(wrap(kernel) if wrap is not None else kernel, grid, x, dy, out, offsets, order,
-           m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
+        launch(wrap(_wgrad_flat_kernel) if wrap is not None else _wgrad_flat_kernel, grid,
+               x, dy, out, offsets, m, n, k, groups, grid[0], ACCUMULATE=False, **cfg)
+        return out
+    order = group_order(offsets) if cfg["SORTED"] else offsets
+    launch(wrap(_wgrad_large_kernel) if wrap is not None else _wgrad_large_kernel, grid, x,
+           dy, out, offsets, order, m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
     return out
 
 
