@@ -37,10 +37,10 @@ stable ``torch.argsort`` of the split sizes on the device (:func:`group_order`: 
 torch kernels per call). The order decides only which program computes which tile, never a
 tile's sum (each tile's row steps run in one program, in row order), so the outputs are the
 same bits in any order. ``SORTED=False`` (a launch constexpr) takes the groups in index
-order instead, so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
-runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
-together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
-load balance.
+order instead, so the benchmark can weigh that cost against the balance it buys. Inside a
+group the k-tile runs fastest, so the programs of one wave share the same dy column slab
+and sweep x's rows together (L2 reuse); a band order (``GROUP_M`` of the fprop module)
+matters less here than this load balance.
 
 Masking. Each tile runs the full ``BLOCK_M`` row steps of its group unmasked and then, when
 the group's row count is not a multiple of ``BLOCK_M``, one tail step whose rows past the
@@ -69,7 +69,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import unsupported_reason
-from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -96,26 +96,28 @@ def large_wgrad_config() -> dict[str, int | bool]:
             "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
+#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _fake(t: torch.Tensor) -> bool:
     """Whether ``t`` has no data pointer (a FakeTensor, also when wrapped in a
-    FunctionalTensor under ``torch.compile``)."""
-    return torch._subclasses.fake_tensor.is_fake(t) or t.device.type == "meta"
+    FunctionalTensor under ``torch.compile``; a meta tensor). A plain eager tensor answers
+    without ``is_fake``'s subclass walk."""
+    if t.device.type == "meta":
+        return True
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+        return False
+    return torch._subclasses.fake_tensor.is_fake(t)
 
 
 def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
     """Why the TMA loads cannot take x (M, K) and dy (M, N) (``None`` when they can): no
     ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, an operand not
     contiguous, a row stride or base pointer not 16-byte aligned."""
-    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
-        return "the installed Triton has no tl.make_tensor_descriptor"
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "TMA needs SM90 or newer"
-    for name, t in (("x", x), ("dy", dy)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.stride(0) * t.element_size() % 16:
-            return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
-                    f"16 bytes")
+    why = _tma_layout_reason(x, dy)
+    if why is not None:
+        return why
     if _fake(x) or _fake(dy):  # no data pointer: the storage offset is what is known
         if any(t.storage_offset() * t.element_size() % 16 for t in (x, dy)):
             return "x or dy do not start on a 16-byte boundary (storage offset)"
@@ -125,12 +127,27 @@ def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
     return None
 
 
+def _tma_layout_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
+    """:func:`tma_unsupported_reason` without the base pointers (what a bound call site
+    decides once; it checks the pointers per call)."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16:
+            return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
+                    f"16 bytes")
+    return None
+
+
 def grid_size(device: torch.device, groups: int, n: int, k: int, block_n: int,
               block_k: int) -> int:
     """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
     tile count ``groups * cdiv(n, block_n) * cdiv(k, block_k)``, at least 1."""
-    programs = (torch.cuda.get_device_properties(device).multi_processor_count
-                if device.type == "cuda" else _CPU_PROGRAMS)
+    programs = sm_count(device) if device.type == "cuda" else _CPU_PROGRAMS
     return max(1, min(programs, groups * cdiv(n, block_n) * cdiv(k, block_k)))
 
 
@@ -400,9 +417,33 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         return out
     x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
     offsets = offsets.contiguous()  # the kernels read offs_ptr + g
+    tma = tma_unsupported_reason(x, dy) is None
+    flat, cfg, grid = _launch_plan(x, dy, groups, tma, accumulate, config)
+    if cfg["USE_TMA"] and x.device.type == "cuda":
+        from .grouped_gemm_large_triton import _ensure_allocator
+
+        _ensure_allocator()
+    if flat:  # the group order is the kernel's own (SORTED: sorted in registers)
+        launch(wrap(_wgrad_flat_kernel) if wrap is not None else _wgrad_flat_kernel, grid,
+               x, dy, out, offsets, m, n, k, groups, grid[0], **cfg)
+        return out
+    order = group_order(offsets) if cfg["SORTED"] else offsets
+    launch(wrap(_wgrad_large_kernel) if wrap is not None else _wgrad_large_kernel, grid, x,
+           dy, out, offsets, order, m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
+    return out
+
+
+def _launch_plan(x: torch.Tensor, dy: torch.Tensor, groups: int, tma: bool,
+                 accumulate: bool, config: dict | None) -> tuple[bool, dict, tuple[int]]:
+    """(flat schedule?, the launch's keyword arguments, grid) for x (M, K), dy (M, N) and
+    ``groups`` groups: :func:`large_wgrad_config` updated by ``config``, ``USE_TMA`` only
+    where ``tma`` (the operands can take it), the flat schedule's keys (``ACCUMULATE``
+    and ``G_POW2`` set) or the nested one's (``ACCUMULATE`` set by the caller). What the
+    eager launch and a bound call site (``grouped_gemm_large_bound``) pass."""
+    n, k = dy.shape[1], x.shape[1]
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
-    if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
+    if not tma:
         cfg["USE_TMA"] = False
     flat = cfg.pop("FLAT", False)
     flat_keys = {"DESC_BOUNDS": cfg.pop("DESC_BOUNDS", True),
@@ -410,22 +451,12 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                  "SUBTILE": cfg.pop("SUBTILE", 1), "WARP_SPEC": cfg.pop("WARP_SPEC", False)}
     flat = flat and not accumulate  # the accumulate launch keeps the nested schedule
     if flat_keys["TMA_STORE"] and (accumulate or not cfg["USE_TMA"]
-                                   or k * out.element_size() % 16):
+                                   or k * x.element_size() % 16):  # out: x's dtype
         flat_keys["TMA_STORE"] = False
-    if cfg["USE_TMA"] and x.device.type == "cuda":
-        from .grouped_gemm_large_triton import _ensure_allocator
-
-        _ensure_allocator()
     grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
-    if flat:  # the group order is the kernel's own (SORTED: sorted in registers)
-        cfg.update(flat_keys, G_POW2=next_power_of_2(groups))
-        launch(wrap(_wgrad_flat_kernel) if wrap is not None else _wgrad_flat_kernel, grid,
-               x, dy, out, offsets, m, n, k, groups, grid[0], ACCUMULATE=False, **cfg)
-        return out
-    order = group_order(offsets) if cfg["SORTED"] else offsets
-    launch(wrap(_wgrad_large_kernel) if wrap is not None else _wgrad_large_kernel, grid, x,
-           dy, out, offsets, order, m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
-    return out
+    if flat:
+        cfg = {"ACCUMULATE": False, **cfg, **flat_keys, "G_POW2": next_power_of_2(groups)}
+    return flat, cfg, grid
 
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
