@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             "large_wgrad": lambda: large_w.large_wgrad(x, dy, offs),
             "grouped_mm_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
         })
-        calls.update(_bound_calls(device, x, wt, dy, offs))
+        calls.update(_bound_calls(x.device, x, wt, dy, offs))  # with its index (cuda:0)
     out = JsonLines(args.out)
     out.write({"bench": "host_launch_costs_run", **machine_info(device), "groups": g})
     try:
