@@ -154,7 +154,8 @@ def grid_size(device: torch.device, groups: int, n: int, k: int, block_n: int,
 def group_order(offsets: torch.Tensor) -> torch.Tensor:
     """int64 (G,) group indices by decreasing row count (ties by index), on the device with
     torch ops (no host sync; a zero fill, a concatenation and a difference for the split
-    sizes, then the sort): the kernel's tile order (module docstring, "Schedule")."""
+    sizes, then the sort): the nested schedule's tile order (module docstring, "Schedule";
+    the flat schedule sorts the same keys in the kernel, ``_rank_order``)."""
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.argsort(sizes, descending=True, stable=True)
 
