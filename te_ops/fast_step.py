@@ -53,6 +53,7 @@ from .fused.fc1_epilogue import fc1_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
 from .kernels.grouped_mlp_triton import BoundFc1Swiglu
 from .kernels.split_table import BoundSplitTable
@@ -84,17 +85,22 @@ def _gemm_calls(backend: Any, batch: LaunchBatch | None = None) -> tuple:
     """``fprop(x, w, splits)``, ``dgrad(dy, w, splits)``, ``wgrad(x, dy, splits)``: the calls
     ``grouped_fprop`` / ``grouped_dgrad`` / ``grouped_wgrad`` make for ``backend`` (no recipe:
     no quantized operand). With a ``batch``, the kinds it runs in Triton are bound call sites
-    of the kernels (``BoundRows`` / ``BoundWgrad``: the eager Triton calls' kernels, configs
-    and bits without the per-call argument checks, config and launch binding, which the
-    call's key proves: a call with that key passed the checks on the general path). Without
-    one: always the dispatching calls (their Triton kinds become ``torch.compile``'s custom
-    ops while a trace runs)."""
+    of the kernels (``BoundRows`` / ``BoundWgrad`` for the few-rows kernels, ``BoundLarge`` /
+    ``BoundLargeWgrad`` for the persistent many-rows ones: the eager Triton calls' kernels,
+    configs and bits without the per-call argument checks, config, TMA layout decision, grid
+    and launch binding, which the call's key proves: a call with that key passed the checks
+    on the general path). Without one: always the dispatching calls (their Triton kinds
+    become ``torch.compile``'s custom ops while a trace runs)."""
     kinds = backend.triton_kinds if batch is not None else ()
+    large = backend.large_kinds if batch is not None else ()
 
     def bound(kind, call):
-        if kind not in kinds:
+        if kind in kinds:
+            site = BoundWgrad(batch) if kind == "wgrad" else BoundRows(kind, batch)
+        elif kind in large:
+            site = BoundLargeWgrad(batch) if kind == "wgrad" else BoundLarge(kind, batch)
+        else:
             return functools.partial(call, backend=backend)
-        site = BoundWgrad(batch) if kind == "wgrad" else BoundRows(kind, batch)
 
         def run(a, b, splits):
             return site(a, b, splits.offsets)

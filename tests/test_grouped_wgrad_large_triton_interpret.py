@@ -11,7 +11,8 @@ tail step), small tiles (several row steps, n- and k-tiles per group, more tiles
 and the default tiles, the nested and the flat schedules (per-group TMA bounds or
 ``tl.where`` masks; TMA or pointer stores, whole or in two halves), int32 and int64
 offsets, two program counts, groups by decreasing rows
-and by index (``SORTED``). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
+and by index (``SORTED``; the flat kernel's in-register order equals ``group_order``'s stable
+argsort). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
 inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their tail rows are
 the next group's), padding rows of NaN, dims off the tiles, no rows; and the fp32 accumulation
 into ``out``.
@@ -86,6 +87,39 @@ case([70, 0, 1, 9], 85, 40, 48, torch.int32, SMALL, True)
 case([5, 40, 0, 21, 3], 75, 20, 30, torch.int64, SMALL, False)
 case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, "SORTED": False}, True)  # by index
 case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, **NESTED, "SORTED": False}, True)
+
+
+# The flat kernel's in-register group order (``_rank_order``) against torch's stable argsort
+# (``group_order``, the nested launch's table): ties, empty groups, one group, lanes past G.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_kernel(offs_ptr, out_ptr, M, G, G_POW2: tl.constexpr):
+    r = tl.arange(0, G_POW2).to(tl.int64)
+    valid = r < G
+    tl.store(out_ptr + r, W._rank_order(offs_ptr, r, valid, M, G_POW2), mask=valid)
+
+
+def kernel_order(sizes, odt, m=None):
+    offs = torch.tensor(sizes).cumsum(0).to(odt)
+    out = torch.full((len(sizes),), -1, dtype=torch.int32)
+    m = int(offs[-1]) if m is None else m
+    _order_kernel[(1,)](offs, out, m, len(sizes), G_POW2=W.next_power_of_2(len(sizes)))
+    return offs, out
+
+
+gen = torch.Generator().manual_seed(5)
+for sizes in ([3], [0], [4, 4, 4], [0, 5, 0, 5, 2], [7, 1, 7, 0, 3, 9, 9, 2],
+              torch.randint(0, 6, (37,), generator=gen).tolist(),
+              torch.randint(0, 300, (128,), generator=gen).tolist()):
+    for odt in (torch.int32, torch.int64):
+        offs, got = kernel_order(sizes, odt)
+        assert torch.equal(got.long(), W.group_order(offs)), (sizes, got)
+# offsets past M: the kernel orders by the clamped rows the tiles run (torch by the raw ones)
+offs, got = kernel_order([5, 10, 10], torch.int32, m=12)  # rows 5, 7, 0 after clamping
+assert got.tolist() == [1, 0, 2] and W.group_order(offs).tolist() == [1, 2, 0], got
 print("ok")
 '''
 

@@ -71,7 +71,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
-from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -143,12 +143,23 @@ def large_config(kind: str) -> dict[str, int | bool]:
             "num_stages": 3}
 
 
+#: :func:`_resolve`'s result without a ``config``, per (kind, groups past FLAT_MAX_GROUPS):
+#: the default is the same dict every call (copied out: the launch changes ``USE_TMA``).
+_DEFAULTS: dict[tuple[str, bool], dict[str, int | bool]] = {}
+
+
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
     ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
     wgmma's minimum). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group
     walk instead (the same tiles and k-steps; the in-register tile table would take too
-    many registers)."""
+    many registers). A new dict each call."""
+    if config is None:
+        key = (kind, groups > FLAT_MAX_GROUPS)
+        cached = _DEFAULTS.get(key)
+        if cached is None:
+            cached = _DEFAULTS[key] = _resolve(kind, {}, groups)
+        return dict(cached)
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     unknown = sorted(set(cfg) - set(large_config(kind)))
@@ -184,18 +195,10 @@ def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None
     """Why the TMA loads cannot take these operands (``None`` when they can): no
     ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, x not
     contiguous, W not contiguous along K, a stride or base pointer not 16-byte aligned."""
-    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
-        return "the installed Triton has no tl.make_tensor_descriptor"
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "TMA needs SM90 or newer"
+    why = _tma_layout_reason(x, weights)
+    if why is not None:
+        return why
     size = x.element_size()
-    if not x.is_contiguous():
-        return "x is not contiguous"
-    if weights.stride(2) != 1:
-        return f"weights are not contiguous along K (stride {weights.stride(2)})"
-    strides = (x.stride(0), weights.stride(0), weights.stride(1))
-    if any(s * size % 16 for s in strides):
-        return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
     if _fake(x) or _fake(weights):  # no data pointer: the storage offset is what is known
         if x.storage_offset() * size % 16 or weights.storage_offset() * size % 16:
             return "x or weights do not start on a 16-byte boundary (storage offset)"
@@ -205,8 +208,34 @@ def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None
     return None
 
 
+def _tma_layout_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
+    """:func:`tma_unsupported_reason` without the base pointers: what the shapes, strides,
+    dtype, device and Triton decide (a bound call site decides it once; the pointers it
+    checks per call)."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    size = x.element_size()
+    if not x.is_contiguous():
+        return "x is not contiguous"
+    if weights.stride(2) != 1:
+        return f"weights are not contiguous along K (stride {weights.stride(2)})"
+    strides = (x.stride(0), weights.stride(0), weights.stride(1))
+    if any(s * size % 16 for s in strides):
+        return f"a stride of x / weights is not a multiple of 16 bytes ({strides} elements)"
+    return None
+
+
+#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _fake(t: torch.Tensor) -> bool:
-    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``): no data."""
+    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``): no data. A
+    plain eager tensor or Parameter answers without ``is_fake``'s subclass walk."""
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+        return False
     return torch._subclasses.fake_tensor.is_fake(t)
 
 
@@ -214,8 +243,7 @@ def grid_size(device: torch.device, rows: int, groups: int, n: int, block_m: int
               block_n: int) -> int:
     """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
     tile count's upper bound (each group and the padding tail round up one row tile)."""
-    programs = (torch.cuda.get_device_properties(device).multi_processor_count
-                if device.type == "cuda" else _CPU_PROGRAMS)
+    programs = sm_count(device) if device.type == "cuda" else _CPU_PROGRAMS
     bound = (cdiv(rows, block_m) + groups + 1) * cdiv(n, block_n)
     return max(1, min(programs, bound))
 
@@ -492,17 +520,31 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         cfg["USE_TMA"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
         _ensure_allocator()
-    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    grid, rest, kwargs = _launch_plan(x, weights, kind, cfg, probs is not None)
     p = probs if probs is not None else x
+    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, *rest, **kwargs)
+    return h, a
+
+
+def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
+                 has_p: bool) -> tuple[tuple[int], tuple, dict]:
+    """(grid, the scalar arguments after the six tensors, the keyword arguments) of
+    :func:`_large_kernel` for ``kind`` with the resolved ``cfg`` (its TMA decision made):
+    what the eager launch and a bound call site (``grouped_gemm_large_bound``) pass."""
+    m, k = x.shape
+    dgrad = kind == "dgrad"
+    groups = weights.shape[0]
+    n_rows = weights.shape[2] if dgrad else weights.shape[1]
+    n = n_rows // 2 if kind == "fc1_swiglu" else n_rows
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
     # as (G, K_red=N, N_out=K).
     stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
                           else (weights.stride(1), weights.stride(2)))
-    launch(kernel, grid, x, weights, h, h if a is None else a, p, offsets, m, n, k,
-           groups, grid[0], weights.stride(0), stride_n, stride_k,
-           SWIGLU=swiglu, HAS_P=probs is not None, W_KN=dgrad,
-           GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
-    return h, a
+    rest = (m, n, k, groups, grid[0], weights.stride(0), stride_n, stride_k)
+    kwargs = dict(SWIGLU=kind == "fc1_swiglu", HAS_P=has_p, W_KN=dgrad,
+                  GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
+    return grid, rest, kwargs
 
 
 def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

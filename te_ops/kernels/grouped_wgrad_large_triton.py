@@ -25,16 +25,22 @@ takes tiles ``p, p + P, p + 2P, ...``. A tile is (group, n-tile, k-tile) and loo
 group's rows in ``BLOCK_M`` steps, so its cost is proportional to the group's rows while the
 tile count per group is fixed (``cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)``). To keep big groups
 from running last (a long tail where a few programs work and the rest idle), the groups are
-numbered by decreasing row count: a stable ``torch.argsort`` of the split sizes on the device
-(graph-safe: no host sync) gives the ``order`` table, and tile ``t`` belongs to group
+numbered by decreasing row count (ties by index), and tile ``t`` belongs to group
 ``order[t // tiles_per_group]``. The round-robin assignment of tiles in that order is the
 "longest first" list schedule: each wave of P tiles holds tiles of similar cost and the last
-wave holds the cheapest ones. The order costs a few small torch kernels per call (diff,
-argsort); ``SORTED=False`` (a launch constexpr) takes the groups in index order instead,
-so the benchmark can weigh that cost against the balance it buys. Inside a group the k-tile
-runs fastest, so the programs of one wave share the same dy column slab and sweep x's rows
-together (L2 reuse); a band order (``GROUP_M`` of the fprop module) matters less here than this
-load balance.
+wave holds the cheapest ones. The flat schedule (the default) builds the order inside the
+kernel: every program loads the G offsets it reads anyway for its pre-pass, sorts the
+``(row count, group)`` keys of the ``next_power_of_2(G)`` lanes with ``tl.sort`` in registers
+and picks a tile's group out of the sorted lanes (no torch kernel, no device copy per call;
+graph-safe). The nested schedule (the accumulate launch) takes the ``order`` table from a
+stable ``torch.argsort`` of the split sizes on the device (:func:`group_order`: a few small
+torch kernels per call). The order decides only which program computes which tile, never a
+tile's sum (each tile's row steps run in one program, in row order), so the outputs are the
+same bits in any order. ``SORTED=False`` (a launch constexpr) takes the groups in index
+order instead, so the benchmark can weigh that cost against the balance it buys. Inside a
+group the k-tile runs fastest, so the programs of one wave share the same dy column slab
+and sweep x's rows together (L2 reuse); a band order (``GROUP_M`` of the fprop module)
+matters less here than this load balance.
 
 Masking. Each tile runs the full ``BLOCK_M`` row steps of its group unmasked and then, when
 the group's row count is not a multiple of ``BLOCK_M``, one tail step whose rows past the
@@ -63,7 +69,7 @@ import torch
 
 from .compiled_ops import tracing
 from .grouped_gemm_triton import unsupported_reason
-from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -90,26 +96,28 @@ def large_wgrad_config() -> dict[str, int | bool]:
             "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
+#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _fake(t: torch.Tensor) -> bool:
     """Whether ``t`` has no data pointer (a FakeTensor, also when wrapped in a
-    FunctionalTensor under ``torch.compile``)."""
-    return torch._subclasses.fake_tensor.is_fake(t) or t.device.type == "meta"
+    FunctionalTensor under ``torch.compile``; a meta tensor). A plain eager tensor answers
+    without ``is_fake``'s subclass walk."""
+    if t.device.type == "meta":
+        return True
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+        return False
+    return torch._subclasses.fake_tensor.is_fake(t)
 
 
 def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
     """Why the TMA loads cannot take x (M, K) and dy (M, N) (``None`` when they can): no
     ``tl.make_tensor_descriptor`` in the installed Triton, a GPU before SM90, an operand not
     contiguous, a row stride or base pointer not 16-byte aligned."""
-    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
-        return "the installed Triton has no tl.make_tensor_descriptor"
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "TMA needs SM90 or newer"
-    for name, t in (("x", x), ("dy", dy)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.stride(0) * t.element_size() % 16:
-            return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
-                    f"16 bytes")
+    why = _tma_layout_reason(x, dy)
+    if why is not None:
+        return why
     if _fake(x) or _fake(dy):  # no data pointer: the storage offset is what is known
         if any(t.storage_offset() * t.element_size() % 16 for t in (x, dy)):
             return "x or dy do not start on a 16-byte boundary (storage offset)"
@@ -119,19 +127,35 @@ def tma_unsupported_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
     return None
 
 
+def _tma_layout_reason(x: torch.Tensor, dy: torch.Tensor) -> str | None:
+    """:func:`tma_unsupported_reason` without the base pointers (what a bound call site
+    decides once; it checks the pointers per call)."""
+    if tl is None or not hasattr(tl, "make_tensor_descriptor"):
+        return "the installed Triton has no tl.make_tensor_descriptor"
+    if x.device.type == "cuda" and capability(x.device)[0] < 9:
+        return "TMA needs SM90 or newer"
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16:
+            return (f"{name}'s row stride ({t.stride(0)} elements) is not a multiple of "
+                    f"16 bytes")
+    return None
+
+
 def grid_size(device: torch.device, groups: int, n: int, k: int, block_n: int,
               block_k: int) -> int:
     """Programs of the persistent kernel: the device's SM count (4 off CUDA), at most the
     tile count ``groups * cdiv(n, block_n) * cdiv(k, block_k)``, at least 1."""
-    programs = (torch.cuda.get_device_properties(device).multi_processor_count
-                if device.type == "cuda" else _CPU_PROGRAMS)
+    programs = sm_count(device) if device.type == "cuda" else _CPU_PROGRAMS
     return max(1, min(programs, groups * cdiv(n, block_n) * cdiv(k, block_k)))
 
 
 def group_order(offsets: torch.Tensor) -> torch.Tensor:
     """int64 (G,) group indices by decreasing row count (ties by index), on the device with
     torch ops (no host sync; a zero fill, a concatenation and a difference for the split
-    sizes, then the sort): the kernel's tile order (module docstring, "Schedule")."""
+    sizes, then the sort): the nested schedule's tile order (module docstring, "Schedule";
+    the flat schedule sorts the same keys in the kernel, ``_rank_order``)."""
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.argsort(sizes, descending=True, stable=True)
 
@@ -231,14 +255,31 @@ if triton is not None:
 
 
     @triton.jit
-    def _rank_info(offs_ptr, order_ptr, tile, per_group, tiles_k, M,
+    def _rank_order(offs_ptr, r, valid, M, G_POW2: tl.constexpr):
+        """int32 (G_POW2,): lane ``i < G`` holds the group of rank ``i``, groups by decreasing
+        row count (clamped as the tiles clamp them), ties by index; lanes past G hold group
+        0 (never read: masked by the caller). One ``tl.sort`` of unique int64 keys
+        ``rows * G_POW2 + (G_POW2 - 1 - g)`` (descending: more rows first, then the lower
+        index), so no torch kernel runs for the order."""
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + r, mask=valid, other=0), 0), M)
+        start = tl.load(offs_ptr + tl.maximum(r - 1, 0), mask=valid & (r > 0), other=0)
+        start = tl.minimum(tl.maximum(start, 0), end)
+        rows = (end - start).to(tl.int64)
+        key = tl.where(valid, rows * G_POW2 + (G_POW2 - 1 - r), -1)
+        key = tl.sort(key, descending=True)
+        return (G_POW2 - 1 - (key & (G_POW2 - 1))).to(tl.int32)
+
+    @triton.jit
+    def _rank_info(offs_ptr, ranks, lanes, tile, per_group, tiles_k, M,
                    SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
         """Group, its clamped rows [start, end), its row steps (>= 1) and the (n, k) tile
-        indices of the flat schedule's tile ``tile``."""
+        indices of the flat schedule's tile ``tile``; ``ranks`` (SORTED): the groups by
+        rank in registers (:func:`_rank_order`; the lane of this rank is picked out with
+        a masked sum over ``lanes``, the lane indices)."""
         rank = tile // per_group
         local = tile % per_group
         if SORTED:
-            g = tl.load(order_ptr + rank).to(tl.int32)
+            g = tl.sum(tl.where(lanes == rank, ranks, 0), 0)
         else:
             g = rank
         end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)  # clamped before the
@@ -249,7 +290,7 @@ if triton is not None:
         return g, start, end, steps, local // tiles_k, local % tiles_k
 
     @triton.jit
-    def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+    def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, M, N, K, G, P,
                            ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
                            SORTED: tl.constexpr, DESC_BOUNDS: tl.constexpr,
                            TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
@@ -259,6 +300,8 @@ if triton is not None:
         """The ``FLAT`` schedule of :func:`_wgrad_large_kernel` (same tiles, same order, same
         results): one loop over this program's row steps of all its tiles, so Triton's
         software pipeliner overlaps a tile's epilogue with the next tile's first loads.
+        ``SORTED``: each program sorts the groups by decreasing rows itself
+        (:func:`_rank_order`, in registers; no ``order`` table).
         ``DESC_BOUNDS`` (TMA only): per-group descriptors whose row count ends at the
         group's end, so TMA fills the tail step's rows past it with zeros (no ``tl.where``
         on the loaded tiles); else every step masks rows >= end with ``tl.where``.
@@ -271,7 +314,7 @@ if triton is not None:
         r = tl.arange(0, G_POW2).to(tl.int64)  # 64-bit: the counts are summed products
         valid = r < G
         if SORTED:
-            gr = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
+            gr = _rank_order(offs_ptr, r, valid, M, G_POW2)
         else:
             gr = r.to(tl.int32)
         end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0), 0), M)
@@ -310,9 +353,8 @@ if triton is not None:
             kk = tl.where(kk == steps - 1, 0, kk + 1)
             if kk == 0:
                 tile += P
-                g, start, end, steps, pn, pk = _rank_info(offs_ptr, order_ptr, tile,
-                                                          per_group, tiles_k, M, SORTED,
-                                                          BLOCK_M)
+                g, start, end, steps, pn, pk = _rank_info(offs_ptr, gr, r, tile, per_group,
+                                                          tiles_k, M, SORTED, BLOCK_M)
                 if USE_TMA and DESC_BOUNDS and g != desc_g:  # a new group: new bounds
                     desc_g = g
                     # an empty group reads row 0 (inside x and dy) and stores zeros
@@ -376,9 +418,33 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         return out
     x, dy = x.contiguous(), dy.contiguous()  # row strides K, N (the ops may be called directly)
     offsets = offsets.contiguous()  # the kernels read offs_ptr + g
+    tma = tma_unsupported_reason(x, dy) is None
+    flat, cfg, grid = _launch_plan(x, dy, groups, tma, accumulate, config)
+    if cfg["USE_TMA"] and x.device.type == "cuda":
+        from .grouped_gemm_large_triton import _ensure_allocator
+
+        _ensure_allocator()
+    if flat:  # the group order is the kernel's own (SORTED: sorted in registers)
+        launch(wrap(_wgrad_flat_kernel) if wrap is not None else _wgrad_flat_kernel, grid,
+               x, dy, out, offsets, m, n, k, groups, grid[0], **cfg)
+        return out
+    order = group_order(offsets) if cfg["SORTED"] else offsets
+    launch(wrap(_wgrad_large_kernel) if wrap is not None else _wgrad_large_kernel, grid, x,
+           dy, out, offsets, order, m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
+    return out
+
+
+def _launch_plan(x: torch.Tensor, dy: torch.Tensor, groups: int, tma: bool,
+                 accumulate: bool, config: dict | None) -> tuple[bool, dict, tuple[int]]:
+    """(flat schedule?, the launch's keyword arguments, grid) for x (M, K), dy (M, N) and
+    ``groups`` groups: :func:`large_wgrad_config` updated by ``config``, ``USE_TMA`` only
+    where ``tma`` (the operands can take it), the flat schedule's keys (``ACCUMULATE``
+    and ``G_POW2`` set) or the nested one's (``ACCUMULATE`` set by the caller). What the
+    eager launch and a bound call site (``grouped_gemm_large_bound``) pass."""
+    n, k = dy.shape[1], x.shape[1]
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
-    if cfg["USE_TMA"] and tma_unsupported_reason(x, dy) is not None:
+    if not tma:
         cfg["USE_TMA"] = False
     flat = cfg.pop("FLAT", False)
     flat_keys = {"DESC_BOUNDS": cfg.pop("DESC_BOUNDS", True),
@@ -386,22 +452,12 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                  "SUBTILE": cfg.pop("SUBTILE", 1), "WARP_SPEC": cfg.pop("WARP_SPEC", False)}
     flat = flat and not accumulate  # the accumulate launch keeps the nested schedule
     if flat_keys["TMA_STORE"] and (accumulate or not cfg["USE_TMA"]
-                                   or k * out.element_size() % 16):
+                                   or k * x.element_size() % 16):  # out: x's dtype
         flat_keys["TMA_STORE"] = False
-    if cfg["USE_TMA"] and x.device.type == "cuda":
-        from .grouped_gemm_large_triton import _ensure_allocator
-
-        _ensure_allocator()
     grid = (grid_size(x.device, groups, n, k, cfg["BLOCK_N"], cfg["BLOCK_K"]),)
-    order = group_order(offsets) if cfg["SORTED"] else offsets
     if flat:
-        kernel = _wgrad_flat_kernel
-        cfg.update(flat_keys, G_POW2=next_power_of_2(groups))
-    else:
-        kernel = _wgrad_large_kernel
-    launch(wrap(kernel) if wrap is not None else kernel, grid, x, dy, out, offsets, order,
-           m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
-    return out
+        cfg = {"ACCUMULATE": False, **cfg, **flat_keys, "G_POW2": next_power_of_2(groups)}
+    return flat, cfg, grid
 
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,

@@ -52,8 +52,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     JITFunction = None
 
-__all__ = ["MAX_KEYS", "BoundLaunch", "DirectLauncher", "LaunchBatch", "cdiv",
-           "direct_launcher", "launch", "next_power_of_2", "unsupported_reason"]
+__all__ = ["MAX_KEYS", "BoundLaunch", "DirectLauncher", "LaunchBatch", "capability", "cdiv",
+           "direct_launcher", "launch", "next_power_of_2", "sm_count", "unsupported_reason"]
 
 #: Options ``JITFunction.run`` accepts besides the kernel's parameters (the compile options of
 #: the CUDA backend that te_ops passes); any other keyword takes the normal launch.
@@ -78,6 +78,43 @@ def next_power_of_2(n: int) -> int:
     n |= n >> 16
     n |= n >> 32
     return n + 1
+
+
+_SM_COUNTS: dict[int, int] = {}
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def _cuda_index_of(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _read_properties(index: int) -> None:
+    props = torch.cuda.get_device_properties(index)
+    _SM_COUNTS[index] = props.multi_processor_count
+    _CAPABILITIES[index] = (props.major, props.minor)
+
+
+def sm_count(device: torch.device) -> int:
+    """The multiprocessor count of CUDA ``device`` (``torch.cuda.get_device_properties``,
+    read once per device and process: a persistent kernel's grid asks on every launch, and
+    torch's call costs microseconds of device-index and property lookups)."""
+    index = _cuda_index_of(device)
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        _read_properties(index)
+        count = _SM_COUNTS[index]
+    return count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)`` of CUDA ``device``, read once per device
+    and process (see :func:`sm_count`)."""
+    index = _cuda_index_of(device)
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        _read_properties(index)
+        cap = _CAPABILITIES[index]
+    return cap
 
 
 def unsupported_reason(kernel: Any) -> str | None:
