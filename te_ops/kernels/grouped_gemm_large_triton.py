@@ -137,10 +137,11 @@ def large_config(kind: str) -> dict[str, int | bool]:
     take it."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
-    block_n = 128 if kind == "fc1_swiglu" else 256
-    return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": kind != "fc1_swiglu", "WARP_SPEC": False, "TAIL": False, "num_warps": 8,
-            "num_stages": 3}
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+           "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+    if kind == "fc1_swiglu":
+        cfg["PAIRED"] = True
+    return cfg
 
 
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
@@ -163,6 +164,9 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
     if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
         raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
                          f"rows), got BLOCK_M={cfg['BLOCK_M']}")
+    if cfg.get("PAIRED") and (cfg["BLOCK_N"] < 16 or cfg["BLOCK_N"] % 2):
+        raise ValueError(f"config PAIRED=True needs an even BLOCK_N >= 16 (gate and up halves "
+                         f"of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
     return cfg
 
 
@@ -272,13 +276,43 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
+    def _load_w_pair(w_desc, w_ptr, g, n0, k0, N, K, stride_wg, stride_wn, stride_wk,
+                     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``PAIRED``: the (BLOCK_K, BLOCK_N) operand tile whose columns are W1[g]'s gate rows
+        [n0, n0 + BLOCK_N/2) then its up rows [N + n0, N + n0 + BLOCK_N/2) (W1 (G, 2N, K),
+        k-contiguous), transposed; zeros past K and past row N of each half. TMA: one load
+        through the (G, 2, N, K) view of W1 (block [1, 2, BLOCK_N/2, BLOCK_K]), reshaped to
+        (BLOCK_N, BLOCK_K) (the halves are consecutive in the block: no data movement)."""
+        if USE_TMA:
+            w = w_desc.load([g, 0, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            return w.T
+        else:
+            c = tl.arange(0, BLOCK_N)
+            j = n0 + c % (BLOCK_N // 2)
+            row = (c // (BLOCK_N // 2)) * N + j
+            k = k0 + tl.arange(0, BLOCK_K)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg
+                   + k[:, None].to(tl.int64) * stride_wk + row[None, :].to(tl.int64) * stride_wn)
+            return tl.load(ptr, mask=(k[:, None] < K) & (j < N)[None, :], other=0.0)
+
+    @triton.jit
+    def _split_pair(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(gate, up): the two (TILE_M, BLOCK_N/2) column halves of a ``PAIRED``
+        accumulator."""
+        pair = tl.permute(tl.reshape(acc, (TILE_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        return tl.split(pair)
+
+    @triton.jit
     def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end, end, m0, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
               HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
-              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PAIRED: tl.constexpr):
         """One output tile: rows [m0, m0 + TILE_M) of group ``g`` (rows up to ``end``),
         column tile ``pn``, k-steps up to ``k_end`` (K; 0 for the padding group, which then
-        stores zeros)."""
+        stores zeros). ``PAIRED`` (SWIGLU): one (TILE_M, BLOCK_N) accumulator whose halves
+        are h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), one W load and one dot
+        per k-step (:func:`_load_w_pair`), split in the epilogue."""
         rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
         acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
@@ -290,15 +324,24 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                              mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
-                         stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
+            if PAIRED:
+                wt = _load_w_pair(w_desc, w_ptr, g, pn * (BLOCK_N // 2), k0, N, K, stride_wg,
+                                  stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+            else:
+                wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+                             stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
-            if SWIGLU:
+            if SWIGLU and not PAIRED:
                 wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
                              stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
-        _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU, HAS_P,
-                  BLOCK_N)
+        if PAIRED:
+            gate, up = _split_pair(acc, TILE_M, BLOCK_N)
+            _epilogue(gate, up, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU,
+                      HAS_P, BLOCK_N // 2)
+        else:
+            _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU,
+                      HAS_P, BLOCK_N)
 
     @triton.jit
     def _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols,
@@ -364,7 +407,7 @@ if triton is not None:
                       W_KN: tl.constexpr, FLAT: tl.constexpr, WARP_SPEC: tl.constexpr,
                       TAIL: tl.constexpr, GBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
@@ -395,11 +438,20 @@ if triton is not None:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
                                                    strides=[stride_wg, stride_wk, 1],
                                                    block_shape=[1, BLOCK_K, BLOCK_N])
+            elif PAIRED:  # W1 (G, 2N, K) as (G, 2, N, K): gate and up rows in one block
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2, N, K],
+                                                   strides=[stride_wg, N * stride_wn,
+                                                            stride_wn, 1],
+                                                   block_shape=[1, 2, BLOCK_N // 2, BLOCK_K])
             else:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
                                                    strides=[stride_wg, stride_wn, 1],
                                                    block_shape=[1, BLOCK_N, BLOCK_K])
-        tiles_n = tl.cdiv(N, BLOCK_N)
+        if PAIRED:  # h's column tiles (of the gate half; the up tile is its twin)
+            COL_N: tl.constexpr = BLOCK_N // 2
+        else:
+            COL_N: tl.constexpr = BLOCK_N
+        tiles_n = tl.cdiv(N, COL_N)
         if FLAT:
             ends, half_ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, TAIL, GBLOCK)
             n_full = tl.max(ends, 0)
@@ -411,7 +463,8 @@ if triton is not None:
                                   GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
                       start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
-                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K,
+                      PAIRED)
             first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
             if TAIL:  # the groups' half-height last row tiles, one per (group, column tile)
                 n_half = tl.max(half_ends, 0)
@@ -422,15 +475,15 @@ if triton is not None:
                     _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end, m0,
                           (tile - base).to(tl.int32), N, K, h_cols, stride_wg, stride_wn,
                           stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2, BLOCK_N,
-                          BLOCK_K)
+                          BLOCK_K, PAIRED)
                 first = (first + P - n_half % P) % P
             pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
             pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
             for tile in range(first, pad_tiles, P):  # padding rows: zeros, no k-step
                 rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                zero = tl.zeros([BLOCK_M, COL_N], dtype=tl.float32)
                 _epilogue(zero, zero, h_ptr, a_ptr, p_ptr, rows, rows < pad_end,
-                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, BLOCK_N)
+                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, COL_N)
         else:
             tile = pid
             base = 0
@@ -447,17 +500,17 @@ if triton is not None:
                             _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                                   end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                                   stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, PAIRED)
                         else:
                             _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                                   end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                                   stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, PAIRED)
                     else:
                         _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                               end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                               stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                              BLOCK_N, BLOCK_K)
+                              BLOCK_N, BLOCK_K, PAIRED)
                     tile += P
                 base += count
 
@@ -492,7 +545,9 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
         cfg["USE_TMA"] = False
     if cfg["USE_TMA"] and x.device.type == "cuda":
         _ensure_allocator()
-    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    cfg.setdefault("PAIRED", False)  # fprop / dgrad: a plain tile
+    col_n = cfg["BLOCK_N"] // 2 if cfg["PAIRED"] else cfg["BLOCK_N"]  # h's column tile
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], col_n),)
     p = probs if probs is not None else x
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
     # as (G, K_red=N, N_out=K).
