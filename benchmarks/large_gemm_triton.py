@@ -274,8 +274,9 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
 def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
           ) -> tuple[dict | None, dict | None]:
     """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel,
-    whose BLOCK_N is its gate + up accumulator's width; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
-    kernel); return the fastest of each (``None`` when none ran)."""
+    whose BLOCK_N is its gate + up accumulator's width; for the wgrad kinds every
+    :data:`WGRAD_SWEEP` config of the wgrad kernel); return the fastest of each (``None``
+    when none ran)."""
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
