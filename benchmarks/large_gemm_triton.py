@@ -354,6 +354,10 @@ def summarize(path: str) -> str:
     for r in read_records(path, BENCH):
         fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
                  if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
+        lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
+                     f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
+                     f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
+                     f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
         if "fused_vs_triton_swiglu" in r:
             lines.append(f"  fused vs triton fprop + SwiGLU ({r['triton_swiglu_ms']:.3f} ms): "
                          f"{r['fused_vs_triton_swiglu']:5.3f}x, h bits "
@@ -364,10 +368,6 @@ def summarize(path: str) -> str:
                     name = key[len("fused_"):-len("_vs_triton_swiglu")]
                     lines.append(f"  fused variant {name}: {r[f'fused_{name}_ms']:.3f} ms, "
                                  f"{r[key]:5.3f}x")
-        lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
-                     f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
-                     f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
-                     f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
         for name in r.get("variants", {}):
             lines.append(f"  variant {name:12} {r[f'triton_{name}_ms']:8.3f} ms  x "
                          f"{r[f'triton_{name}_x']:5.3f}  vs default "
