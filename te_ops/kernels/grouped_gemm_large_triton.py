@@ -4,9 +4,10 @@ Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
 :data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
 (CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
 (``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Persistent Triton grouped GEMMs
-for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue is not
-dispatched: it measured 0.93-0.98x this module's fprop + the Triton SwiGLU pass at 32-2048
-rows per group.
+for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue
+(:func:`large_fc1_swiglu`) runs where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` asks for it
+(``fused/fc1_epilogue.py``); auto keeps fprop + the Triton SwiGLU pass, which it measured
+0.97-0.99x of at 128-2048 rows per group (H200, ``PAIRED``, stop 15).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
@@ -46,9 +47,26 @@ it measured 0.94-1.03x ``FLAT`` alone (in the group walk 0.97-1.07x the walk alo
 it removes the empty rows' wgmma work (6.6 % of it at E32, 11.7 % at E128 -> 3.1 %, 5.9 %).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
-``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
-fc1 variant accumulates a gate tile (columns ``j``) and the matching up tile (columns
-``j + F``) per program, so the epilogue has both halves of each ``a`` element in registers.
+``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
+
+fc1 + SwiGLU, ``PAIRED`` (the default since stop 15): structurally the plain fprop. W1
+(G, 2F, K) is read through its (G, 2, F, K) view (TMA block [1, 2, BLOCK_N/2, BLOCK_K]: gate
+rows [n0, n0 + BLOCK_N/2) and up rows [F + n0, ...) in one load, reshaped to (BLOCK_N,
+BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BLOCK_N)
+accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2), permute,
+``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
+``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
+:func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). ``PAIRED=False``
+is stop 12's kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
+dots per k-step (0.88-0.97x fprop + SwiGLU in the group walk; with ``FLAT`` 0.59x at E8:
+ptxas serializes the two wgmma chains, warning C7515, "non wgmma instructions defining
+accumulator registers of a wgmma between start and end of the pipeline stage", plus
+2 KB of spills reloaded inside the k-loop). ``PAIRED`` compiles to the plain fprop's loop (one
+wgmma chain, no C7515) with 2 KB of spills (ptxas, Triton 3.6; the plain fprop's 0.6 KB stay
+outside the k-loop, some of these are reloaded in it) and measured 0.97-0.99x fprop + the
+SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
+memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the next tile's
+MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
 
 Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
 (device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
@@ -128,13 +146,12 @@ FLAT_MAX_GROUPS = 1024
 def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
     ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
-    for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
-    te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
-    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads; the flattened schedule (``FLAT``)
-    for fprop and dgrad (measured faster, module docstring), the group walk for the fc1 +
-    SwiGLU kernel (not measured with ``FLAT``); no ``WARP_SPEC``, no ``TAIL``. ``USE_TMA``
-    is dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot
-    take it."""
+    (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why te_ops' GEMMs timed
+    slower than the peer's"; for fc1 + SwiGLU one ``PAIRED`` accumulator of 128 gate + 128 up
+    columns, module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
+    the flattened schedule (``FLAT``, measured faster, module docstring); no ``WARP_SPEC``, no
+    ``TAIL``. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says
+    the operands cannot take it. ``PAIRED`` is a key of ``"fc1_swiglu"`` only."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
@@ -147,9 +164,9 @@ def large_config(kind: str) -> dict[str, int | bool]:
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
     ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
-    wgmma's minimum). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group
-    walk instead (the same tiles and k-steps; the in-register tile table would take too
-    many registers)."""
+    wgmma's minimum), ``PAIRED`` an even ``BLOCK_N`` of at least 16. ``FLAT`` with more than
+    :data:`FLAT_MAX_GROUPS` groups runs the group walk instead (the same tiles and k-steps;
+    the in-register tile table would take too many registers)."""
     cfg = dict(large_config(kind))
     cfg.update(config or {})
     unknown = sorted(set(cfg) - set(large_config(kind)))
@@ -611,10 +628,13 @@ def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                      probs: torch.Tensor | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (not dispatched).
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``fused/fc1_epilogue.py``
+    takes it where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` and fc1's fprop runs in this module).
 
-    ``h_g = x_g @ W_g^T``; ``a = SiLU(h[:, :F]) * h[:, F:]`` (times ``probs[:, None]``) in fp32
-    from the rounded h (``swiglu_triton._core``; formula of ``te_ops.basic.swiglu``).
+    ``h_g = x_g @ W_g^T``, bitwise :func:`large_fprop`'s with the default config (``PAIRED``:
+    the same tiles of rows and k-steps); ``a = SiLU(h[:, :F]) * h[:, F:]`` (times
+    ``probs[:, None]``) in fp32 from the rounded h (``swiglu_triton._core``, the Triton SwiGLU
+    forward's order of operations: bitwise that kernel's output on h).
 
     Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, 2F, K) (gate rows first, then up rows),
     offsets (G,) int32/int64 cumulative group ends, probs (M,) any float dtype or ``None`` ->
