@@ -27,7 +27,11 @@ GEMM, the ratios ``triton_x`` = grouped_mm / triton and ``fused_x`` = grouped_mm
 (> 1: the Triton path is faster; issue 10 asks for the whole block >= 1.15x), the config and
 whether TMA loads ran, and checks: ``max_abs_diff`` of the Triton output against
 ``_grouped_mm``'s and ``a_equal`` (the fused ``a`` equals the Triton SwiGLU on the fused
-``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s).
+``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s); for fc1
+also ``fused_vs_triton_swiglu`` = triton_swiglu / fused (the fused launch against what te_ops
+runs unfused at these rows) and ``fused_h_equal_triton`` (the fused ``h`` equals
+``large_fprop``'s bit for bit). ``--fused-variants JSON`` times other fc1 + SwiGLU launch
+configs in the same rounds (``fused_NAME_ms``, ``fused_NAME_vs_triton_swiglu``).
 ``--sweep`` times the launch configurations of :data:`SWEEP` (tiles, ``GROUP_M``, warps,
 stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgrad kinds;
 ``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
