@@ -306,7 +306,7 @@ if triton is not None:
         else:
             c = tl.arange(0, BLOCK_N)
             j = n0 + c % (BLOCK_N // 2)
-            row = (c // (BLOCK_N // 2)) * N + j
+            row = (c // (BLOCK_N // 2)).to(tl.int64) * N + j
             k = k0 + tl.arange(0, BLOCK_K)
             ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg
                    + k[:, None].to(tl.int64) * stride_wk + row[None, :].to(tl.int64) * stride_wn)
