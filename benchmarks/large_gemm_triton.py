@@ -27,7 +27,11 @@ GEMM, the ratios ``triton_x`` = grouped_mm / triton and ``fused_x`` = grouped_mm
 (> 1: the Triton path is faster; issue 10 asks for the whole block >= 1.15x), the config and
 whether TMA loads ran, and checks: ``max_abs_diff`` of the Triton output against
 ``_grouped_mm``'s and ``a_equal`` (the fused ``a`` equals the Triton SwiGLU on the fused
-``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s).
+``h`` bit for bit), ``bitwise_equal`` (the Triton output equals ``_grouped_mm``'s); for fc1
+also ``fused_vs_triton_swiglu`` = triton_swiglu / fused (the fused launch against what te_ops
+runs unfused at these rows) and ``fused_h_equal_triton`` (the fused ``h`` equals
+``large_fprop``'s bit for bit). ``--fused-variants JSON`` times other fc1 + SwiGLU launch
+configs in the same rounds (``fused_NAME_ms``, ``fused_NAME_vs_triton_swiglu``).
 ``--sweep`` times the launch configurations of :data:`SWEEP` (tiles, ``GROUP_M``, warps,
 stages, the FLAT schedule, TMA or pointer loads; :data:`WGRAD_SWEEP` for the wgrad kinds;
 ``sweep`` records, ``ms`` median of ``--sweep-reps``, errors such as out-of-resources
@@ -101,7 +105,7 @@ DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu
 
 #: Launch configurations of ``--sweep``: changes to ``large_config("fprop")`` (the default,
 #: ``FLAT``, is the first of the tile / warps / stages product; BLOCK_N is the plain fprop's
-#: tile, halved for the fused kernel: gate + up tiles, whose default is ``{"FLAT": False}``).
+#: tile and the fused kernel's gate + up accumulator, ``PAIRED`` by default).
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
          "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
 SWEEP = [{**_BASE, **change} for change in (
@@ -154,7 +158,8 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
 
 
 def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None,
-           variants: dict[str, dict] | None = None) -> dict[str, Any]:
+           variants: dict[str, dict] | None = None,
+           fused_variants: dict[str, dict] | None = None) -> dict[str, Any]:
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
@@ -176,6 +181,9 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
         calls["grouped_mm_swiglu"] = lambda: st.swiglu_forward(calls["grouped_mm"](), probs)
         calls["triton_swiglu"] = lambda: st.swiglu_forward(calls["triton"](), probs)
         calls["fused"] = lambda: lg.large_fc1_swiglu(x, w, offs, probs, fused_cfg or {})
+        for name, change in (fused_variants or {}).items():  # --fused-variants
+            calls[f"fused_{name}"] = lambda c={**(fused_cfg or {}), **change}: (
+                lg.large_fc1_swiglu(x, w, offs, probs, c))
     return calls
 
 
@@ -216,6 +224,7 @@ def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None,
     if gemm == "fc1":
         h, a = calls["fused"]()
         out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
+        out["fused_h_equal_triton"] = bool(torch.equal(h, got))  # the persistent fprop's bits
         out["a_equal"] = bool(torch.equal(a, st.swiglu_forward(h, probs)))
     return out
 
@@ -228,7 +237,8 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
 
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     variants = {} if gemm in WGRADS else (getattr(args, "variants", None) or {})
-    calls = _calls(ops, gemm, cfg, fused_cfg, variants)
+    fused_variants = (getattr(args, "fused_variants", None) or {}) if gemm == "fc1" else {}
+    calls = _calls(ops, gemm, cfg, fused_cfg, variants, fused_variants)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
                            "reps": args.reps, "split_sizes": ops["sizes"]}
     if gemm in WGRADS:
@@ -256,14 +266,21 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     if gemm == "fc1":
         rec["fused_x"] = rec["grouped_mm_swiglu_ms"] / rec["fused_ms"]
         rec["triton_swiglu_x"] = rec["grouped_mm_swiglu_ms"] / rec["triton_swiglu_ms"]
+        # the fused launch against what te_ops runs unfused there: the persistent fprop + SwiGLU
+        rec["fused_vs_triton_swiglu"] = rec["triton_swiglu_ms"] / rec["fused_ms"]
+        for name, change in fused_variants.items():
+            rec[f"fused_{name}_config"] = {**rec["fused_config"], **change}
+            rec[f"fused_{name}_vs_triton_swiglu"] = (rec["triton_swiglu_ms"]
+                                                     / rec[f"fused_{name}_ms"])
     return rec
 
 
 def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
           ) -> tuple[dict | None, dict | None]:
-    """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel
-    with BLOCK_N halved; for the wgrad kinds every :data:`WGRAD_SWEEP` config of the wgrad
-    kernel); return the fastest of each (``None`` when none ran)."""
+    """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel,
+    whose BLOCK_N is its gate + up accumulator's width; for the wgrad kinds every
+    :data:`WGRAD_SWEEP` config of the wgrad kernel); return the fastest of each (``None``
+    when none ran)."""
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     kinds = _sweep_kinds(ops, gemm, fused=not getattr(args, "no_fused_sweep", False))
     best: dict[str, tuple[float, dict]] = {}
@@ -271,8 +288,6 @@ def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
     for kind, fn in kinds.items():
         for cfg in _filtered(WGRAD_SWEEP if kind == "wgrad" else SWEEP,
                              getattr(args, "sweep_filter", None)):
-            if kind == "fc1_swiglu":
-                cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
             rec = {"bench": BENCH + "_sweep", "shape": shape_name, "gemm": gemm, "kind": kind,
                    "config": cfg}
             try:
@@ -347,6 +362,16 @@ def summarize(path: str) -> str:
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
                      f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
                      f"{r['max_abs_diff']:8.3g} {str(r.get('bitwise_equal', '')):>5}")
+        if "fused_vs_triton_swiglu" in r:
+            lines.append(f"  fused vs triton fprop + SwiGLU ({r['triton_swiglu_ms']:.3f} ms): "
+                         f"{r['fused_vs_triton_swiglu']:5.3f}x, h bits "
+                         f"{r.get('fused_h_equal_triton')}")
+            for key in r:
+                if key.startswith("fused_") and key.endswith("_vs_triton_swiglu") and \
+                        key != "fused_vs_triton_swiglu":
+                    name = key[len("fused_"):-len("_vs_triton_swiglu")]
+                    lines.append(f"  fused variant {name}: {r[f'fused_{name}_ms']:.3f} ms, "
+                                 f"{r[key]:5.3f}x")
         for name in r.get("variants", {}):
             lines.append(f"  variant {name:12} {r[f'triton_{name}_ms']:8.3f} ms  x "
                          f"{r[f'triton_{name}_x']:5.3f}  vs default "
@@ -440,7 +465,7 @@ def loop_report(kind: str, change: dict) -> dict[str, Any]:
     sig.update({name: "i32" for name in ("M", "N", "K", "G", "P", "stride_wg", "stride_wn",
                                           "stride_wk")})
     const = {"SWIGLU": kind == "fc1_swiglu", "HAS_P": False, "W_KN": kind == "dgrad",
-             "GBLOCK": 256 if cfg["FLAT"] else 1,
+             "GBLOCK": 256 if cfg["FLAT"] else 1, "PAIRED": cfg.get("PAIRED", False),
              **{k: cfg[k] for k in ("USE_TMA", "FLAT", "WARP_SPEC", "TAIL", "BLOCK_M",
                                     "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     cap = (torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0))
@@ -485,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="changes to the fc1 + SwiGLU kernel's default launch config "
                              "(large_config('fc1_swiglu'); not --sweep), e.g. "
                              '\'{"FLAT": true}\'')
+    parser.add_argument("--fused-variants", default=None, metavar="JSON",
+                        help='fc1 + SwiGLU kernel configs timed beside the default, '
+                             'interleaved: {"name": {config changes}, ...} (records '
+                             'fused_NAME_ms, fused_NAME_vs_triton_swiglu)')
     parser.add_argument("--loops", action="store_true",
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
@@ -503,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     _check_configs(parser, override, args.variants)
     fused_override = _json_arg(parser, "--fused-config", args.fused_config)
     _check_fused_config(parser, fused_override)
+    args.fused_variants = _json_arg(parser, "--fused-variants", args.fused_variants,
+                                    nested=True)
+    for change in args.fused_variants.values():
+        _check_fused_config(parser, {**fused_override, **change})
     _check_sweep_filter(parser, args.sweep_filter)
     if args.summarize:
         print(summarize(args.summarize))

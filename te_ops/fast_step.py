@@ -54,6 +54,7 @@ from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
+from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
 from .kernels.grouped_mlp_triton import BoundFc1Swiglu
 from .kernels.split_table import BoundSplitTable
@@ -131,11 +132,15 @@ def _activation_calls(backend: Any, interleave: int | None,
 
 
 def _fc1_activation_call(fprop1: Any, act_forward: Any, epilogue: bool,
-                         batch: LaunchBatch) -> Any:
+                         batch: LaunchBatch, large: bool = False) -> Any:
     """``fc1_act(x, w1, splits, probs) -> (h, a)``: fc1's fprop and the activation forward as
     the general path ran them for the recorded call (``epilogue``: one fused Triton launch,
-    ``fused/fc1_epilogue.py``, through a bound call site of ``batch``; else the two calls)."""
-    if epilogue:
+    ``fused/fc1_epilogue.py``, through a bound call site of ``batch``, or with ``large``, fc1's
+    fprop in the persistent kernel, ``large_fc1_swiglu``; else the two calls)."""
+    if epilogue and large:
+        def fc1_act(x, w1, splits, probs):
+            return large_fc1_swiglu(x, w1, splits.offsets, probs)
+    elif epilogue:
         site = BoundFc1Swiglu(batch)
 
         def fc1_act(x, w1, splits, probs):
@@ -186,7 +191,7 @@ class FastStep:
         self.act_forward, self.act_backward = _activation_calls(
             backend_act, self.ops[1].glu_interleave_size, self.launches)
         self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue,
-                                            self.launches)
+                                            self.launches, "fprop" in backend1.large_kinds)
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
         # ones, whose Triton kinds are custom ops under a trace (the bound call sites would
         # trace into the direct launcher: a graph break, an error under fullgraph).

@@ -26,7 +26,7 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 def test_config_kinds_and_bad_kind():
     assert L.large_config("fprop")["BLOCK_N"] == 256
-    assert L.large_config("fc1_swiglu")["BLOCK_N"] == 128
+    assert L.large_config("fc1_swiglu")["BLOCK_N"] == 256  # PAIRED: gate + up halves
     assert L.large_config("dgrad")["BLOCK_N"] == 256
     with pytest.raises(ValueError,
                        match="kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got 'wgrad'"):
@@ -128,6 +128,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
     const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
              "WARP_SPEC": False, "TAIL": tail, "GBLOCK": 8 if flat else 1,
+             "PAIRED": cfg.get("PAIRED", False),
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     kernel = _compile_sm90(const, cfg)
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
@@ -137,7 +138,8 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     assert _for_nesting(ttgir) == (1 if flat else 2)
     if tail and not flat:
         assert ttgir.count("scf.for ") == 3  # group loop, full-tile and half-tile k-loops
-    if tail:
+    if tail and not (flat and swiglu):  # the flat PAIRED fc1's half-tile loop pipelines its
+        # own (BLOCK_M / 2, BLOCK_K) x buffer: 8 KiB more (188440 bytes, Triton 3.6)
         assert kernel.metadata.shared <= _compile_sm90({**const, "TAIL": False},
                                                        cfg).metadata.shared
 

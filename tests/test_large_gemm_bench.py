@@ -135,7 +135,9 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
     assert fc1["grouped_mm_ms"] == 1.0 and fc1["triton_ms"] == 2.0 and fc1["triton_x"] == 0.5
     assert fc1["fused_x"] == 3.0 / 5.0 and fc1["triton_swiglu_x"] == 3.0 / 4.0
     assert sum(fc1["split_sizes"]) == 64 and fc1["config"]["BLOCK_N"] == 256
-    assert fc1["fused_config"]["BLOCK_N"] == 128 and "fused_ms" not in fc2
+    assert fc1["fused_config"]["BLOCK_N"] == 256 and fc1["fused_config"]["PAIRED"] is True
+    assert fc1["fused_vs_triton_swiglu"] == 4.0 / 5.0 and fc1["fused_h_equal_triton"] is True
+    assert "fused_ms" not in fc2
     for rec in (fc1_wgrad, fc2_wgrad):
         assert rec["bitwise_equal"] is True and rec["max_abs_diff"] == 0.0
         assert rec["config"]["BLOCK_K"] == 256 and rec["triton_x"] == 0.5
@@ -146,9 +148,10 @@ def test_compare_record_and_summary(monkeypatch, tmp_path, capsys):
         assert ops["flop"] == 2.0 * 64 * n * k
     assert bench.main(["--summarize", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 7 and "0.60" in table[1]
-    assert table[5].split()[:2] == ["E2_T64_H32_FF16", "fc1_wgrad"]
-    assert table[3].split()[:2] == ["E2_T64_H32_FF16", "fc1_dgrad"]
+    assert len(table) == 8 and "0.60" in table[1]
+    assert "fused vs triton fprop + SwiGLU (4.000 ms): 0.800x, h bits True" in table[2]
+    assert table[6].split()[:2] == ["E2_T64_H32_FF16", "fc1_wgrad"]
+    assert table[4].split()[:2] == ["E2_T64_H32_FF16", "fc1_dgrad"]
     assert table[1].split()[:2] == ["E2_T64_H32_FF16", "fc1"]
 
 
@@ -183,3 +186,32 @@ def test_for_nesting_counts_loops_inside_loops():
     assert bench.for_nesting(ttgir) == 2
     assert bench.for_nesting("scf.for %a {\n}\nscf.for %b {\n}") == 1
     assert bench.for_nesting("tt.func {\n}") == 0
+
+
+def test_fused_variants_are_timed_and_summarized(monkeypatch, tmp_path, capsys):
+    """``--fused-variants``: each fc1 + SwiGLU config is one more interleaved call (its time
+    and ratio to the Triton fprop + SwiGLU pass), on top of ``--fused-config``; a bad one is
+    a usage error before GPU work."""
+    _cpu_bench(monkeypatch)
+    seen = []
+    monkeypatch.setattr(lg, "large_fc1_swiglu", lambda x, w, o, p, c=None: (
+        seen.append(c), (h := _ref_fprop(x, w, o), _ref_swiglu(h, p)))[1])
+    args = argparse.Namespace(seed=0, reps=20, warmup=0,
+                              fused_variants={"old": {"PAIRED": False, "BLOCK_N": 128}})
+    rec = bench.compare("E2_T64_H32_FF16", "fc1", args, None, {"FLAT": False})
+    ops = bench._operands((2, 64, 32, 16), "fc1", 0)
+    bench._calls(ops, "fc1", None, {"FLAT": False}, None, args.fused_variants)["fused_old"]()
+    assert seen[-1] == {"FLAT": False, "PAIRED": False, "BLOCK_N": 128}
+    assert rec["fused_old_ms"] == 6.0 and rec["fused_old_vs_triton_swiglu"] == 4.0 / 6.0
+    assert rec["fused_old_config"]["PAIRED"] is False
+    path = tmp_path / "r.jsonl"
+    out = bench.JsonLines(str(path))
+    out.write(rec)
+    out.close()
+    capsys.readouterr()
+    assert bench.main(["--summarize", str(path)]) == 0
+    assert "fused variant old: 6.000 ms, 0.667x" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    with pytest.raises(SystemExit):
+        bench.main(["--fused-variants", '{"x": {"PAIRED": true, "BLOCK_N": 7}}'])
+    assert "PAIRED=True needs an even BLOCK_N" in capsys.readouterr().err

@@ -150,15 +150,17 @@ class _Act:
 
 
 def test_fc1_epilogue_reason_names_the_persistent_kernel(monkeypatch):
-    """fc1's fprop in the persistent kernel (auto at >= 512 rows per group, or forced): the
-    epilogue is not taken, and the reason says why (not "does not run in Triton")."""
-    for mode in ("auto", "1"):
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", mode)
-        for choice in (FORCED_LARGE, BackendChoice("triton", "auto", True,
-                                                   large_kinds=("fprop", "dgrad"))):
-            why = fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0)
-            assert why is not None and "persistent many-rows Triton kernel" in why, why
-            assert "does not run in Triton" not in why
+    """fc1's fprop in the persistent kernel (auto at >= 32 rows per group, or forced): auto
+    does not take the epilogue (measured slower there, stop 15), and the reason says why (not
+    "does not run in Triton"); ``1`` takes the persistent kernel's fused launch (same bits)."""
+    for choice in (FORCED_LARGE, BackendChoice("triton", "auto", True,
+                                               large_kinds=("fprop", "dgrad"))):
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+        why = fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0)
+        assert why is not None and "persistent many-rows Triton kernel" in why, why
+        assert "does not run in Triton" not in why and "=1 takes it" in why
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        assert fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0) is None
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")  # neighbour: few-rows fprop
     assert fc1_epilogue_reason(FORCED_FEW, _Act(), None, False, None, 1024.0) is None
 

@@ -102,15 +102,16 @@ def test_bad_override_or_variant_is_a_usage_error_before_gpu_work(monkeypatch, c
 def test_sweep_varies_the_default_schedule():
     """``--sweep`` tunes around the defaults: each key changed alone from ``large_config``
     (FLAT since stop 14; the sweep's base was still the group walk, so every tile / warps /
-    stages / GROUP_M change was timed on the walk only), and the fused kernel's default (the
-    walk, BLOCK_N halved) is among its configs."""
+    stages / GROUP_M change was timed on the walk only), and the fused kernel's default (since
+    stop 15 the fprop's tiles and schedule, ``PAIRED``, which the sweep leaves on) is among
+    its configs."""
     default = L.large_config("fprop")
     assert default == L.large_config("dgrad") and default in bench.SWEEP
     for key in ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "FLAT", "TAIL", "WARP_SPEC",
                 "USE_TMA"):
         assert any({k for k in c if c[k] != default[k]} == {key} for c in bench.SWEEP), key
-    fused = [{**c, "BLOCK_N": c["BLOCK_N"] // 2} for c in bench.SWEEP]
-    assert L.large_config("fc1_swiglu") in fused
+    fused = dict(L.large_config("fc1_swiglu"))
+    assert fused.pop("PAIRED") is True and fused in bench.SWEEP
 
 
 SCRIPT = r'''

@@ -77,11 +77,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto",
             ("auto", "0", "1"),
             "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
-            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop runs in the "
-            "few-rows Triton kernel (not the persistent one of >= 32 rows per group) and the "
+            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop runs in Triton "
+            "(the few-rows kernel, or the persistent one of >= 32 rows per group) and the "
             "activation in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
-            "at the measured rule (<= 8 rows per group, grouped_mlp_triton.MAX_ROWS_PER_GROUP: "
-            "1.02-1.08x the two launches on the H200), 1 wherever it can run, 0 never.",
+            "at the measured rule (few-rows kernel at <= 8 rows per group, "
+            "grouped_mlp_triton.MAX_ROWS_PER_GROUP: 1.02-1.08x the two launches on the H200; "
+            "never in the persistent kernel, fc1_epilogue.LARGE_AUTO: 0.97-0.99x there), 1 "
+            "wherever it can run, 0 never.",
         ),
         EnvVar(
             "TE_OPS_GRAPH_SAFE",

@@ -1,23 +1,27 @@
 """Whether the fused grouped MLP's forward runs fc1's fprop with the SwiGLU in its epilogue.
 
-``kernels/grouped_mlp_triton.py`` computes fc1's output ``h`` and the (Scaled)SwiGLU output
-``a`` in one Triton launch, bit for bit what fc1's Triton fprop followed by the Triton SwiGLU
-kernel produce. The forward (``ForwardGroupedMLP`` and the fast path ``te_ops.fast_step``) takes
-it when :func:`fc1_epilogue_reason` returns ``None``:
+Two kernels compute fc1's output ``h`` and the (Scaled)SwiGLU output ``a`` in one Triton
+launch, each bit for bit what fc1's Triton fprop of the same rows followed by the Triton SwiGLU
+kernel produce: ``kernels/grouped_mlp_triton.py`` (few rows per group) and
+``grouped_gemm_large_triton.large_fc1_swiglu`` (the persistent many-rows kernel, ``PAIRED``: h
+is the persistent fprop's). The forward (``ForwardGroupedMLP`` and the fast path
+``te_ops.fast_step``) takes one when :func:`fc1_epilogue_reason` returns ``None``:
 
 * ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not ``0``;
 * no recipe (fc1's fprop would read quantized operands) and no bias on fc1 (the bias is added
   between the GEMM and the activation);
-* fc1's fprop runs in the few-rows Triton kernel (``"fprop" in backend.triton_kinds``: CUDA,
-  bf16 under auto, few rows per group, or the forced ``triton`` backend below its
-  ``FORCED_MIN_ROWS_PER_GROUP``; not where it runs in the persistent many-rows kernel,
-  ``backend.large_kinds``: the fused launch gives the few-rows kernel's bits, and the unfused
-  forward would call the persistent one) and the activation runs in Triton (halves layout,
-  contiguous; ``swiglu_triton.select_backend``);
-* under ``auto`` (the default), at most
+* fc1's fprop runs in Triton: in the few-rows kernel (``"fprop" in backend.triton_kinds``:
+  CUDA, bf16 under auto, few rows per group, or the forced ``triton`` backend below its
+  ``FORCED_MIN_ROWS_PER_GROUP``; the fused launch is ``grouped_mlp_triton.fc1_swiglu``) or in
+  the persistent many-rows kernel (``backend.large_kinds``; the fused launch is
+  ``large_fc1_swiglu``, same tiles and k-steps as ``large_fprop``), and the activation runs in
+  Triton (halves layout, contiguous; ``swiglu_triton.select_backend``);
+* under ``auto`` (the default): in the few-rows case at most
   :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
-  (padding rows counted): the measured rule (docs/benchmarks.md, "Epilogue-fused decode
-  kernels"); ``1`` takes it at any row count.
+  (padding rows counted; docs/benchmarks.md, "Epilogue-fused decode kernels"); in the
+  persistent case never (:data:`LARGE_AUTO`: measured 0.97-0.99x the persistent fprop + the
+  Triton SwiGLU pass at 128-2048 rows per group on the H200, docs/benchmarks.md, "fc1 +
+  SwiGLU in the persistent kernel's epilogue"). ``1`` takes it wherever it can run.
 
 What the forward saves does not change (``SwiGLUSaved`` holds ``h``; fc2's input is recomputed
 in backward), so a forward that took the fused launch pairs with any backward bit-exactly.
@@ -31,10 +35,18 @@ import torch
 
 from .. import env
 from ..kernels import grouped_mlp_triton
+from ..kernels.grouped_gemm_large_triton import large_fc1_swiglu
 
-__all__ = ["fc1_epilogue_reason", "fc1_swiglu_forward"]
+__all__ = ["LARGE_AUTO", "fc1_epilogue_reason", "fc1_swiglu_forward"]
 
 _KIND = "fc1 SwiGLU epilogue"
+
+#: Whether ``auto`` takes the persistent kernel's fused launch (``large_fc1_swiglu``) where fc1's
+#: fprop runs in the persistent kernel. Off: it measured 0.97-0.99x ``large_fprop`` + the Triton
+#: SwiGLU forward (``benchmarks/large_gemm_triton.py --gemms fc1``, H200, 2026-11-30: E8 T16384
+#: H4096 FF14336 0.994x, E32 T32768 H7168 FF2048 0.991x, E128 T65536 H2048 FF768 0.992x, E128
+#: T16384 0.972x; h and a bitwise the two launches'), so auto keeps the two launches.
+LARGE_AUTO = False
 
 
 def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bool,
@@ -51,16 +63,20 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
         return "a recipe (fc1's fprop reads quantized operands)"
     if has_bias:
         return "fc1 has a bias (added between the GEMM and the activation)"
-    if "fprop" in backend1.large_kinds:
-        return (f"fc1's fprop runs in the persistent many-rows Triton kernel (backend "
-                f"{backend1.name}, large_kinds), not in the few-rows kernel whose bits the "
-                "fused launch gives")
-    if "fprop" not in backend1.triton_kinds:
+    large = "fprop" in backend1.large_kinds
+    if not large and "fprop" not in backend1.triton_kinds:
         return f"fc1's fprop does not run in Triton (backend {backend1.name})"
     if interleave is not None:
         return f"glu_interleave_size={interleave} (the fused kernel takes the halves layout)"
     if backend_act.name != "triton":
         return f"the activation runs in {backend_act.name} ({backend_act.reason})"
+    if large:
+        if mode == "auto" and not LARGE_AUTO:
+            return (f"fc1's fprop runs in the persistent many-rows Triton kernel (backend "
+                    f"{backend1.name}, large_kinds), where the fused launch (large_fc1_swiglu, "
+                    "same bits) measured 0.97-0.99x that kernel + the Triton SwiGLU pass; "
+                    "TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it")
+        return None
     limit = grouped_mlp_triton.MAX_ROWS_PER_GROUP
     if mode == "auto" and rows_per_group > limit:
         return (f"{rows_per_group:g} rows per group > MAX_ROWS_PER_GROUP={limit} (measured no "
@@ -79,7 +95,8 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
     a (rows, F).
     """
     rows_per_group = splits.num_rows / max(splits.num_groups, 1)
-    if (recipe is not None or fc1.has_bias or "fprop" not in backend1.triton_kinds
+    triton_fprop = "fprop" in backend1.triton_kinds or "fprop" in backend1.large_kinds
+    if (recipe is not None or fc1.has_bias or not triton_fprop
             or act.glu_interleave_size is not None):
         why = fc1_epilogue_reason(backend1, None, recipe, fc1.has_bias,
                                   act.glu_interleave_size, rows_per_group)
@@ -92,6 +109,19 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
     if why is not None:
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
-    act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation")
-    h, a = grouped_mlp_triton.fc1_swiglu(x2d, weights, splits.offsets, probs)
+    h, a = fc1_swiglu_launch(backend1, act, x2d, weights, splits.offsets, probs)
     return h, a, backend_act
+
+
+def fc1_swiglu_launch(backend1: Any, act: Any, x2d: torch.Tensor, weights: torch.Tensor,
+                      offsets: torch.Tensor, probs: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, a)`` from the fused launch of the kernel fc1's fprop runs in (``backend1``): the
+    persistent many-rows one (``large_kinds``) or the few-rows one; recorded on ``act`` for
+    ``explain()``. Shapes as :func:`fc1_swiglu_forward`."""
+    if "fprop" in backend1.large_kinds:
+        act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation "
+                                   "(the persistent many-rows kernel, large_fc1_swiglu)")
+        return large_fc1_swiglu(x2d, weights, offsets, probs)
+    act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation")
+    return grouped_mlp_triton.fc1_swiglu(x2d, weights, offsets, probs)

@@ -4,9 +4,10 @@ Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
 :data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
 (CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
 (``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Persistent Triton grouped GEMMs
-for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue is not
-dispatched: it measured 0.93-0.98x this module's fprop + the Triton SwiGLU pass at 32-2048
-rows per group.
+for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue
+(:func:`large_fc1_swiglu`) runs where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` asks for it
+(``fused/fc1_epilogue.py``); auto keeps fprop + the Triton SwiGLU pass, which it measured
+0.97-0.99x of at 128-2048 rows per group (H200, ``PAIRED``, stop 15).
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
@@ -46,9 +47,26 @@ it measured 0.94-1.03x ``FLAT`` alone (in the group walk 0.97-1.07x the walk alo
 it removes the empty rows' wgmma work (6.6 % of it at E32, 11.7 % at E128 -> 3.1 %, 5.9 %).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
-``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16). The
-fc1 variant accumulates a gate tile (columns ``j``) and the matching up tile (columns
-``j + F``) per program, so the epilogue has both halves of each ``a`` element in registers.
+``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
+
+fc1 + SwiGLU, ``PAIRED`` (the default since stop 15): structurally the plain fprop. W1
+(G, 2F, K) is read through its (G, 2, F, K) view (TMA block [1, 2, BLOCK_N/2, BLOCK_K]: gate
+rows [n0, n0 + BLOCK_N/2) and up rows [F + n0, ...) in one load, reshaped to (BLOCK_N,
+BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BLOCK_N)
+accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2), permute,
+``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
+``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
+:func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). ``PAIRED=False``
+is stop 12's kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
+dots per k-step (0.88-0.97x fprop + SwiGLU in the group walk; with ``FLAT`` 0.59x at E8:
+ptxas serializes the two wgmma chains, warning C7515, "non wgmma instructions defining
+accumulator registers of a wgmma between start and end of the pipeline stage", plus
+2 KB of spills reloaded inside the k-loop). ``PAIRED`` compiles to the plain fprop's loop (one
+wgmma chain, no C7515) with 2 KB of spills (ptxas, Triton 3.6; the plain fprop's 0.6 KB stay
+outside the k-loop, some of these are reloaded in it) and measured 0.97-0.99x fprop + the
+SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
+memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the next tile's
+MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
 
 Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
 (device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
@@ -128,19 +146,19 @@ FLAT_MAX_GROUPS = 1024
 def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
     ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
-    for the plain fprop (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why
-    te_ops' GEMMs timed slower than the peer's"), 128 x (128 gate + 128 up) for fc1, 64 k per
-    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads; the flattened schedule (``FLAT``)
-    for fprop and dgrad (measured faster, module docstring), the group walk for the fc1 +
-    SwiGLU kernel (not measured with ``FLAT``); no ``WARP_SPEC``, no ``TAIL``. ``USE_TMA``
-    is dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot
-    take it."""
+    (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why te_ops' GEMMs timed
+    slower than the peer's"; for fc1 + SwiGLU one ``PAIRED`` accumulator of 128 gate + 128 up
+    columns, module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
+    the flattened schedule (``FLAT``, measured faster, module docstring); no ``WARP_SPEC``, no
+    ``TAIL``. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says
+    the operands cannot take it. ``PAIRED`` is a key of ``"fc1_swiglu"`` only."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
-    block_n = 128 if kind == "fc1_swiglu" else 256
-    return {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": kind != "fc1_swiglu", "WARP_SPEC": False, "TAIL": False, "num_warps": 8,
-            "num_stages": 3}
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+           "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+    if kind == "fc1_swiglu":
+        cfg["PAIRED"] = True
+    return cfg
 
 
 #: :func:`_resolve`'s result without a ``config``, per (kind, groups past FLAT_MAX_GROUPS):
@@ -151,9 +169,9 @@ _DEFAULTS: dict[tuple[str, bool], dict[str, int | bool]] = {}
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
     ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
-    wgmma's minimum). ``FLAT`` with more than :data:`FLAT_MAX_GROUPS` groups runs the group
-    walk instead (the same tiles and k-steps; the in-register tile table would take too
-    many registers). A new dict each call."""
+    wgmma's minimum), ``PAIRED`` an even ``BLOCK_N`` of at least 16. ``FLAT`` with more than
+    :data:`FLAT_MAX_GROUPS` groups runs the group walk instead (the same tiles and k-steps;
+    the in-register tile table would take too many registers). A new dict each call."""
     if config is None:
         key = (kind, groups > FLAT_MAX_GROUPS)
         cached = _DEFAULTS.get(key)
@@ -174,6 +192,9 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
     if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
         raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
                          f"rows), got BLOCK_M={cfg['BLOCK_M']}")
+    if cfg.get("PAIRED") and (cfg["BLOCK_N"] < 16 or cfg["BLOCK_N"] % 2):
+        raise ValueError(f"config PAIRED=True needs an even BLOCK_N >= 16 (gate and up halves "
+                         f"of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
     return cfg
 
 
@@ -300,13 +321,43 @@ if triton is not None:
             return tl.load(ptr, mask=(k[:, None] < K) & (n[None, :] < N_ROWS), other=0.0)
 
     @triton.jit
+    def _load_w_pair(w_desc, w_ptr, g, n0, k0, N, K, stride_wg, stride_wn, stride_wk,
+                     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``PAIRED``: the (BLOCK_K, BLOCK_N) operand tile whose columns are W1[g]'s gate rows
+        [n0, n0 + BLOCK_N/2) then its up rows [N + n0, N + n0 + BLOCK_N/2) (W1 (G, 2N, K),
+        k-contiguous), transposed; zeros past K and past row N of each half. TMA: one load
+        through the (G, 2, N, K) view of W1 (block [1, 2, BLOCK_N/2, BLOCK_K]), reshaped to
+        (BLOCK_N, BLOCK_K) (the halves are consecutive in the block: no data movement)."""
+        if USE_TMA:
+            w = w_desc.load([g, 0, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            return w.T
+        else:
+            c = tl.arange(0, BLOCK_N)
+            j = n0 + c % (BLOCK_N // 2)
+            row = (c // (BLOCK_N // 2)).to(tl.int64) * N + j
+            k = k0 + tl.arange(0, BLOCK_K)
+            ptr = (w_ptr + tl.cast(g, tl.int64) * stride_wg
+                   + k[:, None].to(tl.int64) * stride_wk + row[None, :].to(tl.int64) * stride_wn)
+            return tl.load(ptr, mask=(k[:, None] < K) & (j < N)[None, :], other=0.0)
+
+    @triton.jit
+    def _split_pair(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(gate, up): the two (TILE_M, BLOCK_N/2) column halves of a ``PAIRED``
+        accumulator."""
+        pair = tl.permute(tl.reshape(acc, (TILE_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        return tl.split(pair)
+
+    @triton.jit
     def _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end, end, m0, pn, N,
               K, h_cols, stride_wg, stride_wn, stride_wk, SWIGLU: tl.constexpr,
               HAS_P: tl.constexpr, USE_TMA: tl.constexpr, W_KN: tl.constexpr,
-              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PAIRED: tl.constexpr):
         """One output tile: rows [m0, m0 + TILE_M) of group ``g`` (rows up to ``end``),
         column tile ``pn``, k-steps up to ``k_end`` (K; 0 for the padding group, which then
-        stores zeros)."""
+        stores zeros). ``PAIRED`` (SWIGLU): one (TILE_M, BLOCK_N) accumulator whose halves
+        are h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), one W load and one dot
+        per k-step (:func:`_load_w_pair`), split in the epilogue."""
         rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
         acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
@@ -318,15 +369,24 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 xa = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                              mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-            wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
-                         stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
+            if PAIRED:
+                wt = _load_w_pair(w_desc, w_ptr, g, pn * (BLOCK_N // 2), k0, N, K, stride_wg,
+                                  stride_wn, stride_wk, USE_TMA, BLOCK_N, BLOCK_K)
+            else:
+                wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
+                             stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
-            if SWIGLU:
+            if SWIGLU and not PAIRED:
                 wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
                              stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
                 acc_u = tl.dot(xa, wu, acc_u)
-        _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU, HAS_P,
-                  BLOCK_N)
+        if PAIRED:
+            gate, up = _split_pair(acc, TILE_M, BLOCK_N)
+            _epilogue(gate, up, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU,
+                      HAS_P, BLOCK_N // 2)
+        else:
+            _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU,
+                      HAS_P, BLOCK_N)
 
     @triton.jit
     def _epilogue(acc, acc_u, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols,
@@ -392,7 +452,7 @@ if triton is not None:
                       W_KN: tl.constexpr, FLAT: tl.constexpr, WARP_SPEC: tl.constexpr,
                       TAIL: tl.constexpr, GBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
         gate columns, h (M, 2F) gets both halves, a (M, F) = SiLU(gate) * up (* p[m]).
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
@@ -423,11 +483,20 @@ if triton is not None:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
                                                    strides=[stride_wg, stride_wk, 1],
                                                    block_shape=[1, BLOCK_K, BLOCK_N])
+            elif PAIRED:  # W1 (G, 2N, K) as (G, 2, N, K): gate and up rows in one block
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, 2, N, K],
+                                                   strides=[stride_wg, N * stride_wn,
+                                                            stride_wn, 1],
+                                                   block_shape=[1, 2, BLOCK_N // 2, BLOCK_K])
             else:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, h_cols, K],
                                                    strides=[stride_wg, stride_wn, 1],
                                                    block_shape=[1, BLOCK_N, BLOCK_K])
-        tiles_n = tl.cdiv(N, BLOCK_N)
+        if PAIRED:  # h's column tiles (of the gate half; the up tile is its twin)
+            COL_N: tl.constexpr = BLOCK_N // 2
+        else:
+            COL_N: tl.constexpr = BLOCK_N
+        tiles_n = tl.cdiv(N, COL_N)
         if FLAT:
             ends, half_ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, TAIL, GBLOCK)
             n_full = tl.max(ends, 0)
@@ -439,7 +508,8 @@ if triton is not None:
                                   GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
                       start + pm * BLOCK_M, pn, N, K, h_cols, stride_wg, stride_wn,
-                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                      stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K,
+                      PAIRED)
             first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
             if TAIL:  # the groups' half-height last row tiles, one per (group, column tile)
                 n_half = tl.max(half_ends, 0)
@@ -450,15 +520,15 @@ if triton is not None:
                     _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end, m0,
                           (tile - base).to(tl.int32), N, K, h_cols, stride_wg, stride_wn,
                           stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2, BLOCK_N,
-                          BLOCK_K)
+                          BLOCK_K, PAIRED)
                 first = (first + P - n_half % P) % P
             pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
             pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
             for tile in range(first, pad_tiles, P):  # padding rows: zeros, no k-step
                 rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                zero = tl.zeros([BLOCK_M, COL_N], dtype=tl.float32)
                 _epilogue(zero, zero, h_ptr, a_ptr, p_ptr, rows, rows < pad_end,
-                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, BLOCK_N)
+                          tile % tiles_n, N, h_cols, SWIGLU, HAS_P, COL_N)
         else:
             tile = pid
             base = 0
@@ -475,17 +545,17 @@ if triton is not None:
                             _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                                   end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                                   stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, PAIRED)
                         else:
                             _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                                   end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                                   stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, PAIRED)
                     else:
                         _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
                               end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
                               stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                              BLOCK_N, BLOCK_K)
+                              BLOCK_N, BLOCK_K, PAIRED)
                     tile += P
                 base += count
 
@@ -536,14 +606,17 @@ def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
     groups = weights.shape[0]
     n_rows = weights.shape[2] if dgrad else weights.shape[1]
     n = n_rows // 2 if kind == "fc1_swiglu" else n_rows
-    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    paired = bool(cfg.get("PAIRED", False))  # a key of "fc1_swiglu" only
+    col_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]  # h's column tile
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], col_n),)
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
     # as (G, K_red=N, N_out=K).
     stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
                           else (weights.stride(1), weights.stride(2)))
     rest = (m, n, k, groups, grid[0], weights.stride(0), stride_n, stride_k)
     kwargs = dict(SWIGLU=kind == "fc1_swiglu", HAS_P=has_p, W_KN=dgrad,
-                  GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
+                  GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1,
+                  **{**cfg, "PAIRED": paired})
     return grid, rest, kwargs
 
 
@@ -598,10 +671,13 @@ def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                      probs: torch.Tensor | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (not dispatched).
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``fused/fc1_epilogue.py``
+    takes it where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` and fc1's fprop runs in this module).
 
-    ``h_g = x_g @ W_g^T``; ``a = SiLU(h[:, :F]) * h[:, F:]`` (times ``probs[:, None]``) in fp32
-    from the rounded h (``swiglu_triton._core``; formula of ``te_ops.basic.swiglu``).
+    ``h_g = x_g @ W_g^T``, bitwise :func:`large_fprop`'s with the default config (``PAIRED``:
+    the same tiles of rows and k-steps); ``a = SiLU(h[:, :F]) * h[:, F:]`` (times
+    ``probs[:, None]``) in fp32 from the rounded h (``swiglu_triton._core``, the Triton SwiGLU
+    forward's order of operations: bitwise that kernel's output on h).
 
     Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, 2F, K) (gate rows first, then up rows),
     offsets (G,) int32/int64 cumulative group ends, probs (M,) any float dtype or ``None`` ->

@@ -1,0 +1,226 @@
+"""fc1's fprop with the SwiGLU in its epilogue where fc1's fprop runs in the persistent
+many-rows kernel (``large_fc1_swiglu``, ``fused/fc1_epilogue.py``).
+
+CPU (CI): the rule (auto refuses, ``LARGE_AUTO`` says why; ``1`` takes it; the neighbouring
+reasons still come first), the general path's routing to ``large_fc1_swiglu`` and its
+``explain()`` line, the fast path's call. CUDA: the block (>= 32 rows per group, bf16 on SM90:
+fprop and dgrad in the persistent kernels) with the epilogue on (``1``; general path, then
+the fast path) bitwise equal to the epilogue off, to the fused forward with the unfused
+backward and to the unfused ops (outputs and every gradient); CUDA graph replay and
+``torch.compile(fullgraph=True)`` of that block bitwise equal to eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_ops
+from te_ops.fused import fc1_epilogue
+from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
+from te_ops.kernels.grouped_gemm import BackendChoice
+from te_ops.kernels.swiglu_triton import ActivationChoice
+
+CUDA = torch.device("cuda")
+LARGE = BackendChoice("triton", "test", True, large_kinds=("fprop", "dgrad"))
+ACT = ActivationChoice("triton", "test")
+
+
+# ----------------------------------------------------------------------------- CPU: the rule
+def test_auto_refuses_the_persistent_case_and_says_why(monkeypatch):
+    why = fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0)
+    assert "persistent many-rows Triton kernel" in why and "0.97-0.99x" in why
+    assert "TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it" in why
+    monkeypatch.setattr(fc1_epilogue, "LARGE_AUTO", True)  # a measured win would turn it on
+    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0) is None
+
+
+@pytest.mark.parametrize("args, match", [
+    ((LARGE, ACT, None, False, None, 64.0), None),
+    ((LARGE, ACT, object(), False, None, 64.0), "a recipe"),
+    ((LARGE, ACT, None, True, None, 64.0), "fc1 has a bias"),
+    ((LARGE, ACT, None, False, 32, 64.0), "glu_interleave_size=32"),
+    ((LARGE, ActivationChoice("torch", "forced"), None, False, None, 64.0),
+     "the activation runs in torch"),
+])
+def test_one_takes_it_where_it_can_run(monkeypatch, args, match):
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    why = fc1_epilogue_reason(*args)
+    assert why is None if match is None else match in why
+
+
+def test_zero_turns_it_off(monkeypatch):
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0) == \
+        "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
+
+
+class _Act:
+    glu_interleave_size = None
+
+    def __init__(self):
+        self.records = []
+
+    def record_dispatch(self, kind, text):
+        self.records.append((kind, text))
+
+    def select_backend(self, h):
+        return ACT
+
+
+def test_general_path_launches_the_persistent_kernel(monkeypatch):
+    """``fc1_swiglu_forward`` with fc1's fprop in the persistent kernel and ``1``: one call of
+    ``large_fc1_swiglu`` (not the few-rows kernel), recorded for ``explain()``; under auto
+    none, and the reason recorded."""
+    calls = []
+    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
+                        lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
+    monkeypatch.setattr(fc1_epilogue.grouped_mlp_triton, "fc1_swiglu",
+                        lambda *a: pytest.fail("the few-rows kernel ran"))
+    fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
+    splits = type("S", (), {"num_rows": 128, "num_groups": 2,
+                            "offsets": torch.tensor([64, 128])})()
+    act = _Act()
+    x, w, p = torch.zeros(128, 4), torch.zeros(2, 8, 4), torch.ones(128)
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
+        ("h", "a", ACT)
+    assert calls[0][0] is x and calls[0][1] is w and calls[0][3] is p
+    assert "persistent many-rows kernel, large_fc1_swiglu" in act.records[-1][1]
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
+    assert act.records[-1][1].startswith("not used: fc1's fprop runs in the persistent")
+    assert len(calls) == 1
+
+
+def test_fast_path_calls_the_persistent_kernel(monkeypatch):
+    """The fast path with the epilogue recorded and fc1's fprop in the persistent kernel:
+    ``large_fc1_swiglu`` (not the few-rows kernel's bound site)."""
+    from te_ops import fast_step
+    from te_ops.kernels.triton_launch import LaunchBatch
+
+    calls = []
+    monkeypatch.setattr(fast_step, "large_fc1_swiglu",
+                        lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
+    monkeypatch.setattr(fast_step, "BoundFc1Swiglu",
+                        lambda batch: pytest.fail("the few-rows kernel was bound"))
+    fused = fast_step._fc1_activation_call(None, None, True, LaunchBatch(), large=True)
+    splits = type("S", (), {"offsets": torch.tensor([1])})()
+    x, p = torch.zeros(2, 2), torch.ones(2)
+    assert fused(x, "w", splits, p) == ("h", "a")
+    assert calls[0][0] is x and calls[0][1] == "w" and calls[0][2] is splits.offsets
+
+
+# ---------------------------------------------------------------------------- CUDA: the block
+def _block(groups=4, h=256, ffn=384):
+    torch.manual_seed(0)
+    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16}
+    return te_ops.Sequential(te_ops.GroupedLinear(groups, h, 2 * ffn, **kw),
+                             te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(groups, ffn, h, **kw))
+
+
+def _inputs(sizes, rows, h=256):
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    x = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    return x, torch.tensor(sizes, device=CUDA), probs, dy
+
+
+def _run(block, x, split, probs, dy):
+    x = x.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    y = block(x, split, probs, split)
+    y.backward(dy)
+    out = [y.detach().clone(), x.grad.clone(), probs.grad.clone(),
+           *[p.grad.clone() for p in block.parameters()]]
+    block.zero_grad(set_to_none=True)
+    return out, type(y.grad_fn).__name__
+
+
+#: 4 groups, 280 of 300 rows (70 per group on average: fprop in the persistent kernel under
+#: auto on SM90 bf16), an empty group, a skewed one and 20 padding rows.
+SIZES, ROWS = [150, 0, 47, 83], 300
+
+
+def _needs_persistent_fprop():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("auto runs fc1's fprop in the persistent kernel on SM90 only")
+
+
+@pytest.mark.cuda
+def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkeypatch):
+    """``1``: general path, then the fast path; against ``0``, the fused forward with the
+    unfused backward and the unfused ops: outputs and every gradient bit for bit."""
+    _needs_persistent_fprop()
+    x, split, probs, dy = _inputs(SIZES, ROWS)
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    auto = _block()
+    _run(auto, x, split, probs, dy)
+    assert "not used: fc1's fprop runs in the persistent many-rows" in auto.explain()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    block = _block()
+    runs = [_run(block, x, split, probs, dy) for _ in range(3)]
+    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    off = _run(_block(), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    fwd_only = _run(_block(), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FUSION", "0")
+    unfused = _run(_block(), x, split, probs, dy)[0]
+    for got in [r[0] for r in runs] + [fwd_only, unfused]:
+        assert all(torch.equal(a, b) for a, b in zip(got, off))
+
+
+@pytest.mark.cuda
+def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
+    """The block with the persistent epilogue captured in a CUDA graph (replayed with new
+    split sizes, same rows) and under ``torch.compile(fullgraph=True)`` (one frame, no graph
+    break; the op ``te_ops::grouped_fc1_swiglu_large``): bitwise the eager values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    _needs_persistent_fprop()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    x, split, probs, dy = _inputs(SIZES, ROWS)
+    block = _block()
+    _run(block, x, split, probs, dy)  # compile the kernels outside the capture
+    xs = x.detach().clone().requires_grad_(True)
+    ps = probs.detach().clone().requires_grad_(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = block(xs, split, ps, split)
+        y.backward(dy)
+    assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
+    new = [10, 90, 0, 180]
+    split.copy_(torch.tensor(new, device=CUDA))
+    graph.replay()
+    got = [y.detach().clone(), xs.grad.clone(), ps.grad.clone(),
+           *[p.grad.clone() for p in block.parameters()]]
+    block.zero_grad(set_to_none=True)
+    want = _run(block, x, torch.tensor(new, device=CUDA), probs, dy)[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    def fn(x, s, p):
+        return block(x, s, p, s)
+
+    torch._dynamo.reset()
+    counters.clear()
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        for sizes_ in (SIZES, new):
+            s = torch.tensor(sizes_, device=CUDA)
+            xc = x.detach().clone().requires_grad_(True)
+            pc = probs.detach().clone().requires_grad_(True)
+            yc = compiled(xc, s, pc)
+            yc.backward(dy)
+            got = [yc.detach(), xc.grad, pc.grad, *[p.grad.clone() for p in block.parameters()]]
+            block.zero_grad(set_to_none=True)
+            want = _run(block, x, s, probs, dy)[0]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
+    assert cnt.frame_count == 1 and not counters["graph_break"]
