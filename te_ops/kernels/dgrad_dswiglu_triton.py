@@ -65,11 +65,11 @@ def dswiglu_config() -> dict[str, int | bool]:
     """Default launch parameters of :func:`large_dgrad_dswiglu`: 128 x 128 output tiles
     (half the plain dgrad's 256 columns: the epilogue holds the fp32 accumulator and two h
     tiles), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads of dy and W2, the
-    ``FLAT`` schedule, the epilogue on the whole tile (``EPI_SPLIT = 1``).
+    ``FLAT`` schedule, the epilogue in two column halves (``EPI_SPLIT = 2``: no register
+    spills in the sm_90 compile with Triton 3.6, where the whole tile at once spills).
     ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` times variants."""
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": True, "EPI_SPLIT": 1, "WRITE_OUT": True, "num_warps": 8,
-            "num_stages": 3}
+            "FLAT": True, "EPI_SPLIT": 2, "num_warps": 8, "num_stages": 3}
 
 
 def _resolve(config: dict | None, groups: int) -> dict[str, int | bool]:
@@ -116,35 +116,43 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dswiglu_part(da, h_ptr, dh_ptr, a_ptr, p, rows, row_ok, cols, N,
-                      HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr):
-        """dh's gate and up columns ``cols`` and a's of ``rows`` (where ``row_ok``) from the
-        rounded da tile (fp32 values) and h; returns the rows' probs-gradient sums over
-        ``cols`` (fp32; zeros without ``HAS_P``)."""
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        h_row = rows[:, None].to(tl.int64) * (2 * N)
-        gate = tl.load(h_ptr + h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + h_row + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    def _dswiglu_part(da, h_ptr, dh_ptr, a_ptr, p, m0, row_ok, cols, N,
+                      HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr, EVEN_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+        """dh's gate and up columns ``cols`` and a's of the rows ``m0 + arange(BLOCK_M)``
+        (where ``row_ok``) from the rounded da tile (fp32 values) and h; returns the rows'
+        probs-gradient sums over ``cols`` (fp32; zeros without ``HAS_P``). Addresses: a
+        64-bit tile base, 32-bit offsets inside the tile (fewer registers)."""
+        local = tl.arange(0, BLOCK_M)
+        if EVEN_N:
+            mask = row_ok[:, None]
+        else:
+            mask = row_ok[:, None] & (cols < N)[None, :]
+        base = m0.to(tl.int64) * (2 * N)
+        off = local[:, None] * (2 * N) + cols[None, :]
+        gate = tl.load(h_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + base + N + off, mask=mask, other=0.0).to(tl.float32)
         dgate, dup, out, dp = _dswiglu(gate, up, da, p, HAS_P)
-        tl.store(dh_ptr + h_row + cols[None, :], dgate.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_ptr + h_row + N + cols[None, :], dup.to(dh_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(dh_ptr + base + off, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + base + N + off, dup.to(dh_ptr.dtype.element_ty), mask=mask)
         if WRITE_OUT:
-            tl.store(a_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+            tl.store(a_ptr + m0.to(tl.int64) * N + local[:, None] * N + cols[None, :],
                      out.to(a_ptr.dtype.element_ty), mask=mask)
         if HAS_P:
             return tl.sum(dp, axis=1)  # columns past N: da = gate = up = 0
-        return tl.zeros_like(rows).to(tl.float32)
+        return tl.zeros([BLOCK_M], dtype=tl.float32)
 
     @triton.jit
-    def _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, row_ok, pn, N, M,
+    def _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn, N, M,
                           HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr,
-                          EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-        """The SwiGLU backward of one da tile (``acc``, fp32) at ``rows``, column tile
-        ``pn``: da rounded to dh's dtype first (``large_dgrad``'s stored bits); the probs
-        partial of (pn, row) to ``dpp_ptr`` (a (tiles_n, M) fp32 buffer)."""
+                          EPI_SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The SwiGLU backward of one da tile (``acc``, fp32) at rows ``m0 + arange(BLOCK_M)``
+        (stored where ``row_ok``), column tile ``pn``: da rounded to dh's dtype first
+        (``large_dgrad``'s stored bits); the probs partial of (pn, row) to ``dpp_ptr`` (a
+        (tiles_n, M) fp32 buffer)."""
         da = acc.to(dh_ptr.dtype.element_ty)
+        rows = m0 + tl.arange(0, BLOCK_M)
         p = 1.0
         if HAS_P:
             p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -152,14 +160,14 @@ if triton is not None:
             half: tl.constexpr = BLOCK_N // 2
             d0, d1 = tl.split(tl.permute(tl.reshape(da, [BLOCK_M, 2, half]), [0, 2, 1]))
             cols = pn * BLOCK_N + tl.arange(0, half)
-            dp = _dswiglu_part(d0.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, rows, row_ok,
-                               cols, N, HAS_P, WRITE_OUT)
-            dp += _dswiglu_part(d1.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, rows, row_ok,
-                                cols + half, N, HAS_P, WRITE_OUT)
+            dp = _dswiglu_part(d0.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
+                               cols, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
+            dp += _dswiglu_part(d1.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
+                                cols + half, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
         else:
             cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-            dp = _dswiglu_part(da.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, rows, row_ok,
-                               cols, N, HAS_P, WRITE_OUT)
+            dp = _dswiglu_part(da.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
+                               cols, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
         if HAS_P:
             tl.store(dpp_ptr + pn.to(tl.int64) * M + rows, dp, mask=row_ok)
 
@@ -169,7 +177,7 @@ if triton is not None:
                               HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr,
                               USE_TMA: tl.constexpr, FLAT: tl.constexpr,
                               GBLOCK: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """x = dy (M, K) contiguous, W (G, K_red=K, N_out=N) by strides, h and dh (M, 2N),
         a (M, N) contiguous (dh may be h itself: each element is read, then written, by
@@ -187,12 +195,12 @@ if triton is not None:
                                                block_shape=[1, BLOCK_K, BLOCK_N])
         tiles_n = tl.cdiv(N, BLOCK_N)
         if FLAT:
-            ends, _ = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, False, GBLOCK)
+            ends, no_half = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, False, GBLOCK)
             n_full = tl.max(ends, 0)
             for tile in tl.range(pid, n_full, P, flatten=True):
                 g, base = _group_of(ends, tile)
                 start, end = _group_rows(offs_ptr, g, G, M)
-                tiles_m, _ = _row_tiles(end - start, BLOCK_M, False)
+                tiles_m, no_tail = _row_tiles(end - start, BLOCK_M, False)
                 pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m.to(tl.int32), tiles_n,
                                   GROUP_M)
                 m0 = start + pm * BLOCK_M
@@ -201,17 +209,19 @@ if triton is not None:
                 acc = _dgrad_acc(x_desc, w_desc, x_ptr, w_ptr, g, K, rows, row_ok, m0, pn, N,
                                  K, stride_wg, stride_wn, stride_wk, USE_TMA, BLOCK_M,
                                  BLOCK_N, BLOCK_K)
-                _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, row_ok, pn,
-                                  N, M, HAS_P, WRITE_OUT, EPI_SPLIT, BLOCK_M, BLOCK_N)
+                _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn,
+                                  N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, BLOCK_M,
+                                  BLOCK_N)
             first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
             pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
             pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
             for tile in range(first, pad_tiles, P):  # padding rows: da = 0, no k-step
-                rows = pad_start + (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+                m0 = pad_start + (tile // tiles_n) * BLOCK_M
+                rows = m0 + tl.arange(0, BLOCK_M)
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                _dswiglu_epilogue(zero, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows,
+                _dswiglu_epilogue(zero, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0,
                                   rows < pad_end, tile % tiles_n, N, M, HAS_P, WRITE_OUT,
-                                  EPI_SPLIT, BLOCK_M, BLOCK_N)
+                                  EPI_SPLIT, EVEN_N, BLOCK_M, BLOCK_N)
         else:
             tile = pid
             base = 0
@@ -228,8 +238,9 @@ if triton is not None:
                     acc = _dgrad_acc(x_desc, w_desc, x_ptr, w_ptr, g, k_end, rows, row_ok, m0,
                                      pn, N, K, stride_wg, stride_wn, stride_wk, USE_TMA,
                                      BLOCK_M, BLOCK_N, BLOCK_K)
-                    _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, row_ok,
-                                      pn, N, M, HAS_P, WRITE_OUT, EPI_SPLIT, BLOCK_M, BLOCK_N)
+                    _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok,
+                                      pn, N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, BLOCK_M,
+                                      BLOCK_N)
                     tile += P
                 base += count
 
@@ -260,23 +271,22 @@ def _check(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: to
 
 def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
             probs: torch.Tensor | None, config: dict | None, grad_into_input: bool, kernel,
-            swiglu_kernel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            swiglu_kernel, write_out: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Allocate the outputs, launch ``kernel`` and reduce the probs partials: (dh, dprobs,
-    a). Without groups or reduction (da all zeros) the SwiGLU backward ``swiglu_kernel``
-    runs on a zero da: the two launches' values."""
+    a | None). Without groups, rows, columns or reduction (da all zeros) the SwiGLU backward
+    ``swiglu_kernel`` runs on a zero da: the two launches' values."""
     m, k = dy.shape
     groups, f = weights.shape[0], weights.shape[2]
     cfg = _resolve(config, groups)  # before the early returns: a bad config always raises
     if groups == 0 or k == 0 or m == 0 or f == 0:
         da = torch.zeros(m, f, device=dy.device, dtype=dy.dtype)
-        dh, dp, a = swiglu_triton._backward(h, da, probs, True, grad_into_input,
-                                            swiglu_kernel)
-        return dh, dp, a
+        return swiglu_triton._backward(h, da, probs, write_out, grad_into_input,
+                                       swiglu_kernel)
     dy = dy.contiguous()
     h = h.contiguous()
     offsets = offsets.contiguous()
     dh = h if grad_into_input else torch.empty_like(h)
-    write_out = cfg.pop("WRITE_OUT")
     a = torch.empty(m, f, device=dy.device, dtype=dy.dtype) if write_out else None
     tiles_n = cdiv(f, cfg["BLOCK_N"])
     partials = (torch.empty(tiles_n, m, device=dy.device, dtype=torch.float32)
@@ -290,7 +300,7 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
     launch(kernel, grid, dy, weights, h, dh, a if a is not None else dh, p,
            partials if partials is not None else dy, offsets, m, f, k, groups, grid[0],
            weights.stride(0), weights.stride(2), weights.stride(1),
-           HAS_P=probs is not None, WRITE_OUT=write_out,
+           HAS_P=probs is not None, WRITE_OUT=write_out, EVEN_N=f % cfg["BLOCK_N"] == 0,
            GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
     dp = None
     if partials is not None:
@@ -300,7 +310,8 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
 
 def large_dgrad_dswiglu(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                         h: torch.Tensor, probs: torch.Tensor | None = None,
-                        config: dict | None = None, grad_into_input: bool = False
+                        write_output: bool = True, grad_into_input: bool = False,
+                        config: dict | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """fc2's grouped dgrad with the (Scaled)SwiGLU backward in its epilogue (module
     docstring): ``da_g = dy_g @ W2_g`` rounded to dy's dtype, then with ``gate = h[:, :F]``,
@@ -313,12 +324,13 @@ def large_dgrad_dswiglu(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.
     weights; TMA loads need them contiguous along F, else pointer loads), offsets (G,)
     int32/int64 cumulative group ends on dy's device, h (T, 2F) in dy's dtype (fc1's output),
     probs (T,) float or ``None`` -> (dh (T, 2F) in dy's dtype, dprobs (T,) in probs' dtype or
-    ``None``, a (T, F) in dy's dtype; ``None`` with ``config={"WRITE_OUT": False}``). dh and a
+    ``None``, a (T, F) in dy's dtype, ``None`` with ``write_output=False``). dh and a
     are bitwise ``large_dgrad`` followed by ``swiglu_triton.swiglu_backward(...,
     write_output=True)``; dprobs sums the same fp32 terms in another order. Rows past
     ``offsets[-1]`` are computed from da = 0. ``grad_into_input=True`` writes dh over h
-    (eager only). Under a ``torch.compile`` trace the call is the op
-    ``te_ops::grouped_dgrad_dswiglu_large`` (dh a new buffer).
+    (eager only). ``config`` overrides keys of :func:`dswiglu_config` (benchmarks). Under a
+    ``torch.compile`` trace the call is the op ``te_ops::grouped_dgrad_dswiglu_large`` (dh a
+    new buffer, a always computed).
 
     Raises
     ------
@@ -333,9 +345,9 @@ def large_dgrad_dswiglu(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.
     if tracing() and config is None:
         dh, dp, a = torch.ops.te_ops.grouped_dgrad_dswiglu_large(dy, weights, offsets, h,
                                                                  probs)
-        return dh, (dp if probs is not None else None), a
+        return dh, (dp if probs is not None else None), (a if write_output else None)
     return _launch(dy, weights, offsets, h, probs, config, grad_into_input,
-                   _dgrad_dswiglu_kernel, swiglu_triton._bwd_kernel)
+                   _dgrad_dswiglu_kernel, swiglu_triton._bwd_kernel, write_output)
 
 
 if triton is not None:
