@@ -63,8 +63,8 @@ def case(sizes, m, f, n, odt, cfg, with_p, into=False):
     offs = torch.tensor(sizes).cumsum(0).to(odt)
     tag = (sizes, m, f, n, odt, cfg, with_p, into)
     h_in = h.clone()
-    dh, dp, a = D._launch(dy, w, offs, h_in, p, cfg, into, D._dgrad_dswiglu_kernel,
-                          st._bwd_kernel)
+    dh, dp, a = D._launch(dy, w, offs, h_in, p, cfg, into,
+                          (D._dgrad_dswiglu_kernel, D._sum_partials_kernel, st._bwd_kernel))
     if m * f:  # (empty tensors share data pointer 0)
         assert (dh.data_ptr() == h_in.data_ptr()) == into, tag
     da, _ = L._launch(dy, w, offs, None, "dgrad", {**SMALL, "FLAT": True}, L._large_kernel)

@@ -16,11 +16,12 @@ reaches memory: 2 T F bytes written and read less (470 MB each way at E8 T16384 
 Bits. dh and a equal the two launches' bit for bit (the same rounded da, the same function
 on the same fp32 values). The probs gradient is a row sum over all F columns, which spans
 the column tiles of different programs: each (column tile, row) writes its fp32 partial sum
-to a (tiles_n, T) buffer, and ``partials.sum(0)`` (one torch reduction, no atomics:
-deterministic) adds them. That sum's order differs from the SwiGLU kernel's (one program
-per row summing ``BLOCK``-wide column chunks), so dprobs is not bitwise the two launches'
-(fp32 sums of the same terms in another order, then rounded to probs' dtype; the tests
-compare it with a tolerance).
+to a (tiles_n, T) buffer, and a second small Triton launch adds each row's partials in
+column-tile order (no atomics: deterministic, and the same kernel in eager and compiled
+runs). That order differs from the SwiGLU kernel's (one program per row summing
+``BLOCK``-wide column chunks), so dprobs is not bitwise the two launches' (fp32 sums of the
+same terms in another order, then rounded to probs' dtype; the tests compare it with a
+tolerance).
 
 Padding rows past ``offsets[-1]``: da is zero there (as ``large_dgrad`` stores), and the
 epilogue runs on those zeros and the padding rows' h, so dh, a and dprobs of those rows are
@@ -245,6 +246,21 @@ if triton is not None:
                 base += count
 
 
+    @triton.jit
+    def _sum_partials_kernel(dpp_ptr, dp_ptr, M, T, BLOCK: tl.constexpr):
+        """dp[m] = sum over t < T of dpp[t, m], t in order (fp32), stored in dp's dtype."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < M
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for t in range(0, T):
+            acc += tl.load(dpp_ptr + t * M + rows, mask=ok, other=0.0)
+        tl.store(dp_ptr + rows, acc.to(dp_ptr.dtype.element_ty), mask=ok)
+
+
+#: Rows per program of the probs-partials reduction.
+_SUM_BLOCK = 1024
+
+
 def _check(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
            probs: torch.Tensor | None) -> None:
     """Argument checks of :func:`large_dgrad_dswiglu` (errors name the argument, the expected
@@ -270,12 +286,14 @@ def _check(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: to
 
 
 def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
-            probs: torch.Tensor | None, config: dict | None, grad_into_input: bool, kernel,
-            swiglu_kernel, write_out: bool = True
+            probs: torch.Tensor | None, config: dict | None, grad_into_input: bool, kernels,
+            write_out: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Allocate the outputs, launch ``kernel`` and reduce the probs partials: (dh, dprobs,
-    a | None). Without groups, rows, columns or reduction (da all zeros) the SwiGLU backward
-    ``swiglu_kernel`` runs on a zero da: the two launches' values."""
+    """Allocate the outputs, launch the fused kernel and the probs-partials reduction
+    (``kernels``: those two and the SwiGLU backward kernel, plain or wrapped for a
+    ``triton_op``): (dh, dprobs, a | None). Without groups, rows, columns or reduction (da all
+    zeros) the SwiGLU backward runs on a zero da: the two launches' values."""
+    kernel, sum_kernel, swiglu_kernel = kernels
     m, k = dy.shape
     groups, f = weights.shape[0], weights.shape[2]
     cfg = _resolve(config, groups)  # before the early returns: a bad config always raises
@@ -303,8 +321,9 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
            HAS_P=probs is not None, WRITE_OUT=write_out, EVEN_N=f % cfg["BLOCK_N"] == 0,
            GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1, **cfg)
     dp = None
-    if partials is not None:
-        dp = partials.sum(0).to(probs.dtype)
+    if partials is not None:  # a fixed order (no atomics), the same in eager and compiled
+        dp = torch.empty(m, device=dy.device, dtype=probs.dtype)
+        launch(sum_kernel, (cdiv(m, _SUM_BLOCK),), partials, dp, m, tiles_n, BLOCK=_SUM_BLOCK)
     return dh, dp, a
 
 
@@ -347,7 +366,8 @@ def large_dgrad_dswiglu(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.
                                                                  probs)
         return dh, (dp if probs is not None else None), (a if write_output else None)
     return _launch(dy, weights, offsets, h, probs, config, grad_into_input,
-                   _dgrad_dswiglu_kernel, swiglu_triton._bwd_kernel, write_output)
+                   (_dgrad_dswiglu_kernel, _sum_partials_kernel, swiglu_triton._bwd_kernel),
+                   write_output)
 
 
 if triton is not None:
@@ -360,7 +380,8 @@ if triton is not None:
         """:func:`large_dgrad_dswiglu` as an op: ``(dh, dprobs, a)``, dprobs 0-element
         without probs (an op returns tensors only); the body, run on FakeTensors, is also
         the fake."""
+        wrap = torch.library.wrap_triton
         dh, dp, a = _launch(dy, weights, offsets, h, probs, None, False,
-                            torch.library.wrap_triton(_dgrad_dswiglu_kernel),
-                            torch.library.wrap_triton(swiglu_triton._bwd_kernel))
+                            (wrap(_dgrad_dswiglu_kernel), wrap(_sum_partials_kernel),
+                             wrap(swiglu_triton._bwd_kernel)))
         return dh, (dp if dp is not None else dy.new_empty(0)), a
