@@ -248,7 +248,8 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
         torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
         assert_close(dp, want_dp, dtype, "dprobs")
     if case == "skewed_padding" and dtype == torch.bfloat16:  # the other launch configs
-        for variant in ({"EPI_SPLIT": 1}, {"FLAT": False}, {"USE_TMA": False}):
+        for variant in ({"EPI_SPLIT": 1}, {"FLAT": False}, {"USE_TMA": False},
+                        {"H_TMA": True}):
             got = D.large_dgrad_dswiglu(dy, w, offs, h, probs, config=variant)
             assert torch.equal(got[0], dh0) and torch.equal(got[2], a0), variant
 

@@ -5,8 +5,9 @@ Runs where triton is installed and no GPU is (the GPU runs the compiled kernel i
 ``tests/test_dgrad_dswiglu.py``). float16 only (the interpreter's ``tl.dot`` on bfloat16 is
 wrong, see ``tests/test_grouped_gemm_triton_interpret.py``). Checks, with and without probs,
 int32 and int64 offsets, both schedules (``FLAT`` and the group walk), both epilogue forms
-(``EPI_SPLIT`` 1 and 2), TMA and pointer loads: dh and a equal the persistent dgrad followed
-by the Triton SwiGLU backward bit for bit (both interpreted), dprobs within fp32 rounding of
+(``EPI_SPLIT`` 1 and 2), TMA and pointer loads (h through TMA too: ``H_TMA``): dh and a
+equal the persistent dgrad followed by the Triton SwiGLU backward bit for bit (both
+interpreted), dprobs within fp32 rounding of
 that kernel's, everything against a float64 per-expert reference; empty groups, padding rows
 over NaN garbage, padding only, no rows, FF not a multiple of the tile, dh written over h.
 """
@@ -85,10 +86,12 @@ def case(sizes, m, f, n, odt, cfg, with_p, into=False):
 for odt in (torch.int32, torch.int64):
     for with_p in (False, True):
         for extra in ({"FLAT": True}, {"FLAT": False}, {"FLAT": True, "EPI_SPLIT": 2},
-                      {"FLAT": True, "USE_TMA": False}):
+                      {"FLAT": True, "USE_TMA": False}, {"FLAT": True, "H_TMA": True},
+                      {"FLAT": False, "H_TMA": True, "EPI_SPLIT": 1}):
             cfg = {**SMALL, **extra}
             case([3, 0, 5, 1], 12, 40, 24, odt, cfg, with_p)       # empty group, padding
             case([70, 0, 1, 9], 85, 33, 40, odt, cfg, with_p, True)  # skewed, FF off tiles
+            case([9, 0, 20, 3], 40, 32, 24, odt, cfg, with_p, True)  # FF on tiles (H_TMA)
         case([0, 0, 0], 4, 16, 16, odt, SMALL, with_p)   # padding only
         case([0, 0, 0], 0, 16, 16, odt, SMALL, with_p)   # no rows
         case([], 5, 16, 16, odt, SMALL, with_p)          # no groups: all rows padding

@@ -70,7 +70,7 @@ def dswiglu_config() -> dict[str, int | bool]:
     spills in the sm_90 compile with Triton 3.6, where the whole tile at once spills).
     ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` times variants."""
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": True, "EPI_SPLIT": 2, "num_warps": 8, "num_stages": 3}
+            "FLAT": True, "EPI_SPLIT": 2, "H_TMA": False, "num_warps": 8, "num_stages": 3}
 
 
 def _resolve(config: dict | None, groups: int) -> dict[str, int | bool]:
@@ -117,22 +117,29 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dswiglu_part(da, h_ptr, dh_ptr, a_ptr, p, m0, row_ok, cols, N,
+    def _dswiglu_part(da, h_desc, h_ptr, dh_ptr, a_ptr, p, m0, row_ok, col0, N,
                       HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr, EVEN_N: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-        """dh's gate and up columns ``cols`` and a's of the rows ``m0 + arange(BLOCK_M)``
-        (where ``row_ok``) from the rounded da tile (fp32 values) and h; returns the rows'
-        probs-gradient sums over ``cols`` (fp32; zeros without ``HAS_P``). Addresses: a
-        64-bit tile base, 32-bit offsets inside the tile (fewer registers)."""
+                      H_TMA: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+        """dh's gate and up columns ``col0 + arange(WIDTH)`` and a's of the rows
+        ``m0 + arange(BLOCK_M)`` (where ``row_ok``) from the rounded da tile (fp32 values)
+        and h; returns the rows' probs-gradient sums over those columns (fp32; zeros without
+        ``HAS_P``). Addresses: a 64-bit tile base, 32-bit offsets inside the tile (fewer
+        registers). ``H_TMA`` (needs ``EVEN_N``): h's tiles through the TMA descriptor
+        ``h_desc`` (rows past the group's end are read, not used)."""
         local = tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, WIDTH)
         if EVEN_N:
             mask = row_ok[:, None]
         else:
             mask = row_ok[:, None] & (cols < N)[None, :]
         base = m0.to(tl.int64) * (2 * N)
         off = local[:, None] * (2 * N) + cols[None, :]
-        gate = tl.load(h_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + base + N + off, mask=mask, other=0.0).to(tl.float32)
+        if H_TMA:
+            gate = h_desc.load([m0.to(tl.int32), col0.to(tl.int32)]).to(tl.float32)
+            up = h_desc.load([m0.to(tl.int32), (N + col0).to(tl.int32)]).to(tl.float32)
+        else:
+            gate = tl.load(h_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + base + N + off, mask=mask, other=0.0).to(tl.float32)
         dgate, dup, out, dp = _dswiglu(gate, up, da, p, HAS_P)
         tl.store(dh_ptr + base + off, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + base + N + off, dup.to(dh_ptr.dtype.element_ty), mask=mask)
@@ -144,9 +151,9 @@ if triton is not None:
         return tl.zeros([BLOCK_M], dtype=tl.float32)
 
     @triton.jit
-    def _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn, N, M,
-                          HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr,
-                          EPI_SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+    def _dswiglu_epilogue(acc, h_desc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn,
+                          N, M, HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr,
+                          EPI_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, H_TMA: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """The SwiGLU backward of one da tile (``acc``, fp32) at rows ``m0 + arange(BLOCK_M)``
         (stored where ``row_ok``), column tile ``pn``: da rounded to dh's dtype first
@@ -160,15 +167,16 @@ if triton is not None:
         if EPI_SPLIT == 2:
             half: tl.constexpr = BLOCK_N // 2
             d0, d1 = tl.split(tl.permute(tl.reshape(da, [BLOCK_M, 2, half]), [0, 2, 1]))
-            cols = pn * BLOCK_N + tl.arange(0, half)
-            dp = _dswiglu_part(d0.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
-                               cols, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
-            dp += _dswiglu_part(d1.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
-                                cols + half, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
+            dp = _dswiglu_part(d0.to(tl.float32), h_desc, h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
+                               pn * BLOCK_N, N, HAS_P, WRITE_OUT, EVEN_N, H_TMA, BLOCK_M,
+                               half)
+            dp += _dswiglu_part(d1.to(tl.float32), h_desc, h_ptr, dh_ptr, a_ptr, p, m0,
+                                row_ok, pn * BLOCK_N + half, N, HAS_P, WRITE_OUT, EVEN_N,
+                                H_TMA, BLOCK_M, half)
         else:
-            cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-            dp = _dswiglu_part(da.to(tl.float32), h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
-                               cols, N, HAS_P, WRITE_OUT, EVEN_N, BLOCK_M)
+            dp = _dswiglu_part(da.to(tl.float32), h_desc, h_ptr, dh_ptr, a_ptr, p, m0, row_ok,
+                               pn * BLOCK_N, N, HAS_P, WRITE_OUT, EVEN_N, H_TMA, BLOCK_M,
+                               BLOCK_N)
         if HAS_P:
             tl.store(dpp_ptr + pn.to(tl.int64) * M + rows, dp, mask=row_ok)
 
@@ -178,7 +186,8 @@ if triton is not None:
                               HAS_P: tl.constexpr, WRITE_OUT: tl.constexpr,
                               USE_TMA: tl.constexpr, FLAT: tl.constexpr,
                               GBLOCK: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                              EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              EVEN_N: tl.constexpr, H_TMA: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """x = dy (M, K) contiguous, W (G, K_red=K, N_out=N) by strides, h and dh (M, 2N),
         a (M, N) contiguous (dh may be h itself: each element is read, then written, by
@@ -188,6 +197,10 @@ if triton is not None:
         pid = tl.program_id(0)
         x_desc = None
         w_desc = None
+        h_desc = None
+        if H_TMA:
+            h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, 2 * N], strides=[2 * N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N // EPI_SPLIT])
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
@@ -210,8 +223,8 @@ if triton is not None:
                 acc = _dgrad_acc(x_desc, w_desc, x_ptr, w_ptr, g, K, rows, row_ok, m0, pn, N,
                                  K, stride_wg, stride_wn, stride_wk, USE_TMA, BLOCK_M,
                                  BLOCK_N, BLOCK_K)
-                _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn,
-                                  N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, BLOCK_M,
+                _dswiglu_epilogue(acc, h_desc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok, pn,
+                                  N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, H_TMA, BLOCK_M,
                                   BLOCK_N)
             first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
             pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
@@ -220,9 +233,9 @@ if triton is not None:
                 m0 = pad_start + (tile // tiles_n) * BLOCK_M
                 rows = m0 + tl.arange(0, BLOCK_M)
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                _dswiglu_epilogue(zero, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0,
+                _dswiglu_epilogue(zero, h_desc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0,
                                   rows < pad_end, tile % tiles_n, N, M, HAS_P, WRITE_OUT,
-                                  EPI_SPLIT, EVEN_N, BLOCK_M, BLOCK_N)
+                                  EPI_SPLIT, EVEN_N, H_TMA, BLOCK_M, BLOCK_N)
         else:
             tile = pid
             base = 0
@@ -239,8 +252,8 @@ if triton is not None:
                     acc = _dgrad_acc(x_desc, w_desc, x_ptr, w_ptr, g, k_end, rows, row_ok, m0,
                                      pn, N, K, stride_wg, stride_wn, stride_wk, USE_TMA,
                                      BLOCK_M, BLOCK_N, BLOCK_K)
-                    _dswiglu_epilogue(acc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok,
-                                      pn, N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, BLOCK_M,
+                    _dswiglu_epilogue(acc, h_desc, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, m0, row_ok,
+                                      pn, N, M, HAS_P, WRITE_OUT, EPI_SPLIT, EVEN_N, H_TMA, BLOCK_M,
                                       BLOCK_N)
                     tile += P
                 base += count
@@ -312,7 +325,10 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
     p = probs.contiguous() if probs is not None else dy
     if cfg["USE_TMA"] and lg.tma_unsupported_reason(dy, weights) is not None:
         cfg["USE_TMA"] = False
-    if cfg["USE_TMA"] and dy.device.type == "cuda":
+    if cfg["H_TMA"] and (f % cfg["BLOCK_N"] or (2 * f * h.element_size()) % 16
+                         or lg.tma_unsupported_reason(h, weights) is not None):
+        cfg["H_TMA"] = False  # needs whole column tiles, 16-byte rows, a TMA-capable device
+    if (cfg["USE_TMA"] or cfg["H_TMA"]) and dy.device.type == "cuda":
         lg._ensure_allocator()
     grid = (lg.grid_size(dy.device, m, groups, f, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
     launch(kernel, grid, dy, weights, h, dh, a if a is not None else dh, p,
