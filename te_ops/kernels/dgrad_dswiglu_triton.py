@@ -70,7 +70,8 @@ def dswiglu_config() -> dict[str, int | bool]:
     spills in the sm_90 compile with Triton 3.6, where the whole tile at once spills).
     ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` times variants."""
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-            "FLAT": True, "EPI_SPLIT": 2, "H_TMA": False, "num_warps": 8, "num_stages": 3}
+            "FLAT": True, "EPI_SPLIT": 2, "H_TMA": False, "PROGRAMS_PER_SM": 1,
+            "num_warps": 8, "num_stages": 3}
 
 
 def _resolve(config: dict | None, groups: int) -> dict[str, int | bool]:
@@ -86,6 +87,8 @@ def _resolve(config: dict | None, groups: int) -> dict[str, int | bool]:
         raise ValueError(f"config EPI_SPLIT must be 1 or 2 with BLOCK_N a multiple of "
                          f"2 * EPI_SPLIT, got EPI_SPLIT={cfg['EPI_SPLIT']} "
                          f"BLOCK_N={cfg['BLOCK_N']}")
+    if int(cfg["PROGRAMS_PER_SM"]) < 1:
+        raise ValueError(f"config PROGRAMS_PER_SM must be >= 1, got {cfg['PROGRAMS_PER_SM']}")
     if cfg["FLAT"] and groups > lg.FLAT_MAX_GROUPS:
         cfg["FLAT"] = False
     return cfg
@@ -330,7 +333,10 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
         cfg["H_TMA"] = False  # needs whole column tiles, 16-byte rows, a TMA-capable device
     if (cfg["USE_TMA"] or cfg["H_TMA"]) and dy.device.type == "cuda":
         lg._ensure_allocator()
-    grid = (lg.grid_size(dy.device, m, groups, f, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    per_sm = cfg.pop("PROGRAMS_PER_SM")  # > 1: another program's epilogue overlaps the GEMM
+    bound = (cdiv(m, cfg["BLOCK_M"]) + groups + 1) * cdiv(f, cfg["BLOCK_N"])
+    grid = (min(bound, per_sm * lg.grid_size(dy.device, m, groups, f, cfg["BLOCK_M"],
+                                             cfg["BLOCK_N"])),)
     launch(kernel, grid, dy, weights, h, dh, a if a is not None else dh, p,
            partials if partials is not None else dy, offsets, m, f, k, groups, grid[0],
            weights.stride(0), weights.stride(2), weights.stride(1),
