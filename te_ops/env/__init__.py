@@ -92,7 +92,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "probs gradient is summed in another order; te_ops/fused/fc2_dgrad_epilogue.py), "
             "where fc2's dgrad runs in the persistent many-rows kernel and the activation in "
             "Triton, no recipe, no bias, halves layout: auto takes it at the measured rule "
-            "(fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP), 1 wherever it can run, 0 never.",
+            "(fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP: nowhere yet, it measured 0.57-0.74x "
+            "the two launches on the H200), 1 wherever it can run, 0 never.",
         ),
         EnvVar(
             "TE_OPS_GRAPH_SAFE",

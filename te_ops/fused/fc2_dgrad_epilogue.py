@@ -18,7 +18,8 @@ probs gradient within fp32 summation order of it (a deterministic two-step sum).
 * the activation runs in Triton (halves layout, contiguous; ``glu_interleave_size`` unset);
 * under ``auto`` (the default): at least :data:`AUTO_MIN_ROWS_PER_GROUP` rows per group on
   average (padding rows counted; the measured rule, docs/benchmarks.md "fc2 dgrad with the
-  dSwiGLU in its epilogue"); ``1`` takes it wherever it can run.
+  dSwiGLU in its epilogue": never so far, the fused launch measured 0.57-0.74x the two
+  launches); ``1`` takes it wherever it can run.
 
 The saved context does not change (``SwiGLUSaved`` holds h, ``GroupedLinearSaved`` fc2's
 weights), so fused and unfused halves still pair in any combination.
@@ -40,9 +41,13 @@ __all__ = ["fc2_dgrad_epilogue_reason", "fc2_dgrad_dswiglu", "AUTO_MIN_ROWS_PER_
 _KIND = "fc2 dgrad dSwiGLU epilogue"
 
 #: ``TE_OPS_FC2_DSWIGLU_EPILOGUE=auto`` takes the fused launch at this many rows per group on
-#: average or more (padding included; ``float("inf")``: never). Measured against the two
-#: launches with ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` on the H200
-#: (docs/benchmarks.md, "fc2 dgrad with the dSwiGLU in its epilogue").
+#: average or more (padding included; ``float("inf")``: never). Never, for now: measured
+#: against the two launches with ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` on
+#: the H200 (2026-11-30, docs/benchmarks.md "fc2 dgrad with the dSwiGLU in its epilogue") it
+#: ran at 0.64-0.69x at E8 T16384 H4096 FF14336 (2048 rows per group), 0.64-0.71x at E32
+#: T32768 H7168 FF2048 (1024), 0.74x at E128 T65536 H2048 FF768 (512) and 0.57x at E128
+#: T16384 (128), best launch config of each; the epilogue's h loads and dh / a stores do not
+#: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6).
 AUTO_MIN_ROWS_PER_GROUP: float = float("inf")
 
 

@@ -37,6 +37,17 @@ rounded tile), so fewer fp32 values are live at once; the h tiles come through m
 pointer loads (a tile's rows end at its group's end, so a TMA box would need per-group
 bounds).
 
+Speed (H200, bf16, 2026-11-30, ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu``,
+docs/benchmarks.md): slower than the two launches at every shape measured, 0.64-0.69x at E8
+T16384 H4096 FF14336, 0.64-0.71x at E32 T32768 H7168 FF2048 (the default and three other
+launch configs: the group walk, 64 x 128 tiles at two programs per SM, 4 stages), 0.74x at
+E128 T65536 H2048 FF768 and 0.57x at E128 T16384 (the default; the whole-tile epilogue and h
+through TMA were slower everywhere). The fused kernel saves da's write and read (0.94 GB at
+E8) but its epilogue (h read, dh and a written) runs between k-loops with nothing
+overlapping it, and costs more than the bandwidth-bound SwiGLU pass it replaces (fused -
+dgrad: 1.9-2.6 ms at E8 against the pass's 0.7 ms). So auto does not take it
+(``fused/fc2_dgrad_epilogue.py``); ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` does.
+
 Registered as ``torch.library.triton_op`` ``te_ops::grouped_dgrad_dswiglu_large`` (the body,
 run on FakeTensors, is the fake kernel); eager calls launch through
 :func:`te_ops.kernels.triton_launch.launch`.
