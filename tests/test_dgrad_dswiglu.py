@@ -4,7 +4,8 @@
 
 CPU (CI): the gate's rule and reasons, the env toggle, ``explain()`` naming why it is not used,
 the config and argument errors (each names the argument, the expected and the actual value),
-the sm_90 ahead-of-time compile (wgmma, TMA, one flattened tile loop, shared memory). The
+the sm_90 ahead-of-time compile (wgmma, TMA, one flattened tile loop, shared memory), the
+benchmark's record with the kernels replaced by torch references. The
 interpreter run of the kernel is in ``tests/test_dgrad_dswiglu_interpret.py``. CUDA: the kernel
 against an fp64 per-expert reference (dy ~ N(0, 1), weights at init scale, h ~ N(0, 1), padding
 rows over NaN garbage) and bitwise against the two launches it replaces (dh, a; dprobs within
@@ -385,3 +386,65 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
             want = _run(block, x, s, probs, dy)[0]
             assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
     assert cnt.frame_count == 1 and not counters["graph_break"]
+
+
+# ------------------------------------------------------------------ CPU: the benchmark record
+def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
+    """``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` end to end on a tiny shape with
+    the kernels replaced by torch references and fixed times (call i of a round takes 1 + i
+    ms): the record's checks, times and ratios, then ``--summarize``; a bad
+    ``--dswiglu-variants`` config is a usage error naming the flag."""
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import large_gemm_triton as bench
+
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import swiglu_triton as st
+
+    def dgrad(dy, w, offs, cfg=None):
+        out, start = torch.zeros(dy.shape[0], w.shape[2]), 0
+        for g, end in enumerate(offs.tolist()):
+            out[start:end] = dy[start:end].float() @ w[g].float()
+            start = end
+        return out.to(dy.dtype)
+
+    def swiglu_bwd(h, da, probs, write_output=False, grad_into_input=False):
+        dh, dp, a = _reference(da.float(), torch.eye(da.shape[1])[None].expand(1, -1, -1),
+                               h, probs, [da.shape[0]])
+        return dh.to(h.dtype), dp.float(), a.to(h.dtype)
+
+    def fused(dy, w, offs, h, probs, config=None):
+        return swiglu_bwd(h, dgrad(dy, w, offs), probs)
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
+    monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
+    monkeypatch.setattr(lg, "large_dgrad", dgrad)
+    monkeypatch.setattr(st, "swiglu_backward", swiglu_bwd)
+    monkeypatch.setattr(D, "large_dgrad_dswiglu", fused)
+    monkeypatch.setattr(bench, "_time_interleaved",
+                        lambda calls, reps, warmup: {n: [1.0 + i] * reps
+                                                     for i, n in enumerate(calls)})
+    args = argparse.Namespace(seed=0, reps=20, warmup=0,
+                              dswiglu_variants={"walk": {"FLAT": False}})
+    rec = bench.compare_dswiglu("E2_T64_H32_FF16", args)
+    assert rec["dh_equal"] and rec["a_equal"] and rec["dh_equal_walk"]
+    assert rec["dprobs_max_abs_diff"] == 0.0
+    # order: lead_in, dgrad, dgrad_fused_tiles, two_launches, fused, fused_walk
+    assert rec["two_launches_ms"] == 4.0 and rec["fused_ms"] == 5.0
+    assert rec["fused_x"] == 4.0 / 5.0 and rec["fused_walk_x"] == 4.0 / 6.0
+    assert rec["epilogue_ms"] == 2.0 and rec["variants"]["walk"]["FLAT"] is False
+    path = tmp_path / "r.jsonl"
+    out = bench.JsonLines(str(path))
+    out.write(rec)
+    out.close()
+    capsys.readouterr()
+    assert bench.main(["--summarize", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "fc2 dgrad+dSwiGLU" in table and "x 0.800" in table and "variant walk" in table
+    with pytest.raises(SystemExit):
+        bench.main(["--gemms", "fc2_dswiglu", "--dswiglu-variants", '{"x": {"EPI_SPLIT": 3}}'])
+    assert "--dswiglu-variants 'x': config EPI_SPLIT must be 1 or 2" in capsys.readouterr().err

@@ -45,7 +45,7 @@ E128 T65536 H2048 FF768 and 0.57x at E128 T16384 (the default; the whole-tile ep
 through TMA were slower everywhere). The fused kernel saves da's write and read (0.94 GB at
 E8) but its epilogue (h read, dh and a written) runs between k-loops with nothing
 overlapping it, and costs more than the bandwidth-bound SwiGLU pass it replaces (fused -
-dgrad: 1.9-2.6 ms at E8 against the pass's 0.7 ms). So auto does not take it
+dgrad: 2.2-2.6 ms at E8 against the pass's 0.7 ms). So auto does not take it
 (``fused/fc2_dgrad_epilogue.py``); ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` does.
 
 Registered as ``torch.library.triton_op`` ``te_ops::grouped_dgrad_dswiglu_large`` (the body,
