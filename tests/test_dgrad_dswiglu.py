@@ -145,6 +145,7 @@ def test_sm90_compile(flat, epi_split):
     pytest.importorskip("triton")
     cfg = {**D.dswiglu_config(), "FLAT": flat, "EPI_SPLIT": epi_split}
     const = {"HAS_P": True, "WRITE_OUT": True, "EVEN_N": True, "GBLOCK": 8 if flat else 1,
+             "H_TMA": False,
              **{k: cfg[k] for k in ("USE_TMA", "FLAT", "EPI_SPLIT", "BLOCK_M", "BLOCK_N",
                                     "BLOCK_K", "GROUP_M")}}
     kernel = compile_for_sm90(D._dgrad_dswiglu_kernel, SIGNATURE, const, cfg["num_warps"],
