@@ -47,6 +47,18 @@ variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` coun
 in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
+``--gemms fc2_dswiglu`` (not in the default list) times fc2's backward front half
+(``dswiglu`` records, dy (T, H), W2 (E, H, FF) at init scale, h (T, 2FF) ~ N(0, 1), probs):
+``dgrad`` (``large_dgrad`` alone; ``dgrad_fused_tiles``: with the fused kernel's default
+tile, so ``epilogue_ms`` = fused - that is what the epilogue adds), ``two_launches``
+(``large_dgrad`` then the Triton SwiGLU backward with the output written: what the fused
+backward runs without the epilogue) and
+``fused`` (``dgrad_dswiglu_triton.large_dgrad_dswiglu``: one launch), interleaved;
+``fused_x`` = two_launches / fused; checks ``dh_equal`` and ``a_equal`` (bitwise) and
+``dprobs_max_abs_diff`` / ``dprobs_max_rel_diff`` against the two launches.
+``--dswiglu-variants JSON`` times other launch configs of the fused kernel beside its default
+(``fused_NAME_ms``, ``fused_NAME_x``, ``dh_equal_NAME``).
+
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
     python benchmarks/large_gemm_triton.py [--shapes ...] [--gemms fc1,fc2,fc1_wgrad,fc2_wgrad]
@@ -100,6 +112,9 @@ MID_SHAPES = {
 }
 ALL_SHAPES = {**SHAPES, **MID_SHAPES}
 GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
+#: Selectable with ``--gemms``, not run by default: fc2's dgrad + the SwiGLU backward, two
+#: launches against the fused kernel (module docstring).
+EXTRA_GEMMS = ("fc2_dswiglu",)
 WGRADS = ("fc1_wgrad", "fc2_wgrad")
 DEVICE = "cuda"  # the CPU smoke test (tests/test_large_gemm_bench.py) sets "cpu"
 
@@ -275,6 +290,100 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     return rec
 
 
+def _dswiglu_operands(shape: tuple[int, int, int, int], seed: int) -> dict[str, Any]:
+    """fc2's backward front half at ``shape``: dy (T, H), W2 (E, H, FF) at init scale, h
+    (T, 2FF) ~ N(0, 1) (fc1's output at N(0, 1) inputs and init-scale weights), probs."""
+    experts, tokens, hidden, ffn = shape
+    dev = torch.device(DEVICE)
+    sizes = skewed_sizes(experts, tokens, seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return {"dy": torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, generator=gen),
+            "w": torch.randn(experts, hidden, ffn, device=dev, dtype=torch.bfloat16,
+                             generator=gen) * ffn ** -0.5,
+            "h": torch.randn(tokens, 2 * ffn, device=dev, dtype=torch.bfloat16, generator=gen),
+            "probs": torch.rand(tokens, device=dev, generator=gen),
+            "offs": torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32), "sizes": sizes}
+
+
+def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict]) -> dict[str, Any]:
+    """The timed calls of ``--gemms fc2_dswiglu`` (h is not overwritten: dh goes to a new
+    buffer in both, the same bytes as over h)."""
+    from te_ops.kernels import dgrad_dswiglu_triton as dd
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.kernels import swiglu_triton as st
+
+    dy, w, h, probs, offs = ops["dy"], ops["w"], ops["h"], ops["probs"], ops["offs"]
+
+    def two_launches():
+        da = lg.large_dgrad(dy, w, offs)
+        return st.swiglu_backward(h, da, probs, write_output=True)
+
+    # "lead_in" (not reported as a result) takes the first slot of each round: the first call
+    # after the round's synchronize meets an idle GPU (run 1 timed the dgrad alone slower
+    # than the dgrad + SwiGLU pass behind it).
+    tiles = {k: dd.dswiglu_config()[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps")}
+    calls = {"lead_in": lambda: lg.large_dgrad(dy, w, offs),
+             "dgrad": lambda: lg.large_dgrad(dy, w, offs),
+             "dgrad_fused_tiles": lambda: lg.large_dgrad(dy, w, offs, tiles),
+             "two_launches": two_launches,
+             "fused": lambda: dd.large_dgrad_dswiglu(dy, w, offs, h, probs)}
+    for name, change in variants.items():
+        calls[f"fused_{name}"] = lambda c=change: dd.large_dgrad_dswiglu(dy, w, offs, h, probs,
+                                                                         config=c)
+    return calls
+
+
+def compare_dswiglu(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The interleaved comparison record of fc2's dgrad + SwiGLU backward at one shape
+    (module docstring, ``--gemms fc2_dswiglu``)."""
+    from te_ops.kernels import dgrad_dswiglu_triton as dd
+
+    ops = _dswiglu_operands(ALL_SHAPES[shape_name], args.seed)
+    variants = getattr(args, "dswiglu_variants", None) or {}
+    calls = _dswiglu_calls(ops, variants)
+    rec: dict[str, Any] = {"bench": BENCH + "_dswiglu", "shape": shape_name,
+                           "gemm": "fc2_dswiglu", "reps": args.reps,
+                           "split_sizes": ops["sizes"], "config": dd.dswiglu_config()}
+    dh0, dp0, a0 = calls["two_launches"]()
+    dh, dp, a = calls["fused"]()
+    rec["dh_equal"] = bool(torch.equal(dh, dh0))
+    rec["a_equal"] = bool(torch.equal(a, a0))
+    diff = (dp.double() - dp0.double()).abs()
+    rec["dprobs_max_abs_diff"] = diff.max().item()
+    rec["dprobs_max_rel_diff"] = (diff / dp0.double().abs().clamp_min(1e-30)).max().item()
+    rec["dprobs_ref_max_abs"] = dp0.double().abs().max().item()
+    for name in variants:
+        dhv, _, av = calls[f"fused_{name}"]()
+        rec[f"dh_equal_{name}"] = bool(torch.equal(dhv, dh0) and torch.equal(av, a0))
+    del dh0, dp0, a0, dh, dp, a
+    times = _time_interleaved(calls, args.reps, args.warmup)
+    for name, ts in times.items():
+        stats = summarize_times(ts)
+        rec[f"{name}_ms"] = stats["ms_median"]
+        rec[f"{name}_p10_ms"], rec[f"{name}_p90_ms"] = stats["ms_p10"], stats["ms_p90"]
+    rec["fused_x"] = rec["two_launches_ms"] / rec["fused_ms"]
+    rec["epilogue_ms"] = rec["fused_ms"] - rec["dgrad_fused_tiles_ms"]
+    rec["swiglu_pass_ms"] = rec["two_launches_ms"] - rec["dgrad_ms"]
+    if variants:
+        rec["variants"] = {n: {**rec["config"], **c} for n, c in variants.items()}
+    for name in variants:
+        rec[f"fused_{name}_x"] = rec["two_launches_ms"] / rec[f"fused_{name}_ms"]
+    return rec
+
+
+def _check_dswiglu_variants(parser: argparse.ArgumentParser, variants: dict[str, dict]
+                            ) -> None:
+    """A usage error (before any GPU work) where a ``--dswiglu-variants`` config is not a
+    launch config of the fused fc2 dgrad + dSwiGLU kernel."""
+    from te_ops.kernels import dgrad_dswiglu_triton as dd
+
+    for name, change in variants.items():
+        try:
+            dd._resolve(change, 1)
+        except ValueError as exc:
+            parser.error(f"--dswiglu-variants {name!r}: {exc}")
+
+
 def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
           ) -> tuple[dict | None, dict | None]:
     """Time every :data:`SWEEP` config of the plain fprop (and, for fc1, of the fused kernel,
@@ -377,6 +486,14 @@ def summarize(path: str) -> str:
                          f"{r[f'triton_{name}_x']:5.3f}  vs default "
                          f"{r[f'triton_{name}_vs_triton']:5.3f}  bits "
                          f"{r.get(f'bitwise_equal_{name}')}")
+    for r in read_records(path, BENCH + "_dswiglu"):
+        lines.append(f"{r['shape']:26} fc2 dgrad+dSwiGLU: dgrad {r['dgrad_ms']:.3f} two "
+                     f"{r['two_launches_ms']:.3f} fused {r['fused_ms']:.3f} x "
+                     f"{r['fused_x']:.3f} dh/a bits {r['dh_equal']}/{r['a_equal']} dprobs "
+                     f"rel {r['dprobs_max_rel_diff']:.2g}")
+        for name in r.get("variants", {}):
+            lines.append(f"  variant {name:12} {r[f'fused_{name}_ms']:8.3f} ms  x "
+                         f"{r[f'fused_{name}_x']:5.3f}  bits {r[f'dh_equal_{name}']}")
     best: dict[tuple, dict] = {}
     for r in read_records(path, BENCH + "_sweep"):
         key = (r["shape"], r["gemm"], r["kind"])
@@ -514,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
                         help='fc1 + SwiGLU kernel configs timed beside the default, '
                              'interleaved: {"name": {config changes}, ...} (records '
                              'fused_NAME_ms, fused_NAME_vs_triton_swiglu)')
+    parser.add_argument("--dswiglu-variants", default=None, metavar="JSON",
+                        help="--gemms fc2_dswiglu: launch configs of the fused kernel timed "
+                             'beside its default: {"name": {config changes}, ...}')
     parser.add_argument("--loops", action="store_true",
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
@@ -522,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
     shapes = check_list(parser, "--shapes", args.shapes, ALL_SHAPES)
-    gemms = check_list(parser, "--gemms", args.gemms, GEMMS)
+    gemms = check_list(parser, "--gemms", args.gemms, GEMMS + EXTRA_GEMMS)
     check_min(parser, "--reps", args.reps, 20)
     check_min(parser, "--sweep-reps", args.sweep_reps, 5)
     check_min(parser, "--warmup", args.warmup, 0)
@@ -536,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                                     nested=True)
     for change in args.fused_variants.values():
         _check_fused_config(parser, {**fused_override, **change})
+    args.dswiglu_variants = _json_arg(parser, "--dswiglu-variants", args.dswiglu_variants,
+                                      nested=True)
+    _check_dswiglu_variants(parser, args.dswiglu_variants)
     _check_sweep_filter(parser, args.sweep_filter)
     if args.summarize:
         print(summarize(args.summarize))
@@ -552,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
                     out.write({"bench": BENCH + "_loops", "variant": name, "kind": kind,
                                **loop_report(kind, {**override, **change})})
         for shape, gemm in itertools.product(shapes, gemms):
+            if gemm == "fc2_dswiglu":
+                out.write(compare_dswiglu(shape, args))
+                torch.cuda.empty_cache()
+                continue
             # the override and the variants are fprop / dgrad configs: wgrad keeps its own
             cfg = None if gemm in WGRADS else override or None
             fused_cfg = fused_override or None

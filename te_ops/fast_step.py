@@ -50,8 +50,10 @@ from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
 from .fused.fc1_epilogue import fc1_epilogue_reason
+from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
+from .kernels.dgrad_dswiglu_triton import large_dgrad_dswiglu
 from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
@@ -167,7 +169,7 @@ class FastStep:
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
                  backend1: Any, backend_act: Any, backend2: Any,
-                 fc1_epilogue: bool = False) -> None:
+                 fc1_epilogue: bool = False, fc2_dswiglu: bool = False) -> None:
         from .fuser import _REGISTRY_VERSION
 
         self.registry = _REGISTRY_VERSION  # the fuser's counter (a list: read [0] per call)
@@ -192,6 +194,10 @@ class FastStep:
             backend_act, self.ops[1].glu_interleave_size, self.launches)
         self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue,
                                             self.launches, "fprop" in backend1.large_kinds)
+        # fc2's dgrad with the activation backward in its epilogue (fused/fc2_dgrad_epilogue.py:
+        # the general path's decision for the recorded call; its dispatching call, an op
+        # under a trace).
+        self.fc2_dswiglu = fc2_dswiglu
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
         # ones, whose Triton kinds are custom ops under a trace (the bound call sites would
         # trace into the direct launcher: a graph break, an error under fullgraph).
@@ -344,8 +350,12 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
     epilogue = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
                                    act.glu_interleave_size,
                                    input_.shape[0] / max(fc1.num_groups, 1)) is None
+    dswiglu = fc2_dgrad_epilogue_reason(backend2, backend_act, recipe, False,
+                                        act.glu_interleave_size,
+                                        input_.shape[0] / max(fc1.num_groups, 1)) is None
     step = FastStep(fuser, (), _REGISTRY_VERSION[0], env.snapshot(), list(weights1),
-                    list(weights2), backend1, backend_act, backend2, fc1_epilogue=epilogue)
+                    list(weights2), backend1, backend_act, backend2, fc1_epilogue=epilogue,
+                    fc2_dswiglu=dswiglu)
     key = step.call_key(input_, extra_inputs)
     if key is None:
         return None
@@ -423,13 +433,19 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     n1 = ctx.n1
     single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
     w2 = ctx.w2_view if ctx.w2_view is not None else stacked(params[n1:], single2)
-    dgrad2 = dgrad2_fn(dy, w2, splits)
+    if step.fc2_dswiglu:  # one launch: fc2's dgrad and the activation backward, dh over h
+        dh, gprobs, act_out = large_dgrad_dswiglu(dy, w2, splits.offsets, h, probs,
+                                                  grad_into_input=True)
+    else:
+        dgrad2 = dgrad2_fn(dy, w2, splits)
+        # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
+        # fused backward; h's version is bumped, so a retained graph's second backward
+        # raises).
+        dh, gprobs, act_out = act_fn(h, dgrad2, probs)
+        del dgrad2
     w2 = None
-    # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
-    # fused backward; h's version is bumped, so a retained graph's second backward raises).
-    dh, gprobs, act_out = act_fn(h, dgrad2, probs)
     torch.autograd.graph.increment_version(h)
-    del dgrad2, h
+    del h
     grads2 = per_param(wgrad2_fn(act_out, dy, splits), single2)
     act_out = None
     dx = None

@@ -86,6 +86,18 @@ ENV_VARS: dict[str, EnvVar] = {
             "wherever it can run, 0 never.",
         ),
         EnvVar(
+            "TE_OPS_FC2_DSWIGLU_EPILOGUE",
+            "auto",
+            ("auto", "0", "1"),
+            "fc2's dgrad with the (Scaled)SwiGLU backward in its epilogue (one persistent "
+            "Triton kernel; dh and the activation output have the two launches' bits, the "
+            "probs gradient is summed in another order; te_ops/fused/fc2_dgrad_epilogue.py), "
+            "where fc2's dgrad runs in the persistent many-rows kernel and the activation in "
+            "Triton, no recipe, no bias, halves layout: auto takes it at the measured rule "
+            "(fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP: nowhere yet, it measured 0.57-0.74x "
+            "the two launches on the H200), 1 wherever it can run, 0 never.",
+        ),
+        EnvVar(
             "TE_OPS_GRAPH_SAFE",
             "auto",
             ("auto", "0", "1"),

@@ -95,6 +95,25 @@ if triton is not None:
         return sig, a * sig
 
     @triton.jit
+    def _dswiglu(a, b, dy, p, HAS_P: tl.constexpr):
+        """The backward of ``out = SiLU(a) * b (* p)`` per element, fp32 in and out:
+        ``(d a, d b, out, the probs-gradient term SiLU(a) * b * dy)`` (the last only with
+        ``HAS_P``; ``p`` a scalar or a tensor broadcasting against ``a``). The SwiGLU backward
+        kernel and the fc2 dgrad kernel with this in its epilogue
+        (``kernels/dgrad_dswiglu_triton.py``) share it, so their gradients and ``out`` are
+        the same bits."""
+        sig, silu = _core(a, b)
+        out = silu * b
+        dp = out
+        if HAS_P:
+            out = out * p
+            dp = silu * b * dy
+            dy = dy * p
+        da = dy * b * sig * (1 + a * (1 - sig))
+        db = dy * silu
+        return da, db, out, dp
+
+    @triton.jit
     def _fwd_kernel(x_ptr, p_ptr, out_ptr, F, HAS_P: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -121,17 +140,11 @@ if triton is not None:
             a = tl.load(x_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
             b = tl.load(x_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * F + cols, mask=mask, other=0.0).to(tl.float32)
-            sig, silu = _core(a, b)
+            da, db, out, dp = _dswiglu(a, b, dy, p, HAS_P)
             if WRITE_OUT:
-                out = silu * b
-                if HAS_P:
-                    out = out * p
                 tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
             if HAS_P:
-                acc += silu * b * dy
-                dy = dy * p
-            da = dy * b * sig * (1 + a * (1 - sig))
-            db = dy * silu
+                acc += dp
             tl.store(dx_ptr + row * 2 * F + cols, da.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_ptr + row * 2 * F + F + cols, db.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_P:
