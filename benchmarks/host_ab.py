@@ -62,6 +62,7 @@ from common import (  # noqa: E402
 from grouped_mlp import (  # noqa: E402
     CPU_SHAPES,
     HOST_SHAPES,
+    MID_SHAPES,
     SHAPES,
     TorchGroupedMM,
     make_problem,
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         make_baseline(*args.make_baseline)
         return 0
     check_device(parser, "--device", args.device)
-    shapes = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES}
+    shapes = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES}
     check_list(parser, "--shapes", args.shapes, shapes)
     check_list(parser, "--modes", args.modes, ("single", "per_expert"))
     if args.dtype is not None and args.dtype not in DTYPES:
