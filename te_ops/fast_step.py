@@ -375,12 +375,13 @@ class _LayerWeights:
     found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
     moves them) and the last weight's shape (the call key holds the first's and the last's).
 
-    ``to_save(w)``: what the forward saves for the backward. Per-expert weights stacked as
-    a free view: the view (one saved tensor; autograd checks the version counter of the
-    first weight, which GroupedLinear's weights share as slices of one buffer) and their
-    version counters (autograd's record of in-place changes), which the backward compares
-    (``check``) in place of one saved tensor per weight (so a weight with a counter of its
-    own, e.g. re-assigned and packed again, is covered too).
+    ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
+    free view: weight0 as the one saved tensor (autograd checks its version counter, which
+    GroupedLinear's weights share as slices of one buffer, also under compiled autograd), the
+    view itself as a plain reference for dgrad (as ``GroupedLinearSaved.weights_view``) and
+    the weights' version counters (autograd's record of in-place changes), which the backward
+    compares (``check``) in place of one saved tensor per weight (so a weight with a counter
+    of its own, e.g. re-assigned and packed again, is covered too).
     """
 
     __slots__ = ("weights", "single", "name", "ptrs", "last_shape")
@@ -406,14 +407,16 @@ class _LayerWeights:
         return w
 
     def to_save(self, w: torch.Tensor) -> tuple:
-        """``(stack, params, versions)`` for the forward stack ``w``: the stack to save
-        (``None`` for a stacked copy), the weights to save (a stacked copy's, restacked in
-        backward) and the per-expert weights' versions (``None`` unless a free view)."""
+        """``(saved, view, params, versions)`` for the forward stack ``w``: the tensor to
+        save (the single grouped weight, or weight0 of a free view; ``None`` for a stacked
+        copy), the view for dgrad (``None`` unless a free view), the weights to save (a stacked
+        copy's, restacked in backward) and the per-expert weights' versions (``None`` unless a
+        free view)."""
         if self.single:
-            return w, (), None
+            return w, None, (), None
         if not w._is_view():
-            return None, self.weights, None
-        return w, (), tuple(map(_VERSION, self.weights))
+            return None, None, self.weights, None
+        return self.weights[0], w, (), tuple(map(_VERSION, self.weights))
 
     def check(self, versions: tuple[int, ...]) -> None:
         """Raise autograd's error for a modified saved tensor when a weight's version moved
@@ -421,15 +424,18 @@ class _LayerWeights:
         now = tuple(map(_VERSION, self.weights))
         if now == versions:
             return
-        g = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
+        moved = [i for i, (a, b) in enumerate(zip(now, versions)) if a != b]
+        g = moved[0]
         w = self.weights[g]
+        which = f"weight{g}" if len(moved) == 1 else (
+            f"weight{g} (and {len(moved) - 1} more of its weights: per-expert weights that "
+            f"are slices of one buffer share one version counter, so a change to any of "
+            f"them moves all)")
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: {self.name}'s weight{g} [{w.type()} {list(w.shape)}] is at "
-            f"version {now[g]}; expected version {versions[g]} instead (per-expert weights "
-            f"that are slices of one buffer share one version counter: any of "
-            f"{self.name}'s weights may be the one changed in place between the forward and "
-            f"the backward)")
+            f"inplace operation: {self.name}'s {which} [{w.type()} {list(w.shape)}] is at "
+            f"version {now[g]}; expected version {versions[g]} instead (changed in place "
+            f"between the forward and the backward)")
 
 
 class _FastGroupedMLP(torch.autograd.Function):
@@ -450,13 +456,12 @@ class _FastGroupedMLP(torch.autograd.Function):
         h, a = step.fc1_act(x2d, w1, splits, probs)
         w2 = step.layer2.stacked()
         y = step.fprop2(a, w2, splits)
-        # The weights for dgrad: the stacks the forward used (a single grouped weight, or
-        # per-expert weights' free view, saved as one tensor: one version check), or the
+        # The weights for dgrad: a single grouped weight (saved), per-expert weights' free
+        # view (a plain reference; weight0 saved and every weight's version counter compared
+        # in backward, in place of one saved tensor per weight: _LayerWeights.to_save), or the
         # per-expert weights themselves when their stack was a copy (restacked in backward).
-        # Per-expert weights also get their version counters compared in backward
-        # (_LayerWeights.to_save), in place of one saved tensor per weight.
-        save1, params1, versions1 = step.layer1.to_save(w1)
-        save2, params2, versions2 = step.layer2.to_save(w2)
+        save1, ctx.w1_view, params1, versions1 = step.layer1.to_save(w1)
+        save2, ctx.w2_view, params2, versions2 = step.layer2.to_save(w2)
         _save(ctx, [x2d, h, probs, *splits.to_tensors(), save1, save2], [*params1, *params2])
         ctx.step = step
         ctx.n1 = len(params1)
@@ -500,7 +505,9 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     params = saved[len(ctx.views):]
     n1 = ctx.n1
     single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
-    if w2 is None:
+    if ctx.w2_view is not None:
+        w2 = ctx.w2_view
+    elif w2 is None:
         w2 = stacked(list(params[n1:]), single2)
     dgrad2 = dgrad2_fn(dy, w2, splits)
     w2 = None
@@ -513,10 +520,12 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     act_out = None
     dx = None
     if ctx.needs_input_grad[0]:
-        if w1 is None:
+        if ctx.w1_view is not None:
+            w1 = ctx.w1_view
+        elif w1 is None:
             w1 = stacked(list(params[:n1]), single1)
         dx = dgrad1_fn(dh, w1, splits)
-    w1 = None
+    w1 = ctx.w1_view = ctx.w2_view = None
     grads1 = per_param(wgrad1_fn(x, dh, splits), single1)
     return (dx, None, None, gprobs, *grads1, *grads2)
 
