@@ -201,3 +201,18 @@ def test_stacked_copy_in_place_change_raises():
         block[2].weights()[3].add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_saved_tensors_do_not_grow_with_the_expert_count():
+    """Per-expert weights adjacent in one buffer: the fast path saves one tensor per layer
+    (weight0), not one per expert, so its save / unpack work does not grow with G."""
+    counts = {}
+    for groups in (4, GROUPS):
+        block = _block(False, groups=groups)
+        x, probs, split = _inputs(groups)
+        _run(block, x, probs, split)
+        out = block(x, split, probs, split)
+        assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        counts[groups] = len(out.grad_fn.saved_tensors)
+        out.sum().backward()
+    assert counts[4] == counts[GROUPS] <= 9
