@@ -95,6 +95,9 @@ HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "E64_T256_H64_FF32": (64, 256, 64, 32),
     # The CPU shape's expert and row counts with (almost) no math: its host work.
     "E8_T4096_H8_FF8": (8, 4096, 8, 8),
+    # 128 experts (the issue-10 shapes' count; 256 per-expert weight Parameters) with tiny
+    # hidden sizes: the per-parameter host work (autograd edges, AccumulateGrad, grad views).
+    "E128_T1024_H64_FF32": (128, 1024, 64, 32),
 }
 #: Fewer rows per expert than the large shapes (``--shapes``, not run by default): where the
 #: persistent Triton kernels' rules apply below the issue-10 shapes (64-256 rows per expert:

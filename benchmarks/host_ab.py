@@ -18,6 +18,12 @@ tree with ``TE_OPS_FAST_STEP=0`` set around each of its steps (``new_<mode>_gene
 time the fast path of repeated calls against the general path in one process;
 ``--variant-env NAME=VALUE`` likewise adds this tree with any te_ops variable set
 (``new_<mode>_<NAME>=<VALUE>``, e.g. ``TE_OPS_TRITON_DIRECT_LAUNCH=0``).
+``--floor`` adds, per mode, ``floor_<mode>``: a bare ``torch.autograd.Function`` with the
+block's weight Parameters as inputs (per-expert: 2 x E, laid out as GroupedLinear lays them
+out; single: 2) and the fused step's gradient hand-off (one empty (E, out, in) buffer per
+layer, ``unbind`` per expert, taken by ``AccumulateGrad`` without a copy), no math: what
+autograd itself costs per step for that many parameters (the floor of the per-expert host
+cost while every weight gets its gradient through autograd).
 ``--profile`` adds, per te_ops variant, the top host events of ``torch.profiler`` (CPU only,
 self time per step) and the top Python functions of ``cProfile`` (own time per step).
 
@@ -56,6 +62,7 @@ from common import (  # noqa: E402
 from grouped_mlp import (  # noqa: E402
     CPU_SHAPES,
     HOST_SHAPES,
+    MID_SHAPES,
     SHAPES,
     TorchGroupedMM,
     make_problem,
@@ -105,6 +112,45 @@ class TeOpsBlock:
             with env_override(**self.env):
                 return self.block(x, split, probs, split)
         return self.block(x, split, probs, split)
+
+
+class _FloorFunction(torch.autograd.Function):
+    """``x * 1`` with the weights as inputs; backward: ``dy`` for x and, per layer, one
+    empty (G, out, in) gradient split per parameter (as ``per_param``)."""
+
+    @staticmethod
+    def forward(ctx, x, floor, *params):
+        ctx.floor = floor
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, dy):
+        grads = []
+        for shape, single in ctx.floor.layers:
+            g = dy.new_empty(shape)
+            grads.extend([g] if single else g.unbind(0))
+        return (dy, None, *grads)
+
+
+class AutogradFloor:
+    """The autograd work of one fused step with the block's parameters and nothing else
+    (see the module docstring, ``--floor``)."""
+
+    def __init__(self, problem, single: bool) -> None:
+        p = problem
+        e = p.experts
+        self.layers = [((e, 2 * p.ffn, p.hidden), single), ((e, p.hidden, p.ffn), single)]
+        self.params = []
+        for shape, _ in self.layers:
+            buf = torch.zeros(shape, device=p.device, dtype=p.dtype)
+            self.params += ([torch.nn.Parameter(buf)] if single else
+                            [torch.nn.Parameter(buf[g]) for g in range(e)])
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.params)
+
+    def forward(self, x, probs):
+        return _FloorFunction.apply(x, self, *self.params)
 
 
 def _zero(peer, problem) -> None:
@@ -209,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time this tree with the te_ops variable NAME set to VALUE "
                              "around each of its steps (variant new_<mode>_<NAME>=<VALUE>); "
                              "repeatable")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time a bare autograd.Function with the block's parameters "
+                             "(variants floor_<mode>: autograd's own per-step cost)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.make_baseline:
@@ -219,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         make_baseline(*args.make_baseline)
         return 0
     check_device(parser, "--device", args.device)
-    shapes = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES}
+    shapes = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES}
     check_list(parser, "--shapes", args.shapes, shapes)
     check_list(parser, "--modes", args.modes, ("single", "per_expert"))
     if args.dtype is not None and args.dtype not in DTYPES:
@@ -273,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     for name, value in variant_envs:
                         variants[f"new_{mode}_{name}={value}"] = TeOpsBlock(
                             te_ops, problem, single, {name: value})
+                    if args.floor:
+                        variants[f"floor_{mode}"] = AutogradFloor(problem, single)
                 for mode in args.modes.split(","):
                     out.write({"bench": "host_ab_bitwise", "shape": shape, "mode": mode,
                                "bitwise": bitwise_equal(variants[f"base_{mode}"],

@@ -31,8 +31,12 @@ Taken only when all of this holds (else the general path runs, unchanged):
 * the grouped GEMM backend is ``grouped_mm`` or ``triton`` (no host read of split sizes).
 
 Autograd sees the same inputs as on the general path (the input, one edge per weight
-parameter, probs), so hooks, ``AccumulateGrad`` and DDP behave as before; the weights are saved
-tensors, so an in-place change between forward and backward raises as before. The fast path
+parameter, probs), so hooks, ``AccumulateGrad`` and DDP behave as before. An in-place change
+of a weight between forward and backward raises as before: a single grouped weight is a saved
+tensor; per-expert weights whose stack is a free view of one buffer (the normal case, see
+``stack_weights``) are not saved one by one (256 saved tensors at 128 experts cost host time
+to save and to unpack): the forward records their version counters and the backward compares
+them, raising the ``RuntimeError`` autograd raises for a modified saved tensor. The fast path
 is graph-safe (no host read), but a CUDA-graph capture takes the general path (host work does
 not count in a graph, so the captured graph stays what it was); ``torch.compile`` traces the
 general path too.
@@ -54,7 +58,7 @@ from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.dgrad_dswiglu_triton import large_dgrad_dswiglu
-from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad, stack_weights
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
@@ -68,6 +72,8 @@ from .splits import GroupedSplits, make_splits
 __all__ = ["FastStep", "record", "fast_step_reason"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
 _FAST_BACKENDS = ("grouped_mm", "triton")
 #: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
 #: active); without this torch binding the fast path is never taken.
@@ -181,6 +187,8 @@ class FastStep:
         self.weights1 = weights1
         self.weights2 = weights2
         self.params = (*weights1, *weights2)
+        self.layer1 = _LayerWeights(weights1, self.ops[0].single_grouped_weight, "fc1")
+        self.layer2 = _LayerWeights(weights2, self.ops[2].single_grouped_weight, "fc2")
         self.backend1 = backend1
         self.backend_act = backend_act
         self.backend2 = backend2
@@ -242,7 +250,8 @@ class FastStep:
         return (_tensor_meta(input_), split.shape, split.dtype, split.device, probs_meta,
                 tuple(map(id, fc1._parameters.values())),
                 tuple(map(id, fc2._parameters.values())), _op_settings(fc1, act, fc2),
-                w1.dtype, w1.device, w1.shape, w2.dtype, w2.device, w2.shape)
+                w1.dtype, w1.device, w1.shape, w2.dtype, w2.device, w2.shape,
+                self.weights1[-1].shape, self.weights2[-1].shape)
 
     def run(self, input_: torch.Tensor, extra_inputs: tuple) -> torch.Tensor | None:
         """The fuser's output for this call through :class:`_FastGroupedMLP`, or ``None``
@@ -267,18 +276,18 @@ class FastStep:
             return None
         if self.call_key(input_, extra_inputs) != self.key:
             return None
-        if not all(map(_REQUIRES_GRAD, self.params)):
-            return None
         probs = extra_inputs[1] if self.scaled else None
         if device_type == "cuda":
             self.launches.begin(input_.device)
         try:
             return _APPLY(input_, self, extra_inputs[0], probs, *self.params)
-        except ValueError:
-            # A check the key does not cover failed: e.g. a per-group weight after the first
-            # cast or moved alone (the key holds the first weight's dtype and device; stacking
-            # the others checks them, as on the general path). The general path then runs and
-            # raises its own error; nothing of the fast forward outlives it.
+        except (ValueError, _NotFast):
+            # A check the key does not cover failed: a weight that does not require grad
+            # (``_NotFast``, checked in the forward from autograd's ``needs_input_grad``), or
+            # a per-group weight after the first cast or moved alone (the key holds the first
+            # weight's dtype and device; stacking the others checks them, as on the general
+            # path). The general path then runs (and raises its own error); nothing of the
+            # fast forward outlives it.
             return None
 
 
@@ -363,14 +372,91 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
     return step
 
 
-def _save(ctx: Any, tensors: list[torch.Tensor | None]) -> None:
-    """``save_for_backward`` with the general path's handling of views (see
-    ``te_ops.fuser._FuserFunction.forward``): a view of a tensor that requires grad is saved
-    as its base and re-viewed in backward, so an in-place change names the in-place op."""
+def _save(ctx: Any, tensors: list[torch.Tensor | None], params: list[torch.Tensor]) -> None:
+    """``save_for_backward(*tensors, *params)`` with the general path's handling of views
+    (see ``te_ops.fuser._FuserFunction.forward``): a view of a tensor that requires grad is
+    saved as its base and re-viewed in backward, so an in-place change names the in-place op.
+    ``params`` are leaves (never views): saved as they are."""
     ctx.views = [None if t is None or not t._is_view() or not t._base.requires_grad else
                  (t.size(), t.stride(), t.storage_offset()) for t in tensors]
     ctx.save_for_backward(*[t._base if v is not None else t
-                            for t, v in zip(tensors, ctx.views)])
+                            for t, v in zip(tensors, ctx.views)], *params)
+
+
+class _NotFast(Exception):
+    """Raised by the fast forward, before any work, for a call the general path must take."""
+
+
+class _LayerWeights:
+    """One GroupedLinear's weight Parameters as the fast path uses them.
+
+    ``stacked()`` is ``stacked(weights, single)`` (the same tensor: the single grouped weight,
+    or ``stack_weights``' free (G, out, in) view of adjacent per-expert weights, or its
+    stacked copy), without ``stack_weights``' per-call memo key (2 x G ids hashed) once a call
+    found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
+    moves them) and the last weight's shape (the call key holds the first's and the last's).
+
+    ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
+    free view: weight0 as the one saved tensor (autograd checks its version counter, which
+    GroupedLinear's weights share as slices of one buffer, also under compiled autograd), the
+    view itself as a plain reference for dgrad (as ``GroupedLinearSaved.weights_view``) and
+    the weights' version counters (autograd's record of in-place changes), which the backward
+    compares (``check``) in place of one saved tensor per weight (so a weight with a counter
+    of its own, e.g. re-assigned and packed again, is covered too).
+    """
+
+    __slots__ = ("weights", "single", "name", "ptrs", "last_shape")
+
+    def __init__(self, weights: list[torch.Tensor], single: bool, name: str) -> None:
+        self.weights = tuple(weights)
+        self.single = single
+        self.name = name  # "fc1" / "fc2", for the in-place error
+        self.ptrs: list[int] | None = None
+        self.last_shape = weights[-1].shape
+
+    def stacked(self) -> torch.Tensor:
+        ws = self.weights
+        if self.single:
+            return ws[0]
+        w0 = ws[0]
+        if (self.ptrs is not None and ws[-1].shape == self.last_shape
+                and list(map(_DATA_PTR, ws)) == self.ptrs):
+            return w0.as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
+        w = stack_weights(list(ws), "weight")  # raises ValueError for odd weights
+        self.ptrs = list(map(_DATA_PTR, ws)) if w._is_view() else None
+        self.last_shape = ws[-1].shape
+        return w
+
+    def to_save(self, w: torch.Tensor) -> tuple:
+        """``(saved, view, params, versions)`` for the forward stack ``w``: the tensor to
+        save (the single grouped weight, or weight0 of a free view; ``None`` for a stacked
+        copy), the view for dgrad (``None`` unless a free view), the weights to save (a stacked
+        copy's, restacked in backward) and the per-expert weights' versions (``None`` unless a
+        free view)."""
+        if self.single:
+            return w, None, (), None
+        if not w._is_view():
+            return None, None, self.weights, None
+        return self.weights[0], w, (), tuple(map(_VERSION, self.weights))
+
+    def check(self, versions: tuple[int, ...]) -> None:
+        """Raise autograd's error for a modified saved tensor when a weight's version moved
+        since the forward (``versions``)."""
+        now = tuple(map(_VERSION, self.weights))
+        if now == versions:
+            return
+        moved = [i for i, (a, b) in enumerate(zip(now, versions)) if a != b]
+        g = moved[0]
+        w = self.weights[g]
+        which = f"weight{g}" if len(moved) == 1 else (
+            f"weight{g} (and {len(moved) - 1} more of its weights: per-expert weights that "
+            f"are slices of one buffer share one version counter, so a change to any of "
+            f"them moves all)")
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {self.name}'s {which} [{w.type()} {list(w.shape)}] is at "
+            f"version {now[g]}; expected version {versions[g]} instead (changed in place "
+            f"between the forward and the backward)")
 
 
 class _FastGroupedMLP(torch.autograd.Function):
@@ -380,26 +466,29 @@ class _FastGroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, step, split_sizes, probs, *params):
+        if False in ctx.needs_input_grad[4:]:  # a weight that does not require grad
+            raise _NotFast
         fc1, act, fc2 = step.ops
         rows = input_.shape[0]
         splits = make_splits(split_sizes, fc1.num_groups, rows, input_.device,
                              table=step.split_table)
-        single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
         x2d = rows_2d(input_, fc1.in_features)  # the input itself when contiguous
-        w1 = stacked(step.weights1, single1)
+        w1 = step.layer1.stacked()
         h, a = step.fc1_act(x2d, w1, splits, probs)
-        w2 = stacked(step.weights2, single2)
+        w2 = step.layer2.stacked()
         y = step.fprop2(a, w2, splits)
-        n1 = len(step.weights1)
-        _save(ctx, [x2d, h, probs, *splits.to_tensors(), *params])
+        # The weights for dgrad: a single grouped weight (saved), per-expert weights' free
+        # view (a plain reference; weight0 saved and every weight's version counter compared
+        # in backward, in place of one saved tensor per weight: _LayerWeights.to_save), or the
+        # per-expert weights themselves when their stack was a copy (restacked in backward).
+        save1, ctx.w1_view, params1, versions1 = step.layer1.to_save(w1)
+        save2, ctx.w2_view, params2, versions2 = step.layer2.to_save(w2)
+        _save(ctx, [x2d, h, probs, *splits.to_tensors(), save1, save2], [*params1, *params2])
         ctx.step = step
-        ctx.n1 = n1
+        ctx.n1 = len(params1)
+        ctx.versions = (versions1, versions2)
         ctx.rows = rows
         ctx.has_padding = splits.has_padding
-        # Per-group weights: fprop's (G, out, in) view for dgrad (as GroupedLinearSaved's
-        # weights_view: a plain reference; the weights themselves are the saved tensors).
-        ctx.w1_view = w1 if not single1 and input_.requires_grad and w1._is_view() else None
-        ctx.w2_view = w2 if not single2 and w2._is_view() else None
         return y.detach()
 
     @staticmethod
@@ -422,17 +511,25 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         dgrad1_fn, wgrad1_fn, dgrad2_fn, wgrad2_fn, act_fn = (
             step.dgrad1, step.wgrad1, step.dgrad2, step.wgrad2, step.act_backward)
     fc1, _, fc2 = step.ops
+    versions1, versions2 = ctx.versions
+    if versions1 is not None:
+        step.layer1.check(versions1)
+    if versions2 is not None:
+        step.layer2.check(versions2)
     dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
-    saved = [t if v is None else t.as_strided(*v)
-             for t, v in zip(ctx.saved_tensors, ctx.views)]
-    x, h, probs = saved[0], saved[1], saved[2]
-    splits = GroupedSplits.from_tensors(saved[3:7], num_groups=fc1.num_groups,
+    saved = ctx.saved_tensors
+    x, h, probs, *split_tensors, w1, w2 = [
+        t if v is None else t.as_strided(*v) for t, v in zip(saved, ctx.views)]
+    splits = GroupedSplits.from_tensors(split_tensors, num_groups=fc1.num_groups,
                                         num_rows=ctx.rows, host_sizes=None,
                                         has_padding=ctx.has_padding)
-    params = saved[7:]
+    params = saved[len(ctx.views):]
     n1 = ctx.n1
     single1, single2 = fc1.single_grouped_weight, fc2.single_grouped_weight
-    w2 = ctx.w2_view if ctx.w2_view is not None else stacked(params[n1:], single2)
+    if ctx.w2_view is not None:
+        w2 = ctx.w2_view
+    elif w2 is None:
+        w2 = stacked(list(params[n1:]), single2)
     if step.fc2_dswiglu:  # one launch: fc2's dgrad and the activation backward, dh over h
         dh, gprobs, act_out = large_dgrad_dswiglu(dy, w2, splits.offsets, h, probs,
                                                   grad_into_input=True)
@@ -450,10 +547,13 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     act_out = None
     dx = None
     if ctx.needs_input_grad[0]:
-        w1 = ctx.w1_view if ctx.w1_view is not None else stacked(params[:n1], single1)
+        if ctx.w1_view is not None:
+            w1 = ctx.w1_view
+        elif w1 is None:
+            w1 = stacked(list(params[:n1]), single1)
         dx = dgrad1_fn(dh, w1, splits)
+    w1 = ctx.w1_view = ctx.w2_view = None
     grads1 = per_param(wgrad1_fn(x, dh, splits), single1)
-    ctx.w1_view = ctx.w2_view = None
     return (dx, None, None, gprobs, *grads1, *grads2)
 
 

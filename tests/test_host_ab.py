@@ -56,3 +56,31 @@ def test_threads_must_be_positive(capsys):
         host_ab.main(["--threads", "0", "--device", "cpu", "--shapes", "E8_T4096_H256_FF512"])
     assert info.value.code == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_floor_adds_the_autograd_floor_variants(tmp_path, monkeypatch):
+    """``--floor``: a bare autograd.Function with the block's parameters per mode, whose
+    backward hands every parameter a gradient of its shape."""
+    base = tmp_path / "base"
+    src = os.path.join(os.path.dirname(__file__), "..", "te_ops")
+    assert host_ab.main(["--make-baseline", src, str(base)]) == 0
+    monkeypatch.syspath_prepend(str(base))
+    out = tmp_path / "ab.jsonl"
+    assert host_ab.main(["--device", "cpu", "--shapes", "E8_T4096_H8_FF8", "--iters", "1",
+                         "--warmup", "0", "--floor", "--out", str(out)]) == 0
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    variants = {r["variant"] for r in rows if r["bench"] == "host_ab"}
+    assert {"floor_single", "floor_per_expert"} <= variants
+    import torch
+    from grouped_mlp import HOST_SHAPES, make_problem
+
+    problem = make_problem("E8_T4096_H8_FF8", HOST_SHAPES["E8_T4096_H8_FF8"],
+                           torch.device("cpu"), torch.float32, 0)
+    for single, count in ((True, 2), (False, 16)):
+        floor = host_ab.AutogradFloor(problem, single)
+        params = floor.parameters()
+        assert len(params) == count
+        floor.forward(problem.x, problem.probs).backward(problem.dy)
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
