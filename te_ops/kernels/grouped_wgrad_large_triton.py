@@ -68,6 +68,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
+from .grouped_gemm_large_triton import _plain_eager
 from .grouped_gemm_triton import unsupported_reason
 from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
@@ -96,17 +97,13 @@ def large_wgrad_config() -> dict[str, int | bool]:
             "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
-#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _fake(t: torch.Tensor) -> bool:
     """Whether ``t`` has no data pointer (a FakeTensor, also when wrapped in a
-    FunctionalTensor under ``torch.compile``; a meta tensor). A plain eager tensor answers
-    without ``is_fake``'s subclass walk."""
+    FunctionalTensor under ``torch.compile`` or a functorch wrapper; a meta tensor). A plain
+    eager tensor answers without ``is_fake``'s subclass walk (``_plain_eager``)."""
     if t.device.type == "meta":
         return True
-    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+    if _plain_eager(t):
         return False
     return torch._subclasses.fake_tensor.is_fake(t)
 
