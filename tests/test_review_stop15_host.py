@@ -13,6 +13,13 @@ group order, the entry points' host caches): faults found and their fixes.
    answered a CPU device with the current CUDA device's SM count and capability (its index
    is ``None``, which they read as "the current CUDA device"): a silent wrong answer. They
    now raise ``ValueError`` naming ``device`` for a device that is not CUDA.
+3. The persistent wgrad's ``config`` was never checked, and stop 15's ``_launch_plan`` puts
+   ``ACCUMULATE=False`` *before* the config's keys for the flat schedule: a config holding
+   ``ACCUMULATE`` (before: a duplicate-keyword ``TypeError`` at the launch) now turned the
+   launch into an accumulation into the uninitialised output (garbage, silently), and a
+   misspelt key reached the kernel as an unknown keyword. The launch now rejects keys that
+   are not :func:`large_wgrad_config`'s with a ``ValueError`` naming them (as the fprop's
+   ``_resolve`` does), also where no launch is needed.
 
 Checked and found fine (tests below where none existed): the flat wgrad's in-register
 order with offsets that decrease, are negative or run past M (the same bits as the index
@@ -97,6 +104,16 @@ def test_device_facts_reject_a_non_cuda_device(fn, monkeypatch):
         fn(torch.device("meta"))
 
 
+@pytest.mark.parametrize("rows", [6, 0])  # a launch; no launch needed (no rows)
+@pytest.mark.parametrize("bad", [{"ACCUMULATE": True}, {"BLOCKM": 32}, {"G_POW2": 4}])
+def test_wgrad_config_rejects_unknown_keys(bad, rows):
+    x, dy = torch.zeros(rows, 16), torch.zeros(rows, 16)
+    offs = torch.tensor([rows // 2, rows], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"config keys must be among \[.*\], got unknown "
+                       + repr(sorted(bad)).replace("[", r"\[").replace("]", r"\]")):
+        W._launch(x, dy, offs, None, {"BLOCK_M": 16, **bad})
+
+
 SCRIPT = r'''
 import torch
 import triton
@@ -152,3 +169,18 @@ _INTERPRETER = interpreter_marks("tests/test_large_bound_cuda.py")
 @_INTERPRETER[1]
 def test_flat_wgrad_order_with_bad_offsets_and_many_groups_interpreted():
     run_interpreted(SCRIPT)
+
+
+@pytest.mark.cuda
+def test_wgrad_entry_point_rejects_an_accumulate_config_on_the_gpu():
+    """The public entry point on the GPU: a config with ``ACCUMULATE`` raises (it ran an
+    accumulation into the uninitialised output) and the default call still runs."""
+    x = torch.randn(256, 128, device="cuda").bfloat16()
+    dy = torch.randn(256, 64, device="cuda").bfloat16()
+    offs = torch.tensor([100, 256], device="cuda")
+    with pytest.raises(ValueError, match=r"got unknown \['ACCUMULATE'\]"):
+        W.large_wgrad(x, dy, offs, config={"ACCUMULATE": True})
+    want = torch.stack([dy[:100].float().t() @ x[:100].float(),
+                        dy[100:].float().t() @ x[100:].float()])
+    torch.testing.assert_close(W.large_wgrad(x, dy, offs).float(), want, rtol=1.6e-2,
+                               atol=1e-1)
