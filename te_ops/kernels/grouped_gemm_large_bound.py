@@ -49,6 +49,11 @@ class BoundLarge:
     Shapes: ``a`` (M, R) (x for fprop, dy for dgrad), ``weights`` (G, N, K), ``offsets``
     (G,) -> (M, N) for fprop, (M, K) for dgrad, in a's dtype; rows past ``offsets[-1]``
     zero.
+
+    Raises
+    ------
+    ValueError
+        ``kind`` is not ``"fprop"`` or ``"dgrad"`` (at construction).
     """
 
     def __init__(self, kind: str, batch: LaunchBatch) -> None:

@@ -248,14 +248,26 @@ def _tma_layout_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
     return None
 
 
-#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
+#: Tensor types that are never fake by their type (the C++ wrappers of that Python type,
+#: functional and functorch ones, are checked apart: see :func:`_plain_eager`).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FUNCTORCH_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _plain_eager(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain ``torch.Tensor`` or ``Parameter`` that wraps nothing, so
+    not fake (``is_fake`` need not walk it). A C++ functional wrapper (``torch.compile``'s
+    functionalization) or functorch wrapper (``torch.func.grad`` / ``vmap``) has the Python
+    type ``torch.Tensor`` and may wrap a FakeTensor: not plain."""
+    return (type(t) in _PLAIN and not torch._is_functional_tensor(t)
+            and not _FUNCTORCH_WRAPPED(t))
 
 
 def _fake(t: torch.Tensor) -> bool:
-    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``): no data. A
-    plain eager tensor or Parameter answers without ``is_fake``'s subclass walk."""
-    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+    """A FakeTensor, also wrapped (a FunctionalTensor under ``torch.compile``, a functorch
+    wrapper): no data. A plain eager tensor or Parameter answers without ``is_fake``'s
+    subclass walk (:func:`_plain_eager`)."""
+    if _plain_eager(t):
         return False
     return torch._subclasses.fake_tensor.is_fake(t)
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
+from .grouped_gemm_large_triton import _plain_eager
 from .grouped_gemm_triton import unsupported_reason
 from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
@@ -96,17 +97,13 @@ def large_wgrad_config() -> dict[str, int | bool]:
             "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
 
 
-#: Tensor types that are never fake by their type (a C++ functional wrapper is checked apart).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _fake(t: torch.Tensor) -> bool:
     """Whether ``t`` has no data pointer (a FakeTensor, also when wrapped in a
-    FunctionalTensor under ``torch.compile``; a meta tensor). A plain eager tensor answers
-    without ``is_fake``'s subclass walk."""
+    FunctionalTensor under ``torch.compile`` or a functorch wrapper; a meta tensor). A plain
+    eager tensor answers without ``is_fake``'s subclass walk (``_plain_eager``)."""
     if t.device.type == "meta":
         return True
-    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+    if _plain_eager(t):
         return False
     return torch._subclasses.fake_tensor.is_fake(t)
 
@@ -155,7 +152,9 @@ def group_order(offsets: torch.Tensor) -> torch.Tensor:
     """int64 (G,) group indices by decreasing row count (ties by index), on the device with
     torch ops (no host sync; a zero fill, a concatenation and a difference for the split
     sizes, then the sort): the nested schedule's tile order (module docstring, "Schedule";
-    the flat schedule sorts the same keys in the kernel, ``_rank_order``)."""
+    the flat schedule sorts by the same rule in the kernel, ``_rank_order``, over the rows
+    clamped to [0, M] as the tiles run them: the orders differ only for bad offsets, the
+    outputs never)."""
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.argsort(sizes, descending=True, stable=True)
 
@@ -405,7 +404,12 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
             out: torch.Tensor | None, config: dict | None, wrap=None) -> torch.Tensor:
     """Launch the configured kernel (``FLAT``: :func:`_wgrad_flat_kernel`, else
     :func:`_wgrad_large_kernel`; ``wrap``: ``torch.library.wrap_triton`` inside the ops) into
-    ``out`` (accumulate) or a new (G, N, K) tensor in x's dtype."""
+    ``out`` (accumulate) or a new (G, N, K) tensor in x's dtype. A ``config`` key that is
+    not :func:`large_wgrad_config`'s raises ``ValueError`` (before the early returns)."""
+    unknown = sorted(set(config or ()) - set(large_wgrad_config()))
+    if unknown:  # e.g. ACCUMULATE, which the flat launch would take from the config
+        raise ValueError(f"config keys must be among {sorted(large_wgrad_config())}, got "
+                         f"unknown {unknown}")
     m, k = x.shape
     n = dy.shape[1]
     groups = offsets.shape[0]
@@ -478,7 +482,9 @@ def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them).
+        Shapes, dtypes or devices of the arguments do not match (the message names them);
+        ``config`` has a key that is not :func:`large_wgrad_config`'s (also where no
+        launch is needed).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """

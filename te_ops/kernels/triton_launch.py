@@ -85,6 +85,16 @@ _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
 def _cuda_index_of(device: torch.device) -> int:
+    """The index of CUDA ``device`` (the current device's for ``cuda`` without one).
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a CUDA device (its ``None`` index would read as the current CUDA
+        device: another device's facts).
+    """
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -97,7 +107,13 @@ def _read_properties(index: int) -> None:
 def sm_count(device: torch.device) -> int:
     """The multiprocessor count of CUDA ``device`` (``torch.cuda.get_device_properties``,
     read once per device and process: a persistent kernel's grid asks on every launch, and
-    torch's call costs microseconds of device-index and property lookups)."""
+    torch's call costs microseconds of device-index and property lookups).
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a CUDA device.
+    """
     index = _cuda_index_of(device)
     count = _SM_COUNTS.get(index)
     if count is None:
@@ -108,7 +124,13 @@ def sm_count(device: torch.device) -> int:
 
 def capability(device: torch.device) -> tuple[int, int]:
     """``torch.cuda.get_device_capability(device)`` of CUDA ``device``, read once per device
-    and process (see :func:`sm_count`)."""
+    and process (see :func:`sm_count`).
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a CUDA device.
+    """
     index = _cuda_index_of(device)
     cap = _CAPABILITIES.get(index)
     if cap is None:
