@@ -74,6 +74,7 @@ __all__ = ["FastStep", "record", "fast_step_reason"]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
+_CONTIGUOUS = torch.Tensor.is_contiguous
 _FAST_BACKENDS = ("grouped_mm", "triton")
 #: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
 #: active); without this torch binding the fast path is never taken.
@@ -394,7 +395,9 @@ class _LayerWeights:
     or ``stack_weights``' free (G, out, in) view of adjacent per-expert weights, or its
     stacked copy), without ``stack_weights``' per-call memo key (2 x G ids hashed) once a call
     found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
-    moves them) and the last weight's shape (the call key holds the first's and the last's).
+    moves them), their contiguity (``weight.data = weight.data.t()`` of a square weight keeps
+    the pointer and the shape, not the strides) and the last weight's shape (the call key
+    holds the first's and the last's).
 
     ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
     free view: weight0 as the one saved tensor (autograd checks its version counter, which
@@ -420,7 +423,7 @@ class _LayerWeights:
             return ws[0]
         w0 = ws[0]
         if (self.ptrs is not None and ws[-1].shape == self.last_shape
-                and list(map(_DATA_PTR, ws)) == self.ptrs):
+                and list(map(_DATA_PTR, ws)) == self.ptrs and all(map(_CONTIGUOUS, ws))):
             return w0.as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
         w = stack_weights(list(ws), "weight")  # raises ValueError for odd weights
         self.ptrs = list(map(_DATA_PTR, ws)) if w._is_view() else None
