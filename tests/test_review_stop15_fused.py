@@ -62,3 +62,105 @@ def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(
     expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
                            [leaf(w) for w in block[2].weights()], None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- CUDA
+CUDA = torch.device("cuda")
+
+
+def _sm90() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("auto runs the persistent Triton kernels on SM90 only")
+
+
+def _cuda_block(scaled: bool = True, hidden: int = 256, ffn: int = 384,
+                recompute: bool = False, single: bool = False) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16,
+          "single_grouped_weight": single}
+    act = (te_ops.ScaledSwiGLU(recompute_input=recompute) if scaled
+           else te_ops.SwiGLU(recompute_input=recompute))
+    return te_ops.Sequential(te_ops.GroupedLinear(8, hidden, 2 * ffn, **kw), act,
+                             te_ops.GroupedLinear(8, ffn, hidden, **kw))
+
+
+#: 490 of 512 rows in 8 groups (64 per group on average: fc1's fprop, fc2's dgrad and the
+#: wgrads in the persistent kernels under auto on SM90 bf16), an empty group, padding rows.
+CUDA_SIZES = [40, 0, 130, 64, 7, 100, 59, 90]
+
+
+def _cuda_inputs(hidden: int = 256):
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    x = torch.randn(512, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    probs = torch.rand(512, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(512, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    return x, torch.tensor(CUDA_SIZES, device=CUDA), probs, dy
+
+
+def _cuda_run(block, x, split, probs, dy):
+    """y, dx, every weight's grad, probs.grad (scaled) and the output node's name."""
+    x = x.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    scaled = isinstance(block[1], te_ops.ScaledSwiGLU)
+    y = block(x, split, probs, split) if scaled else block(x, split, split)
+    y.backward(dy)
+    out = [y.detach().clone(), x.grad.clone(), *[p.grad.clone() for p in block.parameters()]]
+    if scaled:
+        out.append(probs.grad.clone())
+    block.zero_grad(set_to_none=True)
+    return out, type(y.grad_fn).__name__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved_h", "recompute_h"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
+def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scaled, recompute):
+    """``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` (PAIRED fc1 + SwiGLU) and
+    ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` (fc2 dgrad + dSwiGLU) together, general path then fast
+    path, and with ``recompute_input=True`` (the backward re-runs fc1's GEMM in the plain
+    persistent fprop, so its h must be the PAIRED kernel's bit for bit): y, dx, dW1, dW2
+    bitwise the two-launch pairs' (``0`` / ``0``), probs.grad within bf16 rounding."""
+    _sm90()
+    x, split, probs, dy = _cuda_inputs()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
+    want = _cuda_run(_cuda_block(scaled, recompute=recompute), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    block = _cuda_block(scaled, recompute=recompute)
+    runs = [_cuda_run(block, x, split, probs, dy) for _ in range(3)]
+    notes = block.explain()
+    assert "persistent many-rows kernel, large_fc1_swiglu" in notes
+    assert "fc2 dgrad dSwiGLU epilogue: one Triton launch" in notes
+    assert (runs[-1][1] == "_FastGroupedMLPBackward") == (not recompute)
+    n = len(want) - (1 if scaled else 0)
+    for got, _ in runs:
+        assert all(torch.equal(a, b) for a, b in zip(got[:n], want[:n]))
+        if scaled:
+            torch.testing.assert_close(got[-1].float(), want[-1].float(), rtol=1.6e-2,
+                                       atol=1.6e-2 * want[-1].float().abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["first", "all"])
+def test_fast_path_restrided_weights_on_the_persistent_kernels(monkeypatch, which):
+    """The CUDA side of the re-strided weight (``w.data = w.data.t()`` of square fc1 weights,
+    hidden = 2 ffn): the fast path's bound persistent-kernel sites decided their TMA layout
+    on k-contiguous weights, so a remembered (G, N, K) view with the transposed strides must
+    not reach them: outputs against the fp64 reference."""
+    _sm90()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    block = _cuda_block(hidden=256, ffn=128)
+    x, split, probs, dy = _cuda_inputs(hidden=256)
+    for _ in range(2):
+        _cuda_run(block, x, split, probs, dy)
+    ws = block[0].weights()
+    for g, w in enumerate(ws):
+        if which == "all" or g == 0:
+            w.data = w.data.t()
+    got, node = _cuda_run(block, x, split, probs, dy)
+    assert node == "_FastGroupedMLPBackward"
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(got[0].double(), expected, rtol=1.6e-2,
+                               atol=1.6e-2 * expected.abs().max().item())
