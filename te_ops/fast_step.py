@@ -58,7 +58,13 @@ from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.dgrad_dswiglu_triton import large_dgrad_dswiglu
-from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad, stack_weights
+from .kernels.grouped_gemm import (
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    stack_weights,
+    storage_spans,
+)
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
@@ -396,8 +402,9 @@ class _LayerWeights:
     stacked copy), without ``stack_weights``' per-call memo key (2 x G ids hashed) once a call
     found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
     moves them), their contiguity (``weight.data = weight.data.t()`` of a square weight keeps
-    the pointer and the shape, not the strides) and the last weight's shape (the call key
-    holds the first's and the last's).
+    the pointer and the shape, not the strides), weight0's storage span (weights re-allocated
+    one by one may sit at the old addresses in storages of their own) and the last weight's
+    shape (the call key holds the first's and the last's).
 
     ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
     free view: weight0 as the one saved tensor (autograd checks its version counter, which
@@ -422,9 +429,11 @@ class _LayerWeights:
         if self.single:
             return ws[0]
         w0 = ws[0]
+        n = len(ws)
         if (self.ptrs is not None and ws[-1].shape == self.last_shape
-                and list(map(_DATA_PTR, ws)) == self.ptrs and all(map(_CONTIGUOUS, ws))):
-            return w0.as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
+                and list(map(_DATA_PTR, ws)) == self.ptrs and all(map(_CONTIGUOUS, ws))
+                and storage_spans(w0, n * w0.numel() * w0.element_size())):
+            return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
         w = stack_weights(list(ws), "weight")  # raises ValueError for odd weights
         self.ptrs = list(map(_DATA_PTR, ws)) if w._is_view() else None
         self.last_shape = ws[-1].shape

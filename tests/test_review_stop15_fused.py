@@ -64,6 +64,37 @@ def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("fast_step", ["1", "0"])
+def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
+        monkeypatch, fast_step):
+    """Every weight re-pointed to a storage of its own whose data sits at the old slice's
+    address (what the CUDA caching allocator can hand out when weights are re-allocated one
+    by one after the packed buffer was freed; simulated here with ``torch.from_numpy`` of the
+    buffer's slices): the remembered data pointers all match, but weight0's storage no longer
+    spans the G weights, so the (G, N, K) view cannot be taken (``as_strided`` raised
+    "out of bounds for storage") and the weights must be stacked as a copy, with the
+    reference's values."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
+    block = _block()
+    x, probs, split = _inputs()
+    for _ in range(2):
+        _run(block, x, probs, split)
+    ws = block[0].weights()
+    ptrs = [w.data_ptr() for w in ws]
+    numel = ws[0].numel()
+    flat = ws[0].detach().as_strided((GROUPS, numel), (numel, 1)).numpy()
+    apart = [torch.from_numpy(flat[g]).view(ws[g].shape) for g in range(GROUPS)]
+    for w, t in zip(ws, apart):
+        w.data = t
+    assert [w.data_ptr() for w in ws] == ptrs
+    assert ws[0].untyped_storage().nbytes() == numel * ws[0].element_size()
+    out, fast = _run(block, x, probs, split)
+    assert fast == (fast_step == "1")
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
 # ------------------------------------------------------------------------------------- CUDA
 CUDA = torch.device("cuda")
 
