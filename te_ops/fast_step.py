@@ -390,6 +390,12 @@ def _save(ctx: Any, tensors: list[torch.Tensor | None], params: list[torch.Tenso
                             for t, v in zip(tensors, ctx.views)], *params)
 
 
+#: ``_LayerWeights.check``'s message under a trace (where a runtime assert carries none).
+_MODIFIED = ("one of the variables needed for gradient computation has been modified by an "
+             "inplace operation: a per-expert weight of the fused grouped MLP (changed in "
+             "place between the forward and the backward)")
+
+
 class _NotFast(Exception):
     """Raised by the fast forward, before any work, for a call the general path must take."""
 
@@ -453,7 +459,15 @@ class _LayerWeights:
 
     def check(self, versions: tuple[int, ...]) -> None:
         """Raise autograd's error for a modified saved tensor when a weight's version moved
-        since the forward (``versions``)."""
+        since the forward (``versions``). Under a trace (compiled autograd traces the
+        backward) each comparison is a ``torch._check``: a runtime assert in the graph, which
+        raises torch's "Runtime assertion failed" ``RuntimeError`` without the weight's name
+        (a Python branch on a traced version would break the graph, an error under
+        ``fullgraph``)."""
+        if tracing():
+            for w, v in zip(self.weights, versions):
+                torch._check(w._version == v, lambda: _MODIFIED)
+            return
         now = tuple(map(_VERSION, self.weights))
         if now == versions:
             return

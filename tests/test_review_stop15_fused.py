@@ -95,6 +95,44 @@ def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
                            [leaf(w) for w in block[2].weights()], None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
+
+def test_compiled_autograd_traces_the_version_check_without_a_graph_break():
+    """Compiled autograd traces the fast path's backward, the per-weight version check
+    included (``_LayerWeights.check``): it must not break the graph (a Python branch on a
+    traced ``_version`` read through ``operator.attrgetter`` did: an error under
+    ``fullgraph``), must not raise over optimizer steps (the versions move every step), and
+    must still raise for an in-place change of a weight with a version counter of its own
+    between the forward and the backward."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _block()
+    fc2 = block[2]
+    fc2.weight5 = torch.nn.Parameter(fc2.weight5.detach().clone())  # a counter of its own
+    block.float()  # packed next to the others again
+    x, probs, split = _inputs()
+    _run(block, x, probs, split)
+    compiler = torch.compile(backend=CompileCounter())
+    opt = torch.optim.SGD(block.parameters(), lr=0.01)
+    for _ in range(3):
+        out = block(x, split, probs, split)
+        assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        with compiled_autograd._enable(compiler):
+            out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    breaks = [k for k in counters["graph_break"] if "attrgetter" in k or "_version" in k]
+    assert not breaks, breaks
+    out = block(x, split, probs, split)
+    with torch.no_grad():
+        fc2.weights()[5].add_(1.0)
+    with pytest.raises(RuntimeError), compiled_autograd._enable(compiler):
+        out.sum().backward()
+    torch._dynamo.reset()
+
 # ------------------------------------------------------------------------------------- CUDA
 CUDA = torch.device("cuda")
 
