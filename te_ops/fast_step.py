@@ -58,7 +58,13 @@ from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
 from .kernels.dgrad_dswiglu_triton import large_dgrad_dswiglu
-from .kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad, stack_weights
+from .kernels.grouped_gemm import (
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    stack_weights,
+    storage_spans,
+)
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
@@ -74,6 +80,7 @@ __all__ = ["FastStep", "record", "fast_step_reason"]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
+_CONTIGUOUS = torch.Tensor.is_contiguous
 _FAST_BACKENDS = ("grouped_mm", "triton")
 #: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
 #: active); without this torch binding the fast path is never taken.
@@ -383,6 +390,12 @@ def _save(ctx: Any, tensors: list[torch.Tensor | None], params: list[torch.Tenso
                             for t, v in zip(tensors, ctx.views)], *params)
 
 
+#: ``_LayerWeights.check``'s message under a trace (where a runtime assert carries none).
+_MODIFIED = ("one of the variables needed for gradient computation has been modified by an "
+             "inplace operation: a per-expert weight of the fused grouped MLP (changed in "
+             "place between the forward and the backward)")
+
+
 class _NotFast(Exception):
     """Raised by the fast forward, before any work, for a call the general path must take."""
 
@@ -394,7 +407,10 @@ class _LayerWeights:
     or ``stack_weights``' free (G, out, in) view of adjacent per-expert weights, or its
     stacked copy), without ``stack_weights``' per-call memo key (2 x G ids hashed) once a call
     found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
-    moves them) and the last weight's shape (the call key holds the first's and the last's).
+    moves them), their contiguity (``weight.data = weight.data.t()`` of a square weight keeps
+    the pointer and the shape, not the strides), weight0's storage span (weights re-allocated
+    one by one may sit at the old addresses in storages of their own) and the last weight's
+    shape (the call key holds the first's and the last's).
 
     ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
     free view: weight0 as the one saved tensor (autograd checks its version counter, which
@@ -419,9 +435,11 @@ class _LayerWeights:
         if self.single:
             return ws[0]
         w0 = ws[0]
+        n = len(ws)
         if (self.ptrs is not None and ws[-1].shape == self.last_shape
-                and list(map(_DATA_PTR, ws)) == self.ptrs):
-            return w0.as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
+                and list(map(_DATA_PTR, ws)) == self.ptrs and all(map(_CONTIGUOUS, ws))
+                and storage_spans(w0, n * w0.numel() * w0.element_size())):
+            return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
         w = stack_weights(list(ws), "weight")  # raises ValueError for odd weights
         self.ptrs = list(map(_DATA_PTR, ws)) if w._is_view() else None
         self.last_shape = ws[-1].shape
@@ -441,7 +459,15 @@ class _LayerWeights:
 
     def check(self, versions: tuple[int, ...]) -> None:
         """Raise autograd's error for a modified saved tensor when a weight's version moved
-        since the forward (``versions``)."""
+        since the forward (``versions``). Under a trace (compiled autograd traces the
+        backward) each comparison is a ``torch._check``: a runtime assert in the graph, which
+        raises torch's "Runtime assertion failed" ``RuntimeError`` without the weight's name
+        (a Python branch on a traced version would break the graph, an error under
+        ``fullgraph``)."""
+        if tracing():
+            for w, v in zip(self.weights, versions):
+                torch._check(w._version == v, lambda: _MODIFIED)
+            return
         now = tuple(map(_VERSION, self.weights))
         if now == versions:
             return

@@ -76,6 +76,7 @@ __all__ = [
     "grouped_mm_host_sync_reason",
     "select_backend",
     "stack_weights",
+    "storage_spans",
     "grouped_fprop",
     "grouped_dgrad",
     "grouped_wgrad",
@@ -376,20 +377,21 @@ def stack_weights(weights: list[torch.Tensor], prefix: str | None = None) -> tor
     step = w0.numel() * w0.element_size()
     if w0.device.type != "meta" and w0.is_contiguous() and not tracing():
         # Checked every call (parameters can be re-pointed), with C-level loops: the host cost
-        # matters at 64-128 experts. The full check (shapes, contiguity) is remembered per
-        # (tensor ids, data pointers, first/last shape); no tensor is kept alive by the memo.
+        # matters at 64-128 experts. The shape check is remembered per (tensor ids, data
+        # pointers, first/last shape; no tensor is kept alive by the memo); contiguity and
+        # weight0's storage span are checked every call (``w.data = w.data.t()`` of a square
+        # weight keeps its data pointer and shape, not its strides; weights re-allocated
+        # one by one can get the old slices' addresses in storages of their own).
         start = w0.data_ptr()
         ptrs = list(map(torch.Tensor.data_ptr, weights))
         key = (tuple(map(id, weights)), w0.dtype, w0.shape, weights[-1].shape)
-        if _STACK_MEMO.get(key) == ptrs or (
-            ptrs == list(range(start, start + n * step, step))
-            and all(map(torch.Tensor.is_contiguous, weights))
-            and {(w.dtype, w.shape) for w in weights} == {(w0.dtype, w0.shape)}
-            and w0.untyped_storage().nbytes()
-            >= w0.storage_offset() * w0.element_size() + n * step
-            and _remember(key, ptrs)
-        ):
+        if (all(map(torch.Tensor.is_contiguous, weights)) and storage_spans(w0, n * step) and (
+            _STACK_MEMO.get(key) == ptrs or (
+                ptrs == list(range(start, start + n * step, step))
+                and {(w.dtype, w.shape) for w in weights} == {(w0.dtype, w0.shape)}
+                and _remember(key, ptrs)))):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
+
     def name(i: int) -> str:
         return f"{prefix}{i}" if prefix else f"weights[{i}]"
 
@@ -407,6 +409,12 @@ def stack_weights(weights: list[torch.Tensor], prefix: str | None = None) -> tor
 
 
 _STACK_MEMO: dict[tuple, list[int]] = {}
+
+
+def storage_spans(w0: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``w0``'s storage holds ``nbytes`` bytes from ``w0``'s first element (the
+    (G, ...) view from it stays inside the storage)."""
+    return w0.untyped_storage().nbytes() >= w0.storage_offset() * w0.element_size() + nbytes
 
 
 def _remember(key: tuple, ptrs: list[int]) -> bool:

@@ -1,0 +1,235 @@
+"""Review of stop 15's merged changes (leaf15: the fast path's per-expert weights; fc1x15: the
+PAIRED fc1 + SwiGLU persistent kernel and its ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` routing;
+dsw15: fc2 dgrad with the dSwiGLU epilogue): one test per defect found, against the
+independent fp64 reference of ``tests/reference.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import grouped_mlp, leaf
+
+import te_ops
+
+H, FF = 16, 8  # fc1's weights (2 FF, H) are square: a transpose keeps their shape
+GROUPS = 8
+
+
+def _block() -> te_ops.Sequential:
+    torch.manual_seed(0)
+    kw = {"single_grouped_weight": False, "bias": False}
+    return te_ops.Sequential(te_ops.GroupedLinear(GROUPS, H, 2 * FF, **kw),
+                             te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(GROUPS, FF, H, **kw))
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(1)
+    sizes = torch.tensor([3, 0, 4, 1, 2, 5, 0, 3])
+    rows = int(sizes.sum())
+    x = torch.randn(rows, H, generator=gen).requires_grad_()
+    probs = torch.rand(rows, generator=gen).requires_grad_()
+    return x, probs, sizes
+
+
+def _run(block, x, probs, split):
+    for t in (x, probs, *block.parameters()):
+        t.grad = None
+    out = block(x, split, probs, split)
+    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+    out.backward(torch.ones_like(out))
+    return out.detach(), fast
+
+
+@pytest.mark.parametrize("fast_step", ["1", "0"])
+@pytest.mark.parametrize("which", [(5,), (0,), tuple(range(GROUPS))])
+def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(
+        monkeypatch, fast_step, which):
+    """``weight.data = weight.data.t()`` (a square weight) keeps the data pointer, the shape
+    and the dtype but not the strides: the stacked (G, N, K) view remembered by data pointers
+    (``_LayerWeights.stacked`` on the fast path, ``stack_weights``' memo on the general path)
+    must not be reused, or the moved weight is read as its old layout (silently wrong)."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
+    block = _block()
+    x, probs, split = _inputs()
+    for _ in range(2):
+        _run(block, x, probs, split)
+    ws = block[0].weights()
+    for g in which:
+        ws[g].data = ws[g].data.t()
+    out, fast = _run(block, x, probs, split)
+    assert fast == (fast_step == "1")
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("fast_step", ["1", "0"])
+def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
+        monkeypatch, fast_step):
+    """Every weight re-pointed to a storage of its own whose data sits at the old slice's
+    address (what the CUDA caching allocator can hand out when weights are re-allocated one
+    by one after the packed buffer was freed; simulated here with ``torch.from_numpy`` of the
+    buffer's slices): the remembered data pointers all match, but weight0's storage no longer
+    spans the G weights, so the (G, N, K) view cannot be taken (``as_strided`` raised
+    "out of bounds for storage") and the weights must be stacked as a copy, with the
+    reference's values."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
+    block = _block()
+    x, probs, split = _inputs()
+    for _ in range(2):
+        _run(block, x, probs, split)
+    ws = block[0].weights()
+    ptrs = [w.data_ptr() for w in ws]
+    numel = ws[0].numel()
+    flat = ws[0].detach().as_strided((GROUPS, numel), (numel, 1)).numpy()
+    apart = [torch.from_numpy(flat[g]).view(ws[g].shape) for g in range(GROUPS)]
+    for w, t in zip(ws, apart):
+        w.data = t
+    assert [w.data_ptr() for w in ws] == ptrs
+    assert ws[0].untyped_storage().nbytes() == numel * ws[0].element_size()
+    out, fast = _run(block, x, probs, split)
+    assert fast == (fast_step == "1")
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_autograd_traces_the_version_check_without_a_graph_break():
+    """Compiled autograd traces the fast path's backward, the per-weight version check
+    included (``_LayerWeights.check``): it must not break the graph (a Python branch on a
+    traced ``_version`` read through ``operator.attrgetter`` did: an error under
+    ``fullgraph``), must not raise over optimizer steps (the versions move every step), and
+    must still raise for an in-place change of a weight with a version counter of its own
+    between the forward and the backward."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _block()
+    fc2 = block[2]
+    fc2.weight5 = torch.nn.Parameter(fc2.weight5.detach().clone())  # a counter of its own
+    block.float()  # packed next to the others again
+    x, probs, split = _inputs()
+    _run(block, x, probs, split)
+    compiler = torch.compile(backend=CompileCounter())
+    opt = torch.optim.SGD(block.parameters(), lr=0.01)
+    for _ in range(3):
+        out = block(x, split, probs, split)
+        assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        with compiled_autograd._enable(compiler):
+            out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    breaks = [k for k in counters["graph_break"] if "attrgetter" in k or "_version" in k]
+    assert not breaks, breaks
+    out = block(x, split, probs, split)
+    with torch.no_grad():
+        fc2.weights()[5].add_(1.0)
+    with pytest.raises(RuntimeError), compiled_autograd._enable(compiler):
+        out.sum().backward()
+    torch._dynamo.reset()
+
+# ------------------------------------------------------------------------------------- CUDA
+CUDA = torch.device("cuda")
+
+
+def _sm90() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("auto runs the persistent Triton kernels on SM90 only")
+
+
+def _cuda_block(scaled: bool = True, hidden: int = 256, ffn: int = 384,
+                recompute: bool = False, single: bool = False) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16,
+          "single_grouped_weight": single}
+    act = (te_ops.ScaledSwiGLU(recompute_input=recompute) if scaled
+           else te_ops.SwiGLU(recompute_input=recompute))
+    return te_ops.Sequential(te_ops.GroupedLinear(8, hidden, 2 * ffn, **kw), act,
+                             te_ops.GroupedLinear(8, ffn, hidden, **kw))
+
+
+#: 490 of 512 rows in 8 groups (64 per group on average: fc1's fprop, fc2's dgrad and the
+#: wgrads in the persistent kernels under auto on SM90 bf16), an empty group, padding rows.
+CUDA_SIZES = [40, 0, 130, 64, 7, 100, 59, 90]
+
+
+def _cuda_inputs(hidden: int = 256):
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    x = torch.randn(512, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    probs = torch.rand(512, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(512, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    return x, torch.tensor(CUDA_SIZES, device=CUDA), probs, dy
+
+
+def _cuda_run(block, x, split, probs, dy):
+    """y, dx, every weight's grad, probs.grad (scaled) and the output node's name."""
+    x = x.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    scaled = isinstance(block[1], te_ops.ScaledSwiGLU)
+    y = block(x, split, probs, split) if scaled else block(x, split, split)
+    y.backward(dy)
+    out = [y.detach().clone(), x.grad.clone(), *[p.grad.clone() for p in block.parameters()]]
+    if scaled:
+        out.append(probs.grad.clone())
+    block.zero_grad(set_to_none=True)
+    return out, type(y.grad_fn).__name__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved_h", "recompute_h"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
+def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scaled, recompute):
+    """``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` (PAIRED fc1 + SwiGLU) and
+    ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` (fc2 dgrad + dSwiGLU) together, general path then fast
+    path, and with ``recompute_input=True`` (the backward re-runs fc1's GEMM in the plain
+    persistent fprop, so its h must be the PAIRED kernel's bit for bit): y, dx, dW1, dW2
+    bitwise the two-launch pairs' (``0`` / ``0``), probs.grad within bf16 rounding."""
+    _sm90()
+    x, split, probs, dy = _cuda_inputs()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
+    want = _cuda_run(_cuda_block(scaled, recompute=recompute), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    block = _cuda_block(scaled, recompute=recompute)
+    runs = [_cuda_run(block, x, split, probs, dy) for _ in range(3)]
+    notes = block.explain()
+    assert "persistent many-rows kernel, large_fc1_swiglu" in notes
+    assert "fc2 dgrad dSwiGLU epilogue: one Triton launch" in notes
+    assert (runs[-1][1] == "_FastGroupedMLPBackward") == (not recompute)
+    n = len(want) - (1 if scaled else 0)
+    for got, _ in runs:
+        assert all(torch.equal(a, b) for a, b in zip(got[:n], want[:n]))
+        if scaled:
+            torch.testing.assert_close(got[-1].float(), want[-1].float(), rtol=1.6e-2,
+                                       atol=1.6e-2 * want[-1].float().abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["first", "all"])
+def test_fast_path_restrided_weights_on_the_persistent_kernels(monkeypatch, which):
+    """The CUDA side of the re-strided weight (``w.data = w.data.t()`` of square fc1 weights,
+    hidden = 2 ffn): the fast path's bound persistent-kernel sites decided their TMA layout
+    on k-contiguous weights, so a remembered (G, N, K) view with the transposed strides must
+    not reach them: outputs against the fp64 reference."""
+    _sm90()
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    block = _cuda_block(hidden=256, ffn=128)
+    x, split, probs, dy = _cuda_inputs(hidden=256)
+    for _ in range(2):
+        _cuda_run(block, x, split, probs, dy)
+    ws = block[0].weights()
+    for g, w in enumerate(ws):
+        if which == "all" or g == 0:
+            w.data = w.data.t()
+    got, node = _cuda_run(block, x, split, probs, dy)
+    assert node == "_FastGroupedMLPBackward"
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(got[0].double(), expected, rtol=1.6e-2,
+                               atol=1.6e-2 * expected.abs().max().item())
