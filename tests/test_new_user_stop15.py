@@ -103,3 +103,15 @@ def test_host_ab_variant_env_bad_value_names_variable_expected_and_got(capsys):
     err = _usage_error(capsys, host_ab.main,
                        ["--variant-env", "TE_OPS_FC2_DSWIGLU_EPILOGUE=yes"])
     assert "TE_OPS_FC2_DSWIGLU_EPILOGUE must be one of ['auto', '0', '1'], got 'yes'" in err
+
+
+def test_planned_explain_says_why_the_epilogues_are_not_used_on_cpu():
+    """``explain(sample inputs)`` (what the main job prints: planned, nothing run) names both
+    epilogues on CPU and why they are not used, as ``explain()`` after a call does."""
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=False))
+    split = torch.tensor([2, 1])
+    text = block.explain(torch.randn(3, 8), split, torch.rand(3), split)
+    for kind in ("fc1 SwiGLU epilogue: not used", "fc2 dgrad dSwiGLU epilogue: not used"):
+        line = next((ln for ln in text.splitlines() if kind in ln), None)
+        assert line is not None and "CUDA only" in line and "on cpu" in line, text

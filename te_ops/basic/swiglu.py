@@ -491,7 +491,13 @@ class SwiGLU(BasicOperation):
     def _backend_notes(self, info) -> list[str]:
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
-            return [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
+            notes = [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
+            if info.device is not None:  # the fused launches of fused/fc1_epilogue.py and
+                # fused/fc2_dgrad_epilogue.py are Triton kernels too
+                why = (f"not used: te_ops' Triton kernels run on CUDA only, this call is on "
+                       f"{where}")
+                notes += [f"fc1 SwiGLU epilogue: {why}", f"fc2 dgrad dSwiGLU epilogue: {why}"]
+            return notes
         if self.glu_interleave_size is not None:
             return ["activation backend: torch (glu_interleave_size is set)"]
         if swiglu_triton.triton is None:
