@@ -115,3 +115,18 @@ def test_planned_explain_says_why_the_epilogues_are_not_used_on_cpu():
     for kind in ("fc1 SwiGLU epilogue: not used", "fc2 dgrad dSwiGLU epilogue: not used"):
         line = next((ln for ln in text.splitlines() if kind in ln), None)
         assert line is not None and "CUDA only" in line and "on cpu" in line, text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rows", "x"], ["--rows", "ints >= 1", "'x'"]),
+    (["--rows", "4,0"], ["--rows", "ints >= 1", "[4, 0]"]),
+    (["--rounds", "0"], ["--rounds", ">= 1", "got 0"]),
+])
+def test_fc1_epilogue_bench_bad_arguments(capsys, argv, words):
+    """``benchmarks/fc1_epilogue.py``: a bad ``--rows`` / ``--rounds`` is a usage error
+    naming the flag before the CUDA check (not a ``ValueError`` traceback, nor accepted)."""
+    import fc1_epilogue
+
+    err = _usage_error(capsys, fc1_epilogue.main, argv)
+    for word in words:
+        assert word in err, err
