@@ -66,14 +66,16 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     mode = env.read("TE_OPS_FC1_SWIGLU_EPILOGUE")
     if mode == "0":
         return "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
+    if device is not None and device.type != "cuda":  # the first reason off CUDA
+        return (f"fc1's fprop does not run in Triton (backend {backend1.name}"
+                f"{not_cuda_note(device)})")
     if recipe is not None:
         return "a recipe (fc1's fprop reads quantized operands)"
     if has_bias:
         return "fc1 has a bias (added between the GEMM and the activation)"
     large = "fprop" in backend1.large_kinds
     if not large and "fprop" not in backend1.triton_kinds:
-        return (f"fc1's fprop does not run in Triton (backend {backend1.name}"
-                f"{not_cuda_note(device)})")
+        return f"fc1's fprop does not run in Triton (backend {backend1.name})"
     if interleave is not None:
         return f"glu_interleave_size={interleave} (the fused kernel takes the halves layout)"
     if backend_act.name != "triton":

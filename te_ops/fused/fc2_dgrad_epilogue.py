@@ -71,14 +71,16 @@ def fc2_dgrad_epilogue_reason(backend2: Any, backend_act: Any, recipe: Any, has_
     mode = env.read("TE_OPS_FC2_DSWIGLU_EPILOGUE")
     if mode == "0":
         return "TE_OPS_FC2_DSWIGLU_EPILOGUE=0"
+    if device is not None and device.type != "cuda":  # the first reason off CUDA
+        return (f"fc2's dgrad does not run in the persistent many-rows Triton kernel (backend "
+                f"{backend2.name}{not_cuda_note(device)})")
     if recipe is not None:
         return "a recipe (fc2's dgrad reads quantized operands)"
     if has_bias:
         return "fc1 or fc2 has a bias (not measured with the fused launch)"
     if "dgrad" not in backend2.large_kinds:
         return (f"fc2's dgrad does not run in the persistent many-rows Triton kernel (backend "
-                f"{backend2.name}, large_kinds {list(backend2.large_kinds)}"
-                f"{not_cuda_note(device)})")
+                f"{backend2.name}, large_kinds {list(backend2.large_kinds)})")
     if interleave is not None:
         return f"glu_interleave_size={interleave} (the fused kernel takes the halves layout)"
     if backend_act is not None and backend_act.name != "triton":
