@@ -662,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
                                       nested=True)
     _check_dswiglu_variants(parser, args.dswiglu_variants)
     _check_sweep_filter(parser, args.sweep_filter)
+    for flag, given in (("--config-override", override), ("--fused-config", fused_override)):
+        if args.sweep and given:
+            parser.error(f"{flag} has no effect with --sweep (the sweep's fastest config is "
+                         f"timed instead), got {flag} {json.dumps(given)} with --sweep")
     if args.summarize:
         print(summarize(args.summarize))
         return 0

@@ -132,3 +132,12 @@ def test_fc1_epilogue_bench_bad_arguments(capsys, argv, words):
     err = _usage_error(capsys, fc1_epilogue.main, argv)
     for word in words:
         assert word in err, err
+
+
+@pytest.mark.parametrize("flag", ["--config-override", "--fused-config"])
+def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, flag):
+    """``--sweep`` times the sweep's fastest config in place of ``--config-override`` /
+    ``--fused-config``: given together, the override would be dropped silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    err = _usage_error(capsys, bench.main, ["--sweep", flag, '{"FLAT": false}'])
+    assert f"{flag} has no effect with --sweep" in err and '{"FLAT": false}' in err, err
