@@ -662,6 +662,11 @@ def main(argv: list[str] | None = None) -> int:
                                       nested=True)
     _check_dswiglu_variants(parser, args.dswiglu_variants)
     _check_sweep_filter(parser, args.sweep_filter)
+    for flag, given, gemm in (("--fused-config", fused_override, "fc1"),
+                              ("--fused-variants", args.fused_variants, "fc1"),
+                              ("--dswiglu-variants", args.dswiglu_variants, "fc2_dswiglu")):
+        if given and gemm not in gemms:
+            parser.error(f"{flag} applies to --gemms {gemm} only, got --gemms {args.gemms!r}")
     for flag, given in (("--config-override", override), ("--fused-config", fused_override)):
         if args.sweep and given:
             parser.error(f"{flag} has no effect with --sweep (the sweep's fastest config is "

@@ -141,3 +141,22 @@ def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, fl
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
     err = _usage_error(capsys, bench.main, ["--sweep", flag, '{"FLAT": false}'])
     assert f"{flag} has no effect with --sweep" in err and '{"FLAT": false}' in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dswiglu-variants", '{"v": {"EPI_SPLIT": 1}}'],
+     ["--dswiglu-variants applies to --gemms fc2_dswiglu only", "fc1,fc2"]),
+    (["--gemms", "fc2", "--fused-variants", '{"v": {"FLAT": false}}'],
+     ["--fused-variants applies to --gemms fc1 only", "'fc2'"]),
+    (["--gemms", "fc1_dgrad", "--fused-config", '{"FLAT": false}'],
+     ["--fused-config applies to --gemms fc1 only", "'fc1_dgrad'"]),
+])
+def test_large_gemm_kernel_flags_without_their_gemm_are_usage_errors(capsys, monkeypatch, argv,
+                                                                      words):
+    """``--dswiglu-variants`` times only under ``--gemms fc2_dswiglu`` (not run by default),
+    ``--fused-config`` / ``--fused-variants`` only under fc1: without that GEMM the flag did
+    nothing, silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    err = _usage_error(capsys, bench.main, argv)
+    for word in words:
+        assert word in err, err
