@@ -160,3 +160,27 @@ def test_large_gemm_kernel_flags_without_their_gemm_are_usage_errors(capsys, mon
     err = _usage_error(capsys, bench.main, argv)
     for word in words:
         assert word in err, err
+
+
+@pytest.mark.parametrize("forward, backward", [("0", "0"), ("1", "0"), ("0", "1")])
+def test_explain_drops_an_earlier_calls_epilogue_decision_when_the_activation_ran_unfused(
+        monkeypatch, forward, backward):
+    """``explain()`` after a call tells what that call ran: after a fused call, a call with
+    the fused forward (or backward) off ran the activation unfused, so the earlier call's
+    epilogue decision for that half (on CUDA possibly "one Triton launch ...") is not shown."""
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=False))
+    split = torch.tensor([2, 1])
+
+    def call():
+        x = torch.randn(3, 8, requires_grad=True)
+        block(x, split, torch.rand(3, requires_grad=True), split).sum().backward()
+        return block.explain()
+
+    text = call()
+    assert "fc1 SwiGLU epilogue" in text and "fc2 dgrad dSwiGLU epilogue" in text
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", forward)
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", backward)
+    text = call()
+    assert ("fc1 SwiGLU epilogue" in text) == (forward == "1"), text
+    assert ("fc2 dgrad dSwiGLU epilogue" in text) == (backward == "1"), text

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from .. import env
+from ..basic.swiglu import FC1_EPILOGUE
 from ..kernels import grouped_mlp_triton
 from ..kernels.grouped_gemm_large_triton import large_fc1_swiglu
 
 __all__ = ["LARGE_AUTO", "fc1_epilogue_reason", "fc1_swiglu_forward"]
 
-_KIND = "fc1 SwiGLU epilogue"
+_KIND = FC1_EPILOGUE
 
 #: Whether ``auto`` takes the persistent kernel's fused launch (``large_fc1_swiglu``) where fc1's
 #: fprop runs in the persistent kernel. Off: it measured 0.97-0.99x ``large_fprop`` + the Triton

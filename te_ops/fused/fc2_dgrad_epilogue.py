@@ -33,13 +33,14 @@ import torch
 
 from .. import env
 from ..basic.grouped_linear import stacked
+from ..basic.swiglu import FC2_EPILOGUE
 from ..kernels import dgrad_dswiglu_triton
 from ..shapes import as_shape
 from .fc1_epilogue import not_cuda_note
 
 __all__ = ["fc2_dgrad_epilogue_reason", "fc2_dgrad_dswiglu", "AUTO_MIN_ROWS_PER_GROUP"]
 
-_KIND = "fc2 dgrad dSwiGLU epilogue"
+_KIND = FC2_EPILOGUE
 
 #: ``TE_OPS_FC2_DSWIGLU_EPILOGUE=auto`` takes the fused launch at this many rows per group on
 #: average or more (padding included; ``float("inf")``: never). Never, for now: measured
