@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, machine_info  # noqa: E402
+from common import append_jsonl, check_min, machine_info  # noqa: E402
 from grouped_mlp import skewed_sizes  # noqa: E402
 
 from te_ops.kernels import grouped_gemm_triton as tg  # noqa: E402
@@ -206,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
-    args.rows = [int(r) for r in args.rows.split(",")]
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows must be comma-separated ints >= 1, got {args.rows!r}")
+    if min(args.rows) < 1:
+        parser.error(f"--rows must be comma-separated ints >= 1, got {args.rows}")
+    check_min(parser, "--rounds", args.rounds, 1)
     if not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure", file=sys.stderr)
         return 1

@@ -230,6 +230,24 @@ def profile_host(peer, problem, steps: int, top: int) -> dict:
             "python_calls": sum(s[1] for s in stats.values()) / steps}
 
 
+def variant_env(item: str) -> tuple[str, str]:
+    """``(NAME, value)`` of a ``--variant-env NAME=VALUE``, the value as te_ops reads it
+    (case-insensitive, surrounding spaces ignored, empty: the default; README "Environment
+    variables"). Raises ``ValueError`` naming the variable, the accepted values and the
+    given one."""
+    import te_ops
+
+    name, sep, given = item.partition("=")
+    name = name.strip()
+    if not sep or name not in te_ops.env.ENV_VARS:
+        raise ValueError(f"expected NAME=VALUE with NAME a te_ops variable, got {item!r}")
+    var = te_ops.env.ENV_VARS[name]
+    value = given.strip().lower() or var.default
+    if value not in var.choices:
+        raise ValueError(f"{name} must be one of {list(var.choices)}, got {given!r}")
+    return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make-baseline", nargs=2, metavar=("SRC", "DEST"))
@@ -283,14 +301,10 @@ def main(argv: list[str] | None = None) -> int:
 
     variant_envs = []
     for item in args.variant_env:
-        name, sep, value = item.partition("=")
-        if not sep or name not in te_ops.env.ENV_VARS:
-            parser.error(f"--variant-env: expected NAME=VALUE with NAME a te_ops variable, "
-                         f"got {item!r}")
-        if value not in te_ops.env.ENV_VARS[name].choices:
-            parser.error(f"--variant-env: {name} must be one of "
-                         f"{list(te_ops.env.ENV_VARS[name].choices)}, got {value!r}")
-        variant_envs.append((name, value))
+        try:
+            variant_envs.append(variant_env(item))
+        except ValueError as exc:
+            parser.error(f"--variant-env: {exc}")
     try:
         base = importlib.import_module(args.baseline)
     except ModuleNotFoundError as e:

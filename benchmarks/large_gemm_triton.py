@@ -538,15 +538,17 @@ def _check_configs(parser: argparse.ArgumentParser, override: dict,
             parser.error(f"{flag}: {exc}")
 
 
-def _check_fused_config(parser: argparse.ArgumentParser, change: dict) -> None:
-    """A usage error (before any GPU work) where ``--fused-config`` is not a valid launch
-    config of the fc1 + SwiGLU kernel (``large_config("fc1_swiglu")`` keys and checks)."""
+def _check_fused_config(parser: argparse.ArgumentParser, change: dict,
+                        flag: str = "--fused-config") -> None:
+    """A usage error (before any GPU work) where ``--fused-config`` (or a ``--fused-variants``
+    config over it: ``flag`` names it) is not a valid launch config of the fc1 + SwiGLU
+    kernel (``large_config("fc1_swiglu")`` keys and checks)."""
     from te_ops.kernels import grouped_gemm_large_triton as lg
 
     try:
         lg._resolve("fc1_swiglu", change, 1)
     except ValueError as exc:
-        parser.error(f"--fused-config: {exc}")
+        parser.error(f"{flag}: {exc}")
 
 
 def for_nesting(ttgir: str) -> int:
@@ -654,12 +656,21 @@ def main(argv: list[str] | None = None) -> int:
     _check_fused_config(parser, fused_override)
     args.fused_variants = _json_arg(parser, "--fused-variants", args.fused_variants,
                                     nested=True)
-    for change in args.fused_variants.values():
-        _check_fused_config(parser, {**fused_override, **change})
+    for name, change in args.fused_variants.items():
+        _check_fused_config(parser, {**fused_override, **change}, f"--fused-variants {name!r}")
     args.dswiglu_variants = _json_arg(parser, "--dswiglu-variants", args.dswiglu_variants,
                                       nested=True)
     _check_dswiglu_variants(parser, args.dswiglu_variants)
     _check_sweep_filter(parser, args.sweep_filter)
+    for flag, given, gemm in (("--fused-config", fused_override, "fc1"),
+                              ("--fused-variants", args.fused_variants, "fc1"),
+                              ("--dswiglu-variants", args.dswiglu_variants, "fc2_dswiglu")):
+        if given and gemm not in gemms:
+            parser.error(f"{flag} applies to --gemms {gemm} only, got --gemms {args.gemms!r}")
+    for flag, given in (("--config-override", override), ("--fused-config", fused_override)):
+        if args.sweep and given:
+            parser.error(f"{flag} has no effect with --sweep (the sweep's fastest config is "
+                         f"timed instead), got {flag} {json.dumps(given)} with --sweep")
     if args.summarize:
         print(summarize(args.summarize))
         return 0

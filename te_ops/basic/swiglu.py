@@ -86,6 +86,11 @@ def _block_rows(rows: int, half: int, device: torch.device) -> int:
 #: the C++ dispatcher as before, so AOTAutograd's dispatch-level tracing records the same ops.
 #: Dynamo cannot trace the raw ``silu_backward`` binding (a skipped builtin: a graph break, an
 #: error under ``fullgraph=True``), so a Dynamo trace calls the op object (:func:`_silu_grad`).
+#: ``explain()``'s names of the fused grouped MLP's epilogue decisions, recorded on the
+#: activation op (``fused/fc1_epilogue.py``, ``fused/fc2_dgrad_epilogue.py``).
+FC1_EPILOGUE = "fc1 SwiGLU epilogue"
+FC2_EPILOGUE = "fc2 dgrad dSwiGLU epilogue"
+
 _SILU = torch._C._nn.silu
 _SILU_BACKWARD_OP = torch.ops.aten.silu_backward.grad_input
 _SILU_BACKWARD = getattr(_SILU_BACKWARD_OP, "_op", _SILU_BACKWARD_OP)
@@ -473,6 +478,13 @@ class SwiGLU(BasicOperation):
         must not report an earlier call's decision for it."""
         self.__dict__.get("_dispatch_records", {}).pop("fc1 recompute", None)
 
+    def forget_epilogue(self, kind: str) -> None:
+        """Drop the recorded decision of the fused grouped MLP's epilogue ``kind``
+        (:data:`FC1_EPILOGUE` or :data:`FC2_EPILOGUE`): this call's forward (or backward) ran
+        the activation unfused, and ``explain()`` must not report an earlier fused call's
+        launch for it."""
+        self.__dict__.get("_dispatch_records", {}).pop(kind, None)
+
     def select_backend(self, input_: torch.Tensor) -> ActivationChoice:
         """Choose the SwiGLU kernels for this call, once (saved in the layout, recorded for
         ``explain()``)."""
@@ -491,7 +503,13 @@ class SwiGLU(BasicOperation):
     def _backend_notes(self, info) -> list[str]:
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
-            return [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
+            notes = [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
+            if info.device is not None:  # the fused launches of fused/fc1_epilogue.py and
+                # fused/fc2_dgrad_epilogue.py are Triton kernels too
+                why = (f"not used: te_ops' Triton kernels run on CUDA only, this call is on "
+                       f"{where}")
+                notes += [f"fc1 SwiGLU epilogue: {why}", f"fc2 dgrad dSwiGLU epilogue: {why}"]
+            return notes
         if self.glu_interleave_size is not None:
             return ["activation backend: torch (glu_interleave_size is set)"]
         if swiglu_triton.triton is None:
@@ -513,6 +531,7 @@ class SwiGLU(BasicOperation):
         SwiGLUSaved(input_, probs, backend).save(ctx)
 
     def op_forward(self, ctx, input_, *, recipe=None):
+        self.forget_epilogue(FC1_EPILOGUE)
         self.check_input(input_)
         backend = self.select_backend(input_)
         if ctx.requires_grad:
@@ -520,6 +539,7 @@ class SwiGLU(BasicOperation):
         return swiglu_forward(input_, self.glu_interleave_size, backend=backend)
 
     def op_backward(self, ctx, grad_output):
+        self.forget_epilogue(FC2_EPILOGUE)
         saved = SwiGLUSaved.load(ctx)
         grad_input, _ = swiglu_backward(saved.input(), grad_output, self.glu_interleave_size,
                                         backend=saved.backend)
@@ -554,6 +574,7 @@ class ScaledSwiGLU(SwiGLU):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
         ctx = basic_op_ctxs[0]
         (probs,) = basic_op_extra_inputs[0]
+        self.forget_epilogue(FC1_EPILOGUE)
         self.check_input(input_)
         probs = check_probs(probs, math.prod(input_.shape[:-1]), input_.device,
                             lead_shape=tuple(input_.shape[:-1]))
@@ -564,6 +585,7 @@ class ScaledSwiGLU(SwiGLU):
         return swiglu_forward(input_, self.glu_interleave_size, probs, backend), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        self.forget_epilogue(FC2_EPILOGUE)
         saved = SwiGLUSaved.load(basic_op_ctxs[0])
         grad_input, grad_probs = swiglu_backward(saved.input(), grad_output,
                                                  self.glu_interleave_size, saved.probs,

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from .. import env
+from ..basic.swiglu import FC1_EPILOGUE
 from ..kernels import grouped_mlp_triton
 from ..kernels.grouped_gemm_large_triton import large_fc1_swiglu
 
 __all__ = ["LARGE_AUTO", "fc1_epilogue_reason", "fc1_swiglu_forward"]
 
-_KIND = "fc1 SwiGLU epilogue"
+_KIND = FC1_EPILOGUE
 
 #: Whether ``auto`` takes the persistent kernel's fused launch (``large_fc1_swiglu``) where fc1's
 #: fprop runs in the persistent kernel. Off: it measured 0.97-0.99x ``large_fprop`` + the Triton
@@ -50,15 +51,25 @@ LARGE_AUTO = False
 
 
 def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bool,
-                        interleave: int | None, rows_per_group: float) -> str | None:
+                        interleave: int | None, rows_per_group: float,
+                        device: torch.device | None = None) -> str | None:
     """Why fc1's fprop and the activation forward run as two launches (``None``: one).
 
     ``backend1``: fc1's ``BackendChoice``; ``backend_act``: the activation's
-    ``ActivationChoice``; ``rows_per_group``: the call's rows (padding included) over groups.
+    ``ActivationChoice``; ``rows_per_group``: the call's rows (padding included) over groups;
+    ``device``: the call's device (named in the reason where it is not CUDA).
+
+    Raises
+    ------
+    ValueError
+        ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not one of auto, 0, 1 (names the variable).
     """
     mode = env.read("TE_OPS_FC1_SWIGLU_EPILOGUE")
     if mode == "0":
         return "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
+    if device is not None and device.type != "cuda":  # the first reason off CUDA
+        return (f"fc1's fprop does not run in Triton (backend {backend1.name}"
+                f"{not_cuda_note(device)})")
     if recipe is not None:
         return "a recipe (fc1's fprop reads quantized operands)"
     if has_bias:
@@ -84,6 +95,14 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     return None
 
 
+def not_cuda_note(device: torch.device | None) -> str:
+    """``"; te_ops' Triton kernels run on CUDA only, this call is on cpu"`` for a device that
+    is not CUDA (an empty string else): why a fused Triton launch cannot run there."""
+    if device is None or device.type == "cuda":
+        return ""
+    return f"; te_ops' Triton kernels run on CUDA only, this call is on {device.type}"
+
+
 def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Tensor,
                        splits: Any, backend1: Any, probs: torch.Tensor | None, recipe: Any
                        ) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
@@ -99,7 +118,7 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
     if (recipe is not None or fc1.has_bias or not triton_fprop
             or act.glu_interleave_size is not None):
         why = fc1_epilogue_reason(backend1, None, recipe, fc1.has_bias,
-                                  act.glu_interleave_size, rows_per_group)
+                                  act.glu_interleave_size, rows_per_group, x2d.device)
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
     # The activation's backend for an h of this dtype and device (h is always contiguous).

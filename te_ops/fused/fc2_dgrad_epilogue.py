@@ -33,12 +33,14 @@ import torch
 
 from .. import env
 from ..basic.grouped_linear import stacked
+from ..basic.swiglu import FC2_EPILOGUE
 from ..kernels import dgrad_dswiglu_triton
 from ..shapes import as_shape
+from .fc1_epilogue import not_cuda_note
 
 __all__ = ["fc2_dgrad_epilogue_reason", "fc2_dgrad_dswiglu", "AUTO_MIN_ROWS_PER_GROUP"]
 
-_KIND = "fc2 dgrad dSwiGLU epilogue"
+_KIND = FC2_EPILOGUE
 
 #: ``TE_OPS_FC2_DSWIGLU_EPILOGUE=auto`` takes the fused launch at this many rows per group on
 #: average or more (padding included; ``float("inf")``: never). Never, for now: measured
@@ -52,13 +54,15 @@ AUTO_MIN_ROWS_PER_GROUP: float = float("inf")
 
 
 def fc2_dgrad_epilogue_reason(backend2: Any, backend_act: Any, recipe: Any, has_bias: bool,
-                              interleave: int | None, rows_per_group: float) -> str | None:
+                              interleave: int | None, rows_per_group: float,
+                              device: torch.device | None = None) -> str | None:
     """Why fc2's dgrad and the activation backward run as two launches (``None``: one).
 
     ``backend2``: fc2's ``BackendChoice`` (saved by the forward); ``backend_act``: the
     activation's ``ActivationChoice`` (``None``: not known yet, checked last);
     ``has_bias``: fc1 or fc2 has a bias; ``rows_per_group``: the call's rows (padding
-    included) over groups.
+    included) over groups; ``device``: the call's device (named in the reason where it is not
+    CUDA).
 
     Raises
     ------
@@ -68,6 +72,9 @@ def fc2_dgrad_epilogue_reason(backend2: Any, backend_act: Any, recipe: Any, has_
     mode = env.read("TE_OPS_FC2_DSWIGLU_EPILOGUE")
     if mode == "0":
         return "TE_OPS_FC2_DSWIGLU_EPILOGUE=0"
+    if device is not None and device.type != "cuda":  # the first reason off CUDA
+        return (f"fc2's dgrad does not run in the persistent many-rows Triton kernel (backend "
+                f"{backend2.name}{not_cuda_note(device)})")
     if recipe is not None:
         return "a recipe (fc2's dgrad reads quantized operands)"
     if has_bias:
@@ -104,7 +111,7 @@ def fc2_dgrad_dswiglu(fc1: Any, act: Any, fc2: Any, saved2: Any, saved_act: Any,
     rows_per_group = splits.num_rows / max(splits.num_groups, 1)
     why = fc2_dgrad_epilogue_reason(saved2.backend, saved_act.backend, recipe,
                                     fc1.has_bias or fc2.has_bias, act.glu_interleave_size,
-                                    rows_per_group)
+                                    rows_per_group, dy2d.device)
     if why is not None:
         act.record_dispatch(_KIND, f"not used: {why}")
         return None

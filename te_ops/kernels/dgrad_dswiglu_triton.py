@@ -94,6 +94,7 @@ def _resolve(config: dict | None, groups: int) -> dict[str, int | bool]:
     if unknown:
         raise ValueError(f"config keys must be among {sorted(dswiglu_config())}, got "
                          f"unknown {unknown}")
+    lg.check_config_values(cfg, dswiglu_config())
     if cfg["EPI_SPLIT"] not in (1, 2) or cfg["BLOCK_N"] % (2 * cfg["EPI_SPLIT"]):
         raise ValueError(f"config EPI_SPLIT must be 1 or 2 with BLOCK_N a multiple of "
                          f"2 * EPI_SPLIT, got EPI_SPLIT={cfg['EPI_SPLIT']} "

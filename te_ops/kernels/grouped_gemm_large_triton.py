@@ -166,8 +166,22 @@ def large_config(kind: str) -> dict[str, int | bool]:
 _DEFAULTS: dict[tuple[str, bool], dict[str, int | bool]] = {}
 
 
+def check_config_values(cfg: dict, defaults: dict) -> None:
+    """Raise ``ValueError`` naming the key, the expected and the given value where a launch
+    config value is not of its default's kind: a ``bool`` for the flags (``FLAT``,
+    ``USE_TMA``, ...), an ``int`` >= 1 (not a ``bool``) for the sizes and counts (``BLOCK_*``,
+    ``GROUP_M``, ``num_warps``, ...). Shared by the kernels' ``_resolve`` checks."""
+    for key, value in cfg.items():
+        if isinstance(defaults[key], bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"config {key} must be a bool, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config {key} must be an int >= 1, got {value!r}")
+
+
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
-    """:func:`large_config` of ``kind`` updated by ``config``, checked: ``WARP_SPEC`` needs
+    """:func:`large_config` of ``kind`` updated by ``config``, checked: known keys, values of
+    their defaults' kind (:func:`check_config_values`), ``WARP_SPEC`` needs
     ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
     wgmma's minimum), ``PAIRED`` an even ``BLOCK_N`` of at least 16. ``FLAT`` with more than
     :data:`FLAT_MAX_GROUPS` groups runs the group walk instead (the same tiles and k-steps;
@@ -184,6 +198,7 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
     if unknown:
         raise ValueError(f"config keys must be among {sorted(large_config(kind))}, got "
                          f"unknown {unknown}")
+    check_config_values(cfg, large_config(kind))
     if cfg["FLAT"] and groups > FLAT_MAX_GROUPS:
         cfg["FLAT"] = cfg["WARP_SPEC"] = False
     if cfg["WARP_SPEC"] and not cfg["FLAT"]:

@@ -1,0 +1,186 @@
+"""A new user's checks of the stop-15 features on CPU: the epilogue variables' ``explain()``
+text, the benchmark flags of the fused kernels' launch configs, and ``host_ab.py``'s
+``--variant-env`` values read as te_ops reads the variables."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import te_ops
+from te_ops.kernels import dgrad_dswiglu_triton as D
+from te_ops.kernels import grouped_gemm_large_triton as L
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import host_ab  # noqa: E402
+import large_gemm_triton as bench  # noqa: E402
+
+
+def _usage_error(capsys, fn, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        fn(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["auto", "1"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_explain_names_the_device_where_the_epilogues_cannot_run(monkeypatch, value, bias):
+    """On CPU both epilogues need te_ops' Triton kernels, which run on CUDA only:
+    ``explain()`` says so (not only that the GEMM runs in another backend), also where the
+    variables ask for the epilogues (``1``), and first (the README's quick start has biases:
+    its explain() gave the bias as the reason, which removing does not change on CPU)."""
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", value)
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", value)
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=bias),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=bias))
+    split = torch.tensor([2, 1])
+    x = torch.randn(3, 8, requires_grad=True)
+    block(x, split, torch.rand(3, requires_grad=True), split).sum().backward()
+    text = block.explain()
+    fc1 = next(line for line in text.splitlines() if "fc1 SwiGLU epilogue" in line)
+    fc2 = next(line for line in text.splitlines() if "fc2 dgrad dSwiGLU epilogue" in line)
+    for line in (fc1, fc2):
+        assert "not used" in line and "CUDA only" in line and "on cpu" in line, line
+
+
+@pytest.mark.parametrize("flag, config, words", [
+    ("--fused-config", '{"BLOCK_N": "x"}', ["--fused-config", "BLOCK_N", "int", "'x'"]),
+    ("--fused-config", '{"PAIRED": "yes"}', ["--fused-config", "PAIRED", "bool", "'yes'"]),
+    ("--fused-config", '{"num_warps": 0}', ["--fused-config", "num_warps", ">= 1", "0"]),
+    ("--config-override", '{"BLOCK_M": 64.5}', ["--config-override", "BLOCK_M", "64.5"]),
+    ("--fused-variants", '{"v": {"FOO": 1}}', ["--fused-variants 'v'", "FOO"]),
+    ("--fused-variants", '{"v": {"BLOCK_K": true}}', ["--fused-variants 'v'", "BLOCK_K",
+                                                      "True"]),
+    ("--dswiglu-variants", '{"v": {"num_warps": "x"}}', ["--dswiglu-variants 'v'",
+                                                         "num_warps", "'x'"]),
+    ("--dswiglu-variants", '{"v": {"H_TMA": 2}}', ["--dswiglu-variants 'v'", "H_TMA", "2"]),
+])
+def test_large_gemm_bad_launch_configs_are_usage_errors(capsys, monkeypatch, flag, config,
+                                                        words):
+    """A launch config value of the wrong type or below 1 is a usage error naming the flag
+    (and the variant), the key, what was expected and what was given, not a ``TypeError``
+    from the checks or a failure deep in Triton; a bad ``--fused-variants`` config names
+    ``--fused-variants``, not ``--fused-config``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    err = _usage_error(capsys, bench.main, ["--gemms", "fc1,fc2_dswiglu", flag, config])
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize("resolve, key, value", [
+    (lambda c: L._resolve("fprop", c, 4), "BLOCK_N", "256"),
+    (lambda c: L._resolve("fc1_swiglu", c, 4), "USE_TMA", 1.0),
+    (lambda c: L._resolve("dgrad", c, 4), "GROUP_M", -8),
+    (lambda c: D._resolve(c, 4), "PROGRAMS_PER_SM", True),
+    (lambda c: D._resolve(c, 4), "FLAT", "no"),
+])
+def test_kernel_config_value_errors_name_key_expected_and_got(resolve, key, value):
+    with pytest.raises(ValueError, match=f"config {key} must be .*got {value!r}"):
+        resolve({key: value})
+
+
+def test_kernel_configs_keep_accepting_their_defaults_and_sweeps():
+    for kind in ("fprop", "dgrad", "fc1_swiglu"):
+        assert L._resolve(kind, dict(L.large_config(kind)), 4) == L.large_config(kind)
+    assert D._resolve(dict(D.dswiglu_config()), 4) == D.dswiglu_config()
+    for cfg in bench.SWEEP:
+        L._resolve("fprop", cfg, 4)
+
+
+@pytest.mark.parametrize("given, value", [("AUTO", "auto"), (" 1 ", "1"), ("", "auto")])
+def test_host_ab_variant_env_reads_values_as_te_ops_does(given, value):
+    """``--variant-env``: values case-insensitive, spaces ignored, empty the default (the
+    README's rule for every te_ops variable); the variant is named by the value te_ops
+    reads."""
+    name = "TE_OPS_FC1_SWIGLU_EPILOGUE"
+    assert host_ab.variant_env(f"{name}={given}") == (name, value)
+
+
+def test_host_ab_variant_env_bad_value_names_variable_expected_and_got(capsys):
+    err = _usage_error(capsys, host_ab.main,
+                       ["--variant-env", "TE_OPS_FC2_DSWIGLU_EPILOGUE=yes"])
+    assert "TE_OPS_FC2_DSWIGLU_EPILOGUE must be one of ['auto', '0', '1'], got 'yes'" in err
+
+
+def test_planned_explain_says_why_the_epilogues_are_not_used_on_cpu():
+    """``explain(sample inputs)`` (what the main job prints: planned, nothing run) names both
+    epilogues on CPU and why they are not used, as ``explain()`` after a call does."""
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=False))
+    split = torch.tensor([2, 1])
+    text = block.explain(torch.randn(3, 8), split, torch.rand(3), split)
+    for kind in ("fc1 SwiGLU epilogue: not used", "fc2 dgrad dSwiGLU epilogue: not used"):
+        line = next((ln for ln in text.splitlines() if kind in ln), None)
+        assert line is not None and "CUDA only" in line and "on cpu" in line, text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rows", "x"], ["--rows", "ints >= 1", "'x'"]),
+    (["--rows", "4,0"], ["--rows", "ints >= 1", "[4, 0]"]),
+    (["--rounds", "0"], ["--rounds", ">= 1", "got 0"]),
+])
+def test_fc1_epilogue_bench_bad_arguments(capsys, argv, words):
+    """``benchmarks/fc1_epilogue.py``: a bad ``--rows`` / ``--rounds`` is a usage error
+    naming the flag before the CUDA check (not a ``ValueError`` traceback, nor accepted)."""
+    import fc1_epilogue
+
+    err = _usage_error(capsys, fc1_epilogue.main, argv)
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize("flag", ["--config-override", "--fused-config"])
+def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, flag):
+    """``--sweep`` times the sweep's fastest config in place of ``--config-override`` /
+    ``--fused-config``: given together, the override would be dropped silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    err = _usage_error(capsys, bench.main, ["--sweep", flag, '{"FLAT": false}'])
+    assert f"{flag} has no effect with --sweep" in err and '{"FLAT": false}' in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dswiglu-variants", '{"v": {"EPI_SPLIT": 1}}'],
+     ["--dswiglu-variants applies to --gemms fc2_dswiglu only", "fc1,fc2"]),
+    (["--gemms", "fc2", "--fused-variants", '{"v": {"FLAT": false}}'],
+     ["--fused-variants applies to --gemms fc1 only", "'fc2'"]),
+    (["--gemms", "fc1_dgrad", "--fused-config", '{"FLAT": false}'],
+     ["--fused-config applies to --gemms fc1 only", "'fc1_dgrad'"]),
+])
+def test_large_gemm_kernel_flags_without_their_gemm_are_usage_errors(capsys, monkeypatch, argv,
+                                                                      words):
+    """``--dswiglu-variants`` times only under ``--gemms fc2_dswiglu`` (not run by default),
+    ``--fused-config`` / ``--fused-variants`` only under fc1: without that GEMM the flag did
+    nothing, silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
+    err = _usage_error(capsys, bench.main, argv)
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize("forward, backward", [("0", "0"), ("1", "0"), ("0", "1")])
+def test_explain_drops_an_earlier_calls_epilogue_decision_when_the_activation_ran_unfused(
+        monkeypatch, forward, backward):
+    """``explain()`` after a call tells what that call ran: after a fused call, a call with
+    the fused forward (or backward) off ran the activation unfused, so the earlier call's
+    epilogue decision for that half (on CUDA possibly "one Triton launch ...") is not shown."""
+    block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=False))
+    split = torch.tensor([2, 1])
+
+    def call():
+        x = torch.randn(3, 8, requires_grad=True)
+        block(x, split, torch.rand(3, requires_grad=True), split).sum().backward()
+        return block.explain()
+
+    text = call()
+    assert "fc1 SwiGLU epilogue" in text and "fc2 dgrad dSwiGLU epilogue" in text
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", forward)
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", backward)
+    text = call()
+    assert ("fc1 SwiGLU epilogue" in text) == (forward == "1"), text
+    assert ("fc2 dgrad dSwiGLU epilogue" in text) == (backward == "1"), text
