@@ -80,17 +80,17 @@ def _block_rows(rows: int, half: int, device: torch.device) -> int:
     return max(unit, CPU_BLOCK_ELEMENTS // half // unit * unit)
 
 
+#: ``explain()``'s names of the fused grouped MLP's epilogue decisions, recorded on the
+#: activation op (``fused/fc1_epilogue.py``, ``fused/fc2_dgrad_epilogue.py``).
+FC1_EPILOGUE = "fc1 SwiGLU epilogue"
+FC2_EPILOGUE = "fc2 dgrad dSwiGLU epilogue"
+
 #: The per-block aten ops as direct C bindings: the same kernels as ``torch.ops.aten.silu.out``
 #: / ``silu_backward.grad_input``, whose Python-level op objects cost ~1.5 and ~1 us more per
 #: call (measured on the 2-core CI VM; 32 blocks a pass at the CPU shape). Dispatched through
 #: the C++ dispatcher as before, so AOTAutograd's dispatch-level tracing records the same ops.
 #: Dynamo cannot trace the raw ``silu_backward`` binding (a skipped builtin: a graph break, an
 #: error under ``fullgraph=True``), so a Dynamo trace calls the op object (:func:`_silu_grad`).
-#: ``explain()``'s names of the fused grouped MLP's epilogue decisions, recorded on the
-#: activation op (``fused/fc1_epilogue.py``, ``fused/fc2_dgrad_epilogue.py``).
-FC1_EPILOGUE = "fc1 SwiGLU epilogue"
-FC2_EPILOGUE = "fc2 dgrad dSwiGLU epilogue"
-
 _SILU = torch._C._nn.silu
 _SILU_BACKWARD_OP = torch.ops.aten.silu_backward.grad_input
 _SILU_BACKWARD = getattr(_SILU_BACKWARD_OP, "_op", _SILU_BACKWARD_OP)
