@@ -81,6 +81,8 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
 _CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+_SIZE = torch.Tensor.size
 _FAST_BACKENDS = ("grouped_mm", "triton")
 #: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair (``None`` when none is
 #: active); without this torch binding the fast path is never taken.
@@ -408,9 +410,11 @@ class _LayerWeights:
     stacked copy), without ``stack_weights``' per-call memo key (2 x G ids hashed) once a call
     found the view: then the check is the weights' data pointers (a ``.data`` re-assignment
     moves them), their contiguity (``weight.data = weight.data.t()`` of a square weight keeps
-    the pointer and the shape, not the strides), weight0's storage span (weights re-allocated
-    one by one may sit at the old addresses in storages of their own) and the last weight's
-    shape (the call key holds the first's and the last's).
+    the pointer and the shape, not the strides), their dtypes and shapes (``weight.data =
+    weight.data.view(torch.float16)`` or ``.view(in, out)`` keeps the pointer and the
+    contiguity; ``stack_weights`` then raises as on the general path) and weight0's storage
+    span (weights re-allocated one by one may sit at the old addresses in storages of their
+    own).
 
     ``to_save(w)``: what the forward keeps for the backward. Per-expert weights stacked as a
     free view: weight0 as the one saved tensor (autograd checks its version counter, which
@@ -421,14 +425,15 @@ class _LayerWeights:
     of its own, e.g. re-assigned and packed again, is covered too).
     """
 
-    __slots__ = ("weights", "single", "name", "ptrs", "last_shape")
+    __slots__ = ("weights", "single", "name", "ptrs", "dtypes", "sizes")
 
     def __init__(self, weights: list[torch.Tensor], single: bool, name: str) -> None:
         self.weights = tuple(weights)
         self.single = single
         self.name = name  # "fc1" / "fc2", for the in-place error
         self.ptrs: list[int] | None = None
-        self.last_shape = weights[-1].shape
+        self.dtypes: list[torch.dtype] = []
+        self.sizes: list[torch.Size] = []
 
     def stacked(self) -> torch.Tensor:
         ws = self.weights
@@ -436,13 +441,15 @@ class _LayerWeights:
             return ws[0]
         w0 = ws[0]
         n = len(ws)
-        if (self.ptrs is not None and ws[-1].shape == self.last_shape
-                and list(map(_DATA_PTR, ws)) == self.ptrs and all(map(_CONTIGUOUS, ws))
+        if (self.ptrs is not None and list(map(_DATA_PTR, ws)) == self.ptrs
+                and all(map(_CONTIGUOUS, ws)) and list(map(_DTYPE, ws)) == self.dtypes
+                and list(map(_SIZE, ws)) == self.sizes
                 and storage_spans(w0, n * w0.numel() * w0.element_size())):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
         w = stack_weights(list(ws), "weight")  # raises ValueError for odd weights
         self.ptrs = list(map(_DATA_PTR, ws)) if w._is_view() else None
-        self.last_shape = ws[-1].shape
+        self.dtypes = list(map(_DTYPE, ws))
+        self.sizes = list(map(_SIZE, ws))
         return w
 
     def to_save(self, w: torch.Tensor) -> tuple:

@@ -260,7 +260,7 @@ class GraphedCallable:
         self._arg_map = arg_map
         self._params = params
         self._all_params = tuple(module.parameters())
-        self._param_ptrs = tuple(p.data_ptr() for p in self._all_params)
+        self._param_layouts = tuple(map(_layout, self._all_params))
         self._graphed = graphed
         self.clone_param_grads = clone_param_grads
 
@@ -304,7 +304,9 @@ class GraphedCallable:
 
         The graphs read the parameters' storage captured at the time: in-place updates
         (optimizers, ``load_state_dict``) are seen, replaced tensors (``p.data = ...``, a new
-        ``Parameter``, ``module.to(...)``) are not.
+        ``Parameter``, ``module.to(...)``) are not, nor is ``p.data = p.data.view(dtype or
+        shape)`` at the same address: each parameter's address, dtype, shape and strides are
+        compared with the captured ones.
         """
         current = tuple(self.module.parameters())
         if len(current) != len(self._all_params) or any(
@@ -312,9 +314,10 @@ class GraphedCallable:
         ):
             raise RuntimeError("the module's parameters were replaced since capture; capture "
                                "again with make_graphed_callable")
-        if any(p.data_ptr() != ptr for p, ptr in zip(self._all_params, self._param_ptrs)):
-            raise RuntimeError("a parameter's storage changed since capture (p.data = ... or "
-                               ".to()); capture again with make_graphed_callable")
+        if tuple(map(_layout, self._all_params)) != self._param_layouts:
+            raise RuntimeError("a parameter's storage, dtype, shape or strides changed since "
+                               "capture (p.data = ..., .to() or .view()); capture again with "
+                               "make_graphed_callable")
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """Copy ``inputs`` into the static buffers, replay forward, return the outputs.
@@ -347,6 +350,12 @@ class GraphedCallable:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in self.static_inputs)
         return f"GraphedCallable({type(self.module).__name__}, inputs=[{shapes}])"
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    """What the captured kernels read a parameter through: address, dtype, shape, strides
+    (``p.data = p.data.view(torch.float16)`` keeps the address)."""
+    return p.data_ptr(), p.dtype, p.shape, p.stride()
 
 
 def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch.Tensor], *,

@@ -230,6 +230,15 @@ def test_static_input_buffers_can_be_filled_in_place():
     want = twin(b.x, b.split, b.probs, b.split)
     assert_same("output (static inputs)", y.detach(), want.detach())
     graphed.check_parameters()
+    # Same address, other dtype / shape: the captured kernels would read the bytes as before.
+    w = block[0].weight0
+    for view in (w.data.view(torch.float16), w.data.view(w.shape[1], w.shape[0])):
+        orig = w.data
+        w.data = view
+        with pytest.raises(RuntimeError, match="dtype, shape or strides changed since capture"):
+            graphed.check_parameters()
+        w.data = orig
+    graphed.check_parameters()
 
 
 # ------------------------------------------------------------------------- refusals on GPU

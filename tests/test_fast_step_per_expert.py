@@ -216,3 +216,28 @@ def test_saved_tensors_do_not_grow_with_the_expert_count():
         counts[groups] = len(out.grad_fn.saved_tensors)
         out.sum().backward()
     assert counts[4] == counts[GROUPS] <= 9
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_weight_reinterpreted_in_place_is_refused(monkeypatch, change, flag):
+    """``weight.data = weight.data.view(...)`` of a middle weight keeps its pointer and its
+    contiguity, so the remembered stacked view's pointer check passes: both the fast path
+    and ``stack_weights`` (the general path) compare every weight's dtype and shape too and
+    refuse the block with the weight's name, rather than reading its bytes through weight0's
+    dtype (bf16 read as fp16) or shape."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", flag)
+    kw = {"single_grouped_weight": False, "bias": False, "dtype": torch.bfloat16}
+    block = te_ops.Sequential(te_ops.GroupedLinear(GROUPS, H, 2 * FF, **kw),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(GROUPS, FF, H, **kw))
+    x, probs, split = _inputs()
+    x = x.detach().to(torch.bfloat16).requires_grad_()
+    for _ in range(2):
+        _run(block, x, probs, split)
+    w = block[2].weights()[5]
+    ptr = w.data_ptr()
+    w.data = w.data.view(torch.float16) if change == "dtype" else w.data.view(FF, H)
+    assert w.data_ptr() == ptr and w.is_contiguous()
+    match = "weight5 is torch.float16" if change == "dtype" else r"weight5 has shape \(8, 16\)"
+    with pytest.raises(ValueError, match=match):
+        block(x, split, probs, split)

@@ -43,6 +43,7 @@ the reason.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -377,19 +378,22 @@ def stack_weights(weights: list[torch.Tensor], prefix: str | None = None) -> tor
     step = w0.numel() * w0.element_size()
     if w0.device.type != "meta" and w0.is_contiguous() and not tracing():
         # Checked every call (parameters can be re-pointed), with C-level loops: the host cost
-        # matters at 64-128 experts. The shape check is remembered per (tensor ids, data
-        # pointers, first/last shape; no tensor is kept alive by the memo); contiguity and
-        # weight0's storage span are checked every call (``w.data = w.data.t()`` of a square
-        # weight keeps its data pointer and shape, not its strides; weights re-allocated
-        # one by one can get the old slices' addresses in storages of their own).
+        # matters at 64-128 experts. The memo (per tensor ids; no tensor is kept alive by it)
+        # holds the data pointers, dtypes and shapes of a stack found adjacent and uniform;
+        # all three are compared every call (``w.data = w.data.view(torch.float16)`` or
+        # ``.view(in, out)`` of one weight keeps its pointer), and so are contiguity and
+        # weight0's storage span (``w.data = w.data.t()`` of a square weight keeps its data
+        # pointer and shape, not its strides; weights re-allocated one by one can get the old
+        # slices' addresses in storages of their own).
         start = w0.data_ptr()
         ptrs = list(map(torch.Tensor.data_ptr, weights))
-        key = (tuple(map(id, weights)), w0.dtype, w0.shape, weights[-1].shape)
-        if (all(map(torch.Tensor.is_contiguous, weights)) and storage_spans(w0, n * step) and (
-            _STACK_MEMO.get(key) == ptrs or (
+        meta = list(map(_DTYPE_SHAPE, weights))
+        key = tuple(map(id, weights))
+        if all(map(torch.Tensor.is_contiguous, weights)) and storage_spans(w0, n * step) and (
+            _STACK_MEMO.get(key) == (ptrs, meta) or (
                 ptrs == list(range(start, start + n * step, step))
-                and {(w.dtype, w.shape) for w in weights} == {(w0.dtype, w0.shape)}
-                and _remember(key, ptrs)))):
+                and set(meta) == {(w0.dtype, w0.shape)}
+                and _remember(key, (ptrs, meta)))):
             return w0.as_strided((n, *w0.shape), (w0.numel(), *w0.stride()))
 
     def name(i: int) -> str:
@@ -408,7 +412,8 @@ def stack_weights(weights: list[torch.Tensor], prefix: str | None = None) -> tor
     return torch.stack(weights)
 
 
-_STACK_MEMO: dict[tuple, list[int]] = {}
+_STACK_MEMO: dict[tuple, tuple[list, list]] = {}
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 
 
 def storage_spans(w0: torch.Tensor, nbytes: int) -> bool:
@@ -417,10 +422,10 @@ def storage_spans(w0: torch.Tensor, nbytes: int) -> bool:
     return w0.untyped_storage().nbytes() >= w0.storage_offset() * w0.element_size() + nbytes
 
 
-def _remember(key: tuple, ptrs: list[int]) -> bool:
+def _remember(key: tuple, value: tuple[list, list]) -> bool:
     if len(_STACK_MEMO) >= 256:
         _STACK_MEMO.clear()
-    _STACK_MEMO[key] = ptrs
+    _STACK_MEMO[key] = value
     return True
 
 
