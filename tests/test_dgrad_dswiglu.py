@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
+from block_replay import assert_graph_and_compile_match_eager
 from reference import assert_close
 from sm90_compile import compile_for_sm90
 
@@ -343,50 +344,12 @@ def test_block_with_epilogue_equal_to_two_launches(monkeypatch, scaled):
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     """The block with the epilogue captured in a CUDA graph (replayed with new split sizes)
     and compiled with fullgraph=True: bitwise the eager values; one frame, no graph break."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
     _large_dgrad_env(monkeypatch)
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
     x, split, probs, dy = _inputs()
-    block = _block()
-    _run(block, x, split, probs, dy)  # compile the kernels outside the capture
-    xs = x.detach().clone().requires_grad_(True)
-    ps = probs.detach().clone().requires_grad_(True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = block(xs, split, ps, split)
-        y.backward(dy)
-    assert "fc2 dgrad dSwiGLU epilogue: one Triton launch" in block.explain()
-    new = [100, 0, 30, 64, 70, 10, 159, 50]
-    split.copy_(torch.tensor(new, device=CUDA))
-    graph.replay()
-    got = [y.detach().clone(), xs.grad.clone(), *[p.grad.clone() for p in block.parameters()],
-           ps.grad.clone()]
-    block.zero_grad(set_to_none=True)
-    want = _run(block, x, torch.tensor(new, device=CUDA), probs, dy)[0]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-    def fn(x, s, p):
-        return block(x, s, p, s)
-
-    torch._dynamo.reset()
-    counters.clear()
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
-    with torch._inductor.config.patch(emulate_precision_casts=True):
-        for sizes_ in (SIZES, new):
-            s = torch.tensor(sizes_, device=CUDA)
-            xc = x.detach().clone().requires_grad_(True)
-            pc = probs.detach().clone().requires_grad_(True)
-            yc = compiled(xc, s, pc)
-            yc.backward(dy)
-            got = [yc.detach(), xc.grad, *[p.grad.clone() for p in block.parameters()],
-                   pc.grad]
-            block.zero_grad(set_to_none=True)
-            want = _run(block, x, s, probs, dy)[0]
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
-    assert cnt.frame_count == 1 and not counters["graph_break"]
+    assert_graph_and_compile_match_eager(
+        _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50],
+        "fc2 dgrad dSwiGLU epilogue: one Triton launch")
 
 
 # ------------------------------------------------------------------ CPU: the benchmark record

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
+from block_replay import assert_graph_and_compile_match_eager
 from reference import assert_close
 
 import te_ops
@@ -244,49 +245,10 @@ def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     """The block with the epilogue captured in a CUDA graph (replayed with new split sizes)
     and compiled with fullgraph=True: bitwise the eager values; one frame, no graph break."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     if torch.cuda.get_device_capability()[0] != 9:
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
-    sizes = [0, 1, 12, 0, 3, 2, 0, 10]
-    x, split, probs, dy = _inputs(sizes, 32)
-    block = _block()
-    _run(block, x, split, probs, dy)  # compile the kernels outside the capture
-    xs = x.detach().clone().requires_grad_(True)
-    ps = probs.detach().clone().requires_grad_(True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = block(xs, split, ps, split)
-        y.backward(dy)
-    assert "fc1 SwiGLU epilogue: one Triton launch" in block.explain()
-    new = [10, 0, 2, 3, 0, 12, 1, 0]
-    split.copy_(torch.tensor(new, device=CUDA))
-    graph.replay()
-    got = [y.detach().clone(), xs.grad.clone(), *[p.grad.clone() for p in block.parameters()],
-           ps.grad.clone()]
-    block.zero_grad(set_to_none=True)
-    want = _run(block, x, torch.tensor(new, device=CUDA), probs, dy)[0]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-    def fn(x, s, p):
-        return block(x, s, p, s)
-
-    torch._dynamo.reset()
-    counters.clear()
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
-    with torch._inductor.config.patch(emulate_precision_casts=True):
-        for sizes_ in (sizes, new):
-            s = torch.tensor(sizes_, device=CUDA)
-            xc = x.detach().clone().requires_grad_(True)
-            pc = probs.detach().clone().requires_grad_(True)
-            yc = compiled(xc, s, pc)
-            yc.backward(dy)
-            got = [yc.detach(), xc.grad, *[p.grad.clone() for p in block.parameters()],
-                   pc.grad]
-            block.zero_grad(set_to_none=True)
-            want = _run(block, x, s, probs, dy)[0]
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
-    assert cnt.frame_count == 1 and not counters["graph_break"]
+    x, split, probs, dy = _inputs([0, 1, 12, 0, 3, 2, 0, 10], 32)
+    assert_graph_and_compile_match_eager(_block(), x, split, probs, dy,
+                                         [10, 0, 2, 3, 0, 12, 1, 0],
+                                         "fc1 SwiGLU epilogue: one Triton launch")

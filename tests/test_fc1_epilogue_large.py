@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_replay import assert_graph_and_compile_match_eager, run_block
 
 import te_ops
 from te_ops.fused import fc1_epilogue
@@ -128,15 +129,7 @@ def _inputs(sizes, rows, h=256):
     return x, torch.tensor(sizes, device=CUDA), probs, dy
 
 
-def _run(block, x, split, probs, dy):
-    x = x.detach().clone().requires_grad_(True)
-    probs = probs.detach().clone().requires_grad_(True)
-    y = block(x, split, probs, split)
-    y.backward(dy)
-    out = [y.detach().clone(), x.grad.clone(), probs.grad.clone(),
-           *[p.grad.clone() for p in block.parameters()]]
-    block.zero_grad(set_to_none=True)
-    return out, type(y.grad_fn).__name__
+_run = run_block  # [y, x.grad, probs.grad, *parameter grads], grad_fn name
 
 
 #: 4 groups, 280 of 300 rows (70 per group on average: fprop in the persistent kernel under
@@ -181,46 +174,8 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     """The block with the persistent epilogue captured in a CUDA graph (replayed with new
     split sizes, same rows) and under ``torch.compile(fullgraph=True)`` (one frame, no graph
     break; the op ``te_ops::grouped_fc1_swiglu_large``): bitwise the eager values."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
     _needs_persistent_fprop()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     x, split, probs, dy = _inputs(SIZES, ROWS)
-    block = _block()
-    _run(block, x, split, probs, dy)  # compile the kernels outside the capture
-    xs = x.detach().clone().requires_grad_(True)
-    ps = probs.detach().clone().requires_grad_(True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = block(xs, split, ps, split)
-        y.backward(dy)
-    assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
-    new = [10, 90, 0, 180]
-    split.copy_(torch.tensor(new, device=CUDA))
-    graph.replay()
-    got = [y.detach().clone(), xs.grad.clone(), ps.grad.clone(),
-           *[p.grad.clone() for p in block.parameters()]]
-    block.zero_grad(set_to_none=True)
-    want = _run(block, x, torch.tensor(new, device=CUDA), probs, dy)[0]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-    def fn(x, s, p):
-        return block(x, s, p, s)
-
-    torch._dynamo.reset()
-    counters.clear()
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
-    with torch._inductor.config.patch(emulate_precision_casts=True):
-        for sizes_ in (SIZES, new):
-            s = torch.tensor(sizes_, device=CUDA)
-            xc = x.detach().clone().requires_grad_(True)
-            pc = probs.detach().clone().requires_grad_(True)
-            yc = compiled(xc, s, pc)
-            yc.backward(dy)
-            got = [yc.detach(), xc.grad, pc.grad, *[p.grad.clone() for p in block.parameters()]]
-            block.zero_grad(set_to_none=True)
-            want = _run(block, x, s, probs, dy)[0]
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
-    assert cnt.frame_count == 1 and not counters["graph_break"]
+    assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 90, 0, 180],
+                                         "persistent many-rows kernel, large_fc1_swiglu")

@@ -1,0 +1,71 @@
+"""Shared CUDA check of the epilogue-kernel test files (``test_fc1_epilogue.py``,
+``test_fc1_epilogue_large.py``, ``test_dgrad_dswiglu.py``): a scaled-SwiGLU grouped MLP block
+captured in one CUDA graph (forward + backward, replayed with new split sizes) and compiled
+with ``torch.compile(fullgraph=True)`` gives its eager values bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+
+def run_block(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,
+              dy: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+    """One eager fwd+bwd of ``block(x, split, probs, split)`` on fresh leaf copies of ``x``
+    and ``probs``: ``[y, x.grad, probs.grad, *parameter grads]`` and the output's grad_fn
+    class name (which path ran); the grads are cleared."""
+    x = x.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    y = block(x, split, probs, split)
+    y.backward(dy)
+    out = [y.detach().clone(), x.grad.clone(), probs.grad.clone(),
+           *[p.grad.clone() for p in block.parameters()]]
+    block.zero_grad(set_to_none=True)
+    return out, type(y.grad_fn).__name__
+
+
+def assert_graph_and_compile_match_eager(block, x: torch.Tensor, split: torch.Tensor,
+                                         probs: torch.Tensor, dy: torch.Tensor,
+                                         new_sizes: list[int], explain: str) -> None:
+    """Capture ``block``'s fwd+bwd at ``split`` (a CUDA int tensor, refilled in place),
+    check ``explain`` is in ``block.explain()``, replay at ``new_sizes`` and compare with an
+    eager run; then compile ``block`` (inductor, fullgraph) and compare at the original and
+    the new sizes; one frame, no graph break. Every comparison is ``torch.equal``."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    sizes = split.tolist()
+    run_block(block, x, split, probs, dy)  # compile the kernels outside the capture
+    xs = x.detach().clone().requires_grad_(True)
+    ps = probs.detach().clone().requires_grad_(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = block(xs, split, ps, split)
+        y.backward(dy)
+    assert explain in block.explain()
+    split.copy_(torch.tensor(new_sizes, device=split.device))
+    graph.replay()
+    got = [y.detach().clone(), xs.grad.clone(), ps.grad.clone(),
+           *[p.grad.clone() for p in block.parameters()]]
+    block.zero_grad(set_to_none=True)
+    want = run_block(block, x, torch.tensor(new_sizes, device=split.device), probs, dy)[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "graph replay"
+
+    def fn(x, s, p):
+        return block(x, s, p, s)
+
+    torch._dynamo.reset()
+    counters.clear()
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        for sizes_ in (sizes, new_sizes):
+            s = torch.tensor(sizes_, device=split.device)
+            xc = x.detach().clone().requires_grad_(True)
+            pc = probs.detach().clone().requires_grad_(True)
+            yc = compiled(xc, s, pc)
+            yc.backward(dy)
+            got = [yc.detach(), xc.grad, pc.grad, *[p.grad.clone() for p in block.parameters()]]
+            block.zero_grad(set_to_none=True)
+            want = run_block(block, x, s, probs, dy)[0]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
+    assert cnt.frame_count == 1 and not counters["graph_break"]
