@@ -114,12 +114,7 @@ def sm_count(device: torch.device) -> int:
     ValueError
         ``device`` is not a CUDA device.
     """
-    index = _cuda_index_of(device)
-    count = _SM_COUNTS.get(index)
-    if count is None:
-        _read_properties(index)
-        count = _SM_COUNTS[index]
-    return count
+    return _cached_property(device, _SM_COUNTS)
 
 
 def capability(device: torch.device) -> tuple[int, int]:
@@ -131,12 +126,17 @@ def capability(device: torch.device) -> tuple[int, int]:
     ValueError
         ``device`` is not a CUDA device.
     """
+    return _cached_property(device, _CAPABILITIES)
+
+
+def _cached_property(device: torch.device, table: dict) -> Any:
+    """``table[index of device]``, reading the device's properties on the first ask."""
     index = _cuda_index_of(device)
-    cap = _CAPABILITIES.get(index)
-    if cap is None:
+    value = table.get(index)
+    if value is None:
         _read_properties(index)
-        cap = _CAPABILITIES[index]
-    return cap
+        value = table[index]
+    return value
 
 
 def unsupported_reason(kernel: Any) -> str | None:
