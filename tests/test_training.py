@@ -529,6 +529,33 @@ def test_grouped_wgrad_into_layouts(use_backend, backend, layout):
     assert torch.equal(targets[1], before[1]), "zero-token group changed"
 
 
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_grouped_wgrad_into_refuses_a_re_viewed_middle_target(use_backend, change):
+    """Adjacent targets but one re-viewed at its address (another shape, or another dtype
+    of the same size): no stacked write through target 0's layout; each target is written
+    alone, so the shape mismatch raises and a bf16 target gets its own values."""
+    from te_ops.kernels import select_backend
+    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.splits import make_splits
+
+    use_backend("grouped_mm", "cpu", torch.float32, (H, F))
+    n, k = F, H
+    x, dy = torch.randn(ROWS, k), torch.randn(ROWS, n)
+    splits = make_splits(torch.tensor(SIZES), E, ROWS, x.device)
+    choice = select_backend(x.device, x.dtype, k, n, device_split_sizes=True)
+    dtype = torch.float16 if change == "dtype" else torch.float32
+    targets = list(torch.zeros(E, n, k, dtype=dtype).unbind(0))
+    targets[2] = targets[2].view(k, n) if change == "shape" else targets[2].view(torch.bfloat16)
+    if change == "shape":
+        with pytest.raises(RuntimeError, match="size"):
+            grouped_wgrad_into(targets, x, dy, splits, choice, [True] * E)
+        return
+    grouped_wgrad_into(targets, x, dy, splits, choice, [True] * E)
+    start = sum(SIZES[:2])
+    want = dy[start:start + SIZES[2]].double().t() @ x[start:start + SIZES[2]].double()
+    ref.assert_close(targets[2], want, torch.bfloat16, "re-viewed bf16 target")
+
+
 def test_block_output_is_not_a_view():
     """FSDP2 warns about view outputs (an in-place op on one skips its pre-backward hook)."""
     x, split, probs, _ = batch(0)

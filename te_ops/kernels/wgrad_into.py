@@ -66,9 +66,13 @@ def grouped_mm_out_dtype_reason(device: torch.device, dtype: torch.dtype,
 
 
 def _stacked(targets: list[torch.Tensor]) -> torch.Tensor | None:
-    """The targets as one (G, N, K) view when they are adjacent slices of one buffer."""
+    """The targets as one (G, N, K) view when they are adjacent slices of one buffer with
+    one dtype and shape (a target re-viewed at its address, e.g. ``.view(K, N)``, must not
+    be written through target 0's layout)."""
     t0 = targets[0]
     if t0.device.type == "meta" or not all(t.is_contiguous() for t in targets):
+        return None
+    if {(t.dtype, t.shape) for t in targets} != {(t0.dtype, t0.shape)}:
         return None
     step = t0.numel() * t0.element_size()
     if [t.data_ptr() for t in targets] != [t0.data_ptr() + g * step
