@@ -1,0 +1,273 @@
+"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``), an experiment.
+
+Stop 16 of issue 10: the Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
+each dW tile's fp32 -> bf16 epilogue on the warps that issue the next tile's MMAs (Triton 3.6
+builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.gluon``, Triton
+>= 3.5) states the partitions explicitly (``gl.warp_specialize``); this kernel uses them:
+
+* a loader partition (1 warp, few registers) walks this program's tiles and issues the TMA
+  loads of each row step (``BLOCK_M`` rows of dy and x) into a ring of ``STAGES`` shared-memory
+  slots, each guarded by a "ready" and an "empty" mbarrier;
+* ``CONSUMERS`` consumer partitions (``num_warps`` warps each; the first is the default
+  partition) take the program's tiles in turn (tile ``j`` to consumer ``j % CONSUMERS``), run
+  the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in flight), convert the
+  fp32 accumulator, write it to their own shared-memory tile and start a TMA store, which
+  they wait for only before the next store into that tile. With two consumers the ring's
+  order makes them alternate (ping-pong): consumer 1's first row step is loaded only after
+  consumer 0's tile has passed through the ring, so one consumer's epilogue runs while the
+  other issues MMAs.
+
+Groups and masking: group ``g`` holds rows ``offsets[g-1]:offsets[g]`` (clamped on the
+device to ``0 <= start <= end <= M``; rows past ``offsets[-1]`` are padding and never
+read). When the loader reaches a new group it builds device-side TMA descriptors whose row
+count ends at the group's end, so the tail step's rows past it come in as zeros (neither
+the next group's rows nor NaN padding are read). An empty group loads nothing and stores a
+zero tile. Tiles are taken in the order of ``order`` (groups by decreasing row count, from
+``grouped_wgrad_large_triton.group_order``), k-tile fastest, program ``p`` taking tiles
+``p, p + P, ...``; a tile's row steps run in row order in one accumulator, the same k-steps
+as ``torch._grouped_mm``'s wgrad.
+
+Constraints (:func:`gluon_unsupported_reason`): SM90, bf16 / fp16, x and dy contiguous with
+16-byte-aligned rows and bases, ``N % BLOCK_N == 0`` (the output descriptor is the 2-D
+(G * N, K) view of dW, so a tile must not cross into the next group's rows), Gluon present.
+
+Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
+wgrad (stop 16)"); not dispatched by ``kernels.grouped_gemm`` (see there for why).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_launch import cdiv, sm_count
+
+try:  # Gluon ships with Triton >= 3.5 (experimental API)
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    gluon = None
+    gl = None
+
+__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason"]
+
+
+def gluon_wgrad_config() -> dict[str, int]:
+    """Default launch parameters: ping-pong, two consumer warp groups of 4 warps, each with a
+    128 x 128 fp32 dW tile (128 registers a thread), 64 rows per step, 4 ring stages
+    (4 x 32 KiB) plus two 32 KiB bf16 output tiles; registers per thread: loader 40,
+    consumer worker 232 (``maxnreg`` 168 over the 12 warps of the launch)."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 4, "CONSUMERS": 2,
+            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 4, "maxnreg": 168}
+
+
+def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
+                             config: dict | None = None) -> str | None:
+    """Why :func:`gluon_wgrad` cannot run on x (M, K), dy (M, N) (``None`` when it can)."""
+    if gluon is None:
+        return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if x.device.type != "cuda":
+        return f"Gluon kernels need a CUDA device, got {x.device}"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "the Gluon wgrad is written for SM90 (wgmma, setmaxnreg)"
+    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+        return f"x and dy must both be bf16 or fp16, got {x.dtype} and {dy.dtype}"
+    cfg = {**gluon_wgrad_config(), **(config or {})}
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
+            return f"{name}'s rows or base are not 16-byte aligned (TMA)"
+    if dy.shape[1] % cfg["BLOCK_N"]:
+        return (f"out_features ({dy.shape[1]}) is not a multiple of BLOCK_N "
+                f"({cfg['BLOCK_N']}): a dW tile would cross into the next group")
+    return None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group):
+        """(group, first row, end row, n-tile, k-tile) of tile ``t``; rows clamped to
+        ``0 <= start <= end <= M``."""
+        rank = t // per_group
+        local = t - rank * per_group
+        g = gl.load(order_ptr + rank).to(gl.int32)
+        end = gl.minimum(gl.maximum(gl.load(offs_ptr + g).to(gl.int64), 0), M)
+        start = gl.load(offs_ptr + gl.maximum(g - 1, 0)).to(gl.int64)
+        start = gl.where(g == 0, 0, start)
+        start = gl.minimum(gl.maximum(start, 0), end)
+        return g, start.to(gl.int32), end.to(gl.int32), local // tiles_k, local % tiles_k
+
+    @gluon.jit
+    def _loader(x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N, K,
+                G, P, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):
+        """Worker: TMA loads of every row step of this program's tiles into the ring."""
+        x_layout: gl.constexpr = x_bufs.type.layout
+        dy_layout: gl.constexpr = dy_bufs.type.layout
+        nbytes: gl.constexpr = (BLOCK_M * (BLOCK_N + BLOCK_K)
+                                * x_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_group = gl.cdiv(N, BLOCK_N) * tiles_k
+        s = 0
+        desc_g = -1
+        x_desc = tma.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K], x_layout)
+        dy_desc = tma.make_tensor_descriptor(dy_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                             dy_layout)
+        for t in range(gl.program_id(0), G * per_group, P):
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            if g != desc_g:  # a new group: descriptors that end at its last row
+                desc_g = g
+                base = start.to(gl.int64)
+                rows = gl.maximum(end - start, 1)
+                x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
+                                                    [BLOCK_M, BLOCK_K], x_layout)
+                dy_desc = tma.make_tensor_descriptor(dy_ptr + base * N, [rows, N], [N, 1],
+                                                     [BLOCK_M, BLOCK_N], dy_layout)
+            for kk in range(gl.cdiv(end - start, BLOCK_M)):
+                st = s % STAGES
+                mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), nbytes)
+                tma.async_copy_global_to_shared(dy_desc, [kk * BLOCK_M, pn * BLOCK_N],
+                                                ready.index(st), dy_bufs.index(st))
+                tma.async_copy_global_to_shared(x_desc, [kk * BLOCK_M, pk * BLOCK_K],
+                                                ready.index(st), x_bufs.index(st))
+                s += 1
+
+    @gluon.jit
+    def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, M, N,
+                  K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1],
+            instr_shape=[16, BLOCK_K if BLOCK_K <= 256 else 256, 16])
+        c_smem = c_bufs.index(WHICH)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1], [BLOCK_N, BLOCK_K],
+                                              c_bufs.type.layout)
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_group = gl.cdiv(N, BLOCK_N) * tiles_k
+        s = 0
+        j = 0
+        for t in range(gl.program_id(0), G * per_group, P):
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            steps = gl.cdiv(end - start, BLOCK_M)
+            if j % CONSUMERS == WHICH:
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, acc_layout)
+                for kk in range(steps):
+                    st = s % STAGES
+                    mbarrier.wait(ready.index(st), (s // STAGES) & 1)
+                    acc = warpgroup_mma(dy_bufs.index(st).permute((1, 0)), x_bufs.index(st),
+                                        acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    # the previous step's MMA is done: its slot may be refilled
+                    mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=kk > 0)
+                    s += 1
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=steps > 0)
+                tma.store_wait(0)  # the previous tile's store has left c_smem
+                c_smem.store(acc.to(out_ptr.dtype.element_ty))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [g * N + pn * BLOCK_N,
+                                                           pk * BLOCK_K], c_smem)
+            else:
+                s += steps
+            j += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gluon_wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMERS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """out (G, N, K) = per group g: dy_g^T @ x_g; x (M, K), dy (M, N) contiguous; offs (G,)
+        group ends; order (G,) groups in tile order; P programs."""
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
+        dy_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, BLOCK_K], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                [1], [LOADER_REGS])
+
+
+def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
+
+    Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)``, fp32 accumulation.
+
+    Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
+    cumulative group ends on x's device -> dW (G, N, K) in x's dtype, zeros for an empty
+    group. No host sync (graph-safe): the group order is a device argsort.
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices do not match, or a ``config`` key is unknown.
+    RuntimeError
+        The kernel cannot run here (:func:`gluon_unsupported_reason`).
+    """
+    from .grouped_wgrad_large_triton import _check, group_order
+
+    _check(x, dy, offsets, None)
+    unknown = sorted(set(config or ()) - set(gluon_wgrad_config()))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
+                         f"unknown {unknown}")
+    x, dy, offsets = x.contiguous(), dy.contiguous(), offsets.contiguous()
+    why = gluon_unsupported_reason(x, dy, config)
+    if why is not None:
+        raise RuntimeError(f"the Gluon grouped wgrad cannot run: {why}")
+    m, k = x.shape
+    n = dy.shape[1]
+    groups = offsets.shape[0]
+    out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0 or k == 0 or groups == 0:
+        return out.zero_()
+    cfg = {**gluon_wgrad_config(), **(config or {})}
+    order = group_order(offsets)
+    programs = max(1, min(sm_count(x.device),
+                          groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
+    from .grouped_gemm_large_triton import _ensure_allocator
+
+    _ensure_allocator()  # global scratch for the device-side TMA descriptors
+    _gluon_wgrad_kernel[(programs,)](x, dy, out, offsets, order, m, n, k, groups, programs,
+                                     **cfg)
+    return out
