@@ -75,6 +75,7 @@ def check_cases(variants: dict[str, dict]) -> list[dict[str, Any]]:
         "empty_groups": (1000, 256, 384, [0, 300, 0, 517, 0, 183]),
         "short_offsets_nan_pad": (1200, 384, 256, [129, 64, 1, 300, 250]),
         "ragged": (2053, 512, 640, [700, 3, 1000, 350]),
+        "many_tiles_per_program": (4200, 1024, 1024, [2000, 0, 1500, 596, 1]),
     }
     recs = []
     for name, (m, n, k, sizes) in cases.items():

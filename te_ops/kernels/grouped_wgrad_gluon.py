@@ -12,10 +12,14 @@ builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.glu
   partition) take the program's tiles in turn (tile ``j`` to consumer ``j % CONSUMERS``), run
   the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in flight), convert the
   fp32 accumulator, write it to their own shared-memory tile and start a TMA store, which
-  they wait for only before the next store into that tile. With two consumers the ring's
-  order makes them alternate (ping-pong): consumer 1's first row step is loaded only after
-  consumer 0's tile has passed through the ring, so one consumer's epilogue runs while the
-  other issues MMAs.
+  they wait for only before the next store into that tile. With two consumers their
+  mainloops alternate (ping-pong): a consumer starts a tile's mainloop only after the other
+  has waited for all row steps of its previous tile (the ``turn`` mbarriers), so one
+  consumer's epilogue runs while the other issues MMAs. The turn order is also what keeps
+  the ring's parity waits sound: an mbarrier wait tells only a phase's parity, so a
+  consumer must never wait for a slot more than one phase ahead of it (without the turns,
+  consumer 1 would wait for its first step while consumer 0 is still several ring cycles
+  behind, see a completed phase of the right parity and read consumer 0's data).
 
 Groups and masking: group ``g`` holds rows ``offsets[g-1]:offsets[g]`` (clamped on the
 device to ``0 <= start <= end <= M``; rows past ``offsets[-1]`` are padding and never
@@ -127,6 +131,11 @@ if gluon is not None:
             g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
             if g != desc_g:  # a new group: descriptors that end at its last row
                 desc_g = g
+                # the new descriptors overwrite the old ones in global scratch: first let
+                # the copies in flight (the last min(s, STAGES) steps) finish reading them
+                for i in range(gl.minimum(s, STAGES)):
+                    done = s - 1 - i
+                    mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
                 base = start.to(gl.int64)
                 rows = gl.maximum(end - start, 1)
                 x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
@@ -144,8 +153,8 @@ if gluon is not None:
                 s += 1
 
     @gluon.jit
-    def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, M, N,
-                  K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, turn,
+                  M, N, K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   STAGES: gl.constexpr, WARPS: gl.constexpr):
         """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
@@ -163,6 +172,8 @@ if gluon is not None:
             g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
             steps = gl.cdiv(end - start, BLOCK_M)
             if j % CONSUMERS == WHICH:
+                if CONSUMERS == 2:  # wait for the other consumer's mainloop (module docstring)
+                    mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
                 acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, acc_layout)
                 for kk in range(steps):
                     st = s % STAGES
@@ -173,9 +184,12 @@ if gluon is not None:
                     # the previous step's MMA is done: its slot may be refilled
                     mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=kk > 0)
                     s += 1
+                if CONSUMERS == 2:  # all ready waits done: the other consumer's turn
+                    mbarrier.arrive(turn.index(1 - WHICH))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=steps > 0)
-                tma.store_wait(0)  # the previous tile's store has left c_smem
+                tma.store_wait(0)  # the previous tile's store has left c_smem ...
+                gl.thread_barrier()  # ... for every thread (the issuing one waited)
                 c_smem.store(acc.to(out_ptr.dtype.element_ty))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(out_desc, [g * N + pn * BLOCK_N,
@@ -202,17 +216,20 @@ if gluon is not None:
         c_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, BLOCK_K], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
-                             empty, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             empty, turn, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                              num_warps)),
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
-                             empty, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             empty, turn, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                              num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
@@ -220,7 +237,7 @@ if gluon is not None:
         else:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
-                             empty, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             empty, turn, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                              num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
