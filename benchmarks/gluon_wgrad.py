@@ -6,8 +6,8 @@ For the issue-10 shapes (``large_gemm_triton.SHAPES``; ``--shapes`` may name its
 ``fc2_wgrad``: a (T, FF), dy (T, H) -> (E, H, FF)) with Zipf(1.2) split sizes
 (``grouped_mlp.skewed_sizes``), it times ``grouped_mm`` (``torch._grouped_mm(dy.t(), x,
 offs=offs)``), ``triton`` (``grouped_wgrad_large_triton.large_wgrad``, its default flat
-schedule) and each Gluon config of ``--variants`` (``gluon_NAME``; default: the ping-pong
-default and two others), interleaved round by round with CUDA events
+schedule) and each Gluon config of ``--variants`` (``gluon_NAME``; default: the kernel's
+default and two ping-pong configs), interleaved round by round with CUDA events
 (``large_gemm_triton._time_interleaved``), median of ``--reps`` rounds. A record
 (``bench: "gluon_wgrad"``) has the medians, p10/p90, ``NAME_x_grouped_mm`` and
 ``NAME_x_triton`` (> 1: the Gluon kernel is faster) and checks against ``_grouped_mm``'s
@@ -47,9 +47,10 @@ from large_gemm_triton import (  # noqa: E402
 BENCH = "gluon_wgrad"
 #: Gluon configs timed by default: changes to ``gluon_wgrad_config()``.
 VARIANTS = {
-    "pingpong": {},
-    "pingpong_64x256": {"BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 3},
-    "coop_128x256": {"CONSUMERS": 1, "num_warps": 8, "BLOCK_K": 256, "STAGES": 3},
+    "coop_128x256": {},  # the default: one consumer of 8 warps, 128 x 256 tiles
+    "pingpong": {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4},
+    "pingpong_64x256": {"CONSUMERS": 2, "num_warps": 4, "BLOCK_N": 64, "BLOCK_K": 256,
+                        "STAGES": 3},
 }
 
 

@@ -9,7 +9,8 @@ builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.glu
   loads of each row step (``BLOCK_M`` rows of dy and x) into a ring of ``STAGES`` shared-memory
   slots, each guarded by a "ready" and an "empty" mbarrier;
 * ``CONSUMERS`` consumer partitions (``num_warps`` warps each; the first is the default
-  partition) take the program's tiles in turn (tile ``j`` to consumer ``j % CONSUMERS``), run
+  partition; the default config has one of 8 warps, a 128 x 256 tile over two warp groups,
+  the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j % CONSUMERS``), run
   the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in flight), convert the
   fp32 accumulator, write it to their own shared-memory tile and start a TMA store, which
   they wait for only before the next store into that tile. With two consumers their
@@ -25,7 +26,9 @@ Groups and masking: group ``g`` holds rows ``offsets[g-1]:offsets[g]`` (clamped 
 device to ``0 <= start <= end <= M``; rows past ``offsets[-1]`` are padding and never
 read). When the loader reaches a new group it builds device-side TMA descriptors whose row
 count ends at the group's end, so the tail step's rows past it come in as zeros (neither
-the next group's rows nor NaN padding are read). An empty group loads nothing and stores a
+the next group's rows nor NaN padding are read). The new descriptors overwrite the old
+ones in global scratch, so the loader first waits for the copies still in flight. An empty
+group loads nothing and stores a
 zero tile. Tiles are taken in the order of ``order`` (groups by decreasing row count, from
 ``grouped_wgrad_large_triton.group_order``), k-tile fastest, program ``p`` taking tiles
 ``p, p + P, ...``; a tile's row steps run in row order in one accumulator, the same k-steps
@@ -34,15 +37,21 @@ as ``torch._grouped_mm``'s wgrad.
 Constraints (:func:`gluon_unsupported_reason`): SM90, bf16 / fp16, x and dy contiguous with
 16-byte-aligned rows and bases, ``N % BLOCK_N == 0`` (the output descriptor is the 2-D
 (G * N, K) view of dW, so a tile must not cross into the next group's rows), Gluon present.
+Written against Triton 3.6.0 (the H200's): ``gl.warp_specialize`` there builds the
+partitions on SM90 (``setmaxnreg``, named barriers; ``tests/test_gluon_wgrad.py`` compiles
+it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
-wgrad (stop 16)"); not dispatched by ``kernels.grouped_gemm`` (see there for why).
+wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
+issue-10 wgrads, one run); not dispatched by ``kernels.grouped_gemm`` yet: the op's CUDA
+tests (CUDA graph, ``torch.compile``) have not run on the H200 (the section says why).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .compiled_ops import tracing
 from .triton_launch import cdiv, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
@@ -65,34 +74,41 @@ __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason"]
 
 
 def gluon_wgrad_config() -> dict[str, int]:
-    """Default launch parameters: ping-pong, two consumer warp groups of 4 warps, each with a
-    128 x 128 fp32 dW tile (128 registers a thread), 64 rows per step, 4 ring stages
-    (4 x 32 KiB) plus two 32 KiB bf16 output tiles; registers per thread: loader 40,
-    consumer worker 232 (``maxnreg`` 168 over the 12 warps of the launch)."""
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 4, "CONSUMERS": 2,
-            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 4, "maxnreg": 168}
+    """Default launch parameters (the fastest of the three configs measured, stop 16): one
+    consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
+    tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
+    (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
+    launch, the loader's warp group set to 40 registers (the consumers get 232).
+    ``CONSUMERS=2`` with ``num_warps=4`` is the ping-pong schedule (two warp groups with a
+    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second)."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
+            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 8, "maxnreg": 168}
 
 
 def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
                              config: dict | None = None) -> str | None:
-    """Why :func:`gluon_wgrad` cannot run on x (M, K), dy (M, N) (``None`` when it can)."""
+    """Why :func:`gluon_wgrad` cannot run on x (M, K), dy (M, N) with ``config`` (``None``
+    when it can): the operands' dtype and layout first (TMA: contiguous, 16-byte-aligned rows
+    and bases; a dW tile must not cross a group: ``N % BLOCK_N == 0``), then Gluon, the
+    device and its capability (SM90: wgmma, ``setmaxnreg``)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+        return f"x and dy must both be bf16 or fp16, got {x.dtype} and {dy.dtype}"
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16 or (t.device.type != "meta"
+                                                   and t.data_ptr() % 16):
+            return f"{name}'s rows or base are not 16-byte aligned (TMA)"
+    block_n = {**gluon_wgrad_config(), **(config or {})}["BLOCK_N"]
+    if dy.shape[1] % block_n:
+        return (f"out_features ({dy.shape[1]}) is not a multiple of BLOCK_N ({block_n}): a "
+                "dW tile would cross into the next group's rows of the output")
     if gluon is None:
         return "the installed Triton has no Gluon (triton.experimental.gluon)"
     if x.device.type != "cuda":
         return f"Gluon kernels need a CUDA device, got {x.device}"
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return "the Gluon wgrad is written for SM90 (wgmma, setmaxnreg)"
-    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
-        return f"x and dy must both be bf16 or fp16, got {x.dtype} and {dy.dtype}"
-    cfg = {**gluon_wgrad_config(), **(config or {})}
-    for name, t in (("x", x), ("dy", dy)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-            return f"{name}'s rows or base are not 16-byte aligned (TMA)"
-    if dy.shape[1] % cfg["BLOCK_N"]:
-        return (f"out_features ({dy.shape[1]}) is not a multiple of BLOCK_N "
-                f"({cfg['BLOCK_N']}): a dW tile would cross into the next group")
     return None
 
 
@@ -248,26 +264,55 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
     """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
 
-    Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)``, fp32 accumulation.
+    Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
+    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad (stop 16)"), fp32
+    accumulation.
 
     Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
-    cumulative group ends on x's device -> dW (G, N, K) in x's dtype, zeros for an empty
-    group. No host sync (graph-safe): the group order is a device argsort.
+    cumulative group ends on x's device (rows past ``offsets[-1]`` are padding and never
+    read) -> dW (G, N, K) in x's dtype, zeros for an empty group. No host sync (graph-safe):
+    the group order is a device argsort. ``config`` overrides keys of
+    :func:`gluon_wgrad_config` (benchmarks). Under a ``torch.compile`` trace the call is the
+    op ``te_ops::grouped_wgrad_gluon``.
 
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices do not match, or a ``config`` key is unknown.
+        Shapes, dtypes or devices do not match (the message names the argument), or a
+        ``config`` key is unknown.
     RuntimeError
         The kernel cannot run here (:func:`gluon_unsupported_reason`).
     """
-    from .grouped_wgrad_large_triton import _check, group_order
-
-    _check(x, dy, offsets, None)
+    _check(x, dy, offsets)
     unknown = sorted(set(config or ()) - set(gluon_wgrad_config()))
     if unknown:
         raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
                          f"unknown {unknown}")
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets)
+    return _launch(x, dy, offsets, config)
+
+
+def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
+    """ValueError naming the argument whose shape, dtype or device does not fit."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or (
+            dy.device != x.device):
+        raise ValueError(f"dy must be 2-D ({x.shape[0]}, out_features) {x.dtype} on "
+                         f"{x.device}, got shape {tuple(dy.shape)} {dy.dtype} on {dy.device}")
+    if (offsets.dim() != 1 or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be 1-D int32/int64 (G,) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+
+
+def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+            config: dict | None) -> torch.Tensor:
+    """The kernel launch into a new (G, N, K) tensor (the gate first: RuntimeError)."""
+    from .grouped_gemm_large_triton import _ensure_allocator
+    from .grouped_wgrad_large_triton import group_order
+
     x, dy, offsets = x.contiguous(), dy.contiguous(), offsets.contiguous()
     why = gluon_unsupported_reason(x, dy, config)
     if why is not None:
@@ -282,9 +327,20 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     order = group_order(offsets)
     programs = max(1, min(sm_count(x.device),
                           groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
-    from .grouped_gemm_large_triton import _ensure_allocator
-
     _ensure_allocator()  # global scratch for the device-side TMA descriptors
     _gluon_wgrad_kernel[(programs,)](x, dy, out, offsets, order, m, n, k, groups, programs,
                                      **cfg)
     return out
+
+
+@torch.library.custom_op("te_ops::grouped_wgrad_gluon", mutates_args=())
+def _grouped_wgrad_gluon_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
+                            ) -> torch.Tensor:
+    """:func:`gluon_wgrad` as an op (a ``custom_op``, opaque to Inductor: whether
+    ``triton_op`` / ``wrap_triton`` take a Gluon kernel was not tried)."""
+    return _launch(x, dy, offsets, None)
+
+
+@_grouped_wgrad_gluon_op.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], dy.shape[1], x.shape[1])
