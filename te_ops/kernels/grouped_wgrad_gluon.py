@@ -10,17 +10,17 @@ builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.glu
   slots, each guarded by a "ready" and an "empty" mbarrier;
 * ``CONSUMERS`` consumer partitions (``num_warps`` warps each; the first is the default
   partition; the default config has one of 8 warps, a 128 x 256 tile over two warp groups,
-  the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j % CONSUMERS``), run
-  the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in flight), convert the
-  fp32 accumulator, write it to their own shared-memory tile and start a TMA store, which
-  they wait for only before the next store into that tile. With two consumers their
-  mainloops alternate (ping-pong): a consumer starts a tile's mainloop only after the other
-  has waited for all row steps of its previous tile (the ``turn`` mbarriers), so one
-  consumer's epilogue runs while the other issues MMAs. The turn order is also what keeps
-  the ring's parity waits sound: an mbarrier wait tells only a phase's parity, so a
-  consumer must never wait for a slot more than one phase ahead of it (without the turns,
-  consumer 1 would wait for its first step while consumer 0 is still several ring cycles
-  behind, see a completed phase of the right parity and read consumer 0's data).
+  the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j %
+  CONSUMERS``), run the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in
+  flight), convert the fp32 accumulator, write it to their own shared-memory tile and start
+  a TMA store, which they wait for only before the next store into that tile. With two
+  consumers their mainloops alternate (ping-pong): a consumer starts a tile's mainloop only
+  after the other has waited for all row steps of its previous tile (the ``turn``
+  mbarriers), so one consumer's epilogue runs while the other issues MMAs. The turn order is
+  also what keeps the ring's parity waits sound: an mbarrier wait tells only a phase's
+  parity, so a consumer must never wait for a slot more than one phase ahead of it (without
+  the turns, consumer 1 would wait for its first step while consumer 0 is still several ring
+  cycles behind, see a completed phase of the right parity and read consumer 0's data).
 
 Groups and masking: group ``g`` holds rows ``offsets[g-1]:offsets[g]`` (clamped on the
 device to ``0 <= start <= end <= M``; rows past ``offsets[-1]`` are padding and never
