@@ -139,7 +139,7 @@ if gluon is not None:
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_group = gl.cdiv(N, BLOCK_N) * tiles_k
         s = 0
-        desc_g = -1
+        desc_g = -1  # the first tile builds its group's descriptors; these only seed the loop
         x_desc = tma.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K], x_layout)
         dy_desc = tma.make_tensor_descriptor(dy_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N],
                                              dy_layout)
