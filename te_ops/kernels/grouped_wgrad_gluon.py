@@ -1,0 +1,346 @@
+"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``), an experiment.
+
+Stop 16 of issue 10: the Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
+each dW tile's fp32 -> bf16 epilogue on the warps that issue the next tile's MMAs (Triton 3.6
+builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.gluon``, Triton
+>= 3.5) states the partitions explicitly (``gl.warp_specialize``); this kernel uses them:
+
+* a loader partition (1 warp, few registers) walks this program's tiles and issues the TMA
+  loads of each row step (``BLOCK_M`` rows of dy and x) into a ring of ``STAGES`` shared-memory
+  slots, each guarded by a "ready" and an "empty" mbarrier;
+* ``CONSUMERS`` consumer partitions (``num_warps`` warps each; the first is the default
+  partition; the default config has one of 8 warps, a 128 x 256 tile over two warp groups,
+  the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j %
+  CONSUMERS``), run the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in
+  flight), convert the fp32 accumulator, write it to their own shared-memory tile and start
+  a TMA store, which they wait for only before the next store into that tile. With two
+  consumers their mainloops alternate (ping-pong): a consumer starts a tile's mainloop only
+  after the other has waited for all row steps of its previous tile (the ``turn``
+  mbarriers), so one consumer's epilogue runs while the other issues MMAs. The turn order is
+  also what keeps the ring's parity waits sound: an mbarrier wait tells only a phase's
+  parity, so a consumer must never wait for a slot more than one phase ahead of it (without
+  the turns, consumer 1 would wait for its first step while consumer 0 is still several ring
+  cycles behind, see a completed phase of the right parity and read consumer 0's data).
+
+Groups and masking: group ``g`` holds rows ``offsets[g-1]:offsets[g]`` (clamped on the
+device to ``0 <= start <= end <= M``; rows past ``offsets[-1]`` are padding and never
+read). When the loader reaches a new group it builds device-side TMA descriptors whose row
+count ends at the group's end, so the tail step's rows past it come in as zeros (neither
+the next group's rows nor NaN padding are read). The new descriptors overwrite the old
+ones in global scratch, so the loader first waits for the copies still in flight. An empty
+group loads nothing and stores a
+zero tile. Tiles are taken in the order of ``order`` (groups by decreasing row count, from
+``grouped_wgrad_large_triton.group_order``), k-tile fastest, program ``p`` taking tiles
+``p, p + P, ...``; a tile's row steps run in row order in one accumulator, the same k-steps
+as ``torch._grouped_mm``'s wgrad.
+
+Constraints (:func:`gluon_unsupported_reason`): SM90, bf16 / fp16, x and dy contiguous with
+16-byte-aligned rows and bases, ``N % BLOCK_N == 0`` (the output descriptor is the 2-D
+(G * N, K) view of dW, so a tile must not cross into the next group's rows), Gluon present.
+Written against Triton 3.6.0 (the H200's): ``gl.warp_specialize`` there builds the
+partitions on SM90 (``setmaxnreg``, named barriers; ``tests/test_gluon_wgrad.py`` compiles
+it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
+
+Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
+wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
+issue-10 wgrads, one run); not dispatched by ``kernels.grouped_gemm`` yet: the op's CUDA
+tests (CUDA graph, ``torch.compile``) have not run on the H200 (the section says why).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+from .triton_launch import cdiv, sm_count
+
+try:  # Gluon ships with Triton >= 3.5 (experimental API)
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    gluon = None
+    gl = None
+
+__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason"]
+
+
+def gluon_wgrad_config() -> dict[str, int]:
+    """Default launch parameters (the fastest of the three configs measured, stop 16): one
+    consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
+    tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
+    (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
+    launch, the loader's warp group set to 40 registers (the consumers get 232).
+    ``CONSUMERS=2`` with ``num_warps=4`` is the ping-pong schedule (two warp groups with a
+    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second)."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
+            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 8, "maxnreg": 168}
+
+
+def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
+                             config: dict | None = None) -> str | None:
+    """Why :func:`gluon_wgrad` cannot run on x (M, K), dy (M, N) with ``config`` (``None``
+    when it can): the operands' dtype and layout first (TMA: contiguous, 16-byte-aligned rows
+    and bases; a dW tile must not cross a group: ``N % BLOCK_N == 0``), then Gluon, the
+    device and its capability (SM90: wgmma, ``setmaxnreg``)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+        return f"x and dy must both be bf16 or fp16, got {x.dtype} and {dy.dtype}"
+    for name, t in (("x", x), ("dy", dy)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.stride(0) * t.element_size() % 16 or (t.device.type != "meta"
+                                                   and t.data_ptr() % 16):
+            return f"{name}'s rows or base are not 16-byte aligned (TMA)"
+    block_n = {**gluon_wgrad_config(), **(config or {})}["BLOCK_N"]
+    if dy.shape[1] % block_n:
+        return (f"out_features ({dy.shape[1]}) is not a multiple of BLOCK_N ({block_n}): a "
+                "dW tile would cross into the next group's rows of the output")
+    if gluon is None:
+        return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if x.device.type != "cuda":
+        return f"Gluon kernels need a CUDA device, got {x.device}"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "the Gluon wgrad is written for SM90 (wgmma, setmaxnreg)"
+    return None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group):
+        """(group, first row, end row, n-tile, k-tile) of tile ``t``; rows clamped to
+        ``0 <= start <= end <= M``."""
+        rank = t // per_group
+        local = t - rank * per_group
+        g = gl.load(order_ptr + rank).to(gl.int32)
+        end = gl.minimum(gl.maximum(gl.load(offs_ptr + g).to(gl.int64), 0), M)
+        start = gl.load(offs_ptr + gl.maximum(g - 1, 0)).to(gl.int64)
+        start = gl.where(g == 0, 0, start)
+        start = gl.minimum(gl.maximum(start, 0), end)
+        return g, start.to(gl.int32), end.to(gl.int32), local // tiles_k, local % tiles_k
+
+    @gluon.jit
+    def _loader(x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N, K,
+                G, P, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):
+        """Worker: TMA loads of every row step of this program's tiles into the ring."""
+        x_layout: gl.constexpr = x_bufs.type.layout
+        dy_layout: gl.constexpr = dy_bufs.type.layout
+        nbytes: gl.constexpr = (BLOCK_M * (BLOCK_N + BLOCK_K)
+                                * x_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_group = gl.cdiv(N, BLOCK_N) * tiles_k
+        s = 0
+        desc_g = -1  # the first tile builds its group's descriptors; these only seed the loop
+        x_desc = tma.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K], x_layout)
+        dy_desc = tma.make_tensor_descriptor(dy_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                             dy_layout)
+        for t in range(gl.program_id(0), G * per_group, P):
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            if g != desc_g:  # a new group: descriptors that end at its last row
+                desc_g = g
+                # the new descriptors overwrite the old ones in global scratch: first let
+                # the copies in flight (the last min(s, STAGES) steps) finish reading them
+                for i in range(gl.minimum(s, STAGES)):
+                    done = s - 1 - i
+                    mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
+                base = start.to(gl.int64)
+                rows = gl.maximum(end - start, 1)
+                x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
+                                                    [BLOCK_M, BLOCK_K], x_layout)
+                dy_desc = tma.make_tensor_descriptor(dy_ptr + base * N, [rows, N], [N, 1],
+                                                     [BLOCK_M, BLOCK_N], dy_layout)
+            for kk in range(gl.cdiv(end - start, BLOCK_M)):
+                st = s % STAGES
+                mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), nbytes)
+                tma.async_copy_global_to_shared(dy_desc, [kk * BLOCK_M, pn * BLOCK_N],
+                                                ready.index(st), dy_bufs.index(st))
+                tma.async_copy_global_to_shared(x_desc, [kk * BLOCK_M, pk * BLOCK_K],
+                                                ready.index(st), x_bufs.index(st))
+                s += 1
+
+    @gluon.jit
+    def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, turn,
+                  M, N, K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1],
+            instr_shape=[16, BLOCK_K if BLOCK_K <= 256 else 256, 16])
+        c_smem = c_bufs.index(WHICH)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1], [BLOCK_N, BLOCK_K],
+                                              c_bufs.type.layout)
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_group = gl.cdiv(N, BLOCK_N) * tiles_k
+        s = 0
+        j = 0
+        for t in range(gl.program_id(0), G * per_group, P):
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            steps = gl.cdiv(end - start, BLOCK_M)
+            if j % CONSUMERS == WHICH:
+                if CONSUMERS == 2:  # wait for the other consumer's mainloop (module docstring)
+                    mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, acc_layout)
+                for kk in range(steps):
+                    st = s % STAGES
+                    mbarrier.wait(ready.index(st), (s // STAGES) & 1)
+                    acc = warpgroup_mma(dy_bufs.index(st).permute((1, 0)), x_bufs.index(st),
+                                        acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    # the previous step's MMA is done: its slot may be refilled
+                    mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=kk > 0)
+                    s += 1
+                if CONSUMERS == 2:  # all ready waits done: the other consumer's turn
+                    mbarrier.arrive(turn.index(1 - WHICH))
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=steps > 0)
+                tma.store_wait(0)  # the previous tile's store has left c_smem ...
+                gl.thread_barrier()  # ... for every thread (the issuing one waited)
+                c_smem.store(acc.to(out_ptr.dtype.element_ty))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [g * N + pn * BLOCK_N,
+                                                           pk * BLOCK_K], c_smem)
+            else:
+                s += steps
+            j += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gluon_wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMERS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """out (G, N, K) = per group g: dy_g^T @ x_g; x (M, K), dy (M, N) contiguous; offs (G,)
+        group ends; order (G,) groups in tile order; P programs."""
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
+        dy_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, BLOCK_K], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        fence_async_shared()
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, turn, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, turn, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
+                             empty, turn, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps)),
+                (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                [1], [LOADER_REGS])
+
+
+def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
+
+    Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
+    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad (stop 16)"), fp32
+    accumulation.
+
+    Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
+    cumulative group ends on x's device (rows past ``offsets[-1]`` are padding and never
+    read) -> dW (G, N, K) in x's dtype, zeros for an empty group. No host sync (graph-safe):
+    the group order is a device argsort. ``config`` overrides keys of
+    :func:`gluon_wgrad_config` (benchmarks). Under a ``torch.compile`` trace the call is the
+    op ``te_ops::grouped_wgrad_gluon``.
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices do not match (the message names the argument), or a
+        ``config`` key is unknown.
+    RuntimeError
+        The kernel cannot run here (:func:`gluon_unsupported_reason`).
+    """
+    _check(x, dy, offsets)
+    unknown = sorted(set(config or ()) - set(gluon_wgrad_config()))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
+                         f"unknown {unknown}")
+    if tracing() and config is None:
+        return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets)
+    return _launch(x, dy, offsets, config)
+
+
+def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
+    """ValueError naming the argument whose shape, dtype or device does not fit."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or (
+            dy.device != x.device):
+        raise ValueError(f"dy must be 2-D ({x.shape[0]}, out_features) {x.dtype} on "
+                         f"{x.device}, got shape {tuple(dy.shape)} {dy.dtype} on {dy.device}")
+    if (offsets.dim() != 1 or offsets.device != x.device
+            or offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be 1-D int32/int64 (G,) on {x.device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+
+
+def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+            config: dict | None) -> torch.Tensor:
+    """The kernel launch into a new (G, N, K) tensor (the gate first: RuntimeError)."""
+    from .grouped_gemm_large_triton import _ensure_allocator
+    from .grouped_wgrad_large_triton import group_order
+
+    x, dy, offsets = x.contiguous(), dy.contiguous(), offsets.contiguous()
+    why = gluon_unsupported_reason(x, dy, config)
+    if why is not None:
+        raise RuntimeError(f"the Gluon grouped wgrad cannot run: {why}")
+    m, k = x.shape
+    n = dy.shape[1]
+    groups = offsets.shape[0]
+    out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0 or k == 0 or groups == 0:
+        return out.zero_()
+    cfg = {**gluon_wgrad_config(), **(config or {})}
+    order = group_order(offsets)
+    programs = max(1, min(sm_count(x.device),
+                          groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
+    _ensure_allocator()  # global scratch for the device-side TMA descriptors
+    _gluon_wgrad_kernel[(programs,)](x, dy, out, offsets, order, m, n, k, groups, programs,
+                                     **cfg)
+    return out
+
+
+@torch.library.custom_op("te_ops::grouped_wgrad_gluon", mutates_args=())
+def _grouped_wgrad_gluon_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
+                            ) -> torch.Tensor:
+    """:func:`gluon_wgrad` as an op (a ``custom_op``, opaque to Inductor: whether
+    ``triton_op`` / ``wrap_triton`` take a Gluon kernel was not tried)."""
+    return _launch(x, dy, offsets, None)
+
+
+@_grouped_wgrad_gluon_op.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], dy.shape[1], x.shape[1])
