@@ -98,6 +98,17 @@ ENV_VARS: dict[str, EnvVar] = {
             "the two launches on the H200), 1 wherever it can run, 0 never.",
         ),
         EnvVar(
+            "TE_OPS_GLUON_WGRAD",
+            "auto",
+            ("auto", "0", "1"),
+            "wgrad in the warp-specialized Gluon kernel (te_ops/kernels/grouped_wgrad_gluon.py; "
+            "bitwise torch._grouped_mm's result), where auto dispatch runs (TE_OPS_GROUPED_GEMM_"
+            "BACKEND=auto, SM90, bfloat16) and out_features is a multiple of 128: auto at the "
+            "measured rule (>= 1024 rows per group on average, grouped_wgrad_gluon."
+            "MIN_ROWS_PER_GROUP: 1.04-1.13x torch._grouped_mm on the H200), 1 at any row count, "
+            "0 never.",
+        ),
+        EnvVar(
             "TE_OPS_GRAPH_SAFE",
             "auto",
             ("auto", "0", "1"),

@@ -28,8 +28,11 @@ Backends
     ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
     ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
     issue-10 shapes), and wgrad at ``WGRAD_ROWS_PER_GROUP`` (64-256) rows per group (measured
-    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes, where it stays in
-    ``torch._grouped_mm``). Forced, all three kinds
+    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes). At
+    ``grouped_wgrad_gluon.MIN_ROWS_PER_GROUP`` (1024) rows per group or more, wgrad runs in
+    the warp-specialized Gluon kernel (``kernels/grouped_wgrad_gluon.py``,
+    ``BackendChoice.gluon_kinds``; measured 1.04-1.13x ``torch._grouped_mm`` there;
+    ``TE_OPS_GLUON_WGRAD``). Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
     ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
     into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
@@ -68,6 +71,8 @@ from .grouped_gemm_triton import (
     triton_wgrad,
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
+from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
+from .grouped_wgrad_gluon import gluon_kinds, gluon_unsupported_reason, gluon_wgrad
 from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
@@ -100,6 +105,9 @@ class BackendChoice:
     #: With ``name == "triton"``: the GEMM kinds that run in the persistent many-rows Triton
     #: kernels (``grouped_gemm_large_triton``).
     large_kinds: tuple[str, ...] = ()
+    #: With ``name == "triton"``: the GEMM kinds that run in the warp-specialized Gluon
+    #: kernels (``grouped_wgrad_gluon``: wgrad only).
+    gluon_kinds: tuple[str, ...] = ()
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -201,12 +209,14 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
              and device.type == "cuda" else ())
+    gluon = (gluon_kinds(rows_per_group, out_features, env.read("TE_OPS_GLUON_WGRAD"))
+             if auto else ())
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large)
+           kinds, large, gluon)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds, large)
+                                 forced, graph_safe, kinds, large, gluon)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -223,7 +233,7 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
                     graph_safe: str, kinds: tuple[str, ...] = (),
-                    large: tuple[str, ...] = ()) -> BackendChoice:
+                    large: tuple[str, ...] = (), gluon: tuple[str, ...] = ()) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
@@ -254,13 +264,22 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
     elif reason is None and ((auto_triton is None and kinds)
-                             or (auto_large is None and large)):
+                             or (auto_large is None and large) or gluon):
         # Both rules can hold at once (at 32 rows per group: the few-rows wgrad, the
-        # persistent fprop/dgrad); a kind never runs in both.
-        small = kinds if auto_triton is None else ()
-        big = tuple(k for k in large if k not in small) if auto_large is None else ()
-        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big]
+        # persistent fprop/dgrad); a kind never runs in both. The Gluon wgrad (asked for only
+        # where auto runs on SM90 in bfloat16) comes first.
+        small = tuple(k for k in kinds if k not in gluon) if auto_triton is None else ()
+        big = (tuple(k for k in large if k not in small + gluon) if auto_large is None
+               else ())
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + gluon]
         parts = []
+        if gluon:
+            parts.append(f"{'/'.join(gluon)} in the warp-specialized Gluon kernel (SM90, "
+                         "bfloat16, out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
+                         f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
+                         f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={GLUON_WGRAD_MIN_ROWS_PER_GROUP} "
+                         "rows per group, measured faster than torch._grouped_mm there; a "
+                         "call whose operands are not 16-byte aligned runs torch._grouped_mm)")
         if small:
             parts.append(f"{'/'.join(small)} in Triton (few rows per group, SM90, bfloat16: "
                          "measured faster than torch._grouped_mm there, rule "
@@ -273,7 +292,7 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
-                               triton_kinds=small, large_kinds=big)
+                               triton_kinds=small, large_kinds=big, gluon_kinds=gluon)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
@@ -487,6 +506,10 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
+    if "wgrad" in backend.gluon_kinds:
+        x, dy = x.contiguous(), dy.contiguous()
+        if gluon_unsupported_reason(x, dy) is None:  # else (a misaligned base) _grouped_mm
+            return gluon_wgrad(x, dy, splits.offsets)
     if "wgrad" in backend.triton_kinds:
         return triton_wgrad(x, dy, splits.offsets)
     if "wgrad" in backend.large_kinds:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import cdiv, sm_count
+from .triton_launch import capability, cdiv, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
     import triton
@@ -70,7 +70,33 @@ except ImportError:  # pragma: no cover - depends on the install
     gluon = None
     gl = None
 
-__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason"]
+__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
+           "MIN_ROWS_PER_GROUP"]
+
+#: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
+#: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
+#: ``torch._grouped_mm`` at 1024 and 2048 rows per group (E32 / E8 of issue 10; 1.01-1.14x at
+#: 512, E128, where it stays in ``torch._grouped_mm``; docs/benchmarks.md).
+MIN_ROWS_PER_GROUP = 1024
+
+
+def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "auto"
+                ) -> tuple[str, ...]:
+    """``("wgrad",)`` where the dispatch runs a layer's wgrad in this kernel, else ``()``.
+
+    ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MIN_ROWS_PER_GROUP` rows per group
+    on average or more, ``1`` at any known row count, ``0`` never; always ``()`` when Gluon is
+    missing, the row count is not known (``None``) or ``out_features`` (the wgrad's N) is not
+    a multiple of the tile's ``BLOCK_N`` (:func:`gluon_unsupported_reason`). The caller
+    (``select_backend``) asks only where auto dispatch runs on SM90 in bfloat16.
+    """
+    if mode == "0" or gluon is None or rows_per_group is None:
+        return ()
+    if out_features % gluon_wgrad_config()["BLOCK_N"]:
+        return ()
+    if mode == "auto" and rows_per_group < MIN_ROWS_PER_GROUP:
+        return ()
+    return ("wgrad",)
 
 
 def gluon_wgrad_config() -> dict[str, int]:
@@ -96,8 +122,10 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
     for name, t in (("x", x), ("dy", dy)):
         if not t.is_contiguous():
             return f"{name} is not contiguous"
-        if t.stride(0) * t.element_size() % 16 or (t.device.type != "meta"
-                                                   and t.data_ptr() % 16):
+        # Under a trace (fake tensors: no data pointer) the storage offset is what is known.
+        base = (t.storage_offset() * t.element_size() if t.device.type == "meta" or tracing()
+                else t.data_ptr())
+        if t.stride(0) * t.element_size() % 16 or base % 16:
             return f"{name}'s rows or base are not 16-byte aligned (TMA)"
     block_n = {**gluon_wgrad_config(), **(config or {})}["BLOCK_N"]
     if dy.shape[1] % block_n:
@@ -107,7 +135,7 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
         return "the installed Triton has no Gluon (triton.experimental.gluon)"
     if x.device.type != "cuda":
         return f"Gluon kernels need a CUDA device, got {x.device}"
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
+    if capability(x.device)[0] != 9:
         return "the Gluon wgrad is written for SM90 (wgmma, setmaxnreg)"
     return None
 

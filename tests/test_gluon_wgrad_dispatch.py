@@ -1,0 +1,177 @@
+"""Auto dispatch of the warp-specialized Gluon wgrad (``BackendChoice.gluon_kinds``,
+``TE_OPS_GLUON_WGRAD``; kernel tests: ``tests/test_gluon_wgrad.py``).
+
+CPU (CI): the rule (``grouped_wgrad_gluon.MIN_ROWS_PER_GROUP`` rows per group on average,
+``out_features`` a multiple of the tile's ``BLOCK_N``, the env modes), that it is not read off
+CUDA, the choice's kinds and reason, and the per-call route (operands the kernel cannot take
+run ``torch._grouped_mm``, checked against the fp64 reference). CUDA (SM90): a block at >= 1024
+rows per group takes it (``explain()`` says so), matches the fp64 per-expert reference, gives
+the same bits fused and unfused and with the kernel off (it is bitwise ``torch._grouped_mm``);
+with ``TE_OPS_GLUON_WGRAD=1`` at few rows, CUDA-graph replay and ``torch.compile(fullgraph=
+True)`` of a block equal eager bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import torch
+from block_replay import assert_graph_and_compile_match_eager, run_block
+from reference import assert_close
+
+import te_ops
+from te_ops.kernels import grouped_gemm
+from te_ops.kernels import grouped_wgrad_gluon as gw
+from te_ops.splits import make_splits
+
+CUDA = torch.device("cuda")
+LOW = gw.MIN_ROWS_PER_GROUP
+
+
+@pytest.mark.skipif(gw.gluon is None, reason="no Gluon in the installed Triton")
+def test_rule_rows_features_and_modes():
+    n = gw.gluon_wgrad_config()["BLOCK_N"]
+    assert gw.gluon_kinds(None, n) == ()
+    assert gw.gluon_kinds(LOW - 1, n) == ()
+    assert gw.gluon_kinds(LOW, n) == ("wgrad",) == gw.gluon_kinds(1e6, 4 * n)
+    assert gw.gluon_kinds(LOW, n + 64) == ()  # a dW tile would cross into the next group
+    assert gw.gluon_kinds(1.0, n, "1") == ("wgrad",)
+    assert gw.gluon_kinds(None, n, "1") == ()
+    assert gw.gluon_kinds(1e6, n, "0") == ()
+
+
+def test_rule_without_gluon(monkeypatch):
+    monkeypatch.setattr(gw, "gluon", None)
+    assert gw.gluon_kinds(1e6, 256, "1") == ()
+
+
+def test_not_read_off_cuda_or_when_forced(monkeypatch):
+    """The row rule is asked only where auto dispatch runs (CUDA, SM90, bfloat16)."""
+    seen = []
+    monkeypatch.setattr(grouped_gemm, "gluon_kinds",
+                        lambda *a: seen.append(a) or ("wgrad",))
+    choice = grouped_gemm.select_backend(torch.device("cpu"), torch.bfloat16, 256, 256, True,
+                                         rows_per_group=4096.0)
+    assert seen == [] and choice.gluon_kinds == ()
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
+    grouped_gemm.select_backend(torch.device("meta"), torch.bfloat16, 256, 256, True,
+                                rows_per_group=4096.0)
+    assert seen == []
+
+
+def test_bad_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "yes")
+    monkeypatch.setattr(grouped_gemm, "_measured_on", lambda *a: True)
+    with pytest.raises(ValueError, match="TE_OPS_GLUON_WGRAD"):
+        grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256, 256, True,
+                                    rows_per_group=4096.0)
+
+
+def test_choice_kinds_reason_and_per_call_route(monkeypatch):
+    """A choice with the Gluon wgrad and the persistent fprop/dgrad (the E8 / E32 case): the
+    kinds, a reason naming the rule; wgrad on operands the kernel cannot take (here: CPU
+    tensors) runs torch._grouped_mm, against the fp64 per-group reference."""
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.float32, 16, 256, True, "auto", "auto",
+                                          (), ("fprop", "dgrad"), ("wgrad",))
+    assert choice.name == "triton" and choice.gluon_kinds == ("wgrad",)
+    assert choice.large_kinds == ("fprop", "dgrad") and choice.triton_kinds == ()
+    assert "wgrad in the warp-specialized Gluon kernel" in choice.reason
+    assert f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={LOW}" in choice.reason
+    assert "in torch._grouped_mm" not in choice.reason.split("; ")[-1]
+    sizes = [3, 0, 5]
+    x, dy = torch.randn(10, 16), torch.randn(10, 256)
+    splits = make_splits(torch.tensor(sizes), 3, 10, cpu)
+    want = torch.zeros(3, 256, 16, dtype=torch.float64)
+    start = 0
+    for g, m in enumerate(sizes):
+        want[g] = dy[start:start + m].double().t() @ x[start:start + m].double()
+        start += m
+    assert_close(grouped_gemm.grouped_wgrad(x, dy, splits, choice), want, torch.float32,
+                 "wgrad")
+
+
+def test_gluon_takes_wgrad_from_the_other_families(monkeypatch):
+    """``TE_OPS_GLUON_WGRAD=1`` at 128 rows per group (the persistent wgrad's window) or at
+    few rows (the few-rows wgrad): the Gluon kernel takes wgrad, the others keep the rest."""
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    both = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 256, True, "auto", "auto",
+                                        ("wgrad",), ("fprop", "dgrad", "wgrad"), ("wgrad",))
+    assert both.gluon_kinds == ("wgrad",) and both.triton_kinds == ()
+    assert both.large_kinds == ("fprop", "dgrad")
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _needs_gluon_sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon wgrad is dispatched on SM90 only")
+    if gw.gluon is None:
+        pytest.skip("no Gluon in the installed Triton")
+
+
+def _block(experts=4, hidden=256, ffn=384, seed=0):
+    torch.manual_seed(seed)
+    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16}
+    return te_ops.Sequential(te_ops.GroupedLinear(experts, hidden, 2 * ffn, **kw),
+                             te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(experts, ffn, hidden, **kw))
+
+
+@pytest.mark.cuda
+def test_block_at_many_rows_takes_it_and_matches_reference(monkeypatch):
+    """4 experts, 4136 rows (1034 per group: one skewed, one empty group, 40 padding rows of
+    NaN): auto runs wgrad in the Gluon kernel; outputs and gradients match the fp64
+    reference; fused == unfused and == the kernel off (torch._grouped_mm), bit for bit."""
+    _needs_gluon_sm90()
+    sizes = [2500, 0, 1200, 396]
+    rows, hidden = 4136, 256
+    x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    x[sum(sizes):] = float("nan")
+    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16)
+    split = torch.tensor(sizes, device=CUDA)
+    dy = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    outs = {}
+    for fusion, mode in (("1", "auto"), ("0", "auto"), ("1", "0")):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        block = _block()
+        outs[fusion, mode] = run_block(block, x, split, probs, dy)[0]
+        assert ("warp-specialized Gluon kernel" in block.explain()) == (mode == "auto")
+    for key in (("0", "auto"), ("1", "0")):
+        for i, (a, b) in enumerate(zip(outs["1", "auto"], outs[key])):
+            assert torch.equal(a, b), f"tensor {i}: {key} differs"
+    total = sum(sizes)
+    y, gx, gp, *gw_ = outs["1", "auto"]
+    block = _block()
+    fc1, _, fc2 = block
+    leaves = {"x": ref.leaf(x[:total].clone()), "probs": ref.leaf(probs[:total].clone())}
+    w1 = [ref.leaf(p) for p in fc1.parameters()]
+    w2 = [ref.leaf(p) for p in fc2.parameters()]
+    h = ref.grouped_linear(leaves["x"], w1, None, sizes)
+    want = ref.grouped_linear(ref.scaled_swiglu(h, leaves["probs"]), w2, None, sizes)
+    assert_close(y[:total], want, torch.bfloat16, "output")
+    want.backward(dy[:total].double())
+    assert_close(gx[:total], leaves["x"].grad, torch.bfloat16, "x.grad")
+    assert_close(gp[:total], leaves["probs"].grad, torch.bfloat16, "probs.grad")
+    for i, leaf in enumerate(w1 + w2):
+        assert_close(gw_[i], leaf.grad, torch.bfloat16, f"weight grad {i}")
+
+
+@pytest.mark.cuda
+def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
+    """``TE_OPS_GLUON_WGRAD=1`` (any row count): the block captured in one CUDA graph and
+    replayed with new split sizes, and compiled with fullgraph=True (the op
+    ``te_ops::grouped_wgrad_gluon``): bitwise the eager values."""
+    _needs_gluon_sm90()
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    rows, hidden = 512, 256
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    probs = torch.rand(rows, device=CUDA, generator=gen)
+    dy = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    split = torch.tensor([200, 0, 180, 100], device=CUDA)
+    assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 300, 0, 170],
+                                         "warp-specialized Gluon kernel")
