@@ -114,9 +114,10 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
          "te_ops_fused_single_graph_noclone", "te_ops_compiled", "torch_grouped_mm_compiled"]
-#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute).
+#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute; the Gluon wgrad off).
 EXTRA_PEERS = ["te_ops_fused_recompute", "te_ops_fused_single_recompute",
-               "te_ops_fused_single_graph_noclone_recompute"]
+               "te_ops_fused_single_graph_noclone_recompute", "te_ops_fused_nogluon",
+               "te_ops_fused_single_nogluon"]
 BASELINE = "torch_grouped_mm"
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
@@ -328,6 +329,17 @@ class TeOpsFusedSingleRecompute(TeOpsFusedSingle):
     recompute = True
 
 
+class TeOpsFusedNoGluon(TeOps):
+    """te_ops fused with the Gluon wgrad off (``TE_OPS_GLUON_WGRAD=0``): its A/B peer."""
+    name = "te_ops_fused_nogluon"
+    env = {"TE_OPS_FUSION": "1", "TE_OPS_GLUON_WGRAD": "0"}
+
+
+class TeOpsFusedSingleNoGluon(TeOpsFusedSingle):
+    name = "te_ops_fused_single_nogluon"
+    env = {"TE_OPS_FUSION": "1", "TE_OPS_GLUON_WGRAD": "0"}
+
+
 class TeOpsFusedSingleGraphNoCloneRecompute(TeOpsFusedSingleGraphNoClone):
     name = "te_ops_fused_single_graph_noclone_recompute"
     recompute = True
@@ -368,7 +380,8 @@ PEER_CLASSES: dict[str, type[Peer]] = {
                               TeOpsFusedSingle, TeOpsFusedSingleGraph,
                               TeOpsFusedSingleGraphNoClone, TeOpsCompiled,
                               TorchGroupedMMCompiled, TeOpsFusedRecompute,
-                              TeOpsFusedSingleRecompute, TeOpsFusedSingleGraphNoCloneRecompute)
+                              TeOpsFusedSingleRecompute, TeOpsFusedSingleGraphNoCloneRecompute,
+                              TeOpsFusedNoGluon, TeOpsFusedSingleNoGluon)
 }
 
 
