@@ -56,7 +56,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "alignment allow it (with te_ops' Triton GEMMs on SM90 in bf16 where measured "
             "faster: the few-rows kernels for fprop <= 8, dgrad <= 4, wgrad <= 32 rows per "
             "group on average, the persistent kernels for fprop and dgrad at >= 32 and for "
-            "wgrad at 64-256), else a "
+            "wgrad at 64-256, the Gluon wgrad at >= 1024: TE_OPS_GLUON_WGRAD), else a "
             "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
             "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
             "GEMMs under a recipe stay "
