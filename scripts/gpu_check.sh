@@ -36,6 +36,8 @@
 #     large_gemm  benchmarks/large_gemm_triton.py: each persistent Triton GEMM (fprop, dgrad,
 #                 wgrad of fc1 / fc2) vs torch._grouped_mm on the three large shapes, the
 #                 dispatch rule MIN_ROWS_PER_GROUP -> "$OUT/large_gemm.jsonl"
+#     gluon_wgrad benchmarks/gluon_wgrad.py --check: the Gluon wgrad's correctness cases, then
+#                 its time vs torch._grouped_mm and the Triton wgrad -> "$OUT/gluon_wgrad.jsonl"
 #     profile_graph  benchmarks/profile_graph_e64.py: every kernel of one replay of the graphed
 #                 E64 step, gaps between them, GEMM / other sums -> "$OUT/profile_graph.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
@@ -79,7 +81,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm profile_graph gaps gaps_mid host_costs host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad profile_graph gaps gaps_mid host_costs host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -195,6 +197,11 @@ bench_lane() {
     # shellcheck disable=SC2086
     step large_gemm 150 "$PY" benchmarks/large_gemm_triton.py --out "$OUT/large_gemm.jsonl" \
         ${LARGE_GEMM_ARGS:-}
+    # The warp-specialized Gluon wgrad vs torch._grouped_mm and the Triton flat wgrad on the
+    # three large shapes' wgrads, after its correctness cases (stop 16; dispatched at >= 1024
+    # rows per group).
+    step gluon_wgrad 120 "$PY" benchmarks/gluon_wgrad.py --check --reps 20 \
+        --out "$OUT/gluon_wgrad.jsonl"
     # Every kernel of the graphed E64 step (and the eager peers'), with the gaps between them.
     step profile_graph 60 "$PY" benchmarks/profile_graph_e64.py --out "$OUT/profile_graph.jsonl"
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
