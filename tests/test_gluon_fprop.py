@@ -24,6 +24,15 @@ CUDA = torch.device("cuda")
 
 
 # ----------------------------------------------------------------------------------- CPU
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"config keys must be among .* got unknown \['FLAT'\]"):
+        GG._resolve({"FLAT": True})
+    with pytest.raises(ValueError, match="SPLIT=True needs num_warps=4 .* got num_warps=8"):
+        GG._resolve({"SPLIT": True})
+    with pytest.raises(ValueError, match="num_warps must be 8 .* got 4"):
+        GG._resolve({"num_warps": 4})
+
+
 def test_config_fits_the_register_file():
     cfg = GG.gluon_config()
     warps = cfg["num_warps"] + 4  # the producer and the epilogue share one warpgroup
@@ -56,7 +65,7 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "
              "stride_wg": "i32", "stride_wn": "i32", "stride_wk": "i32"}
 
 
-def _compile_sm90(dgrad: bool):
+def _compile_sm90(dgrad: bool, split: bool = False):
     pytest.importorskip("triton")
     if GG.gluon is None:
         pytest.skip("no triton.experimental.gluon in this Triton")
@@ -64,9 +73,8 @@ def _compile_sm90(dgrad: bool):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = GG.gluon_config()
-    const = {"W_KN": dgrad, "GBLOCK": 8,
-             **{k: v for k, v in cfg.items() if k != "num_warps"}, "num_warps": cfg["num_warps"]}
+    cfg = GG._resolve({"SPLIT": True, "num_warps": 4} if split else None)
+    const = {"W_KN": dgrad, "GBLOCK": 8, **cfg}
     src = GluonASTSource(GG._gluon_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
                          constexprs=const)
     try:
@@ -78,19 +86,21 @@ def _compile_sm90(dgrad: bool):
         raise
 
 
-@pytest.mark.parametrize("dgrad", [False, True])
-def test_compiles_for_sm90_warp_specialized(dgrad):
+@pytest.mark.parametrize("dgrad, split", [(False, False), (True, False), (False, True),
+                                          (True, True)])
+def test_compiles_for_sm90_warp_specialized(dgrad, split):
     """Three partitions: the default (8 consumer warps) raises its registers, the worker
     warpgroup lowers to ``WORKER_REGS``; wgmma m64n256k16 in the consumer, TMA loads with an
     expected byte count of one x tile plus one W tile, masked stores; within 227 KiB of
     shared memory; ptxas fits the function in MAXNREG registers without spills."""
-    kernel = _compile_sm90(dgrad)
+    kernel = _compile_sm90(dgrad, split)
     ptx = kernel.asm["ptx"]
     cfg = GG.gluon_config()
+    regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    assert max(regs) <= 256 and min(regs) >= 24 and cfg["WORKER_REGS"] in regs
     assert re.search(rf"\.maxnreg\s+{GG.MAXNREG}", ptx)
-    assert re.search(rf"\.reqntid\s+{(cfg['num_warps'] + 4) * 32}", ptx)
+    assert re.search(rf"\.reqntid\s+{12 * 32}", ptx)
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['WORKER_REGS']};" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor" in ptx
     nbytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2

@@ -81,7 +81,26 @@ def gluon_config() -> dict[str, int]:
     allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
     and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
-            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48}
+            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
+            "CONSUMER_REGS": 232}
+
+
+def _resolve(config: dict | None) -> dict:
+    """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
+    consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
+    ``num_warps`` 4 (the default partition is the first half)."""
+    cfg = gluon_config()
+    unknown = sorted(set(config or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(cfg)}, got unknown {unknown}")
+    cfg.update(config or {})
+    if cfg["SPLIT"] and cfg["num_warps"] != 4:
+        raise ValueError(f"config SPLIT=True needs num_warps=4 (one warpgroup per consumer "
+                         f"partition), got num_warps={cfg['num_warps']}")
+    if not cfg["SPLIT"] and cfg["num_warps"] != 8:
+        raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
+                         f"SPLIT, got {cfg['num_warps']}")
+    return cfg
 
 
 def gluon_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -178,18 +197,24 @@ if gluon is not None:
     def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
                   G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  WARPS: gl.constexpr):
-        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``."""
+                  WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
+        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``.
+        ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
+        and syncs its warps before each barrier arrival (an arrival is one thread's);
+        ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
+        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the
+        barriers count two arrivals), so the two halves need no common sync."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+        out_buf = c_buf.slice(HALF * ROWS, ROWS)
         it = 0
         t = 0
         for _tile in range(pid, n_tiles, P):
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
             prev = 0
             for k0 in range(0, K, BLOCK_K):
                 s = it % STAGES
@@ -198,19 +223,22 @@ if gluon is not None:
                     b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
                 else:
                     b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=k0 > 0, is_async=True)
+                a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
+                acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                gl.thread_barrier()  # both warpgroups' previous wgmma done
+                if ROWS == BLOCK_M:
+                    gl.thread_barrier()  # both warpgroups' previous wgmma done
                 mbarrier.arrive(empty.index(prev), pred=k0 > 0)
                 prev = s
                 it += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
+            if ROWS == BLOCK_M:
+                gl.thread_barrier()
             mbarrier.arrive(empty.index(prev))
             out = acc.to(c_buf.dtype)
             mbarrier.wait(c_empty, (t & 1) ^ 1)
-            c_buf.store(out)
-            gl.thread_barrier()  # every consumer warp's rows are in c_buf
+            out_buf.store(out)
+            gl.thread_barrier()  # every warp's rows are in c_buf
             mbarrier.arrive(c_ready)
             t += 1
 
@@ -258,7 +286,8 @@ if gluon is not None:
                       W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
-                      WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      SPLIT: gl.constexpr, num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
         output tile and the barriers, then forks the three partitions."""
@@ -289,20 +318,35 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        arrivals: gl.constexpr = 2 if SPLIT else 1  # consumer partitions
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(c_ready, count=1)
+            mbarrier.init(empty.index(i), count=arrivals)
+        mbarrier.init(c_ready, count=arrivals)
         mbarrier.init(c_empty, count=1)
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M,
-                         N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                         num_warps)),
-            (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G,
-                         P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                         BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
-        ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+        if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 0, BLOCK_M // 2)),
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 1, BLOCK_M // 2)),
+                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
+                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+            ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 0, BLOCK_M)),
+                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
+                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+            ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
 def _launch_args(x: torch.Tensor, weights: torch.Tensor, dgrad: bool, cfg: dict
@@ -324,8 +368,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad
     m, k = x.shape
     n = weights.shape[2] if dgrad else weights.shape[1]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    cfg = dict(gluon_config())
-    cfg.update(config or {})
+    cfg = _resolve(config)
     if m == 0 or n == 0:
         return y
     if weights.shape[0] == 0 or k == 0:
