@@ -146,14 +146,18 @@ def _skip_unless_sm90():
         pytest.skip("needs an SM90 GPU")
 
 
+SPLIT = {"SPLIT": True, "num_warps": 4}
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("config", [None, SPLIT])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
-def test_fprop_and_dgrad_against_fp64_reference(dtype, sizes, m, n, k):
+def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
     _skip_unless_sm90()
     x, w, offs = _operands(sizes, m, n, k, dtype)
     total = sum(sizes)
-    y = GG.gluon_fprop(x, w, offs)
+    y = GG.gluon_fprop(x, w, offs, config)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
     if total:
@@ -161,7 +165,7 @@ def test_fprop_and_dgrad_against_fp64_reference(dtype, sizes, m, n, k):
         assert err <= _tol(dtype, k), err
     dy = torch.randn(m, n, device=CUDA).to(dtype)
     dy[total:] = float("nan")
-    dx = GG.gluon_dgrad(dy, w, offs)
+    dx = GG.gluon_dgrad(dy, w, offs, config)
     assert dx.shape == (m, k) and not dx[total:].any()
     if total:
         ref = _reference(dy, w.transpose(1, 2), sizes)
@@ -170,7 +174,8 @@ def test_fprop_and_dgrad_against_fp64_reference(dtype, sizes, m, n, k):
 
 
 @pytest.mark.cuda
-def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel():
+@pytest.mark.parametrize("config", [None, SPLIT])
+def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel(config):
     """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) and ``large_fprop`` /
     ``large_dgrad`` bit for bit (skewed and empty groups, no padding)."""
     _skip_unless_sm90()
@@ -178,11 +183,11 @@ def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel():
 
     sizes = [300, 0, 17, 195, 64, 600]
     x, w, offs = _operands(sizes, sum(sizes), 512, 256)
-    y = GG.gluon_fprop(x, w, offs)
+    y = GG.gluon_fprop(x, w, offs, config)
     assert torch.equal(y, torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
     assert torch.equal(y, L.large_fprop(x, w, offs))
     dy = torch.randn(sum(sizes), 512, device=CUDA).to(torch.bfloat16)
-    dx = GG.gluon_dgrad(dy, w, offs)
+    dx = GG.gluon_dgrad(dy, w, offs, config)
     assert torch.equal(dx, torch._grouped_mm(dy, w, offs=offs))
     assert torch.equal(dx, L.large_dgrad(dy, w, offs))
 
