@@ -490,7 +490,7 @@ def summarize(path: str) -> str:
              f"{'max_diff':>8} {'bits':>5}"]
     for r in read_records(path, BENCH):
         fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
-                 if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
+                 if "fused_ms" in r else f"{'':9} {'':8} {'':5}")
         lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
                      f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
@@ -505,6 +505,10 @@ def summarize(path: str) -> str:
                     name = key[len("fused_"):-len("_vs_triton_swiglu")]
                     lines.append(f"  fused variant {name}: {r[f'fused_{name}_ms']:.3f} ms, "
                                  f"{r[key]:5.3f}x")
+        for name in r.get("gluon_configs", {}):  # --gluon
+            lines.append(f"  {name:20} {r[f'{name}_ms']:8.3f} ms  x {r[f'{name}_x']:5.3f}  "
+                         f"vs triton {r[f'{name}_vs_triton']:5.3f}  bits "
+                         f"{r.get(f'bitwise_equal_{name}')}")
         for name in r.get("variants", {}):
             lines.append(f"  variant {name:12} {r[f'triton_{name}_ms']:8.3f} ms  x "
                          f"{r[f'triton_{name}_x']:5.3f}  vs default "
