@@ -29,7 +29,9 @@ Backends
     ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
     issue-10 shapes), and wgrad at ``WGRAD_ROWS_PER_GROUP`` (64-256) rows per group (measured
     1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes, where it stays in
-    ``torch._grouped_mm``). Forced, all three kinds
+    ``torch._grouped_mm``); of those, the (kind, features, rows per group) that
+    ``grouped_gemm_gluon.GLUON_RULE`` lists (measured shapes only) run in the warp-specialized
+    Gluon kernel (``BackendChoice.gluon_kinds``, same bits). Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
     ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
     into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
@@ -52,6 +54,7 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from .grouped_gemm_gluon import GLUON_RULE, gluon_grouped_gemm, gluon_kinds
 from .grouped_gemm_large_triton import (
     FORCED_MIN_ROWS_PER_GROUP,
     MIN_ROWS_PER_GROUP,
@@ -100,6 +103,9 @@ class BackendChoice:
     #: With ``name == "triton"``: the GEMM kinds that run in the persistent many-rows Triton
     #: kernels (``grouped_gemm_large_triton``).
     large_kinds: tuple[str, ...] = ()
+    #: The kinds of ``large_kinds`` that run in the warp-specialized Gluon kernel instead
+    #: (``grouped_gemm_gluon``: measured shapes only, ``GLUON_RULE``).
+    gluon_kinds: tuple[str, ...] = ()
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -201,12 +207,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
              and device.type == "cuda" else ())
+    gluon = gluon_kinds(in_features, out_features, rows_per_group, large) if auto else ()
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large)
+           kinds, large, gluon)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds, large)
+                                 forced, graph_safe, kinds, large, gluon)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -223,7 +230,7 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
                     graph_safe: str, kinds: tuple[str, ...] = (),
-                    large: tuple[str, ...] = ()) -> BackendChoice:
+                    large: tuple[str, ...] = (), gluon: tuple[str, ...] = ()) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
@@ -270,10 +277,16 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                          "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
                          f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
                          f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP})")
+        in_gluon = tuple(k for k in gluon if k in big)
+        if in_gluon:
+            parts.append(f"of those, {'/'.join(in_gluon)} in the warp-specialized Gluon kernel "
+                         f"({in_features} -> {out_features} features at the rows per group "
+                         "measured >= 1.03x the persistent Triton kernel there, rule "
+                         f"GLUON_RULE={_gluon_rule_text(in_features, out_features)})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
-                               triton_kinds=small, large_kinds=big)
+                               triton_kinds=small, large_kinds=big, gluon_kinds=in_gluon)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
@@ -293,6 +306,12 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             + _graph_safe_reason(choice, device_split_sizes, sync_reason)
         )
     return choice
+
+
+def _gluon_rule_text(in_features: int, out_features: int) -> str:
+    """``GLUON_RULE``'s entries of these features, as ``kind@rows`` (for ``explain()``)."""
+    return ",".join(f"{kind}@{rows:g}" for (kind, i, o), rows in GLUON_RULE.items()
+                    if (i, o) == (in_features, out_features))
 
 
 def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[str, ...]
@@ -450,6 +469,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
     if "fprop" in backend.large_kinds:
+        if "fprop" in backend.gluon_kinds:
+            return gluon_grouped_gemm(x, weights, splits.offsets, dgrad=False)
         return large_fprop(x, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
@@ -470,6 +491,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
     if "dgrad" in backend.large_kinds:
+        if "dgrad" in backend.gluon_kinds:
+            return gluon_grouped_gemm(dy, weights, splits.offsets, dgrad=True)
         return large_dgrad(dy, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import torch
 
-from .grouped_gemm_large_triton import _check, _ensure_allocator, grid_size, tma_unsupported_reason
+from .compiled_ops import tracing
+from .grouped_gemm_large_triton import (_check, _ensure_allocator, grid_size, large_dgrad,
+                                        large_fprop, tma_unsupported_reason)
 from .triton_launch import next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
@@ -62,11 +64,33 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = gluon = gl = None
 
 __all__ = ["gluon_config", "gluon_fprop", "gluon_dgrad", "gluon_unsupported_reason",
-           "GLUON_MAX_GROUPS"]
+           "gluon_kinds", "gluon_grouped_gemm", "GLUON_MAX_GROUPS", "GLUON_RULE",
+           "DISPATCH_CONFIG"]
 
 #: The tile table has ``next_power_of_2(G)`` int64 lanes per partition; above this many
 #: groups the kernel is not offered (:func:`gluon_unsupported_reason`).
 GLUON_MAX_GROUPS = 1024
+
+#: Auto dispatch (``kernels.grouped_gemm``) runs a grouped linear's GEMM kind in this kernel
+#: (instead of the persistent Triton kernel, which auto would run it in) only for the
+#: measured shapes: (kind, in_features, out_features) -> the average rows per group
+#: (padding included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the
+#: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
+#: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
+#: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
+#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.03x), and
+#: every GEMM of E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (0.97-1.00x: there the
+#: k-loop is 32-112 steps per tile, so the overlapped epilogue is a small share, and the
+#: split kernel's mainloop runs 1-3 % slower than the Triton kernel's).
+GLUON_RULE: dict[tuple[str, int, int], float] = {
+    ("fprop", 768, 2048): 512.0,
+    ("dgrad", 768, 2048): 512.0,
+    ("dgrad", 2048, 1536): 512.0,
+}
+
+#: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
+#: measured 1.00-1.04x the unsplit default at E128 T65536 (1.03x on fc2's fprop).
+DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4}
 
 #: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
 MAXNREG = 168
@@ -101,6 +125,18 @@ def _resolve(config: dict | None) -> dict:
         raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
                          f"SPLIT, got {cfg['num_warps']}")
     return cfg
+
+
+def gluon_kinds(in_features: int, out_features: int, rows_per_group: float | None,
+                large: tuple[str, ...]) -> tuple[str, ...]:
+    """The kinds among ``large`` (those auto runs in the persistent Triton kernel: SM90,
+    bfloat16) that auto runs in this kernel instead: :data:`GLUON_RULE` lists the grouped
+    linear's (kind, in_features, out_features) at this average ``rows_per_group``; none when
+    the rows are not known or this Triton has no Gluon."""
+    if rows_per_group is None or gluon is None:
+        return ()
+    return tuple(k for k in ("fprop", "dgrad") if k in large
+                 and GLUON_RULE.get((k, in_features, out_features)) == rows_per_group)
 
 
 def gluon_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -409,3 +445,43 @@ def gluon_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     (G, K_red = N, N_out = K)). Shapes, errors: as :func:`gluon_fprop` with dy (M, N)."""
     _check(dy, weights, offsets, None, swiglu=False, dgrad=True)
     return _launch(dy, weights, offsets, True, config)
+
+
+def gluon_grouped_gemm(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                       dgrad: bool) -> torch.Tensor:
+    """The dispatched call (``kernels.grouped_gemm`` for the kinds of :func:`gluon_kinds`):
+    :func:`gluon_fprop` (``dgrad`` False) or :func:`gluon_dgrad` with
+    :data:`DISPATCH_CONFIG`; where :func:`gluon_unsupported_reason` rules the operands out
+    at run time (a base pointer off 16 bytes, say), the persistent Triton kernel's
+    ``large_fprop`` / ``large_dgrad``, whose outputs are the same bits. Under a
+    ``torch.compile`` trace the op ``te_ops::grouped_gemm_gluon``.
+
+    Shapes: a (M, R) (x, or dy for dgrad), weights (G, N, K), offsets (G,) -> (M, N) for
+    fprop, (M, K) for dgrad; rows past ``offsets[-1]`` zero. Raises as :func:`gluon_fprop`.
+    """
+    _check(a, weights, offsets, None, swiglu=False, dgrad=dgrad)
+    a = a.contiguous()
+    if tracing():
+        return torch.ops.te_ops.grouped_gemm_gluon(a, weights, offsets, dgrad)
+    return _run(a, weights, offsets, dgrad)
+
+
+def _run(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad: bool
+         ) -> torch.Tensor:
+    if gluon_unsupported_reason(a, weights) is not None:  # same bits in the Triton kernel
+        return (large_dgrad if dgrad else large_fprop)(a, weights, offsets)
+    return _launch(a, weights, offsets, dgrad, DISPATCH_CONFIG)
+
+
+@torch.library.custom_op("te_ops::grouped_gemm_gluon", mutates_args=())
+def _grouped_gemm_gluon_op(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                           dgrad: bool) -> torch.Tensor:
+    """:func:`gluon_grouped_gemm` as an opaque op (a Gluon kernel is no ``triton_op``
+    kernel Inductor can trace: ``wrap_triton`` takes Triton ``JITFunction`` kernels)."""
+    return _run(a, weights, offsets, dgrad)
+
+
+@_grouped_gemm_gluon_op.register_fake
+def _(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad: bool
+      ) -> torch.Tensor:
+    return a.new_empty(a.shape[0], weights.shape[2] if dgrad else weights.shape[1])
