@@ -7,7 +7,12 @@ spills, shared memory within SM90's 227 KiB. CUDA (``@pytest.mark.cuda``): fprop
 against an fp64 per-expert ``torch.nn.functional.linear`` reference at N(0, 1) inputs and
 init-scale weights, padding rows that start as NaN garbage, empty groups, bitwise equal to
 ``torch._grouped_mm`` and to the persistent Triton kernel, CUDA-graph replay with changed
-offsets bitwise equal to eager.
+offsets bitwise equal to eager; the dispatched op ``te_ops::grouped_gemm_gluon`` under
+``torch.compile(fullgraph=True)``; with the rule patched to take the Gluon kernel for every
+fprop / dgrad of the persistent kernels, test_large_gemm_dispatch's block (fused, unfused)
+bitwise equal to the Triton kernel's run, and the existing compile and CUDA-graph block
+checks bitwise equal to eager. CPU: the rule (:data:`GLUON_RULE`, measured shapes only) and
+the choice's ``explain()`` text and routing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from te_ops.kernels import grouped_gemm_gluon as GG
+from te_ops.kernels import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 
@@ -179,8 +185,6 @@ def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel(config):
     """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) and ``large_fprop`` /
     ``large_dgrad`` bit for bit (skewed and empty groups, no padding)."""
     _skip_unless_sm90()
-    from te_ops.kernels import grouped_gemm_large_triton as L
-
     sizes = [300, 0, 17, 195, 64, 600]
     x, w, offs = _operands(sizes, sum(sizes), 512, 256)
     y = GG.gluon_fprop(x, w, offs, config)
@@ -209,3 +213,124 @@ def test_graph_replay_with_new_offsets_bitwise_equal_to_eager():
     graph.replay()
     assert torch.equal(y, GG.gluon_fprop(x, w, new))
     assert torch.equal(dx, GG.gluon_dgrad(dy, w, new))
+
+
+# ------------------------------------------------------------------ dispatch (CPU + CUDA)
+def test_rule_names_the_measured_shapes_only(monkeypatch):
+    monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
+    both = ("fprop", "dgrad")
+    assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
+    assert GG.gluon_kinds(2048, 1536, 512.0, both) == ("dgrad",)  # fc1: dgrad only
+    assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
+    assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
+    assert GG.gluon_kinds(768, 2048, None, both) == ()
+    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == ()  # E8: measured slower
+    monkeypatch.setattr(GG, "gluon", None)
+    assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
+
+
+def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
+    from te_ops.kernels import grouped_gemm
+    from te_ops.splits import make_splits
+
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 768, 2048, True, "auto", "auto",
+                                          (), ("fprop", "dgrad"), ("fprop", "dgrad"))
+    assert choice.large_kinds == ("fprop", "dgrad") and choice.gluon_kinds == ("fprop", "dgrad")
+    assert "fprop/dgrad in the warp-specialized Gluon kernel" in choice.reason
+    assert "GLUON_RULE=fprop@512,dgrad@512" in choice.reason
+    x = torch.zeros(10, 768, dtype=torch.bfloat16)
+    w = torch.zeros(3, 2048, 768, dtype=torch.bfloat16)
+    splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
+    with pytest.raises(RuntimeError, match="cannot run: device type cpu is not cuda"):
+        grouped_gemm.grouped_fprop(x, w, splits, choice)
+    plain = grouped_gemm._select_backend(cpu, torch.bfloat16, 768, 2048, True, "auto", "auto",
+                                         (), ("fprop", "dgrad"))
+    assert plain.gluon_kinds == () and "Gluon" not in plain.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_op_under_compile_fullgraph_equals_eager(dgrad):
+    _skip_unless_sm90()
+    x, w, offs = _operands([300, 0, 200], 520, 512, 256)
+    a = torch.randn(520, 512, device=CUDA).to(torch.bfloat16) if dgrad else x
+    want = GG.gluon_grouped_gemm(a, w, offs, dgrad)
+    compiled = torch.compile(lambda *t: GG.gluon_grouped_gemm(*t, dgrad), fullgraph=True)
+    assert torch.equal(compiled(a, w, offs), want)
+    assert torch.equal(want, (L.large_dgrad if dgrad else L.large_fprop)(a, w, offs))
+
+
+def _force_gluon(monkeypatch) -> list[int]:
+    """Auto takes the Gluon kernel for every fprop / dgrad it runs in the persistent kernel
+    (the rule patched); returns a list that counts the Gluon launches."""
+    from te_ops.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "gluon_kinds",
+                        lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
+                                                        if k in large))
+    grouped_gemm._CHOICES.clear()
+    launches: list[int] = []
+    launch = GG._launch
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(GG, "_launch", counted)
+    return launches
+
+
+@pytest.mark.cuda
+def test_block_with_gluon_dispatch_bitwise_equal_to_the_triton_kernel(monkeypatch):
+    """test_large_gemm_dispatch's 2600-row block (650 rows per group, an empty group, NaN
+    padding rows): with every fprop / dgrad in the Gluon kernel, output and all gradients,
+    fused and unfused, equal the run with the persistent Triton kernel bit for bit."""
+    _skip_unless_sm90()
+    import test_large_gemm_dispatch as D
+
+    from te_ops.kernels import grouped_gemm
+
+    sizes = [1500, 0, 700, 360]
+    rows, hidden, ffn = 2600, 256, 384
+    x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    x[sum(sizes):] = float("nan")
+    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16)
+    splits = torch.tensor(sizes, device=CUDA)
+    dy = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    want = {}
+    for fusion in ("1", "0"):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        grouped_gemm._CHOICES.clear()
+        want[fusion] = D._run(D._block(4, hidden, ffn), x, probs, splits, dy)
+    launches = _force_gluon(monkeypatch)
+    for fusion in ("1", "0"):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        block = D._block(4, hidden, ffn)
+        got = D._run(block, x, probs, splits, dy)
+        assert "warp-specialized Gluon kernel" in block.explain()
+        for i, (g, w) in enumerate(zip(got, want[fusion])):
+            assert torch.equal(g, w), f"fusion {fusion}, tensor {i}"
+    assert launches  # the Gluon kernel ran
+    grouped_gemm._CHOICES.clear()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
+def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
+    """The existing compile (fullgraph) and CUDA-graph replay checks (new split sizes each
+    replay) with fprop / dgrad in the Gluon kernel: bitwise equal to eager."""
+    _skip_unless_sm90()
+    import test_cuda_graphs
+    import test_torch_compile_cuda
+
+    monkeypatch.setattr(L, "MIN_ROWS_PER_GROUP", {k: 1 for k in L.MIN_ROWS_PER_GROUP})
+    launches = _force_gluon(monkeypatch)
+    block = test_torch_compile_cuda._block(fusion, monkeypatch)
+    x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
+    sizes = torch.tensor([64] * 4, device=CUDA)
+    block(x, sizes, torch.rand(256, device=CUDA), sizes)
+    assert "warp-specialized Gluon kernel" in block.explain()
+    test_torch_compile_cuda._check_compiled_bitwise(block, "default")
+    test_cuda_graphs.test_replay_matches_eager_bitwise(monkeypatch, fusion, torch.bfloat16)
+    assert launches

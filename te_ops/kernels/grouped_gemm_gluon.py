@@ -46,8 +46,14 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .grouped_gemm_large_triton import (_check, _ensure_allocator, grid_size, large_dgrad,
-                                        large_fprop, tma_unsupported_reason)
+from .grouped_gemm_large_triton import (
+    _check,
+    _ensure_allocator,
+    grid_size,
+    large_dgrad,
+    large_fprop,
+    tma_unsupported_reason,
+)
 from .triton_launch import next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
