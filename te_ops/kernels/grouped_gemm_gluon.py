@@ -37,8 +37,12 @@ dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + 64 KiB output tile (
 208 KiB of the H200's 227).
 
 Measured on the H200 against the Triton kernel and ``torch._grouped_mm``
-(docs/benchmarks.md, "Gluon warp-specialized fprop/dgrad (stop 16)"); not in auto dispatch
-unless that section says so.
+(docs/benchmarks.md, "Gluon warp-specialized fprop/dgrad (stop 16)"): 1.03-1.10x the Triton
+kernel at E128 T65536 H2048 FF768 (512 rows per group, short k-loops, where the overlapped
+epilogue is a large share of a tile), 0.97-1.00x at E8 T16384 H4096 FF14336 and E32 T32768
+H7168 FF2048 (long k-loops; its mainloop is slower there). Auto dispatch takes it for the
+measured winning shapes only (:data:`GLUON_RULE`, :func:`gluon_kinds`,
+:func:`gluon_grouped_gemm`: the op ``te_ops::grouped_gemm_gluon`` under a trace).
 """
 
 from __future__ import annotations
@@ -84,10 +88,10 @@ GLUON_MAX_GROUPS = 1024
 #: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
 #: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
 #: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
-#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.03x), and
-#: every GEMM of E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (0.97-1.00x: there the
-#: k-loop is 32-112 steps per tile, so the overlapped epilogue is a small share, and the
-#: split kernel's mainloop runs 1-3 % slower than the Triton kernel's).
+#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x, below 1.03x in
+#: two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048
+#: (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the overlapped epilogue is a
+#: small share, and this kernel's mainloop runs 1-3 % slower than the Triton kernel's).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
@@ -95,7 +99,8 @@ GLUON_RULE: dict[tuple[str, int, int], float] = {
 }
 
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
-#: measured 1.00-1.04x the unsplit default at E128 T65536 (1.03x on fc2's fprop).
+#: measured 1.01-1.03x the unsplit default at E128 T65536 (1.03x on fc2's fprop; the same
+#: run, interleaved).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4}
 
 #: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
