@@ -88,10 +88,11 @@ GLUON_MAX_GROUPS = 1024
 #: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
 #: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
 #: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
-#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x, below 1.03x in
-#: two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048
-#: (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the overlapped epilogue is a
-#: small share, and this kernel's mainloop runs 1-3 % slower than the Triton kernel's).
+#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x,
+#: below 1.03x in two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32
+#: T32768 H7168 FF2048 (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the
+#: overlapped epilogue is a small share, and this kernel's mainloop runs 1-3 % slower than
+#: the Triton kernel's).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
