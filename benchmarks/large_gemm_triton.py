@@ -45,6 +45,11 @@ theirs; both flags are checked against ``large_config`` before any GPU work); ``
 first records each
 variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
 in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
+``--gluon JSON`` (``{"gluon": {}, "gluon_NAME": {config changes}}``) times the
+warp-specialized Gluon fprop/dgrad (``kernels/grouped_gemm_gluon.py``) in the same rounds
+(``NAME_ms``, ``NAME_x`` against ``_grouped_mm``, ``NAME_vs_triton`` against the Triton
+kernel, ``bitwise_equal_NAME``, ``NAME_equal_triton``); fc1 then leaves out the SwiGLU and
+fused calls, and the wgrad GEMMs are not affected.
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 ``--gemms fc2_dswiglu`` (not in the default list) times fc2's backward front half
