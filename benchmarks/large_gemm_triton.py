@@ -45,6 +45,11 @@ theirs; both flags are checked against ``large_config`` before any GPU work); ``
 first records each
 variant's compiled loop structure (``large_gemm_triton_loops``: ``scf.for`` count and nesting
 in the TTGIR, warp-specialized partitions, shared memory; whether ``FLAT`` was flattened).
+``--gluon JSON`` (``{"gluon": {}, "gluon_NAME": {config changes}}``) times the
+warp-specialized Gluon fprop/dgrad (``kernels/grouped_gemm_gluon.py``) in the same rounds
+(``NAME_ms``, ``NAME_x`` against ``_grouped_mm``, ``NAME_vs_triton`` against the Triton
+kernel, ``bitwise_equal_NAME``, ``NAME_equal_triton``); fc1 then leaves out the SwiGLU and
+fused calls, and the wgrad GEMMs are not affected.
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 ``--gemms fc2_dswiglu`` (not in the default list) times fc2's backward front half
@@ -174,7 +179,8 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
 
 def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None,
            variants: dict[str, dict] | None = None,
-           fused_variants: dict[str, dict] | None = None) -> dict[str, Any]:
+           fused_variants: dict[str, dict] | None = None,
+           gluon: dict[str, dict] | None = None) -> dict[str, Any]:
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
@@ -190,6 +196,13 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
              "triton": lambda: run(x, w, offs, cfg or {})}
     for name, change in (variants or {}).items():  # --variants: other launch configs
         calls[f"triton_{name}"] = lambda c={**(cfg or {}), **change}: run(x, w, offs, c)
+    if gluon is not None:  # --gluon: the warp-specialized Gluon kernel, plain GEMMs only
+        from te_ops.kernels import grouped_gemm_gluon as gg
+
+        grun = gg.gluon_dgrad if gemm.endswith("dgrad") else gg.gluon_fprop
+        for name, change in gluon.items():
+            calls[name] = lambda c=change: grun(x, w, offs, c)
+        return calls
     if gemm.endswith("dgrad"):
         return calls
     if gemm == "fc1":
@@ -236,7 +249,14 @@ def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None,
            "bitwise_equal": bool(torch.equal(got, want))}
     for name in variants or {}:
         out[f"bitwise_equal_{name}"] = bool(torch.equal(calls[f"triton_{name}"](), want))
-    if gemm == "fc1":
+    for name in (n for n in calls if n.startswith("gluon")):
+        y = calls[name]()
+        out[f"bitwise_equal_{name}"] = bool(torch.equal(y, want))
+        out[f"{name}_max_abs_diff"] = (y.float() - want.float()).abs().max().item()
+        out[f"{name}_equal_triton"] = bool(torch.equal(y, got))
+    if "fused" not in calls:
+        return out
+    if "fused" in calls:
         h, a = calls["fused"]()
         out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
         out["fused_h_equal_triton"] = bool(torch.equal(h, got))  # the persistent fprop's bits
@@ -253,7 +273,8 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     variants = {} if gemm in WGRADS else (getattr(args, "variants", None) or {})
     fused_variants = (getattr(args, "fused_variants", None) or {}) if gemm == "fc1" else {}
-    calls = _calls(ops, gemm, cfg, fused_cfg, variants, fused_variants)
+    gluon = getattr(args, "gluon", None) if gemm not in WGRADS else None
+    calls = _calls(ops, gemm, cfg, fused_cfg, variants, fused_variants, gluon)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
                            "reps": args.reps, "split_sizes": ops["sizes"]}
     if gemm in WGRADS:
@@ -262,7 +283,11 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     else:
         rec["config"] = {**lg.large_config("fprop"), **(cfg or {})}
         rec["tma_reason"] = lg.tma_unsupported_reason(ops["x"], ops["w"])
-    if gemm == "fc1":
+    if gluon:
+        from te_ops.kernels import grouped_gemm_gluon as gg
+
+        rec["gluon_configs"] = {n: {**gg.gluon_config(), **c} for n, c in gluon.items()}
+    if "fused" in calls:
         rec["fused_config"] = {**lg.large_config("fc1_swiglu"), **(fused_cfg or {})}
     rec.update(_checks(calls, gemm, ops.get("probs"), variants))
     if variants:
@@ -278,7 +303,11 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     for name in variants:  # against the peer, and against the default Triton config
         rec[f"triton_{name}_x"] = rec["grouped_mm_ms"] / rec[f"triton_{name}_ms"]
         rec[f"triton_{name}_vs_triton"] = rec["triton_ms"] / rec[f"triton_{name}_ms"]
-    if gemm == "fc1":
+    for name in (n for n in calls if n.startswith("gluon")):  # --gluon
+        rec[f"{name}_tflops"] = ops["flop"] / rec[f"{name}_ms"] / 1e9
+        rec[f"{name}_x"] = rec["grouped_mm_ms"] / rec[f"{name}_ms"]
+        rec[f"{name}_vs_triton"] = rec["triton_ms"] / rec[f"{name}_ms"]
+    if "fused" in calls:
         rec["fused_x"] = rec["grouped_mm_swiglu_ms"] / rec["fused_ms"]
         rec["triton_swiglu_x"] = rec["grouped_mm_swiglu_ms"] / rec["triton_swiglu_ms"]
         # the fused launch against what te_ops runs unfused there: the persistent fprop + SwiGLU
@@ -466,7 +495,7 @@ def summarize(path: str) -> str:
              f"{'max_diff':>8} {'bits':>5}"]
     for r in read_records(path, BENCH):
         fused = (f"{r['grouped_mm_swiglu_ms']:9.3f} {r['fused_ms']:8.3f} {r['fused_x']:5.2f}"
-                 if r["gemm"] == "fc1" else f"{'':9} {'':8} {'':5}")
+                 if "fused_ms" in r else f"{'':9} {'':8} {'':5}")
         lines.append(f"{r['shape']:26} {r['gemm']:9} {r['grouped_mm_ms']:10.3f} "
                      f"{r['triton_ms']:8.3f} {r['triton_x']:5.2f} {fused} "
                      f"{'no' if r.get('tma_reason') else 'yes':>4} {str(r.get('a_equal', '')):>7} "
@@ -481,6 +510,10 @@ def summarize(path: str) -> str:
                     name = key[len("fused_"):-len("_vs_triton_swiglu")]
                     lines.append(f"  fused variant {name}: {r[f'fused_{name}_ms']:.3f} ms, "
                                  f"{r[key]:5.3f}x")
+        for name in r.get("gluon_configs", {}):  # --gluon
+            lines.append(f"  {name:20} {r[f'{name}_ms']:8.3f} ms  x {r[f'{name}_x']:5.3f}  "
+                         f"vs triton {r[f'{name}_vs_triton']:5.3f}  bits "
+                         f"{r.get(f'bitwise_equal_{name}')}")
         for name in r.get("variants", {}):
             lines.append(f"  variant {name:12} {r[f'triton_{name}_ms']:8.3f} ms  x "
                          f"{r[f'triton_{name}_x']:5.3f}  vs default "
@@ -640,6 +673,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="first record the loop structure of the compiled kernel of each "
                              "variant (scf.for count and nesting in the TTGIR, warp-"
                              "specialized partitions, shared memory)")
+    parser.add_argument("--gluon", default=None, metavar="JSON",
+                        help='time the warp-specialized Gluon fprop/dgrad '
+                             '(kernels/grouped_gemm_gluon.py) beside the others, interleaved: '
+                             '{"gluon": {}, "gluon_NAME": {config changes}, ...} (names start '
+                             'with "gluon"; records NAME_ms, NAME_x, NAME_vs_triton, '
+                             'bitwise_equal_NAME); fc1 then leaves out the SwiGLU / fused calls')
     parser.add_argument("--out", default=None, help="append JSON lines here")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
@@ -662,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
                                       nested=True)
     _check_dswiglu_variants(parser, args.dswiglu_variants)
     _check_sweep_filter(parser, args.sweep_filter)
+    args.gluon = _json_arg(parser, "--gluon", args.gluon, nested=True) or None
+    for name in args.gluon or {}:
+        if not name.startswith("gluon"):
+            parser.error(f"--gluon names must start with 'gluon', got {name!r}")
     for flag, given, gemm in (("--fused-config", fused_override, "fc1"),
                               ("--fused-variants", args.fused_variants, "fc1"),
                               ("--dswiglu-variants", args.dswiglu_variants, "fc2_dswiglu")):

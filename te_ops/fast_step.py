@@ -115,7 +115,7 @@ def _gemm_calls(backend: Any, batch: LaunchBatch | None = None) -> tuple:
     def bound(kind, call):
         if kind in kinds:
             site = BoundWgrad(batch) if kind == "wgrad" else BoundRows(kind, batch)
-        elif kind in large:
+        elif kind in large and kind not in backend.gluon_kinds:  # Gluon: the dispatching call
             site = BoundLargeWgrad(batch) if kind == "wgrad" else BoundLarge(kind, batch)
         else:
             return functools.partial(call, backend=backend)

@@ -48,7 +48,7 @@ def test_rule_without_gluon(monkeypatch):
 def test_not_read_off_cuda_or_when_forced(monkeypatch):
     """The row rule is asked only where auto dispatch runs (CUDA, SM90, bfloat16)."""
     seen = []
-    monkeypatch.setattr(grouped_gemm, "gluon_kinds",
+    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds",
                         lambda *a: seen.append(a) or ("wgrad",))
     choice = grouped_gemm.select_backend(torch.device("cpu"), torch.bfloat16, 256, 256, True,
                                          rows_per_group=4096.0)
@@ -77,7 +77,7 @@ def test_choice_kinds_reason_and_per_call_route(monkeypatch):
                                           (), ("fprop", "dgrad"), ("wgrad",))
     assert choice.name == "triton" and choice.gluon_kinds == ("wgrad",)
     assert choice.large_kinds == ("fprop", "dgrad") and choice.triton_kinds == ()
-    assert "wgrad in the warp-specialized Gluon kernel" in choice.reason
+    assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
     assert f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={LOW}" in choice.reason
     assert "in torch._grouped_mm" not in choice.reason.split("; ")[-1]
     sizes = [3, 0, 5]
@@ -139,7 +139,7 @@ def test_block_at_many_rows_takes_it_and_matches_reference(monkeypatch):
         monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
         block = _block()
         outs[fusion, mode] = run_block(block, x, split, probs, dy)[0]
-        assert ("warp-specialized Gluon kernel" in block.explain()) == (mode == "auto")
+        assert ("warp-specialized Gluon wgrad" in block.explain()) == (mode == "auto")
     for key in (("0", "auto"), ("1", "0")):
         for i, (a, b) in enumerate(zip(outs["1", "auto"], outs[key])):
             assert torch.equal(a, b), f"tensor {i}: {key} differs"
@@ -174,4 +174,19 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     dy = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
     split = torch.tensor([200, 0, 180, 100], device=CUDA)
     assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 300, 0, 170],
-                                         "warp-specialized Gluon kernel")
+                                         "warp-specialized Gluon wgrad")
+
+
+def test_gluon_wgrad_with_the_gluon_fprop_dgrad_rule(monkeypatch):
+    """Both Gluon families in one choice (``TE_OPS_GLUON_WGRAD=1`` at a ``GLUON_RULE``
+    shape): wgrad in the Gluon wgrad, dgrad in the Gluon fprop/dgrad kernel (a subset of the
+    persistent kinds), fprop in the persistent Triton kernel; the reason names each."""
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 2048, 1536, True, "auto",
+                                          "auto", (), ("fprop", "dgrad"), ("dgrad", "wgrad"))
+    assert choice.large_kinds == ("fprop", "dgrad")
+    assert set(choice.gluon_kinds) == {"dgrad", "wgrad"}
+    assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
+    assert "of those, dgrad in the warp-specialized Gluon kernel" in choice.reason
+    assert "in torch._grouped_mm" not in choice.reason.split("; ")[-1]

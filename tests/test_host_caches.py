@@ -119,7 +119,8 @@ def test_backend_choice_follows_env(monkeypatch):
 
 
 def test_backend_choice_is_not_cached_before_the_probe(monkeypatch):
-    key = (torch.device("meta"), torch.float16, 16, 16, True, "auto", "auto", (), ())  # no Triton
+    # no Triton kinds, no persistent kinds, no Gluon kinds
+    key = (torch.device("meta"), torch.float16, 16, 16, True, "auto", "auto", (), (), ())
     monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
     monkeypatch.setattr(grouped_gemm, "_PROBE_CACHE", {})
     grouped_gemm.select_backend(torch.device("meta"), torch.float16, 16, 16, True)

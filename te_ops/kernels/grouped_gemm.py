@@ -28,11 +28,13 @@ Backends
     ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
     ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
     issue-10 shapes), and wgrad at ``WGRAD_ROWS_PER_GROUP`` (64-256) rows per group (measured
-    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes). At
+    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes); of those, the (kind,
+    features, rows per group) that ``grouped_gemm_gluon.GLUON_RULE`` lists (measured shapes
+    only) run in the warp-specialized Gluon fprop/dgrad kernel (same bits). At
     ``grouped_wgrad_gluon.MIN_ROWS_PER_GROUP`` (1024) rows per group or more, wgrad runs in
-    the warp-specialized Gluon kernel (``kernels/grouped_wgrad_gluon.py``,
-    ``BackendChoice.gluon_kinds``; measured 1.04-1.13x ``torch._grouped_mm`` there;
-    ``TE_OPS_GLUON_WGRAD``). Forced, all three kinds
+    the warp-specialized Gluon wgrad (``kernels/grouped_wgrad_gluon.py``; measured 1.04-1.13x
+    ``torch._grouped_mm`` there; ``TE_OPS_GLUON_WGRAD``). Both are ``BackendChoice.gluon_kinds``.
+    Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
     ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
     into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
@@ -55,6 +57,8 @@ from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
 from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from .grouped_gemm_gluon import GLUON_RULE, gluon_grouped_gemm
+from .grouped_gemm_gluon import gluon_kinds as gluon_gemm_kinds
 from .grouped_gemm_large_triton import (
     FORCED_MIN_ROWS_PER_GROUP,
     MIN_ROWS_PER_GROUP,
@@ -72,7 +76,8 @@ from .grouped_gemm_triton import (
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
-from .grouped_wgrad_gluon import gluon_kinds, gluon_unsupported_reason, gluon_wgrad
+from .grouped_wgrad_gluon import gluon_kinds as gluon_wgrad_kinds
+from .grouped_wgrad_gluon import gluon_unsupported_reason, gluon_wgrad
 from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
@@ -106,7 +111,9 @@ class BackendChoice:
     #: kernels (``grouped_gemm_large_triton``).
     large_kinds: tuple[str, ...] = ()
     #: With ``name == "triton"``: the GEMM kinds that run in the warp-specialized Gluon
-    #: kernels (``grouped_wgrad_gluon``: wgrad only).
+    #: kernels: fprop / dgrad of ``large_kinds`` instead of the persistent Triton kernel
+    #: (``grouped_gemm_gluon``: measured shapes only, ``GLUON_RULE``), wgrad
+    #: (``grouped_wgrad_gluon``: ``MIN_ROWS_PER_GROUP``, ``TE_OPS_GLUON_WGRAD``).
     gluon_kinds: tuple[str, ...] = ()
 
 
@@ -209,7 +216,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
              and device.type == "cuda" else ())
-    gluon = (gluon_kinds(rows_per_group, out_features, env.read("TE_OPS_GLUON_WGRAD"))
+    gluon = (gluon_gemm_kinds(in_features, out_features, rows_per_group, large)
+             + gluon_wgrad_kinds(rows_per_group, out_features, env.read("TE_OPS_GLUON_WGRAD"))
              if auto else ())
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
            kinds, large, gluon)
@@ -264,18 +272,20 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     elif graph_safe == "0" and device_split_sizes:
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
     elif reason is None and ((auto_triton is None and kinds)
-                             or (auto_large is None and large) or gluon):
+                             or (auto_large is None and large) or "wgrad" in gluon):
         # Both rules can hold at once (at 32 rows per group: the few-rows wgrad, the
         # persistent fprop/dgrad); a kind never runs in both. The Gluon wgrad (asked for only
-        # where auto runs on SM90 in bfloat16) comes first.
-        small = tuple(k for k in kinds if k not in gluon) if auto_triton is None else ()
-        big = (tuple(k for k in large if k not in small + gluon) if auto_large is None
-               else ())
-        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + gluon]
+        # where auto runs on SM90 in bfloat16) comes first; the Gluon fprop / dgrad replace
+        # the persistent Triton kernel's (a subset of ``big``).
+        wgrad_gluon = tuple(k for k in gluon if k == "wgrad")
+        small = tuple(k for k in kinds if k not in wgrad_gluon) if auto_triton is None else ()
+        big = (tuple(k for k in large if k not in small + wgrad_gluon)
+               if auto_large is None else ())
+        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + wgrad_gluon]
         parts = []
-        if gluon:
-            parts.append(f"{'/'.join(gluon)} in the warp-specialized Gluon kernel (SM90, "
-                         "bfloat16, out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
+        if wgrad_gluon:
+            parts.append("wgrad in the warp-specialized Gluon wgrad (SM90, bfloat16, "
+                         "out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
                          f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
                          f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={GLUON_WGRAD_MIN_ROWS_PER_GROUP} "
                          "rows per group, measured faster than torch._grouped_mm there; a "
@@ -289,10 +299,17 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                          "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
                          f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
                          f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP})")
+        in_gluon = tuple(k for k in gluon if k in big and k != "wgrad")
+        if in_gluon:
+            parts.append(f"of those, {'/'.join(in_gluon)} in the warp-specialized Gluon kernel "
+                         f"({in_features} -> {out_features} features at the rows per group "
+                         "measured >= 1.03x the persistent Triton kernel there, rule "
+                         f"GLUON_RULE={_gluon_rule_text(in_features, out_features)})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
-                               triton_kinds=small, large_kinds=big, gluon_kinds=gluon)
+                               triton_kinds=small, large_kinds=big,
+                               gluon_kinds=in_gluon + wgrad_gluon)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
@@ -312,6 +329,12 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             + _graph_safe_reason(choice, device_split_sizes, sync_reason)
         )
     return choice
+
+
+def _gluon_rule_text(in_features: int, out_features: int) -> str:
+    """``GLUON_RULE``'s entries of these features, as ``kind@rows`` (for ``explain()``)."""
+    return ",".join(f"{kind}@{rows:g}" for (kind, i, o), rows in GLUON_RULE.items()
+                    if (i, o) == (in_features, out_features))
 
 
 def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[str, ...]
@@ -469,6 +492,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
     if "fprop" in backend.large_kinds:
+        if "fprop" in backend.gluon_kinds:
+            return gluon_grouped_gemm(x, weights, splits.offsets, dgrad=False)
         return large_fprop(x, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if x.shape[0] == 0:  # _grouped_mm rejects empty operands with zero strides
@@ -489,6 +514,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
     if "dgrad" in backend.large_kinds:
+        if "dgrad" in backend.gluon_kinds:
+            return gluon_grouped_gemm(dy, weights, splits.offsets, dgrad=True)
         return large_dgrad(dy, weights, splits.offsets)
     if backend.name in ("grouped_mm", "triton"):
         if dy.shape[0] == 0:  # e.g. the zero-stride grad of an empty batch's .sum()

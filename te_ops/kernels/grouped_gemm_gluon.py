@@ -1,0 +1,499 @@
+"""Warp-specialized persistent grouped GEMM for SM90 in Gluon (fprop, dgrad): an experiment.
+
+The persistent Triton kernel (``grouped_gemm_large_triton``, ``FLAT``) runs its tile epilogue
+(fp32 -> bf16, masked stores clipped at the group's end) on the warps that issue the next
+tile's wgmmas: Triton 3.6 builds no warp-specialized partitions for ``tl.range(...,
+warp_specialize=True)`` on SM90. Gluon (``triton.experimental.gluon``, in Triton 3.6) states
+the partitions explicitly (``gl.warp_specialize``). This kernel has three:
+
+* the **producer** (1 warp): walks the program's tiles, issues the TMA loads of x's row tile
+  and W's tile per k-step into a ``STAGES``-deep shared-memory ring (``ready`` / ``empty``
+  mbarriers per slot);
+* the **MMA consumer** (the default partition, ``num_warps`` = 8: two warpgroups, each 64 of
+  the tile's 128 rows): one async ``warpgroup_mma`` per k-step into a 128 x 256 fp32
+  accumulator, at most one in flight (the slot read by the previous one is released as soon
+  as it completes); at the tile's end it rounds the accumulator to the output dtype into one
+  shared-memory tile buffer (``c_ready`` / ``c_empty``) and goes on with the next tile;
+* the **epilogue** (``EPI_WARPS`` = 4 warps): reads that buffer in ``SUB_M``-row slices and
+  stores the rows inside the tile's group with masked pointer stores (a TMA store would write
+  the next group's rows), then frees the buffer. So the global stores of tile t overlap the
+  MMAs of tile t + 1; the consumer's part of the epilogue is the register -> shared copy.
+  Before its first tile it writes the padding rows' zeros (rows past ``offsets[-1]``).
+
+Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
+after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
+program p takes tiles p, p + P, ...; each partition finds a tile's group in a cumulative tile
+table it keeps in registers (``next_power_of_2(G)`` lanes). Groups' rows clamped to
+``0 <= start <= end <= M`` as there. The k-steps of every output element run in order with
+fp32 accumulation, the first with ``use_acc=False`` (CUTLASS's order), so outputs are meant to
+equal ``torch._grouped_mm``'s bit for bit (checked on the H200 by
+``benchmarks/large_gemm_triton.py --gluon``).
+
+Loads through device-side TMA descriptors (``tma.make_tensor_descriptor``; the torch-backed
+allocator of ``grouped_gemm_large_triton`` is installed when none is set): x as (M, K) with
+(128, 64) blocks, W as (G, N, K) with (1, 256, 64) blocks for fprop (the shared tile is
+transposed as a view for the wgmma) or as (G, K_red, N_out) with (1, 64, 256) blocks for
+dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + 64 KiB output tile (3 stages:
+208 KiB of the H200's 227).
+
+Measured on the H200 against the Triton kernel and ``torch._grouped_mm``
+(docs/benchmarks.md, "Gluon warp-specialized fprop/dgrad (stop 16)"): 1.03-1.10x the Triton
+kernel at E128 T65536 H2048 FF768 (512 rows per group, short k-loops, where the overlapped
+epilogue is a large share of a tile), 0.97-1.00x at E8 T16384 H4096 FF14336 and E32 T32768
+H7168 FF2048 (long k-loops; its mainloop is slower there). Auto dispatch takes it for the
+measured winning shapes only (:data:`GLUON_RULE`, :func:`gluon_kinds`,
+:func:`gluon_grouped_gemm`: the op ``te_ops::grouped_gemm_gluon`` under a trace).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled_ops import tracing
+from .grouped_gemm_large_triton import (
+    _check,
+    _ensure_allocator,
+    grid_size,
+    large_dgrad,
+    large_fprop,
+    tma_unsupported_reason,
+)
+from .triton_launch import next_power_of_2
+
+try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the install
+    triton = gluon = gl = None
+
+__all__ = ["gluon_config", "gluon_fprop", "gluon_dgrad", "gluon_unsupported_reason",
+           "gluon_kinds", "gluon_grouped_gemm", "GLUON_MAX_GROUPS", "GLUON_RULE",
+           "DISPATCH_CONFIG"]
+
+#: The tile table has ``next_power_of_2(G)`` int64 lanes per partition; above this many
+#: groups the kernel is not offered (:func:`gluon_unsupported_reason`).
+GLUON_MAX_GROUPS = 1024
+
+#: Auto dispatch (``kernels.grouped_gemm``) runs a grouped linear's GEMM kind in this kernel
+#: (instead of the persistent Triton kernel, which auto would run it in) only for the
+#: measured shapes: (kind, in_features, out_features) -> the average rows per group
+#: (padding included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the
+#: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
+#: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
+#: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
+#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x,
+#: below 1.03x in two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32
+#: T32768 H7168 FF2048 (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the
+#: overlapped epilogue is a small share, and this kernel's mainloop runs 1-3 % slower than
+#: the Triton kernel's).
+GLUON_RULE: dict[tuple[str, int, int], float] = {
+    ("fprop", 768, 2048): 512.0,
+    ("dgrad", 768, 2048): 512.0,
+    ("dgrad", 2048, 1536): 512.0,
+}
+
+#: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
+#: measured 1.01-1.03x the unsplit default at E128 T65536 (1.03x on fc2's fprop; the same
+#: run, interleaved).
+DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4}
+
+#: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
+MAXNREG = 168
+
+
+def gluon_config() -> dict[str, int]:
+    """Launch parameters: 128 x 256 x 64 tiles (the Triton kernel's and CUTLASS's), ``GROUP_M``
+    8, a 3-stage load ring, 8 consumer warps (two warpgroups), a 2-warp epilogue partition
+    storing 8-row slices, ``WORKER_REGS`` registers per thread for the producer's and the
+    epilogue's warpgroup (they share the third warpgroup; the consumers get the rest of the
+    65536). 12 warps in all, so ptxas compiles every partition under :data:`MAXNREG` (it
+    allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
+    and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
+            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
+            "CONSUMER_REGS": 232}
+
+
+def _resolve(config: dict | None) -> dict:
+    """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
+    consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
+    ``num_warps`` 4 (the default partition is the first half)."""
+    cfg = gluon_config()
+    unknown = sorted(set(config or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(cfg)}, got unknown {unknown}")
+    cfg.update(config or {})
+    if cfg["SPLIT"] and cfg["num_warps"] != 4:
+        raise ValueError(f"config SPLIT=True needs num_warps=4 (one warpgroup per consumer "
+                         f"partition), got num_warps={cfg['num_warps']}")
+    if not cfg["SPLIT"] and cfg["num_warps"] != 8:
+        raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
+                         f"SPLIT, got {cfg['num_warps']}")
+    return cfg
+
+
+def gluon_kinds(in_features: int, out_features: int, rows_per_group: float | None,
+                large: tuple[str, ...]) -> tuple[str, ...]:
+    """The kinds among ``large`` (those auto runs in the persistent Triton kernel: SM90,
+    bfloat16) that auto runs in this kernel instead: :data:`GLUON_RULE` lists the grouped
+    linear's (kind, in_features, out_features) at this average ``rows_per_group``; none when
+    the rows are not known or this Triton has no Gluon."""
+    if rows_per_group is None or gluon is None:
+        return ()
+    return tuple(k for k in ("fprop", "dgrad") if k in large
+                 and GLUON_RULE.get((k, in_features, out_features)) == rows_per_group)
+
+
+def gluon_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
+    """Why the Gluon kernel cannot take these operands (``None`` when it can): no Gluon,
+    not CUDA SM90 (wgmma, setmaxnreg), TMA not possible (:func:`tma_unsupported_reason`),
+    more than :data:`GLUON_MAX_GROUPS` groups."""
+    if gluon is None:
+        return "the installed Triton has no triton.experimental.gluon"
+    if x.device.type != "cuda":
+        return f"needs a CUDA device, got {x.device.type}"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs SM90 (Hopper wgmma and warp specialization)"
+    if weights.shape[0] > GLUON_MAX_GROUPS:
+        return f"more than {GLUON_MAX_GROUPS} groups ({weights.shape[0]})"
+    return tma_unsupported_reason(x, weights)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M: gl.constexpr, GBLOCK: gl.constexpr,
+                    WARPS: gl.constexpr):
+        """Cumulative tile counts of groups 0..g in lane g (int64; lanes past G - 1 hold
+        the total), rows clamped as the Triton kernel's ``_tile_ends``."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        gi = gl.arange(0, GBLOCK, layout)
+        real = gi < G
+        end = gl.load(offs_ptr + gi, mask=real, other=0).to(gl.int64)
+        end = gl.minimum(gl.maximum(end, 0), M)
+        start = gl.load(offs_ptr + gi - 1, mask=(gi > 0) & real, other=0).to(gl.int64)
+        start = gl.minimum(gl.maximum(start, 0), end)
+        count = gl.where(real, (end - start + BLOCK_M - 1) // BLOCK_M * tiles_n, 0)
+        return gl.associative_scan(count, 0, _add)
+
+    @gluon.jit
+    def _group_rows(offs_ptr, g, M):
+        """Rows [start, end) of group g (g < G), clamped to 0 <= start <= end <= M."""
+        start = gl.load(offs_ptr + gl.maximum(g - 1, 0)).to(gl.int64)
+        start = gl.where(g == 0, 0, start)
+        end = gl.minimum(gl.maximum(gl.load(offs_ptr + g).to(gl.int64), 0), M)
+        return gl.minimum(gl.maximum(start, 0), end), end
+
+    @gluon.jit
+    def _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+        """(group, first row, row end of the group, column tile) of ``tile``: its group is
+        the count of table lanes <= tile; inside the group GROUP_M-row-tile bands."""
+        before = ends <= tile
+        g = gl.sum(before.to(gl.int32), 0)
+        base = gl.max(gl.where(before, ends, 0), 0)
+        start, end = _group_rows(offs_ptr, g, M)
+        tiles_m = ((end - start + BLOCK_M - 1) // BLOCK_M).to(gl.int32)
+        local = (tile - base).to(gl.int32)
+        band = GROUP_M * tiles_n
+        first_m = (local // band) * GROUP_M
+        size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        pm = first_m + (local % band) % size_m
+        pn = (local % band) // size_m
+        return g, start + pm * BLOCK_M, end, pn
+
+    @gluon.jit
+    def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G, P,
+                  W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA loads of every k-step of the program's tiles into the ring, in tile order."""
+        pid = gl.program_id(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
+        n_tiles = gl.max(ends, 0)
+        nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
+        it = 0
+        for tile in range(pid, n_tiles, P):
+            g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
+            m0 = m0.to(gl.int32)
+            n0 = pn * BLOCK_N
+            for k0 in range(0, K, BLOCK_K):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+                if W_KN:
+                    tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [g, n0, k0], bar, b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
+                  G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
+        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``.
+        ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
+        and syncs its warps before each barrier arrival (an arrival is one thread's);
+        ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
+        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the
+        barriers count two arrivals), so the two halves need no common sync."""
+        pid = gl.program_id(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
+        n_tiles = gl.max(ends, 0)
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+        out_buf = c_buf.slice(HALF * ROWS, ROWS)
+        it = 0
+        t = 0
+        for _tile in range(pid, n_tiles, P):
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
+            prev = 0
+            for k0 in range(0, K, BLOCK_K):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if W_KN:
+                    b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+                else:
+                    b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+                a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
+                acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if ROWS == BLOCK_M:
+                    gl.thread_barrier()  # both warpgroups' previous wgmma done
+                mbarrier.arrive(empty.index(prev), pred=k0 > 0)
+                prev = s
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if ROWS == BLOCK_M:
+                gl.thread_barrier()
+            mbarrier.arrive(empty.index(prev))
+            out = acc.to(c_buf.dtype)
+            mbarrier.wait(c_empty, (t & 1) ^ 1)
+            out_buf.store(out)
+            gl.thread_barrier()  # every warp's rows are in c_buf
+            mbarrier.arrive(c_ready)
+            t += 1
+
+    @gluon.jit
+    def _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    layout: gl.constexpr):
+        """Masked store of a (SUB_M, BLOCK_N) slice at rows r0.. (below ``end``), columns
+        n0.. (below N)."""
+        rows = r0 + gl.arange(0, SUB_M, gl.SliceLayout(1, layout)).to(gl.int64)
+        cols = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+        mask = (rows < end)[:, None] & (cols < N)[None, :]
+        gl.store(y_ptr + rows[:, None] * N + cols[None, :], vals, mask=mask)
+
+    @gluon.jit
+    def _epilogue(c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P,
+                  GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y."""
+        pid = gl.program_id(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
+        ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, EPI_WARPS)
+        n_tiles = gl.max(ends, 0)
+        pad_start = gl.minimum(gl.maximum(gl.load(offs_ptr + G - 1).to(gl.int64), 0), M)
+        pad_tiles = ((M - pad_start + SUB_M - 1) // SUB_M * tiles_n).to(gl.int32)
+        zero = gl.zeros([SUB_M, BLOCK_N], c_buf.dtype, layout)
+        for tile in range(pid, pad_tiles, P):
+            _store_rows(y_ptr, zero, pad_start + (tile // tiles_n) * SUB_M, M,
+                        (tile % tiles_n) * BLOCK_N, N, SUB_M, BLOCK_N, layout)
+        t = 0
+        for tile in range(pid, n_tiles, P):
+            g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
+            mbarrier.wait(c_ready, t & 1)
+            for i in gl.static_range(BLOCK_M // SUB_M):
+                vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
+                _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
+                            BLOCK_N, layout)
+            gl.thread_barrier()  # every epilogue warp has read c_buf
+            mbarrier.arrive(c_empty)
+            t += 1
+
+    @gluon.jit
+    def _gluon_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, M, N, K, G, P,
+                      stride_wg, stride_wn, stride_wk,
+                      W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
+                      WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      SPLIT: gl.constexpr, num_warps: gl.constexpr):
+        """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
+        W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
+        output tile and the barriers, then forks the three partitions."""
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                            block_shape=[BLOCK_M, BLOCK_K], layout=x_layout)
+        if W_KN:
+            w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [1, BLOCK_K, BLOCK_N], dtype)
+            w_desc = tma.make_tensor_descriptor(w_ptr, shape=[G, K, N],
+                                                strides=[stride_wg, stride_wk, 1],
+                                                block_shape=[1, BLOCK_K, BLOCK_N],
+                                                layout=w_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_K, BLOCK_N], w_layout)
+        else:
+            w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [1, BLOCK_N, BLOCK_K], dtype)
+            w_desc = tma.make_tensor_descriptor(w_ptr, shape=[G, N, K],
+                                                strides=[stride_wg, stride_wn, 1],
+                                                block_shape=[1, BLOCK_N, BLOCK_K],
+                                                layout=w_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, BLOCK_K], w_layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        c_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        arrivals: gl.constexpr = 2 if SPLIT else 1  # consumer partitions
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=arrivals)
+        mbarrier.init(c_ready, count=arrivals)
+        mbarrier.init(c_empty, count=1)
+        if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 0, BLOCK_M // 2)),
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 1, BLOCK_M // 2)),
+                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
+                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+            ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             num_warps, 0, BLOCK_M)),
+                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
+                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+            ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def _launch_args(x: torch.Tensor, weights: torch.Tensor, dgrad: bool, cfg: dict
+                 ) -> tuple[tuple[int], tuple, dict]:
+    """(grid, scalar arguments after the four tensors, keyword arguments)."""
+    m, k = x.shape
+    groups = weights.shape[0]
+    n = weights.shape[2] if dgrad else weights.shape[1]
+    grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], cfg["BLOCK_N"]),)
+    stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
+                          else (weights.stride(1), weights.stride(2)))
+    rest = (m, n, k, groups, grid[0], weights.stride(0), stride_n, stride_k)
+    kwargs = dict(W_KN=dgrad, GBLOCK=max(next_power_of_2(groups), 1), maxnreg=MAXNREG, **cfg)
+    return grid, rest, kwargs
+
+
+def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad: bool,
+            config: dict | None) -> torch.Tensor:
+    m, k = x.shape
+    n = weights.shape[2] if dgrad else weights.shape[1]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    cfg = _resolve(config)
+    if m == 0 or n == 0:
+        return y
+    if weights.shape[0] == 0 or k == 0:
+        return y.zero_()
+    x = x.contiguous()
+    offsets = offsets.contiguous()
+    why = gluon_unsupported_reason(x, weights)
+    if why is not None:
+        raise RuntimeError(f"the Gluon grouped GEMM cannot run: {why}")
+    _ensure_allocator()
+    grid, rest, kwargs = _launch_args(x, weights, dgrad, cfg)
+    _gluon_kernel[grid](x, weights, y, offsets, *rest, **kwargs)
+    return y
+
+
+def gluon_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``y_g = x_g @ W_g^T`` in the warp-specialized Gluon kernel.
+
+    Shapes: x (M, K) bf16/fp16 on a CUDA SM90 device, weights (G, N, K) k-contiguous with
+    16-byte-aligned strides, offsets (G,) int32/int64 cumulative group ends on x's device
+    -> y (M, N) in x's dtype; rows past ``offsets[-1]`` are zero.
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices do not match (as ``large_fprop``).
+    RuntimeError
+        The kernel cannot run here (:func:`gluon_unsupported_reason`).
+    """
+    _check(x, weights, offsets, None, swiglu=False)
+    return _launch(x, weights, offsets, False, config)
+
+
+def gluon_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """``dx_g = dy_g @ W_g`` in the warp-specialized Gluon kernel (W (G, N, K) read as
+    (G, K_red = N, N_out = K)). Shapes, errors: as :func:`gluon_fprop` with dy (M, N)."""
+    _check(dy, weights, offsets, None, swiglu=False, dgrad=True)
+    return _launch(dy, weights, offsets, True, config)
+
+
+def gluon_grouped_gemm(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                       dgrad: bool) -> torch.Tensor:
+    """The dispatched call (``kernels.grouped_gemm`` for the kinds of :func:`gluon_kinds`):
+    :func:`gluon_fprop` (``dgrad`` False) or :func:`gluon_dgrad` with
+    :data:`DISPATCH_CONFIG`; where :func:`gluon_unsupported_reason` rules the operands out
+    at run time (a base pointer off 16 bytes, say), the persistent Triton kernel's
+    ``large_fprop`` / ``large_dgrad``, whose outputs are the same bits. Under a
+    ``torch.compile`` trace the op ``te_ops::grouped_gemm_gluon``.
+
+    Shapes: a (M, R) (x, or dy for dgrad), weights (G, N, K), offsets (G,) -> (M, N) for
+    fprop, (M, K) for dgrad; rows past ``offsets[-1]`` zero. Raises as :func:`gluon_fprop`.
+    """
+    _check(a, weights, offsets, None, swiglu=False, dgrad=dgrad)
+    a = a.contiguous()
+    if tracing():
+        return torch.ops.te_ops.grouped_gemm_gluon(a, weights, offsets, dgrad)
+    return _run(a, weights, offsets, dgrad)
+
+
+def _run(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad: bool
+         ) -> torch.Tensor:
+    if gluon_unsupported_reason(a, weights) is not None:  # same bits in the Triton kernel
+        return (large_dgrad if dgrad else large_fprop)(a, weights, offsets)
+    return _launch(a, weights, offsets, dgrad, DISPATCH_CONFIG)
+
+
+@torch.library.custom_op("te_ops::grouped_gemm_gluon", mutates_args=())
+def _grouped_gemm_gluon_op(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                           dgrad: bool) -> torch.Tensor:
+    """:func:`gluon_grouped_gemm` as an opaque op (a Gluon kernel is no ``triton_op``
+    kernel Inductor can trace: ``wrap_triton`` takes Triton ``JITFunction`` kernels)."""
+    return _run(a, weights, offsets, dgrad)
+
+
+@_grouped_gemm_gluon_op.register_fake
+def _(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad: bool
+      ) -> torch.Tensor:
+    return a.new_empty(a.shape[0], weights.shape[2] if dgrad else weights.shape[1])

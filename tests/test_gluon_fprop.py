@@ -1,0 +1,336 @@
+"""The warp-specialized Gluon grouped GEMM (``kernels/grouped_gemm_gluon.py``): an experiment.
+
+CPU (CI): the launch config, the argument errors and the reason on CPU; the sm_90
+ahead-of-time compile (skipped without Gluon or an sm_90 ptxas: run with Triton 3.6 on the
+path): three partitions with their register budgets (``setmaxnreg``), wgmma, TMA loads, no
+spills, shared memory within SM90's 227 KiB. CUDA (``@pytest.mark.cuda``): fprop and dgrad
+against an fp64 per-expert ``torch.nn.functional.linear`` reference at N(0, 1) inputs and
+init-scale weights, padding rows that start as NaN garbage, empty groups, bitwise equal to
+``torch._grouped_mm`` and to the persistent Triton kernel, CUDA-graph replay with changed
+offsets bitwise equal to eager; the dispatched op ``te_ops::grouped_gemm_gluon`` under
+``torch.compile(fullgraph=True)``; with the rule patched to take the Gluon kernel for every
+fprop / dgrad of the persistent kernels, test_large_gemm_dispatch's block (fused, unfused)
+bitwise equal to the Triton kernel's run, and the existing compile and CUDA-graph block
+checks bitwise equal to eager. CPU: the rule (:data:`GLUON_RULE`, measured shapes only) and
+the choice's ``explain()`` text and routing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_ops.kernels import grouped_gemm_gluon as GG
+from te_ops.kernels import grouped_gemm_large_triton as L
+
+CUDA = torch.device("cuda")
+
+
+# ----------------------------------------------------------------------------------- CPU
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"config keys must be among .* got unknown \['FLAT'\]"):
+        GG._resolve({"FLAT": True})
+    with pytest.raises(ValueError, match="SPLIT=True needs num_warps=4 .* got num_warps=8"):
+        GG._resolve({"SPLIT": True})
+    with pytest.raises(ValueError, match="num_warps must be 8 .* got 4"):
+        GG._resolve({"num_warps": 4})
+
+
+def test_config_fits_the_register_file():
+    cfg = GG.gluon_config()
+    warps = cfg["num_warps"] + 4  # the producer and the epilogue share one warpgroup
+    assert cfg["EPI_WARPS"] + 1 <= 4
+    assert GG.MAXNREG * warps * 32 <= 65536
+    assert cfg["BLOCK_M"] % cfg["SUB_M"] == 0
+
+
+def test_argument_errors_name_the_argument():
+    x = torch.zeros(8, 4, dtype=torch.bfloat16)
+    w = torch.zeros(2, 6, 5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x has 4 columns, .* have K=5"):
+        GG.gluon_fprop(x, w, torch.tensor([3, 8]))
+    with pytest.raises(ValueError, match="dy has 4 columns, weights .* have N=6"):
+        GG.gluon_dgrad(x, w, torch.tensor([3, 8]))
+    with pytest.raises(ValueError, match=r"offsets must be int32/int64 of shape \(2,\)"):
+        GG.gluon_fprop(x, torch.zeros(2, 6, 4, dtype=torch.bfloat16), torch.tensor([8]))
+
+
+def test_cpu_raises_with_the_reason():
+    x, w = torch.zeros(8, 4, dtype=torch.bfloat16), torch.zeros(2, 6, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run: device type cpu is not cuda"):
+        GG.gluon_fprop(x, w, torch.tensor([3, 8]))
+    reason = GG.gluon_unsupported_reason(x, w)
+    assert reason is not None and ("CUDA" in reason or "gluon" in reason)
+
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32",
+             "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32",
+             "stride_wg": "i32", "stride_wn": "i32", "stride_wk": "i32"}
+
+
+def _compile_sm90(dgrad: bool, split: bool = False):
+    pytest.importorskip("triton")
+    if GG.gluon is None:
+        pytest.skip("no triton.experimental.gluon in this Triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = GG._resolve({"SPLIT": True, "num_warps": 4} if split else None)
+    const = {"W_KN": dgrad, "GBLOCK": 8, **cfg}
+    src = GluonASTSource(GG._gluon_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
+                         constexprs=const)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg["num_warps"], "maxnreg": GG.MAXNREG})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise
+
+
+@pytest.mark.parametrize("dgrad, split", [(False, False), (True, False), (False, True),
+                                          (True, True)])
+def test_compiles_for_sm90_warp_specialized(dgrad, split):
+    """Three partitions: the default (8 consumer warps) raises its registers, the worker
+    warpgroup lowers to ``WORKER_REGS``; wgmma m64n256k16 in the consumer, TMA loads with an
+    expected byte count of one x tile plus one W tile, masked stores; within 227 KiB of
+    shared memory; ptxas fits the function in MAXNREG registers without spills."""
+    kernel = _compile_sm90(dgrad, split)
+    ptx = kernel.asm["ptx"]
+    cfg = GG.gluon_config()
+    regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    assert max(regs) <= 256 and min(regs) >= 24 and cfg["WORKER_REGS"] in regs
+    assert re.search(rf"\.maxnreg\s+{GG.MAXNREG}", ptx)
+    assert re.search(rf"\.reqntid\s+{12 * 32}", ptx)
+    assert "setmaxnreg.inc.sync.aligned.u32" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    nbytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert re.search(r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], " + str(nbytes), ptx)
+    assert kernel.metadata.shared <= 227 * 1024
+    assert "st.local" not in ptx and "ld.local" not in ptx  # no spills in the PTX
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _reference(x, w, sizes):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
+    start = 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = F.linear(x[start:start + n].double(), w[g].double())
+        start += n
+    return out
+
+
+def _operands(sizes, m, n, k, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(sizes)
+    x = torch.randn(m, k, generator=gen, device=CUDA).to(dtype)
+    x[total:] = float("nan")  # padding rows: garbage the kernel must not read into outputs
+    w = (torch.randn(len(sizes), n, k, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
+    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+    return x, w, offs
+
+
+def _tol(dtype, k):
+    return (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, (k / 64) ** 0.5)
+
+
+CASES = [
+    ([300, 0, 17, 129], 460, 384, 256),      # empty group, 14 padding rows, skew
+    ([1000, 3, 0, 0, 250], 1300, 200, 136),  # dims off the tiles
+    ([0, 0], 50, 256, 64),                   # padding only
+    ([512] * 4, 2048, 1536, 512),            # E128-like fc1 slice, no padding
+]
+
+
+def _skip_unless_sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+
+
+SPLIT = {"SPLIT": True, "num_warps": 4}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [None, SPLIT])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sizes, m, n, k", CASES)
+def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
+    _skip_unless_sm90()
+    x, w, offs = _operands(sizes, m, n, k, dtype)
+    total = sum(sizes)
+    y = GG.gluon_fprop(x, w, offs, config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert not y[total:].any()
+    if total:
+        err = (y.double() - _reference(x, w, sizes)).abs().max().item()
+        assert err <= _tol(dtype, k), err
+    dy = torch.randn(m, n, device=CUDA).to(dtype)
+    dy[total:] = float("nan")
+    dx = GG.gluon_dgrad(dy, w, offs, config)
+    assert dx.shape == (m, k) and not dx[total:].any()
+    if total:
+        ref = _reference(dy, w.transpose(1, 2), sizes)
+        err = (dx.double() - ref).abs().max().item()
+        assert err <= _tol(dtype, n), err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [None, SPLIT])
+def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel(config):
+    """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) and ``large_fprop`` /
+    ``large_dgrad`` bit for bit (skewed and empty groups, no padding)."""
+    _skip_unless_sm90()
+    sizes = [300, 0, 17, 195, 64, 600]
+    x, w, offs = _operands(sizes, sum(sizes), 512, 256)
+    y = GG.gluon_fprop(x, w, offs, config)
+    assert torch.equal(y, torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+    assert torch.equal(y, L.large_fprop(x, w, offs))
+    dy = torch.randn(sum(sizes), 512, device=CUDA).to(torch.bfloat16)
+    dx = GG.gluon_dgrad(dy, w, offs, config)
+    assert torch.equal(dx, torch._grouped_mm(dy, w, offs=offs))
+    assert torch.equal(dx, L.large_dgrad(dy, w, offs))
+
+
+@pytest.mark.cuda
+def test_graph_replay_with_new_offsets_bitwise_equal_to_eager():
+    _skip_unless_sm90()
+    x, w, offs = _operands([300, 0, 200], 520, 512, 256)
+    static_offs = offs.clone()
+    GG.gluon_fprop(x, w, static_offs)  # compile outside the capture
+    dy = torch.randn(520, 512, device=CUDA).to(torch.bfloat16)
+    GG.gluon_dgrad(dy, w, static_offs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = GG.gluon_fprop(x, w, static_offs)
+        dx = GG.gluon_dgrad(dy, w, static_offs)
+    new = torch.tensor([10, 400, 90], device=CUDA).cumsum(0).to(torch.int32)
+    static_offs.copy_(new)
+    graph.replay()
+    assert torch.equal(y, GG.gluon_fprop(x, w, new))
+    assert torch.equal(dx, GG.gluon_dgrad(dy, w, new))
+
+
+# ------------------------------------------------------------------ dispatch (CPU + CUDA)
+def test_rule_names_the_measured_shapes_only(monkeypatch):
+    monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
+    both = ("fprop", "dgrad")
+    assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
+    assert GG.gluon_kinds(2048, 1536, 512.0, both) == ("dgrad",)  # fc1: dgrad only
+    assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
+    assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
+    assert GG.gluon_kinds(768, 2048, None, both) == ()
+    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == ()  # E8: measured slower
+    monkeypatch.setattr(GG, "gluon", None)
+    assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
+
+
+def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
+    from te_ops.kernels import grouped_gemm
+    from te_ops.splits import make_splits
+
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    cpu = torch.device("cpu")
+    choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 768, 2048, True, "auto", "auto",
+                                          (), ("fprop", "dgrad"), ("fprop", "dgrad"))
+    assert choice.large_kinds == ("fprop", "dgrad") and choice.gluon_kinds == ("fprop", "dgrad")
+    assert "fprop/dgrad in the warp-specialized Gluon kernel" in choice.reason
+    assert "GLUON_RULE=fprop@512,dgrad@512" in choice.reason
+    x = torch.zeros(10, 768, dtype=torch.bfloat16)
+    w = torch.zeros(3, 2048, 768, dtype=torch.bfloat16)
+    splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
+    with pytest.raises(RuntimeError, match="cannot run: device type cpu is not cuda"):
+        grouped_gemm.grouped_fprop(x, w, splits, choice)
+    plain = grouped_gemm._select_backend(cpu, torch.bfloat16, 768, 2048, True, "auto", "auto",
+                                         (), ("fprop", "dgrad"))
+    assert plain.gluon_kinds == () and "Gluon" not in plain.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_op_under_compile_fullgraph_equals_eager(dgrad):
+    _skip_unless_sm90()
+    x, w, offs = _operands([300, 0, 200], 520, 512, 256)
+    a = torch.randn(520, 512, device=CUDA).to(torch.bfloat16) if dgrad else x
+    want = GG.gluon_grouped_gemm(a, w, offs, dgrad)
+    compiled = torch.compile(lambda *t: GG.gluon_grouped_gemm(*t, dgrad), fullgraph=True)
+    assert torch.equal(compiled(a, w, offs), want)
+    assert torch.equal(want, (L.large_dgrad if dgrad else L.large_fprop)(a, w, offs))
+
+
+def _force_gluon(monkeypatch) -> list[int]:
+    """Auto takes the Gluon kernel for every fprop / dgrad it runs in the persistent kernel
+    (the rule patched); returns a list that counts the Gluon launches."""
+    from te_ops.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "gluon_kinds",
+                        lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
+                                                        if k in large))
+    grouped_gemm._CHOICES.clear()
+    launches: list[int] = []
+    launch = GG._launch
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(GG, "_launch", counted)
+    return launches
+
+
+@pytest.mark.cuda
+def test_block_with_gluon_dispatch_bitwise_equal_to_the_triton_kernel(monkeypatch):
+    """test_large_gemm_dispatch's 2600-row block (650 rows per group, an empty group, NaN
+    padding rows): with every fprop / dgrad in the Gluon kernel, output and all gradients,
+    fused and unfused, equal the run with the persistent Triton kernel bit for bit."""
+    _skip_unless_sm90()
+    import test_large_gemm_dispatch as D
+
+    from te_ops.kernels import grouped_gemm
+
+    sizes = [1500, 0, 700, 360]
+    rows, hidden, ffn = 2600, 256, 384
+    x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    x[sum(sizes):] = float("nan")
+    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16)
+    splits = torch.tensor(sizes, device=CUDA)
+    dy = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16)
+    want = {}
+    for fusion in ("1", "0"):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        grouped_gemm._CHOICES.clear()
+        want[fusion] = D._run(D._block(4, hidden, ffn), x, probs, splits, dy)
+    launches = _force_gluon(monkeypatch)
+    for fusion in ("1", "0"):
+        monkeypatch.setenv("TE_OPS_FUSION", fusion)
+        block = D._block(4, hidden, ffn)
+        got = D._run(block, x, probs, splits, dy)
+        assert "warp-specialized Gluon kernel" in block.explain()
+        for i, (g, w) in enumerate(zip(got, want[fusion])):
+            assert torch.equal(g, w), f"fusion {fusion}, tensor {i}"
+    assert launches  # the Gluon kernel ran
+    grouped_gemm._CHOICES.clear()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
+def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
+    """The existing compile (fullgraph) and CUDA-graph replay checks (new split sizes each
+    replay) with fprop / dgrad in the Gluon kernel: bitwise equal to eager."""
+    _skip_unless_sm90()
+    import test_cuda_graphs
+    import test_torch_compile_cuda
+
+    monkeypatch.setattr(L, "MIN_ROWS_PER_GROUP", {k: 1 for k in L.MIN_ROWS_PER_GROUP})
+    launches = _force_gluon(monkeypatch)
+    block = test_torch_compile_cuda._block(fusion, monkeypatch)
+    x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
+    sizes = torch.tensor([64] * 4, device=CUDA)
+    block(x, sizes, torch.rand(256, device=CUDA), sizes)
+    assert "warp-specialized Gluon kernel" in block.explain()
+    test_torch_compile_cuda._check_compiled_bitwise(block, "default")
+    test_cuda_graphs.test_replay_matches_eager_bitwise(monkeypatch, fusion, torch.bfloat16)
+    assert launches
