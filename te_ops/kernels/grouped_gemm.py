@@ -209,10 +209,11 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
              and device.type == "cuda" else ())
-    gluon = (gluon_kinds(rows_per_group, out_features, env.read("TE_OPS_GLUON_WGRAD"))
-             if auto else ())
+    gluon_mode = env.read("TE_OPS_GLUON_WGRAD") if auto else None
+    gluon = gluon_kinds(rows_per_group, out_features, gluon_mode) if auto else ()
+    # the mode too: the reason text names it (auto and 1 give the same kinds at many rows)
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large, gluon)
+           kinds, large, gluon, gluon_mode if gluon else None)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
@@ -273,22 +274,28 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                else ())
         rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + gluon]
         parts = []
+        # a wgrad into an fp32 main_grad runs torch._grouped_mm (out_dtype) where it can
+        # (kernels/wgrad_into.py): said on the part that holds wgrad
+        mg = ", wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
         if gluon:
             parts.append(f"{'/'.join(gluon)} in the warp-specialized Gluon kernel (SM90, "
                          "bfloat16, out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
                          f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
                          f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={GLUON_WGRAD_MIN_ROWS_PER_GROUP} "
                          "rows per group, measured faster than torch._grouped_mm there; a "
-                         "call whose operands are not 16-byte aligned runs torch._grouped_mm)")
+                         "call whose operands are not 16-byte aligned runs torch._grouped_mm"
+                         f"{mg})")
         if small:
             parts.append(f"{'/'.join(small)} in Triton (few rows per group, SM90, bfloat16: "
                          "measured faster than torch._grouped_mm there, rule "
-                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP})")
+                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP}"
+                         f"{mg if 'wgrad' in small else ''})")
         if big:
             parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows "
                          "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
                          f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
-                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP})")
+                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP}"
+                         f"{mg if 'wgrad' in big else ''})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,

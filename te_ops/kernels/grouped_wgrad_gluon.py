@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import capability, cdiv, sm_count
+from .triton_launch import capability, cdiv, launch, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
     import triton
@@ -125,7 +125,9 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
         # Under a trace (fake tensors: no data pointer) the storage offset is what is known.
         base = (t.storage_offset() * t.element_size() if t.device.type == "meta" or tracing()
                 else t.data_ptr())
-        if t.stride(0) * t.element_size() % 16 or base % 16:
+        # the kernel's row pitch is the width (shape[1]), also where stride(0) differs
+        # (a contiguous one-row view of a wider buffer)
+        if t.shape[1] * t.element_size() % 16 or base % 16:
             return f"{name}'s rows or base are not 16-byte aligned (TMA)"
     block_n = {**gluon_wgrad_config(), **(config or {})}["BLOCK_N"]
     if dy.shape[1] % block_n:
@@ -356,8 +358,10 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     programs = max(1, min(sm_count(x.device),
                           groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
     _ensure_allocator()  # global scratch for the device-side TMA descriptors
-    _gluon_wgrad_kernel[(programs,)](x, dy, out, offsets, order, m, n, k, groups, programs,
-                                     **cfg)
+    # launch(): on x's device (Triton launches on the current one, and the scratch allocator
+    # runs inside the launch), not on cuda:0 for tensors on cuda:1
+    launch(_gluon_wgrad_kernel, (programs,), x, dy, out, offsets, order, m, n, k, groups,
+           programs, **cfg)
     return out
 
 

@@ -1,0 +1,113 @@
+"""Review of stop 16 (the Gluon wgrad and its dispatch): regression tests of the defects found.
+
+* The Gluon launch went straight to ``kernel[grid]``: Triton launches on the *current* CUDA
+  device, so x on ``cuda:1`` while ``cuda:0`` is current ran the kernel (and allocated its
+  TMA-descriptor scratch) on the wrong device; every other te_ops kernel launches through
+  ``triton_launch.launch``, which makes the tensors' device current for the launch.
+* ``select_backend``'s choice cache was keyed by the Gluon kinds but not by
+  ``TE_OPS_GLUON_WGRAD``, whose value the reason text names: after a switch auto -> 1 at the
+  same shapes ``explain()`` still said ``TE_OPS_GLUON_WGRAD=auto``.
+* The auto ``triton`` choice's reason said wgrad runs in the Gluon (or persistent / few-rows
+  Triton) kernel also for a wgrad into an fp32 ``main_grad``, which ``wgrad_into`` runs in
+  ``torch._grouped_mm`` with ``out_dtype`` (the forced text says so; auto's did not).
+* The gate checked the 16-byte row pitch on ``stride(0)``, but the kernel's descriptors use
+  ``K`` (``in_features``) as the pitch: a contiguous one-row x sliced from a wider buffer
+  (``stride(0) != K``) passed with ``K * 2`` bytes not a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton, triton_launch
+from te_ops.kernels import grouped_wgrad_gluon as G
+
+
+def test_gluon_launch_runs_on_the_tensors_device(monkeypatch):
+    """x on cuda:1 while cuda:0 is current: the kernel is called inside ``torch.cuda.device(1)``
+    (the scratch allocator runs inside the launch, so it gets device 1 too)."""
+    entered: list[int] = []
+    calls: list[list[int]] = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.pop()
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(list(entered))
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 1)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(G, "_gluon_wgrad_kernel", Kernel(), raising=False)
+    monkeypatch.setattr(G, "gluon_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(G, "sm_count", lambda device: 4)
+    monkeypatch.setattr(grouped_gemm_large_triton, "_ensure_allocator", lambda: None)
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    dy = torch.zeros(8, 128, dtype=torch.bfloat16)
+    G._launch(x, dy, torch.tensor([3, 8], dtype=torch.int32), None)
+    assert calls == [[1]]
+
+
+def _auto_on_sm90(monkeypatch):
+    """select_backend as on an SM90 GPU in bfloat16 with the Gluon rule taking wgrad."""
+    monkeypatch.setattr(grouped_gemm, "_measured_on", lambda *a: True)
+    monkeypatch.setattr(grouped_gemm, "grouped_mm_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "grouped_mm_host_sync_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: "off")
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: "off")
+    monkeypatch.setattr(grouped_gemm, "gluon_kinds", lambda *a: ("wgrad",))
+    monkeypatch.setitem(grouped_gemm._PROBE_CACHE, ("cuda", 0, torch.bfloat16), None)
+    monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
+
+
+@pytest.mark.parametrize("modes", [("auto", "1"), ("1", "auto")])
+def test_cached_choice_names_the_current_gluon_mode(monkeypatch, modes):
+    _auto_on_sm90(monkeypatch)
+    for mode in modes:
+        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                             256, True, rows_per_group=4096.0)
+        assert choice.gluon_kinds == ("wgrad",)
+        assert f"TE_OPS_GLUON_WGRAD={mode}:" in choice.reason
+
+
+@pytest.mark.parametrize("small, large, gluon", [
+    ((), (), ("wgrad",)),  # the Gluon wgrad
+    ((), ("fprop", "dgrad", "wgrad"), ()),  # the persistent wgrad (64-256 rows per group)
+    (("fprop", "dgrad", "wgrad"), (), ()),  # the few-rows wgrad
+])
+def test_auto_reason_says_where_a_main_grad_wgrad_runs(monkeypatch, small, large, gluon):
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
+    choice = grouped_gemm._select_backend(torch.device("cpu"), torch.bfloat16, 16, 256, True,
+                                          "auto", "auto", small, large, gluon)
+    assert "wgrad" in choice.gluon_kinds + choice.large_kinds + choice.triton_kinds
+    assert "wgrad into an fp32 main_grad in torch._grouped_mm" in choice.reason
+
+
+def test_auto_reason_without_a_triton_wgrad_names_no_main_grad_route(monkeypatch):
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    choice = grouped_gemm._select_backend(torch.device("cpu"), torch.bfloat16, 16, 256, True,
+                                          "auto", "auto", (), ("fprop", "dgrad"), ())
+    assert "main_grad" not in choice.reason
+
+
+def test_gate_checks_the_row_pitch_the_kernel_uses():
+    """(1, 12) bf16 sliced from a (1, 16) buffer is contiguous with stride(0) = 16 (32 bytes),
+    but the kernel's pitch is K = 12 (24 bytes): not a TMA row pitch."""
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)[:, :12]
+    dy = torch.zeros(1, 128, dtype=torch.bfloat16)
+    assert x.is_contiguous() and x.stride(0) * x.element_size() % 16 == 0
+    why = G.gluon_unsupported_reason(x, dy)
+    assert why is not None and "x's rows" in why and "16-byte" in why
+    with pytest.raises(RuntimeError, match="x's rows"):
+        G.gluon_wgrad(x, dy, torch.tensor([1], dtype=torch.int32))
