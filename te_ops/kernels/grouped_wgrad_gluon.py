@@ -43,8 +43,10 @@ it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
 wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
-issue-10 wgrads, one run); not dispatched by ``kernels.grouped_gemm`` yet: the op's CUDA
-tests (CUDA graph, ``torch.compile``) have not run on the H200 (the section says why).
+issue-10 wgrads, one run). Dispatched by ``kernels.grouped_gemm`` (:func:`gluon_kinds`: auto
+at :data:`MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``).
+The launch goes through ``triton_launch.launch``: on the tensors' device (Triton launches on
+the current one; the descriptor scratch is allocated inside the launch, so there too).
 """
 
 from __future__ import annotations
