@@ -13,9 +13,14 @@
 * The gate checked the 16-byte row pitch on ``stride(0)``, but the kernel's descriptors use
   ``K`` (``in_features``) as the pitch: a contiguous one-row x sliced from a wider buffer
   (``stride(0) != K``) passed with ``K * 2`` bytes not a multiple of 16.
+* The rule and the gate took any importable Gluon: Triton 3.5 (torch 2.9, inside the supported
+  torch >= 2.8) imports the same modules with another ``gl.warp_specialize`` API, so auto
+  dispatch would send the wgrad to a kernel that fails to compile in the backward.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,3 +116,48 @@ def test_gate_checks_the_row_pitch_the_kernel_uses():
     assert why is not None and "x's rows" in why and "16-byte" in why
     with pytest.raises(RuntimeError, match="x's rows"):
         G.gluon_wgrad(x, dy, torch.tensor([1], dtype=torch.int32))
+
+
+# Gluon is experimental: Triton 3.5 (torch 2.9's, inside the supported torch >= 2.8) has
+# triton.experimental.gluon with the Hopper module but gl.warp_specialize(default_args,
+# default_partition, worker_args, worker_partitions, worker_num_warps, worker_num_regs); the
+# kernel is written against 3.6's warp_specialize(functions_and_args, worker_num_warps,
+# worker_num_regs). The rule and the gate took any importable Gluon, so auto dispatch sent the
+# wgrad there and the backward failed in the kernel's compile.
+def _ws_35(default_args, default_partition, worker_args, worker_partitions, worker_num_warps,
+           worker_num_regs, _semantic=None, _generator=None):
+    """Triton 3.5's gl.warp_specialize signature."""
+
+
+def _ws_36(functions_and_args, worker_num_warps, worker_num_regs, _semantic=None,
+           _generator=None):
+    """Triton 3.6's gl.warp_specialize signature."""
+
+
+def _descriptor(*args):
+    """tma.make_tensor_descriptor stand-in."""
+
+
+@pytest.mark.parametrize("ws, tma, match", [
+    (_ws_35, SimpleNamespace(make_tensor_descriptor=_descriptor), "warp_specialize"),
+    (_ws_36, SimpleNamespace(), "make_tensor_descriptor"),
+    (None, SimpleNamespace(make_tensor_descriptor=_descriptor), "warp_specialize"),
+])
+def test_gluon_api_other_than_the_kernels_is_refused(ws, tma, match):
+    why = G.gluon_api_reason(SimpleNamespace(warp_specialize=ws), tma)
+    assert why is not None and match in why
+
+
+def test_gluon_api_of_triton_36_is_taken():
+    assert G.gluon_api_reason(SimpleNamespace(warp_specialize=_ws_36),
+                              SimpleNamespace(make_tensor_descriptor=_descriptor)) is None
+
+
+def test_rule_and_gate_refuse_another_gluon_api(monkeypatch):
+    monkeypatch.setattr(G, "gluon", object())  # importable ...
+    # ... but not 3.6's API
+    monkeypatch.setattr(G, "GLUON_API_REASON", "another gl.warp_specialize API")
+    assert G.gluon_kinds(1e6, 256, "1") == () == G.gluon_kinds(1e6, 256, "auto")
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    dy = torch.zeros(8, 256, dtype=torch.bfloat16)
+    assert G.gluon_unsupported_reason(x, dy) == "another gl.warp_specialize API"

@@ -51,6 +51,8 @@ the current one; the descriptor scratch is allocated inside the launch, so there
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .compiled_ops import tracing
@@ -71,9 +73,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     gluon = None
     gl = None
+    tma = None
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
-           "MIN_ROWS_PER_GROUP"]
+           "gluon_api_reason", "MIN_ROWS_PER_GROUP"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
 #: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
@@ -82,17 +85,45 @@ __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "glu
 MIN_ROWS_PER_GROUP = 1024
 
 
+def gluon_api_reason(gl_module: Any, tma_module: Any) -> str | None:
+    """Why the Gluon of ``gl_module`` (``triton.experimental.gluon.language``) and
+    ``tma_module`` (its Hopper ``tma``) is not the API this kernel is written against
+    (Triton 3.6.0), ``None`` when it is. Gluon is experimental: Triton 3.5 (torch 2.9's)
+    imports with the same modules but has ``gl.warp_specialize(default_args,
+    default_partition, worker_args, ...)``, where the kernel would fail in its compile."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(gl_module.warp_specialize).parameters)
+    except (AttributeError, TypeError, ValueError):
+        params = []
+    if params[:1] != ["functions_and_args"]:
+        return ("the installed Triton's Gluon has another gl.warp_specialize API (the kernel "
+                "is written against Triton 3.6's warp_specialize(functions_and_args, "
+                f"worker_num_warps, worker_num_regs)), got parameters {params}")
+    if not hasattr(tma_module, "make_tensor_descriptor"):
+        return ("the installed Triton's Gluon has no device-side tma.make_tensor_descriptor "
+                "(the kernel is written against Triton 3.6)")
+    return None
+
+
+#: :func:`gluon_api_reason` of the installed Triton (``None`` without Gluon: then ``gluon`` is
+#: ``None``, which the rule and the gate check first).
+GLUON_API_REASON = None if gluon is None else gluon_api_reason(gl, tma)
+
+
 def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "auto"
                 ) -> tuple[str, ...]:
     """``("wgrad",)`` where the dispatch runs a layer's wgrad in this kernel, else ``()``.
 
     ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MIN_ROWS_PER_GROUP` rows per group
     on average or more, ``1`` at any known row count, ``0`` never; always ``()`` when Gluon is
-    missing, the row count is not known (``None``) or ``out_features`` (the wgrad's N) is not
+    missing or not Triton 3.6's API (:func:`gluon_api_reason`), the row count is not known
+    (``None``) or ``out_features`` (the wgrad's N) is not
     a multiple of the tile's ``BLOCK_N`` (:func:`gluon_unsupported_reason`). The caller
     (``select_backend``) asks only where auto dispatch runs on SM90 in bfloat16.
     """
-    if mode == "0" or gluon is None or rows_per_group is None:
+    if mode == "0" or gluon is None or GLUON_API_REASON is not None or rows_per_group is None:
         return ()
     if out_features % gluon_wgrad_config()["BLOCK_N"]:
         return ()
@@ -137,6 +168,8 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
                 "dW tile would cross into the next group's rows of the output")
     if gluon is None:
         return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if GLUON_API_REASON is not None:
+        return GLUON_API_REASON
     if x.device.type != "cuda":
         return f"Gluon kernels need a CUDA device, got {x.device}"
     if capability(x.device)[0] != 9:
