@@ -16,6 +16,8 @@
 * The rule and the gate took any importable Gluon: Triton 3.5 (torch 2.9, inside the supported
   torch >= 2.8) imports the same modules with another ``gl.warp_specialize`` API, so auto
   dispatch would send the wgrad to a kernel that fails to compile in the backward.
+* ``TE_OPS_GLUON_WGRAD=1`` where the kernel can never take the layer's wgrad was a silent no-op
+  (now the choice's reason says ``TE_OPS_GLUON_WGRAD=1 not taken: <why>``).
 """
 
 from __future__ import annotations
@@ -161,3 +163,28 @@ def test_rule_and_gate_refuse_another_gluon_api(monkeypatch):
     x = torch.zeros(8, 256, dtype=torch.bfloat16)
     dy = torch.zeros(8, 256, dtype=torch.bfloat16)
     assert G.gluon_unsupported_reason(x, dy) == "another gl.warp_specialize API"
+
+
+# TE_OPS_GLUON_WGRAD=1 where the kernel can never take the layer's wgrad (no Gluon, another
+# Gluon API, out_features not a multiple of BLOCK_N) was a silent no-op: the choice's reason
+# said "wgrad in torch._grouped_mm" without why the asked-for kernel did not run.
+@pytest.mark.parametrize("patch, out_features, match", [
+    ({"gluon": None}, 256, "no Gluon"),
+    ({"gluon": object(), "GLUON_API_REASON": "another gl.warp_specialize API"}, 256,
+     "another gl.warp_specialize API"),
+    ({"gluon": object(), "GLUON_API_REASON": None}, 192, "multiple of BLOCK_N"),
+])
+def test_forced_gluon_mode_not_taken_says_why(monkeypatch, patch, out_features, match):
+    _auto_on_sm90(monkeypatch)
+    monkeypatch.setattr(grouped_gemm, "gluon_kinds", G.gluon_kinds)
+    for name, value in patch.items():
+        monkeypatch.setattr(G, name, value)
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                         out_features, True, rows_per_group=4096.0)
+    assert choice.gluon_kinds == ()
+    assert "TE_OPS_GLUON_WGRAD=1 not taken" in choice.reason and match in choice.reason
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")  # the rule's own choice: no note
+    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                         out_features, True, rows_per_group=4096.0)
+    assert "TE_OPS_GLUON_WGRAD" not in choice.reason

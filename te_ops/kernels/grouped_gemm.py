@@ -46,6 +46,7 @@ the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -72,7 +73,12 @@ from .grouped_gemm_triton import (
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
-from .grouped_wgrad_gluon import gluon_kinds, gluon_unsupported_reason, gluon_wgrad
+from .grouped_wgrad_gluon import (
+    gluon_kinds,
+    gluon_unavailable_reason,
+    gluon_unsupported_reason,
+    gluon_wgrad,
+)
 from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
@@ -211,13 +217,19 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
              and device.type == "cuda" else ())
     gluon_mode = env.read("TE_OPS_GLUON_WGRAD") if auto else None
     gluon = gluon_kinds(rows_per_group, out_features, gluon_mode) if auto else ()
+    # TE_OPS_GLUON_WGRAD=1 where the kernel can never run: the reason says why
+    gluon_why = (gluon_unavailable_reason(out_features) if gluon_mode == "1" and not gluon
+                 else None)
     # the mode too: the reason text names it (auto and 1 give the same kinds at many rows)
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large, gluon, gluon_mode if gluon else None)
+           kinds, large, gluon, gluon_mode if gluon else None, gluon_why)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
                                  forced, graph_safe, kinds, large, gluon)
+        if gluon_why is not None:
+            choice = dataclasses.replace(choice, reason=f"{choice.reason}; "
+                                         f"TE_OPS_GLUON_WGRAD=1 not taken: {gluon_why}")
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()

@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tma = None
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
-           "gluon_api_reason", "MIN_ROWS_PER_GROUP"]
+           "gluon_api_reason", "gluon_unavailable_reason", "MIN_ROWS_PER_GROUP"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
 #: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
@@ -130,6 +130,22 @@ def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "au
     if mode == "auto" and rows_per_group < MIN_ROWS_PER_GROUP:
         return ()
     return ("wgrad",)
+
+
+def gluon_unavailable_reason(out_features: int) -> str | None:
+    """Why :func:`gluon_kinds` never takes the wgrad of a layer with ``out_features`` here,
+    whatever the row count and mode (``None`` when it can): no Gluon, another Gluon API
+    (:func:`gluon_api_reason`), ``out_features`` not a multiple of ``BLOCK_N``. The dispatch
+    names it where ``TE_OPS_GLUON_WGRAD=1`` asks for the kernel."""
+    if gluon is None:
+        return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if GLUON_API_REASON is not None:
+        return GLUON_API_REASON
+    block_n = gluon_wgrad_config()["BLOCK_N"]
+    if out_features % block_n:
+        return (f"out_features ({out_features}) is not a multiple of BLOCK_N ({block_n}): a "
+                "dW tile would cross into the next group's rows of the output")
+    return None
 
 
 def gluon_wgrad_config() -> dict[str, int]:
