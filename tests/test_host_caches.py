@@ -119,13 +119,14 @@ def test_backend_choice_follows_env(monkeypatch):
 
 
 def test_backend_choice_is_not_cached_before_the_probe(monkeypatch):
-    # no Triton kinds, no persistent kinds, no Gluon kinds
-    key = (torch.device("meta"), torch.float16, 16, 16, True, "auto", "auto", (), (), ())
     monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
     monkeypatch.setattr(grouped_gemm, "_PROBE_CACHE", {})
     grouped_gemm.select_backend(torch.device("meta"), torch.float16, 16, 16, True)
-    assert (key in grouped_gemm._CHOICES) == (("meta", None, torch.float16)
-                                              in grouped_gemm._PROBE_CACHE)
+    # (the key's head, not the whole key: its tail grows with the dispatch rules; stop 16
+    # added the Gluon kinds, which a hard-coded 9-tuple never matched)
+    cached = any(k[:5] == (torch.device("meta"), torch.float16, 16, 16, True)
+                 for k in grouped_gemm._CHOICES)
+    assert cached == (("meta", None, torch.float16) in grouped_gemm._PROBE_CACHE)
 
 
 # -------------------------------------------------------------------------- parameters

@@ -103,7 +103,8 @@ ENV_VARS: dict[str, EnvVar] = {
             ("auto", "0", "1"),
             "wgrad in the warp-specialized Gluon kernel (te_ops/kernels/grouped_wgrad_gluon.py; "
             "bitwise torch._grouped_mm's result), where auto dispatch runs (TE_OPS_GROUPED_GEMM_"
-            "BACKEND=auto, SM90, bfloat16) and out_features is a multiple of 128: auto at the "
+            "BACKEND=auto, SM90, bfloat16, Triton 3.6's Gluon API) and out_features is a multiple "
+            "of 128: auto at the "
             "measured rule (>= 1024 rows per group on average, grouped_wgrad_gluon."
             "MIN_ROWS_PER_GROUP: 1.04-1.13x torch._grouped_mm on the H200), 1 at any row count, "
             "0 never.",

@@ -48,6 +48,7 @@ the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -77,7 +78,11 @@ from .grouped_gemm_triton import (
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
 from .grouped_wgrad_gluon import gluon_kinds as gluon_wgrad_kinds
-from .grouped_wgrad_gluon import gluon_unsupported_reason, gluon_wgrad
+from .grouped_wgrad_gluon import (
+    gluon_unavailable_reason,
+    gluon_unsupported_reason,
+    gluon_wgrad,
+)
 from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
 
@@ -216,15 +221,23 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     large = (large_kinds(rows_per_group) if auto else
              large_kinds(rows_per_group, forced=True) if forced == "triton"
              and device.type == "cuda" else ())
-    gluon = (gluon_gemm_kinds(in_features, out_features, rows_per_group, large)
-             + gluon_wgrad_kinds(rows_per_group, out_features, env.read("TE_OPS_GLUON_WGRAD"))
+    gluon_mode = env.read("TE_OPS_GLUON_WGRAD") if auto else None
+    wgrad_gluon = gluon_wgrad_kinds(rows_per_group, out_features, gluon_mode) if auto else ()
+    gluon = (gluon_gemm_kinds(in_features, out_features, rows_per_group, large) + wgrad_gluon
              if auto else ())
+    # TE_OPS_GLUON_WGRAD=1 where the kernel can never run: the reason says why
+    gluon_why = (gluon_unavailable_reason(out_features) if gluon_mode == "1"
+                 and not wgrad_gluon else None)
+    # the mode too: the reason text names it (auto and 1 give the same kinds at many rows)
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large, gluon)
+           kinds, large, gluon, gluon_mode if wgrad_gluon else None, gluon_why)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
                                  forced, graph_safe, kinds, large, gluon)
+        if gluon_why is not None:
+            choice = dataclasses.replace(choice, reason=f"{choice.reason}; "
+                                         f"TE_OPS_GLUON_WGRAD=1 not taken: {gluon_why}")
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -283,22 +296,28 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                if auto_large is None else ())
         rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + wgrad_gluon]
         parts = []
+        # a wgrad into an fp32 main_grad runs torch._grouped_mm (out_dtype) where it can
+        # (kernels/wgrad_into.py): said on the part that holds wgrad
+        mg = ", wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
         if wgrad_gluon:
             parts.append("wgrad in the warp-specialized Gluon wgrad (SM90, bfloat16, "
                          "out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
                          f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
                          f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={GLUON_WGRAD_MIN_ROWS_PER_GROUP} "
                          "rows per group, measured faster than torch._grouped_mm there; a "
-                         "call whose operands are not 16-byte aligned runs torch._grouped_mm)")
+                         "call whose operands are not 16-byte aligned runs torch._grouped_mm"
+                         f"{mg})")
         if small:
             parts.append(f"{'/'.join(small)} in Triton (few rows per group, SM90, bfloat16: "
                          "measured faster than torch._grouped_mm there, rule "
-                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP})")
+                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP}"
+                         f"{mg if 'wgrad' in small else ''})")
         if big:
             parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows "
                          "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
                          f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
-                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP})")
+                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP}"
+                         f"{mg if 'wgrad' in big else ''})")
         in_gluon = tuple(k for k in gluon if k in big and k != "wgrad")
         if in_gluon:
             parts.append(f"of those, {'/'.join(in_gluon)} in the warp-specialized Gluon kernel "

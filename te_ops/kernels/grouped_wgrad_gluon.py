@@ -43,16 +43,20 @@ it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
 wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
-issue-10 wgrads, one run); not dispatched by ``kernels.grouped_gemm`` yet: the op's CUDA
-tests (CUDA graph, ``torch.compile``) have not run on the H200 (the section says why).
+issue-10 wgrads, one run). Dispatched by ``kernels.grouped_gemm`` (:func:`gluon_kinds`: auto
+at :data:`MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``).
+The launch goes through ``triton_launch.launch``: on the tensors' device (Triton launches on
+the current one; the descriptor scratch is allocated inside the launch, so there too).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import capability, cdiv, sm_count
+from .triton_launch import capability, cdiv, launch, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
     import triton
@@ -69,9 +73,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     gluon = None
     gl = None
+    tma = None
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
-           "MIN_ROWS_PER_GROUP"]
+           "gluon_api_reason", "gluon_unavailable_reason", "MIN_ROWS_PER_GROUP"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
 #: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
@@ -80,23 +85,67 @@ __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "glu
 MIN_ROWS_PER_GROUP = 1024
 
 
+def gluon_api_reason(gl_module: Any, tma_module: Any) -> str | None:
+    """Why the Gluon of ``gl_module`` (``triton.experimental.gluon.language``) and
+    ``tma_module`` (its Hopper ``tma``) is not the API this kernel is written against
+    (Triton 3.6.0), ``None`` when it is. Gluon is experimental: Triton 3.5 (torch 2.9's)
+    imports with the same modules but has ``gl.warp_specialize(default_args,
+    default_partition, worker_args, ...)``, where the kernel would fail in its compile."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(gl_module.warp_specialize).parameters)
+    except (AttributeError, TypeError, ValueError):
+        params = []
+    if params[:1] != ["functions_and_args"]:
+        return ("the installed Triton's Gluon has another gl.warp_specialize API (the kernel "
+                "is written against Triton 3.6's warp_specialize(functions_and_args, "
+                f"worker_num_warps, worker_num_regs)), got parameters {params}")
+    if not hasattr(tma_module, "make_tensor_descriptor"):
+        return ("the installed Triton's Gluon has no device-side tma.make_tensor_descriptor "
+                "(the kernel is written against Triton 3.6)")
+    return None
+
+
+#: :func:`gluon_api_reason` of the installed Triton (``None`` without Gluon: then ``gluon`` is
+#: ``None``, which the rule and the gate check first).
+GLUON_API_REASON = None if gluon is None else gluon_api_reason(gl, tma)
+
+
 def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "auto"
                 ) -> tuple[str, ...]:
     """``("wgrad",)`` where the dispatch runs a layer's wgrad in this kernel, else ``()``.
 
     ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MIN_ROWS_PER_GROUP` rows per group
     on average or more, ``1`` at any known row count, ``0`` never; always ``()`` when Gluon is
-    missing, the row count is not known (``None``) or ``out_features`` (the wgrad's N) is not
+    missing or not Triton 3.6's API (:func:`gluon_api_reason`), the row count is not known
+    (``None``) or ``out_features`` (the wgrad's N) is not
     a multiple of the tile's ``BLOCK_N`` (:func:`gluon_unsupported_reason`). The caller
     (``select_backend``) asks only where auto dispatch runs on SM90 in bfloat16.
     """
-    if mode == "0" or gluon is None or rows_per_group is None:
+    if mode == "0" or gluon is None or GLUON_API_REASON is not None or rows_per_group is None:
         return ()
     if out_features % gluon_wgrad_config()["BLOCK_N"]:
         return ()
     if mode == "auto" and rows_per_group < MIN_ROWS_PER_GROUP:
         return ()
     return ("wgrad",)
+
+
+def gluon_unavailable_reason(out_features: int) -> str | None:
+    """Why :func:`gluon_kinds` never takes the wgrad of a layer with ``out_features`` here,
+    whatever the row count and mode (``None`` when it can): no Gluon, another Gluon API
+    (:func:`gluon_api_reason`), ``out_features`` not a multiple of ``BLOCK_N``. The dispatch
+    names it where ``TE_OPS_GLUON_WGRAD=1`` asks for the kernel."""
+    if gluon is None:
+        return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if GLUON_API_REASON is not None:
+        return GLUON_API_REASON
+    block_n = gluon_wgrad_config()["BLOCK_N"]
+    if out_features % block_n:
+        return (f"out_features ({out_features}) is not a multiple of BLOCK_N ({block_n}): a "
+                "dW tile would cross into the next group's rows of the output")
+    return None
 
 
 def gluon_wgrad_config() -> dict[str, int]:
@@ -125,7 +174,9 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
         # Under a trace (fake tensors: no data pointer) the storage offset is what is known.
         base = (t.storage_offset() * t.element_size() if t.device.type == "meta" or tracing()
                 else t.data_ptr())
-        if t.stride(0) * t.element_size() % 16 or base % 16:
+        # the kernel's row pitch is the width (shape[1]), also where stride(0) differs
+        # (a contiguous one-row view of a wider buffer)
+        if t.shape[1] * t.element_size() % 16 or base % 16:
             return f"{name}'s rows or base are not 16-byte aligned (TMA)"
     block_n = {**gluon_wgrad_config(), **(config or {})}["BLOCK_N"]
     if dy.shape[1] % block_n:
@@ -133,6 +184,8 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
                 "dW tile would cross into the next group's rows of the output")
     if gluon is None:
         return "the installed Triton has no Gluon (triton.experimental.gluon)"
+    if GLUON_API_REASON is not None:
+        return GLUON_API_REASON
     if x.device.type != "cuda":
         return f"Gluon kernels need a CUDA device, got {x.device}"
     if capability(x.device)[0] != 9:
@@ -356,8 +409,10 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     programs = max(1, min(sm_count(x.device),
                           groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
     _ensure_allocator()  # global scratch for the device-side TMA descriptors
-    _gluon_wgrad_kernel[(programs,)](x, dy, out, offsets, order, m, n, k, groups, programs,
-                                     **cfg)
+    # launch(): on x's device (Triton launches on the current one, and the scratch allocator
+    # runs inside the launch), not on cuda:0 for tensors on cuda:1
+    launch(_gluon_wgrad_kernel, (programs,), x, dy, out, offsets, order, m, n, k, groups,
+           programs, **cfg)
     return out
 
 

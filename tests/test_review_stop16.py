@@ -1,0 +1,190 @@
+"""Review of stop 16 (the Gluon wgrad and its dispatch): regression tests of the defects found.
+
+* The Gluon launch went straight to ``kernel[grid]``: Triton launches on the *current* CUDA
+  device, so x on ``cuda:1`` while ``cuda:0`` is current ran the kernel (and allocated its
+  TMA-descriptor scratch) on the wrong device; every other te_ops kernel launches through
+  ``triton_launch.launch``, which makes the tensors' device current for the launch.
+* ``select_backend``'s choice cache was keyed by the Gluon kinds but not by
+  ``TE_OPS_GLUON_WGRAD``, whose value the reason text names: after a switch auto -> 1 at the
+  same shapes ``explain()`` still said ``TE_OPS_GLUON_WGRAD=auto``.
+* The auto ``triton`` choice's reason said wgrad runs in the Gluon (or persistent / few-rows
+  Triton) kernel also for a wgrad into an fp32 ``main_grad``, which ``wgrad_into`` runs in
+  ``torch._grouped_mm`` with ``out_dtype`` (the forced text says so; auto's did not).
+* The gate checked the 16-byte row pitch on ``stride(0)``, but the kernel's descriptors use
+  ``K`` (``in_features``) as the pitch: a contiguous one-row x sliced from a wider buffer
+  (``stride(0) != K``) passed with ``K * 2`` bytes not a multiple of 16.
+* The rule and the gate took any importable Gluon: Triton 3.5 (torch 2.9, inside the supported
+  torch >= 2.8) imports the same modules with another ``gl.warp_specialize`` API, so auto
+  dispatch would send the wgrad to a kernel that fails to compile in the backward.
+* ``TE_OPS_GLUON_WGRAD=1`` where the kernel can never take the layer's wgrad was a silent no-op
+  (now the choice's reason says ``TE_OPS_GLUON_WGRAD=1 not taken: <why>``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton, triton_launch
+from te_ops.kernels import grouped_wgrad_gluon as G
+
+
+def test_gluon_launch_runs_on_the_tensors_device(monkeypatch):
+    """x on cuda:1 while cuda:0 is current: the kernel is called inside ``torch.cuda.device(1)``
+    (the scratch allocator runs inside the launch, so it gets device 1 too)."""
+    entered: list[int] = []
+    calls: list[list[int]] = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.pop()
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(list(entered))
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: 1)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(G, "_gluon_wgrad_kernel", Kernel(), raising=False)
+    monkeypatch.setattr(G, "gluon_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(G, "sm_count", lambda device: 4)
+    monkeypatch.setattr(grouped_gemm_large_triton, "_ensure_allocator", lambda: None)
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    dy = torch.zeros(8, 128, dtype=torch.bfloat16)
+    G._launch(x, dy, torch.tensor([3, 8], dtype=torch.int32), None)
+    assert calls == [[1]]
+
+
+def _auto_on_sm90(monkeypatch):
+    """select_backend as on an SM90 GPU in bfloat16 with the Gluon rule taking wgrad."""
+    monkeypatch.setattr(grouped_gemm, "_measured_on", lambda *a: True)
+    monkeypatch.setattr(grouped_gemm, "grouped_mm_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "grouped_mm_host_sync_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: "off")
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: "off")
+    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", lambda *a: ("wgrad",))
+    monkeypatch.setitem(grouped_gemm._PROBE_CACHE, ("cuda", 0, torch.bfloat16), None)
+    monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
+
+
+@pytest.mark.parametrize("modes", [("auto", "1"), ("1", "auto")])
+def test_cached_choice_names_the_current_gluon_mode(monkeypatch, modes):
+    _auto_on_sm90(monkeypatch)
+    for mode in modes:
+        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                             256, True, rows_per_group=4096.0)
+        assert choice.gluon_kinds == ("wgrad",)
+        assert f"TE_OPS_GLUON_WGRAD={mode}:" in choice.reason
+
+
+@pytest.mark.parametrize("small, large, gluon", [
+    ((), (), ("wgrad",)),  # the Gluon wgrad
+    ((), ("fprop", "dgrad", "wgrad"), ()),  # the persistent wgrad (64-256 rows per group)
+    (("fprop", "dgrad", "wgrad"), (), ()),  # the few-rows wgrad
+])
+def test_auto_reason_says_where_a_main_grad_wgrad_runs(monkeypatch, small, large, gluon):
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
+    choice = grouped_gemm._select_backend(torch.device("cpu"), torch.bfloat16, 16, 256, True,
+                                          "auto", "auto", small, large, gluon)
+    assert "wgrad" in choice.gluon_kinds + choice.large_kinds + choice.triton_kinds
+    assert "wgrad into an fp32 main_grad in torch._grouped_mm" in choice.reason
+
+
+def test_auto_reason_without_a_triton_wgrad_names_no_main_grad_route(monkeypatch):
+    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
+    choice = grouped_gemm._select_backend(torch.device("cpu"), torch.bfloat16, 16, 256, True,
+                                          "auto", "auto", (), ("fprop", "dgrad"), ())
+    assert "main_grad" not in choice.reason
+
+
+def test_gate_checks_the_row_pitch_the_kernel_uses():
+    """(1, 12) bf16 sliced from a (1, 16) buffer is contiguous with stride(0) = 16 (32 bytes),
+    but the kernel's pitch is K = 12 (24 bytes): not a TMA row pitch."""
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)[:, :12]
+    dy = torch.zeros(1, 128, dtype=torch.bfloat16)
+    assert x.is_contiguous() and x.stride(0) * x.element_size() % 16 == 0
+    why = G.gluon_unsupported_reason(x, dy)
+    assert why is not None and "x's rows" in why and "16-byte" in why
+    with pytest.raises(RuntimeError, match="x's rows"):
+        G.gluon_wgrad(x, dy, torch.tensor([1], dtype=torch.int32))
+
+
+# Gluon is experimental: Triton 3.5 (torch 2.9's, inside the supported torch >= 2.8) has
+# triton.experimental.gluon with the Hopper module but gl.warp_specialize(default_args,
+# default_partition, worker_args, worker_partitions, worker_num_warps, worker_num_regs); the
+# kernel is written against 3.6's warp_specialize(functions_and_args, worker_num_warps,
+# worker_num_regs). The rule and the gate took any importable Gluon, so auto dispatch sent the
+# wgrad there and the backward failed in the kernel's compile.
+def _ws_35(default_args, default_partition, worker_args, worker_partitions, worker_num_warps,
+           worker_num_regs, _semantic=None, _generator=None):
+    """Triton 3.5's gl.warp_specialize signature."""
+
+
+def _ws_36(functions_and_args, worker_num_warps, worker_num_regs, _semantic=None,
+           _generator=None):
+    """Triton 3.6's gl.warp_specialize signature."""
+
+
+def _descriptor(*args):
+    """tma.make_tensor_descriptor stand-in."""
+
+
+@pytest.mark.parametrize("ws, tma, match", [
+    (_ws_35, SimpleNamespace(make_tensor_descriptor=_descriptor), "warp_specialize"),
+    (_ws_36, SimpleNamespace(), "make_tensor_descriptor"),
+    (None, SimpleNamespace(make_tensor_descriptor=_descriptor), "warp_specialize"),
+])
+def test_gluon_api_other_than_the_kernels_is_refused(ws, tma, match):
+    why = G.gluon_api_reason(SimpleNamespace(warp_specialize=ws), tma)
+    assert why is not None and match in why
+
+
+def test_gluon_api_of_triton_36_is_taken():
+    assert G.gluon_api_reason(SimpleNamespace(warp_specialize=_ws_36),
+                              SimpleNamespace(make_tensor_descriptor=_descriptor)) is None
+
+
+def test_rule_and_gate_refuse_another_gluon_api(monkeypatch):
+    monkeypatch.setattr(G, "gluon", object())  # importable ...
+    # ... but not 3.6's API
+    monkeypatch.setattr(G, "GLUON_API_REASON", "another gl.warp_specialize API")
+    assert G.gluon_kinds(1e6, 256, "1") == () == G.gluon_kinds(1e6, 256, "auto")
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    dy = torch.zeros(8, 256, dtype=torch.bfloat16)
+    assert G.gluon_unsupported_reason(x, dy) == "another gl.warp_specialize API"
+
+
+# TE_OPS_GLUON_WGRAD=1 where the kernel can never take the layer's wgrad (no Gluon, another
+# Gluon API, out_features not a multiple of BLOCK_N) was a silent no-op: the choice's reason
+# said "wgrad in torch._grouped_mm" without why the asked-for kernel did not run.
+@pytest.mark.parametrize("patch, out_features, match", [
+    ({"gluon": None}, 256, "no Gluon"),
+    ({"gluon": object(), "GLUON_API_REASON": "another gl.warp_specialize API"}, 256,
+     "another gl.warp_specialize API"),
+    ({"gluon": object(), "GLUON_API_REASON": None}, 192, "multiple of BLOCK_N"),
+])
+def test_forced_gluon_mode_not_taken_says_why(monkeypatch, patch, out_features, match):
+    _auto_on_sm90(monkeypatch)
+    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", G.gluon_kinds)
+    for name, value in patch.items():
+        monkeypatch.setattr(G, name, value)
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                         out_features, True, rows_per_group=4096.0)
+    assert choice.gluon_kinds == ()
+    assert "TE_OPS_GLUON_WGRAD=1 not taken" in choice.reason and match in choice.reason
+    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")  # the rule's own choice: no note
+    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
+                                         out_features, True, rows_per_group=4096.0)
+    assert "TE_OPS_GLUON_WGRAD" not in choice.reason
