@@ -108,7 +108,8 @@ def gluon_wgrad_config() -> dict[str, int]:
     ``CONSUMERS=2`` with ``num_warps=4`` is the ping-pong schedule (two warp groups with a
     BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second)."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
-            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 8, "maxnreg": 168}
+            "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
+            "num_warps": 8, "maxnreg": 168}
 
 
 def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
@@ -197,21 +198,69 @@ if gluon is not None:
                 s += 1
 
     @gluon.jit
+    def _split_cols(t):
+        """The left and right column halves of a 2-D register tensor (``reshape`` to
+        (rows, 2, cols / 2), ``permute``, ``split``: column c = h * cols / 2 + c', and h is a
+        register bit of the wgmma accumulator layout, so no data moves)."""
+        rows: gl.constexpr = t.shape[0]
+        half: gl.constexpr = t.shape[1] // 2
+        return t.reshape([rows, 2, half]).permute((0, 2, 1)).split()
+
+    @gluon.jit
+    def _store_slice(val, out_desc, c_bufs, e, row, col, WHICH: gl.constexpr,
+                     EPI_BUFS: gl.constexpr):
+        """TMA store of one output slice through buffer ``e % EPI_BUFS`` of this consumer,
+        first waiting only for the store that last used that buffer (bulk groups complete in
+        order: at most ``EPI_BUFS - 1`` newer ones may stay in flight)."""
+        c_smem = c_bufs.index(WHICH * EPI_BUFS + e % EPI_BUFS)
+        tma.store_wait(EPI_BUFS - 1)  # the store that last read this buffer has left it ...
+        gl.thread_barrier()  # ... for every thread (the issuing one waited)
+        c_smem.store(val)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
+        return e + 1
+
+    @gluon.jit
+    def _epilogue(acc, out_desc, c_bufs, e, row, col, WHICH: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):
+        """Store the (BLOCK_N, BLOCK_K) tile ``acc`` (output dtype) at (row, col) as
+        ``EPI_SPLIT`` column slices (1, 2 or 4); returns the new store count ``e``."""
+        if EPI_SPLIT == 1:
+            e = _store_slice(acc, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+        elif EPI_SPLIT == 2:
+            w: gl.constexpr = acc.shape[1] // 2
+            lo, hi = _split_cols(acc)
+            e = _store_slice(lo, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+            e = _store_slice(hi, out_desc, c_bufs, e, row, col + w, WHICH, EPI_BUFS)
+        else:
+            w4: gl.constexpr = acc.shape[1] // 4
+            lo, hi = _split_cols(acc)
+            q0, q1 = _split_cols(lo)
+            e = _store_slice(q0, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+            e = _store_slice(q1, out_desc, c_bufs, e, row, col + w4, WHICH, EPI_BUFS)
+            q2, q3 = _split_cols(hi)
+            e = _store_slice(q2, out_desc, c_bufs, e, row, col + 2 * w4, WHICH, EPI_BUFS)
+            e = _store_slice(q3, out_desc, c_bufs, e, row, col + 3 * w4, WHICH, EPI_BUFS)
+        return e
+
+    @gluon.jit
     def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, turn,
                   M, N, K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr,
+                  WARPS: gl.constexpr):
         """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1],
             instr_shape=[16, BLOCK_K if BLOCK_K <= 256 else 256, 16])
-        c_smem = c_bufs.index(WHICH)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1], [BLOCK_N, BLOCK_K],
+        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1],
+                                              [BLOCK_N, BLOCK_K // EPI_SPLIT],
                                               c_bufs.type.layout)
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_group = gl.cdiv(N, BLOCK_N) * tiles_k
         s = 0
         j = 0
+        e = 0  # TMA stores issued by this consumer
         for t in range(gl.program_id(0), G * per_group, P):
             g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
             steps = gl.cdiv(end - start, BLOCK_M)
@@ -232,12 +281,8 @@ if gluon is not None:
                     mbarrier.arrive(turn.index(1 - WHICH))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=steps > 0)
-                tma.store_wait(0)  # the previous tile's store has left c_smem ...
-                gl.thread_barrier()  # ... for every thread (the issuing one waited)
-                c_smem.store(acc.to(out_ptr.dtype.element_ty))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [g * N + pn * BLOCK_N,
-                                                           pk * BLOCK_K], c_smem)
+                e = _epilogue(acc.to(out_ptr.dtype.element_ty), out_desc, c_bufs, e,
+                              g * N + pn * BLOCK_N, pk * BLOCK_K, WHICH, EPI_SPLIT, EPI_BUFS)
             else:
                 s += steps
             j += 1
@@ -247,17 +292,20 @@ if gluon is not None:
     def _gluon_wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            CONSUMERS: gl.constexpr, EPI_SPLIT: gl.constexpr,
+                            EPI_BUFS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """out (G, N, K) = per group g: dy_g^T @ x_g; x (M, K), dy (M, N) contiguous; offs (G,)
         group ends; order (G,) groups in tile order; P programs."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_N, BLOCK_K // EPI_SPLIT], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
         dy_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
-        c_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, BLOCK_K], c_layout)
+        c_bufs = gl.allocate_shared_memory(
+            dtype, [CONSUMERS * EPI_BUFS, BLOCK_N, BLOCK_K // EPI_SPLIT], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -271,10 +319,10 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
                 [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -282,7 +330,7 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
                 [1], [LOADER_REGS])
