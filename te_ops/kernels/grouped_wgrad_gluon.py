@@ -13,7 +13,10 @@ builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.glu
   the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j %
   CONSUMERS``), run the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in
   flight), convert the fp32 accumulator, write it to their own shared-memory tile and start
-  a TMA store, which they wait for only before the next store into that tile. With two
+  a TMA store, which they wait for only before the next store into that tile (or, with
+  ``EPI_SPLIT`` > 1, store the tile as that many column slices through ``EPI_BUFS`` smaller
+  shared-memory buffers, waiting before each slice only for the store that last used its
+  buffer: the subtiled epilogue, which frees shared memory for a 4th ring stage). With two
   consumers their mainloops alternate (ping-pong): a consumer starts a tile's mainloop only
   after the other has waited for all row steps of its previous tile (the ``turn``
   mbarriers), so one consumer's epilogue runs while the other issues MMAs. The turn order is
@@ -43,8 +46,9 @@ it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
 wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
-issue-10 wgrads, one run); not dispatched by ``kernels.grouped_gemm`` yet: the op's CUDA
-tests (CUDA graph, ``torch.compile``) have not run on the H200 (the section says why).
+issue-10 wgrads, one run); ``kernels.grouped_gemm`` dispatches it at
+:data:`MIN_ROWS_PER_GROUP` rows per group or more (:func:`gluon_kinds`). The subtiled
+epilogue with a 4th stage measured 0.97-0.98x the default there (:func:`gluon_wgrad_config`).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ except ImportError:  # pragma: no cover - depends on the install
     gl = None
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
-           "MIN_ROWS_PER_GROUP"]
+           "check_config", "MIN_ROWS_PER_GROUP"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
 #: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
@@ -106,7 +110,15 @@ def gluon_wgrad_config() -> dict[str, int]:
     (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
     launch, the loader's warp group set to 40 registers (the consumers get 232).
     ``CONSUMERS=2`` with ``num_warps=4`` is the ping-pong schedule (two warp groups with a
-    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second)."""
+    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second).
+
+    ``EPI_SPLIT`` (1, 2 or 4) column slices of ``BLOCK_K / EPI_SPLIT`` per output tile, each
+    stored through one of ``EPI_BUFS`` (1 or 2) bf16 smem buffers per consumer; the default 1 / 1
+    is the whole-tile store. ``STAGES=4, EPI_SPLIT=2, EPI_BUFS=1`` (or ``EPI_SPLIT=4,
+    EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
+    0.97-0.98x this default on the dispatched E8 / E32 wgrads and 1.06-1.08x at E128 (512 rows
+    per group, where auto does not run this kernel), one H200 run (docs/benchmarks.md), so
+    it stays off."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
             "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
             "num_warps": 8, "maxnreg": 168}
@@ -355,7 +367,8 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     ------
     ValueError
         Shapes, dtypes or devices do not match (the message names the argument), or a
-        ``config`` key is unknown.
+        ``config`` key is unknown or ``EPI_SPLIT`` / ``EPI_BUFS`` is not one of their values
+        (:func:`check_config`).
     RuntimeError
         The kernel cannot run here (:func:`gluon_unsupported_reason`).
     """
@@ -364,9 +377,20 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if unknown:
         raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
                          f"unknown {unknown}")
+    check_config(config)
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets)
     return _launch(x, dy, offsets, config)
+
+
+def check_config(config: dict | None) -> None:
+    """ValueError where ``config`` (changes to :func:`gluon_wgrad_config`) has an ``EPI_SPLIT``
+    other than 1, 2, 4 or an ``EPI_BUFS`` other than 1, 2 (the epilogue's slices)."""
+    cfg = {**gluon_wgrad_config(), **(config or {})}
+    if cfg["EPI_SPLIT"] not in (1, 2, 4):
+        raise ValueError(f"config EPI_SPLIT must be 1, 2 or 4, got {cfg['EPI_SPLIT']!r}")
+    if cfg["EPI_BUFS"] not in (1, 2):
+        raise ValueError(f"config EPI_BUFS must be 1 or 2, got {cfg['EPI_BUFS']!r}")
 
 
 def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
