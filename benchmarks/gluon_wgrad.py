@@ -7,19 +7,19 @@ For the issue-10 shapes (``large_gemm_triton.SHAPES``; ``--shapes`` may name its
 (``grouped_mlp.skewed_sizes``), it times ``grouped_mm`` (``torch._grouped_mm(dy.t(), x,
 offs=offs)``), ``triton`` (``grouped_wgrad_large_triton.large_wgrad``, its default flat
 schedule) and each Gluon config of ``--variants`` (``gluon_NAME``; default: the kernel's
-default and two ping-pong configs; ``epilogue``: ``EPILOGUE_VARIANTS``), interleaved round by round with CUDA events
-(``large_gemm_triton._time_interleaved``), median of ``--reps`` rounds. A record
-(``bench: "gluon_wgrad"``) has the medians, p10/p90, ``NAME_x_grouped_mm`` and
-``NAME_x_triton`` (> 1: the Gluon kernel is faster) and checks against ``_grouped_mm``'s
-output (``bitwise_equal_NAME``, ``max_abs_diff_NAME``); a config that fails to compile or run
-is recorded with its error. ``--check`` first runs correctness cases (``gluon_wgrad_check``
-records): empty groups, offsets that stop short of the rows with NaN padding, a ragged
-tail, against ``_grouped_mm`` and an fp64 per-group reference.
+default and two ping-pong configs; ``epilogue``: ``EPILOGUE_VARIANTS``), interleaved round by
+round with CUDA events (``large_gemm_triton._time_interleaved``), median of ``--reps`` rounds.
+A record (``bench: "gluon_wgrad"``) has the medians, p10/p90, ``NAME_x_grouped_mm`` and
+``NAME_x_triton`` (> 1: the Gluon kernel is faster) and checks against ``_grouped_mm``'s output
+(``bitwise_equal_NAME``, ``max_abs_diff_NAME``); a config that fails to compile or run is
+recorded with its error. ``--check`` first runs correctness cases (``gluon_wgrad_check``
+records): empty groups, offsets that stop short of the rows with NaN padding, a ragged tail,
+against ``_grouped_mm`` and an fp64 per-group reference.
 
 Usage (one device call)::
 
     python benchmarks/gluon_wgrad.py [--shapes ...] [--gemms ...] [--reps 20] [--check]
-        [--variants JSON] [--out FILE]
+        [--variants JSON|epilogue] [--out FILE]
 """
 
 from __future__ import annotations
