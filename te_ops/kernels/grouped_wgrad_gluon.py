@@ -48,7 +48,7 @@ Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-speci
 wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
 issue-10 wgrads, one run); ``kernels.grouped_gemm`` dispatches it at
 :data:`MIN_ROWS_PER_GROUP` rows per group or more (:func:`gluon_kinds`). The subtiled
-epilogue with a 4th stage measured 0.97-0.98x the default there (:func:`gluon_wgrad_config`).
+epilogue with a 4th stage measured 0.966-0.976x the default there (:func:`gluon_wgrad_config`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "au
 
 
 def gluon_wgrad_config() -> dict[str, int]:
-    """Default launch parameters (the fastest of the three configs measured, stop 16): one
+    """Default launch parameters (the fastest of the configs measured, stop 16): one
     consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
     tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
     (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
@@ -116,7 +116,7 @@ def gluon_wgrad_config() -> dict[str, int]:
     stored through one of ``EPI_BUFS`` (1 or 2) bf16 smem buffers per consumer; the default 1 / 1
     is the whole-tile store. ``STAGES=4, EPI_SPLIT=2, EPI_BUFS=1`` (or ``EPI_SPLIT=4,
     EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
-    0.97-0.98x this default on the dispatched E8 / E32 wgrads and 1.06-1.08x at E128 (512 rows
+    0.966-0.976x this default on the dispatched E8 / E32 wgrads and 1.06-1.08x at E128 (512 rows
     per group, where auto does not run this kernel), one H200 run (docs/benchmarks.md), so
     it stays off."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
