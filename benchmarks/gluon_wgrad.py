@@ -7,19 +7,19 @@ For the issue-10 shapes (``large_gemm_triton.SHAPES``; ``--shapes`` may name its
 (``grouped_mlp.skewed_sizes``), it times ``grouped_mm`` (``torch._grouped_mm(dy.t(), x,
 offs=offs)``), ``triton`` (``grouped_wgrad_large_triton.large_wgrad``, its default flat
 schedule) and each Gluon config of ``--variants`` (``gluon_NAME``; default: the kernel's
-default and two ping-pong configs), interleaved round by round with CUDA events
-(``large_gemm_triton._time_interleaved``), median of ``--reps`` rounds. A record
-(``bench: "gluon_wgrad"``) has the medians, p10/p90, ``NAME_x_grouped_mm`` and
-``NAME_x_triton`` (> 1: the Gluon kernel is faster) and checks against ``_grouped_mm``'s
-output (``bitwise_equal_NAME``, ``max_abs_diff_NAME``); a config that fails to compile or run
-is recorded with its error. ``--check`` first runs correctness cases (``gluon_wgrad_check``
-records): empty groups, offsets that stop short of the rows with NaN padding, a ragged
-tail, against ``_grouped_mm`` and an fp64 per-group reference.
+default and two ping-pong configs; ``epilogue``: ``EPILOGUE_VARIANTS``), interleaved round by
+round with CUDA events (``large_gemm_triton._time_interleaved``), median of ``--reps`` rounds.
+A record (``bench: "gluon_wgrad"``) has the medians, p10/p90, ``NAME_x_grouped_mm`` and
+``NAME_x_triton`` (> 1: the Gluon kernel is faster) and checks against ``_grouped_mm``'s output
+(``bitwise_equal_NAME``, ``max_abs_diff_NAME``); a config that fails to compile or run is
+recorded with its error. ``--check`` first runs correctness cases (``gluon_wgrad_check``
+records): empty groups, offsets that stop short of the rows with NaN padding, a ragged tail,
+against ``_grouped_mm`` and an fp64 per-group reference.
 
 Usage (one device call)::
 
     python benchmarks/gluon_wgrad.py [--shapes ...] [--gemms ...] [--reps 20] [--check]
-        [--variants JSON] [--out FILE]
+        [--variants JSON|epilogue] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ VARIANTS = {
     "pingpong": {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4},
     "pingpong_64x256": {"CONSUMERS": 2, "num_warps": 4, "BLOCK_N": 64, "BLOCK_K": 256,
                         "STAGES": 3},
+}
+#: ``--variants epilogue``: the subtiled TMA-store epilogue (``EPI_SPLIT`` column slices
+#: through ``EPI_BUFS`` smem buffers) with 4 and 3 ring stages, next to the default.
+EPILOGUE_VARIANTS = {
+    "coop_128x256": {},
+    "s4_epi2x1": {"STAGES": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1},
+    "s4_epi4x2": {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2},
+    "s3_epi4x2": {"STAGES": 3, "EPI_SPLIT": 4, "EPI_BUFS": 2},
 }
 
 
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--check-only", action="store_true", help="no timing")
-    parser.add_argument("--variants", default=None, help="JSON {name: config changes}")
+    parser.add_argument("--variants", default=None,
+                        help="JSON {name: config changes}, or 'epilogue' (EPILOGUE_VARIANTS)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{list(WGRADS)}")
     if args.reps < 20:
         parser.error(f"--reps must be >= 20, got {args.reps}")
-    variants = json.loads(args.variants) if args.variants else VARIANTS
+    variants = (EPILOGUE_VARIANTS if args.variants == "epilogue"
+                else json.loads(args.variants) if args.variants else VARIANTS)
     out = JsonLines(args.out)
     out.write({"bench": BENCH + "_machine", **machine_info(torch.device("cuda"))})
     if args.check or args.check_only:

@@ -2,16 +2,18 @@
 
 CPU (CI, with or without Triton): the config, argument errors, the gate's reasons, the fake
 kernel of ``te_ops::grouped_wgrad_gluon`` and its trace under ``torch.compile(fullgraph=True)``,
-the benchmark's usage errors;
-where Triton with Gluon and an sm_90 assembler are installed, an ahead-of-time sm_90 compile
-of the kernel (warp-specialized partitions with ``setmaxnreg``, wgmma, TMA loads and stores,
-shared memory within SM90's 227 KiB, no register spills). CUDA (``@pytest.mark.cuda``, SM90):
-dW against an fp64 per-group reference at N(0, 1) activations and gradient-scale dy (empty
-groups, offsets that stop short of the rows with NaN padding, ragged groups, several tiles per
-program), bitwise equal to ``torch._grouped_mm``; CUDA-graph replay with changed offsets and
-``torch.compile(fullgraph=True)`` bitwise equal to eager. The CUDA tests were written after
-the device budget of stop 16 was spent and have not run on the H200 yet (the benchmark's
-correctness cases, ``benchmarks/gluon_wgrad.py --check``, did: bitwise equal).
+the benchmark's usage errors; where Triton with Gluon and an sm_90 assembler are installed, an
+ahead-of-time sm_90 compile of the kernel (warp-specialized partitions with ``setmaxnreg``,
+wgmma, TMA loads and stores, shared memory within SM90's 227 KiB, no register spills; the
+subtiled epilogue's slice stores, their waits and its 4-stage ring within that shared memory).
+CUDA (``@pytest.mark.cuda``, SM90): dW against an fp64 per-group reference at N(0, 1)
+activations and gradient-scale dy (empty groups, offsets that stop short of the rows with NaN
+padding, ragged groups, several tiles per program), bitwise equal to ``torch._grouped_mm``;
+CUDA-graph replay with changed offsets and ``torch.compile(fullgraph=True)`` bitwise equal to
+eager. The default and ping-pong CUDA cases passed on the H200 (docs/benchmarks.md); the
+subtiled-epilogue ones (``epi2``, ``epi4``) have not run there as tests: the same cases in
+``benchmarks/gluon_wgrad.py --check`` did (bitwise equal to ``_grouped_mm``,
+h200_gluon_wgrad_tune_2026-11-30_stop16.jsonl).
 """
 
 from __future__ import annotations
@@ -30,15 +32,37 @@ import gluon_wgrad as bench  # noqa: E402
 
 CUDA = torch.device("cuda")
 PINGPONG = {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4}
+#: the subtiled epilogue with a 4th ring stage: 2 x (128 x 128) and 4 x (128 x 64) slices
+EPI2 = {"STAGES": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
+EPI4 = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
 
 
 # ----------------------------------------------------------------------------------- CPU
 def test_config_keys_and_default():
     cfg = G.gluon_wgrad_config()
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMERS", "LOADER_REGS",
-                        "CONSUMER_REGS", "num_warps", "maxnreg"}
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMERS", "EPI_SPLIT",
+                        "EPI_BUFS", "LOADER_REGS", "CONSUMER_REGS", "num_warps", "maxnreg"}
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"], cfg["num_warps"]) == (
         128, 256, 1, 8)
+    assert (cfg["STAGES"], cfg["EPI_SPLIT"], cfg["EPI_BUFS"]) == (3, 1, 1)  # whole-tile store
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"EPI_SPLIT": 3}, "config EPI_SPLIT must be 1, 2 or 4, got 3"),
+    ({"EPI_SPLIT": 8}, "config EPI_SPLIT must be 1, 2 or 4, got 8"),
+    ({"EPI_BUFS": 0}, "config EPI_BUFS must be 1 or 2, got 0"),
+    ({"EPI_SPLIT": 4, "EPI_BUFS": 3}, "config EPI_BUFS must be 1 or 2, got 3"),
+])
+def test_epilogue_config_errors(config, match):
+    with pytest.raises(ValueError, match=match):
+        G.check_config(config)
+    with pytest.raises(ValueError, match=match):  # checked before the launch's gate
+        G.gluon_wgrad(*_ops(), config=config)
+
+
+@pytest.mark.parametrize("config", [None, {}, EPI2, EPI4, {"EPI_SPLIT": 2, "EPI_BUFS": 2}])
+def test_epilogue_configs_accepted(config):
+    G.check_config(config)
 
 
 def _ops(m=8, n=128, k=64, dtype=torch.bfloat16):
@@ -134,8 +158,9 @@ def test_benchmark_usage_errors(argv, match, capsys):
 
 
 def test_benchmark_variants_are_valid_configs():
-    for change in bench.VARIANTS.values():
+    for change in [*bench.VARIANTS.values(), *bench.EPILOGUE_VARIANTS.values()]:
         assert set(change) <= set(G.gluon_wgrad_config())
+        G.check_config(change)
 
 
 # -------------------------------------------------------------- sm_90 compile, on the CPU
@@ -162,7 +187,8 @@ def _compile_sm90(config: dict):
 
 
 @pytest.mark.parametrize("config, partitions, wgmma", [
-    ({}, 1, "m64n256k16"), (PINGPONG, 2, "m64n128k16")])
+    ({}, 1, "m64n256k16"), (PINGPONG, 2, "m64n128k16"), (EPI2, 1, "m64n256k16"),
+    (EPI4, 1, "m64n256k16")], ids=["default", "pingpong", "epi2_stages4", "epi4_stages4"])
 def test_sm90_compile_has_warp_specialized_partitions(config, partitions, wgmma):
     kernel = _compile_sm90(config)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
@@ -175,6 +201,26 @@ def test_sm90_compile_has_warp_specialized_partitions(config, partitions, wgmma)
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx  # TMA stores
     assert kernel.metadata.shared <= 232448  # SM90's 227 KiB of shared memory per block
     assert ".local" not in ptx  # no local-memory (stack) arrays in the PTX
+
+
+@pytest.mark.parametrize("config, stores, waits", [
+    ({}, 1, {0}), (EPI2, 2, {0}), (EPI4, 4, {1})], ids=["default", "epi2", "epi4"])
+def test_sm90_compile_subtiled_epilogue(config, stores, waits):
+    """EPI_SPLIT TMA stores per tile, each waiting only for the store that last used its
+    buffer (``wait_group.read EPI_BUFS - 1``); the slices come straight from the accumulator's
+    registers (no layout conversion through shared memory); the 4-stage ring plus the 32 KiB
+    of slice buffers fit SM90's shared memory where the whole 64 KiB tile would not."""
+    kernel = _compile_sm90(config)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group") == stores
+    pend = {int(p) for p in re.findall(r"async_tma_store_wait \{pendings = (\d+)", ttgir)}
+    assert pend == waits | {0}  # the consumer's last wait (all stores out) is 0
+    assert "convert_layout" not in ttgir
+    cfg = {**G.gluon_wgrad_config(), **config}
+    ring = cfg["STAGES"] * cfg["BLOCK_M"] * (cfg["BLOCK_N"] + cfg["BLOCK_K"]) * 2
+    c_tiles = cfg["EPI_BUFS"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] // cfg["EPI_SPLIT"] * 2
+    assert ring + c_tiles <= kernel.metadata.shared <= 232448
+    assert ".local" not in ptx
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -217,7 +263,8 @@ CASES = {  # name: (rows M, N, K, group sizes)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, PINGPONG], ids=["default", "pingpong"])
+@pytest.mark.parametrize("config", [None, PINGPONG, EPI2, EPI4],
+                         ids=["default", "pingpong", "epi2", "epi4"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_against_fp64_reference_and_grouped_mm(case, config):
     _cuda_sm90()

@@ -13,7 +13,10 @@ builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.glu
   the measured fastest) take the program's tiles in turn (tile ``j`` to consumer ``j %
   CONSUMERS``), run the wgmma chain of a tile out of the ring (``warpgroup_mma``, one in
   flight), convert the fp32 accumulator, write it to their own shared-memory tile and start
-  a TMA store, which they wait for only before the next store into that tile. With two
+  a TMA store, which they wait for only before the next store into that tile (or, with
+  ``EPI_SPLIT`` > 1, store the tile as that many column slices through ``EPI_BUFS`` smaller
+  shared-memory buffers, waiting before each slice only for the store that last used its
+  buffer: the subtiled epilogue, which frees shared memory for a 4th ring stage). With two
   consumers their mainloops alternate (ping-pong): a consumer starts a tile's mainloop only
   after the other has waited for all row steps of its previous tile (the ``turn``
   mbarriers), so one consumer's epilogue runs while the other issues MMAs. The turn order is
@@ -46,7 +49,9 @@ wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgr
 issue-10 wgrads, one run). Dispatched by ``kernels.grouped_gemm`` (:func:`gluon_kinds`: auto
 at :data:`MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``).
 The launch goes through ``triton_launch.launch``: on the tensors' device (Triton launches on
-the current one; the descriptor scratch is allocated inside the launch, so there too).
+the current one; the descriptor scratch is allocated inside the launch, so there too). The
+subtiled epilogue with a 4th stage measured 0.966-0.976x the default there
+(:func:`gluon_wgrad_config`).
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ except ImportError:  # pragma: no cover - depends on the install
     tma = None
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
-           "gluon_api_reason", "gluon_unavailable_reason", "MIN_ROWS_PER_GROUP"]
+           "gluon_api_reason", "gluon_unavailable_reason", "check_config",
+           "MIN_ROWS_PER_GROUP"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
 #: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
@@ -149,15 +155,24 @@ def gluon_unavailable_reason(out_features: int) -> str | None:
 
 
 def gluon_wgrad_config() -> dict[str, int]:
-    """Default launch parameters (the fastest of the three configs measured, stop 16): one
+    """Default launch parameters (the fastest of the configs measured, stop 16): one
     consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
     tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
     (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
     launch, the loader's warp group set to 40 registers (the consumers get 232).
     ``CONSUMERS=2`` with ``num_warps=4`` is the ping-pong schedule (two warp groups with a
-    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second)."""
+    BLOCK_N x BLOCK_K tile each, ``CONSUMER_REGS`` for the second).
+
+    ``EPI_SPLIT`` (1, 2 or 4) column slices of ``BLOCK_K / EPI_SPLIT`` per output tile, each
+    stored through one of ``EPI_BUFS`` (1 or 2) bf16 smem buffers per consumer; the default 1 / 1
+    is the whole-tile store. ``STAGES=4, EPI_SPLIT=2, EPI_BUFS=1`` (or ``EPI_SPLIT=4,
+    EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
+    0.966-0.976x this default on the dispatched E8 / E32 wgrads and 1.06-1.08x at E128 (512 rows
+    per group, where auto does not run this kernel), one H200 run (docs/benchmarks.md), so
+    it stays off."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
-            "LOADER_REGS": 40, "CONSUMER_REGS": 232, "num_warps": 8, "maxnreg": 168}
+            "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
+            "num_warps": 8, "maxnreg": 168}
 
 
 def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
@@ -250,21 +265,69 @@ if gluon is not None:
                 s += 1
 
     @gluon.jit
+    def _split_cols(t):
+        """The left and right column halves of a 2-D register tensor (``reshape`` to
+        (rows, 2, cols / 2), ``permute``, ``split``: column c = h * cols / 2 + c', and h is a
+        register bit of the wgmma accumulator layout, so no data moves)."""
+        rows: gl.constexpr = t.shape[0]
+        half: gl.constexpr = t.shape[1] // 2
+        return t.reshape([rows, 2, half]).permute((0, 2, 1)).split()
+
+    @gluon.jit
+    def _store_slice(val, out_desc, c_bufs, e, row, col, WHICH: gl.constexpr,
+                     EPI_BUFS: gl.constexpr):
+        """TMA store of one output slice through buffer ``e % EPI_BUFS`` of this consumer,
+        first waiting only for the store that last used that buffer (bulk groups complete in
+        order: at most ``EPI_BUFS - 1`` newer ones may stay in flight)."""
+        c_smem = c_bufs.index(WHICH * EPI_BUFS + e % EPI_BUFS)
+        tma.store_wait(EPI_BUFS - 1)  # the store that last read this buffer has left it ...
+        gl.thread_barrier()  # ... for every thread (the issuing one waited)
+        c_smem.store(val)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
+        return e + 1
+
+    @gluon.jit
+    def _epilogue(acc, out_desc, c_bufs, e, row, col, WHICH: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):
+        """Store the (BLOCK_N, BLOCK_K) tile ``acc`` (output dtype) at (row, col) as
+        ``EPI_SPLIT`` column slices (1, 2 or 4); returns the new store count ``e``."""
+        if EPI_SPLIT == 1:
+            e = _store_slice(acc, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+        elif EPI_SPLIT == 2:
+            w: gl.constexpr = acc.shape[1] // 2
+            lo, hi = _split_cols(acc)
+            e = _store_slice(lo, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+            e = _store_slice(hi, out_desc, c_bufs, e, row, col + w, WHICH, EPI_BUFS)
+        else:
+            w4: gl.constexpr = acc.shape[1] // 4
+            lo, hi = _split_cols(acc)
+            q0, q1 = _split_cols(lo)
+            e = _store_slice(q0, out_desc, c_bufs, e, row, col, WHICH, EPI_BUFS)
+            e = _store_slice(q1, out_desc, c_bufs, e, row, col + w4, WHICH, EPI_BUFS)
+            q2, q3 = _split_cols(hi)
+            e = _store_slice(q2, out_desc, c_bufs, e, row, col + 2 * w4, WHICH, EPI_BUFS)
+            e = _store_slice(q3, out_desc, c_bufs, e, row, col + 3 * w4, WHICH, EPI_BUFS)
+        return e
+
+    @gluon.jit
     def _consumer(out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready, empty, turn,
                   M, N, K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr,
+                  WARPS: gl.constexpr):
         """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1],
             instr_shape=[16, BLOCK_K if BLOCK_K <= 256 else 256, 16])
-        c_smem = c_bufs.index(WHICH)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1], [BLOCK_N, BLOCK_K],
+        out_desc = tma.make_tensor_descriptor(out_ptr, [G * N, K], [K, 1],
+                                              [BLOCK_N, BLOCK_K // EPI_SPLIT],
                                               c_bufs.type.layout)
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_group = gl.cdiv(N, BLOCK_N) * tiles_k
         s = 0
         j = 0
+        e = 0  # TMA stores issued by this consumer
         for t in range(gl.program_id(0), G * per_group, P):
             g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
             steps = gl.cdiv(end - start, BLOCK_M)
@@ -285,12 +348,8 @@ if gluon is not None:
                     mbarrier.arrive(turn.index(1 - WHICH))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), pred=steps > 0)
-                tma.store_wait(0)  # the previous tile's store has left c_smem ...
-                gl.thread_barrier()  # ... for every thread (the issuing one waited)
-                c_smem.store(acc.to(out_ptr.dtype.element_ty))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [g * N + pn * BLOCK_N,
-                                                           pk * BLOCK_K], c_smem)
+                e = _epilogue(acc.to(out_ptr.dtype.element_ty), out_desc, c_bufs, e,
+                              g * N + pn * BLOCK_N, pk * BLOCK_K, WHICH, EPI_SPLIT, EPI_BUFS)
             else:
                 s += steps
             j += 1
@@ -300,17 +359,20 @@ if gluon is not None:
     def _gluon_wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            CONSUMERS: gl.constexpr, EPI_SPLIT: gl.constexpr,
+                            EPI_BUFS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """out (G, N, K) = per group g: dy_g^T @ x_g; x (M, K), dy (M, N) contiguous; offs (G,)
         group ends; order (G,) groups in tile order; P programs."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_N, BLOCK_K // EPI_SPLIT], dtype)
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
         dy_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
-        c_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, BLOCK_K], c_layout)
+        c_bufs = gl.allocate_shared_memory(
+            dtype, [CONSUMERS * EPI_BUFS, BLOCK_N, BLOCK_K // EPI_SPLIT], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -324,10 +386,10 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
                 [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -335,7 +397,7 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
                            K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
                 [1], [LOADER_REGS])
@@ -360,7 +422,8 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     ------
     ValueError
         Shapes, dtypes or devices do not match (the message names the argument), or a
-        ``config`` key is unknown.
+        ``config`` key is unknown or ``EPI_SPLIT`` / ``EPI_BUFS`` is not one of their values
+        (:func:`check_config`).
     RuntimeError
         The kernel cannot run here (:func:`gluon_unsupported_reason`).
     """
@@ -369,9 +432,20 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if unknown:
         raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
                          f"unknown {unknown}")
+    check_config(config)
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets)
     return _launch(x, dy, offsets, config)
+
+
+def check_config(config: dict | None) -> None:
+    """ValueError where ``config`` (changes to :func:`gluon_wgrad_config`) has an ``EPI_SPLIT``
+    other than 1, 2, 4 or an ``EPI_BUFS`` other than 1, 2 (the epilogue's slices)."""
+    cfg = {**gluon_wgrad_config(), **(config or {})}
+    if cfg["EPI_SPLIT"] not in (1, 2, 4):
+        raise ValueError(f"config EPI_SPLIT must be 1, 2 or 4, got {cfg['EPI_SPLIT']!r}")
+    if cfg["EPI_BUFS"] not in (1, 2):
+        raise ValueError(f"config EPI_BUFS must be 1 or 2, got {cfg['EPI_BUFS']!r}")
 
 
 def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
