@@ -57,3 +57,57 @@ def test_given_probs_still_match_the_reference(monkeypatch, fusion):
     b2 = [ref.leaf(b) for b in block[2].biases()]
     expected = ref.grouped_mlp(ref.leaf(x), [3, 0, 5, 4], ref.leaf(probs), w1, b1, w2, b2)
     ref.assert_close(y, expected, torch.float32, "y")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("src_groups, drop, words", [
+    (4, "weight3", ["weight3", "num_groups=4", "missing"]),
+    (2, None, ["num_groups=4", "weight2", "weight3", "missing"]),
+])
+@pytest.mark.filterwarnings("ignore:load_state_dict")
+def test_per_expert_checkpoint_of_other_expert_count_into_single_weight_names_the_experts(
+        strict, src_groups, drop, words):
+    """A per-expert checkpoint that cannot be stacked into ``single_grouped_weight`` (an
+    expert missing, fewer experts) was reported as "missing 'weight', unexpected
+    'weight0', 'weight1', ..." (keys the layer does accept): the error now says which experts
+    the layer expects and which the checkpoint lacks. (More experts than the layer: experts
+    0..G-1 load and the rest are unexpected keys, as for a per-expert layer.)"""
+    src = te_ops.GroupedLinear(src_groups, H, FF)
+    state = src.state_dict()
+    if drop:
+        state.pop(drop)
+    dst = te_ops.GroupedLinear(4, H, FF, single_grouped_weight=True)
+    before = dst.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="single_grouped_weight") as info:
+        dst.load_state_dict(state, strict=strict)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert torch.equal(dst.weight, before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("src_groups", [2, 8])
+@pytest.mark.filterwarnings("ignore:load_state_dict")
+def test_single_weight_checkpoint_of_other_expert_count_into_per_expert_names_the_count(
+        strict, src_groups):
+    """The reverse: a stacked (experts, out, in) ``weight`` whose expert count is not the
+    layer's ``num_groups`` names both counts (it was "missing weight0..., unexpected
+    'weight'")."""
+    src = te_ops.GroupedLinear(src_groups, H, FF, single_grouped_weight=True)
+    dst = te_ops.GroupedLinear(4, H, FF)
+    before = [w.detach().clone() for w in dst.weights()]
+    with pytest.raises(RuntimeError, match=f"weight of shape \\({src_groups}, {FF}, {H}\\).*"
+                                f"{src_groups} experts.*num_groups=4"):
+        dst.load_state_dict(src.state_dict(), strict=strict)
+    assert all(torch.equal(w, b) for w, b in zip(dst.weights(), before))
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_layout_conversion_with_matching_expert_count_still_loads(single):
+    """The neighbour: same expert count, other layout, loads every expert exactly."""
+    src = te_ops.GroupedLinear(4, H, FF, single_grouped_weight=not single)
+    dst = te_ops.GroupedLinear(4, H, FF, single_grouped_weight=single)
+    dst.load_state_dict(src.state_dict())
+    got = dst.weight if single else torch.stack(dst.weights())
+    expected = src.weight if not single else torch.stack(src.weights())
+    assert torch.equal(got, expected)
