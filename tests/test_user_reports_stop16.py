@@ -111,3 +111,47 @@ def test_layout_conversion_with_matching_expert_count_still_loads(single):
     got = dst.weight if single else torch.stack(dst.weights())
     expected = src.weight if not single else torch.stack(src.weights())
     assert torch.equal(got, expected)
+
+
+def _swap(block: te_ops.Sequential, how: str, new: torch.nn.Module) -> None:
+    if how == "setattr":
+        setattr(block, "2", new)
+    elif how == "add_module":
+        block.add_module("2", new)
+    elif how == "register_module":
+        block.register_module("2", new)
+    elif how == "set_submodule":
+        block.set_submodule("2", new)
+    else:
+        block._modules["2"] = new
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("how", ["setattr", "add_module", "register_module", "set_submodule",
+                                 "_modules"])
+def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion, how):
+    """Replacing an op through torch.nn.Module's own API (``setattr``, ``add_module``,
+    ``set_submodule``: what model-surgery tools use) after a first call left the container
+    running the old op (its fusers were cached): the output came from weights no longer in
+    the model, silently. The container now rebuilds its fusers when its modules change."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _block()
+    split = torch.tensor([3, 0, 5, 4])
+    x = torch.randn(12, H, requires_grad=True)
+    probs = torch.rand(12, requires_grad=True)
+    block(x, split, probs, split).sum().backward()
+    torch.manual_seed(5)
+    new = te_ops.GroupedLinear(E, FF, H)
+    _swap(block, how, new)
+    assert block[2] is new
+    y = block(x, split, probs, split)
+    w1 = [ref.leaf(w) for w in block[0].weights()]
+    b1 = [ref.leaf(b) for b in block[0].biases()]
+    w2 = [ref.leaf(w) for w in new.weights()]
+    b2 = [ref.leaf(b) for b in new.biases()]
+    expected = ref.grouped_mlp(ref.leaf(x), [3, 0, 5, 4], ref.leaf(probs), w1, b1, w2, b2)
+    ref.assert_close(y, expected, torch.float32, "y")
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    (dw,) = torch.autograd.grad(expected, [w2[2]], grad_out.double())
+    ref.assert_close(new.weight2.grad, dw, torch.float32, "new fc2 weight2 grad")
