@@ -155,3 +155,47 @@ def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion
     y.backward(grad_out)
     (dw,) = torch.autograd.grad(expected, [w2[2]], grad_out.double())
     ref.assert_close(new.weight2.grad, dw, torch.float32, "new fc2 weight2 grad")
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+def test_torch_func_transforms_are_refused_naming_te_ops_and_the_alternative(transform):
+    """``torch.func.grad`` / ``vmap`` / ``jvp`` over a block raised torch's "autograd.Function
+    ... must override the setup_context staticmethod", which names neither te_ops nor a way
+    out: the error now names the transform, te_ops and the supported route
+    (``torch.func.functional_call`` with ``torch.autograd.grad``)."""
+    block = _block()
+    split = [3, 0, 5, 4]
+    x = torch.randn(12, H)
+    probs = torch.rand(12)
+
+    def run(inp: torch.Tensor) -> torch.Tensor:
+        return block(inp, split, probs, split).sum()
+
+    calls = {"grad": lambda: torch.func.grad(run)(x),
+             "vmap": lambda: torch.func.vmap(run)(x.unsqueeze(0)),
+             "jvp": lambda: torch.func.jvp(run, (x,), (torch.ones_like(x),))}
+    with pytest.raises(RuntimeError, match=f"te_ops.*torch.func.*{transform}.*functional_call"):
+        calls[transform]()
+
+
+def test_functional_call_with_autograd_grad_matches_the_reference():
+    """The route the error names: functional_call with other parameters, gradients by
+    ``torch.autograd.grad``, against fp64."""
+    block = _block()
+    torch.manual_seed(3)
+    params = {k: torch.randn_like(v, requires_grad=True) * 0.1
+              for k, v in block.named_parameters()}
+    split = [3, 0, 5, 4]
+    x = torch.randn(12, H)
+    probs = torch.rand(12)
+    y = torch.func.functional_call(block, params, (x, split, probs, split))
+    grad_out = torch.randn_like(y)
+    (dw,) = torch.autograd.grad(y, [params["2.weight2"]], grad_out)
+    leaves = {k: ref.leaf(v) for k, v in params.items()}
+    expected = ref.grouped_mlp(
+        ref.leaf(x), split, ref.leaf(probs), [leaves[f"0.weight{g}"] for g in range(E)],
+        [leaves[f"0.bias{g}"] for g in range(E)], [leaves[f"2.weight{g}"] for g in range(E)],
+        [leaves[f"2.bias{g}"] for g in range(E)])
+    ref.assert_close(y, expected, torch.float32, "y")
+    (dw_ref,) = torch.autograd.grad(expected, [leaves["2.weight2"]], grad_out.double())
+    ref.assert_close(dw, dw_ref, torch.float32, "2.weight2 grad")
