@@ -199,3 +199,24 @@ def test_functional_call_with_autograd_grad_matches_the_reference():
     ref.assert_close(y, expected, torch.float32, "y")
     (dw_ref,) = torch.autograd.grad(expected, [leaves["2.weight2"]], grad_out.double())
     ref.assert_close(dw, dw_ref, torch.float32, "2.weight2 grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool])
+def test_unpermute_names_a_token_index_of_the_wrong_dtype(dtype):
+    """``unpermute`` passed a non-int64/int32 ``token_index`` to ``index_add_``, whose error
+    ("Expected dtype int32/int64 for index but got: Float") names no argument."""
+    with pytest.raises(TypeError, match=f"token_index must have dtype torch.int64 or "
+                                        f"torch.int32, got {dtype}"):
+        te_ops.unpermute(torch.randn(4, H), torch.zeros(4, dtype=dtype), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_unpermute_sums_rows_into_tokens_like_a_loop(dtype):
+    """The neighbour: int64 and int32 token indices give the per-token sum (fp64 loop)."""
+    y = torch.randn(5, H)
+    index = torch.tensor([2, 0, 2, 1, 0], dtype=dtype)
+    out = te_ops.unpermute(y, index, 4)
+    expected = torch.zeros(4, H, dtype=torch.float64)
+    for row, token in enumerate(index.tolist()):
+        expected[token] += y[row].double()
+    ref.assert_close(out, expected, torch.float32, "unpermute")
