@@ -220,3 +220,70 @@ def test_unpermute_sums_rows_into_tokens_like_a_loop(dtype):
     for row, token in enumerate(index.tolist()):
         expected[token] += y[row].double()
     ref.assert_close(out, expected, torch.float32, "unpermute")
+
+
+def _delayed_block(scale_bias: bool = False) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    return te_ops.Sequential(
+        te_ops.GroupedLinear(E, H, 2 * FF, delay_wgrad_compute=True), te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(E, FF, H, scale_bias=scale_bias, delay_wgrad_compute=True))
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("kind", ["list", "tensor"])
+def test_input_changed_in_place_before_backward_dw_raises(monkeypatch, fusion, kind):
+    """With ``delay_wgrad_compute`` the layer input is kept for ``backward_dw()``; an in-place
+    change of it after backward (a reused activation buffer) gave silently wrong weight
+    gradients. It now raises autograd's in-place error, naming the op and backward_dw."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _delayed_block()
+    split = ref.split_arg([3, 0, 5, 4], kind, "cpu")
+    x = torch.randn(12, H, requires_grad=True)
+    inp = x * 1.0  # an activation, as a previous layer's output
+    block(inp, split, torch.rand(12), split).sum().backward()
+    with torch.no_grad():
+        inp.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*GroupedLinear"
+                                           ".*backward_dw"):
+        block.backward_dw()
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_scale_bias_probs_changed_in_place_before_backward_dw_raises(monkeypatch, fusion):
+    """The bias gradient of a ``scale_bias`` layer reads probs at ``backward_dw()``: same."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _delayed_block(scale_bias=True)
+    split = torch.tensor([3, 0, 5, 4])
+    probs = torch.rand(12)
+    block(torch.randn(12, H), split, torch.rand(12), split, probs).sum().backward()
+    probs.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*probs"):
+        block.backward_dw()
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_backward_dw_with_untouched_inputs_matches_the_reference(monkeypatch, fusion):
+    """The neighbour: inputs left alone (changed only after backward_dw) give the fp64
+    gradients, over two queued micro-batches."""
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    block = _delayed_block()
+    split = [3, 0, 5, 4]
+    expected = [torch.zeros(H, FF, dtype=torch.float64) for _ in range(2)]
+    inputs = []
+    for seed in range(2):
+        torch.manual_seed(10 + seed)
+        inp, probs = torch.randn(12, H), torch.rand(12)
+        inputs.append(inp)
+        block(inp, split, probs, split).sum().backward()
+        w1 = [ref.leaf(w) for w in block[0].weights()]
+        b1 = [ref.leaf(b) for b in block[0].biases()]
+        w2 = [ref.leaf(w) for w in block[2].weights()]
+        b2 = [ref.leaf(b) for b in block[2].biases()]
+        out = ref.grouped_mlp(ref.leaf(inp), split, ref.leaf(probs), w1, b1, w2, b2)
+        grads = torch.autograd.grad(out.sum(), [w2[0], w2[3]])
+        expected = [e + g for e, g in zip(expected, grads)]
+    block.backward_dw()
+    for inp in inputs:
+        inp.mul_(2)  # after backward_dw: nothing queued reads it any more
+    ref.assert_close(block[2].weight0.grad, expected[0], torch.float32, "fc2 weight0 grad")
+    ref.assert_close(block[2].weight3.grad, expected[1], torch.float32, "fc2 weight3 grad")
