@@ -1,10 +1,10 @@
 """The error for a block called under a ``torch.func`` transform.
 
 The fuser runs as one ``torch.autograd.Function`` without a ``setup_context`` / functorch
-rule, so ``torch.func.grad`` (and ``vjp``, ``jacrev``, ``hessian``), ``jvp`` (``jacfwd``) and
-``vmap`` cannot differentiate or batch it; torch's own error names ``setup_context`` but
-neither te_ops nor a way out. ``functionalize`` (which ``torch.compile``'s AOTAutograd runs)
-is not refused.
+rule, so ``torch.func.grad`` (and ``vjp``, ``jacrev``, ``hessian``), ``jvp`` (``jacfwd``),
+``vmap`` and ``functionalize`` cannot run it; torch's own error names ``setup_context`` but
+neither te_ops nor a way out. (``torch.compile`` is not affected: its AOTAutograd
+functionalizes through a tensor mode, not this transform stack.)
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 __all__ = ["check_no_func_transform"]
 
-_REFUSED = {"Grad": "grad", "Jvp": "jvp", "Vmap": "vmap"}
+_REFUSED = {"Grad": "grad", "Jvp": "jvp", "Vmap": "vmap", "Functionalize": "functionalize"}
 
 
 def check_no_func_transform() -> None:
-    """Raise where a ``torch.func`` grad / jvp / vmap transform is active.
+    """Raise where a ``torch.func`` transform (grad, jvp, vmap, functionalize) is active.
 
     Raises
     ------

@@ -157,11 +157,11 @@ def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion
     ref.assert_close(new.weight2.grad, dw, torch.float32, "new fc2 weight2 grad")
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "functionalize"])
 def test_torch_func_transforms_are_refused_naming_te_ops_and_the_alternative(transform):
-    """``torch.func.grad`` / ``vmap`` / ``jvp`` over a block raised torch's "autograd.Function
-    ... must override the setup_context staticmethod", which names neither te_ops nor a way
-    out: the error now names the transform, te_ops and the supported route
+    """``torch.func.grad`` / ``vmap`` / ``jvp`` / ``functionalize`` over a block raised
+    torch's "autograd.Function ... must override the setup_context staticmethod", which names
+    neither te_ops nor a way out: the error now names the transform, te_ops and the supported route
     (``torch.func.functional_call`` with ``torch.autograd.grad``)."""
     block = _block()
     split = [3, 0, 5, 4]
@@ -173,7 +173,8 @@ def test_torch_func_transforms_are_refused_naming_te_ops_and_the_alternative(tra
 
     calls = {"grad": lambda: torch.func.grad(run)(x),
              "vmap": lambda: torch.func.vmap(run)(x.unsqueeze(0)),
-             "jvp": lambda: torch.func.jvp(run, (x,), (torch.ones_like(x),))}
+             "jvp": lambda: torch.func.jvp(run, (x,), (torch.ones_like(x),)),
+             "functionalize": lambda: torch.func.functionalize(run)(x)}
     with pytest.raises(RuntimeError, match=f"te_ops.*torch.func.*{transform}.*functional_call"):
         calls[transform]()
 
