@@ -288,3 +288,24 @@ def test_backward_dw_with_untouched_inputs_matches_the_reference(monkeypatch, fu
         inp.mul_(2)  # after backward_dw: nothing queued reads it any more
     ref.assert_close(block[2].weight0.grad, expected[0], torch.float32, "fc2 weight0 grad")
     ref.assert_close(block[2].weight3.grad, expected[1], torch.float32, "fc2 weight3 grad")
+
+
+@pytest.mark.parametrize("flag", ["accumulate_into_main_grad", "delay_wgrad_compute"])
+@pytest.mark.parametrize("value, shown", [("no", "str \\('no'\\)"), (torch.zeros(3), "Tensor")])
+def test_training_flags_must_be_bools(flag, value, shown):
+    """``accumulate_into_main_grad="no"`` (or ``delay_wgrad_compute="no"``) turned the option
+    on (a truthy string): the other flags were checked, these two were not."""
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got {shown}"):
+        te_ops.GroupedLinear(2, 4, 4, **{flag: value})
+
+
+@pytest.mark.parametrize("flag", ["accumulate_into_main_grad", "delay_wgrad_compute"])
+@pytest.mark.parametrize("value", [False, 0, None])
+def test_falsy_training_flags_stay_off(flag, value):
+    """The neighbours: bool and int values keep working; off means a plain ``.grad``."""
+    lin = te_ops.GroupedLinear(2, 4, 4, **{flag: value})
+    assert getattr(lin, flag) is False
+    x = torch.randn(3, 4)
+    lin(x, [2, 1]).sum().backward()
+    expected = x[:2].sum(0).double()
+    ref.assert_close(lin.weight0.grad, expected.expand(4, 4), torch.float32, "weight0 grad")

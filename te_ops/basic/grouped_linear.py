@@ -392,7 +392,9 @@ class GroupedLinear(BasicOperation):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, flag in (("bias", bias), ("scale_bias", scale_bias),
-                           ("single_grouped_weight", single_grouped_weight)):
+                           ("single_grouped_weight", single_grouped_weight),
+                           ("accumulate_into_main_grad", accumulate_into_main_grad),
+                           ("delay_wgrad_compute", delay_wgrad_compute)):
             if flag is not None and not isinstance(flag, (bool, int)):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
         bias, scale_bias = bool(bias), bool(scale_bias)
