@@ -114,6 +114,12 @@ class _WgradJob:
     dy_q: Any = None  # dy already quantized column-wise (with its row-wise copy, for dgrad)
     versions: tuple = ()  # (name, tensor, version) of x and probs when queued: see _check_versions
 
+    def __setstate__(self, state: dict) -> None:
+        # deepcopy / pickle make new tensors whose version counters start elsewhere: record
+        # the copies' versions (the copy holds the values the original job was queued with).
+        state["versions"] = tuple((n, t, t._version) for n, t, _ in state.get("versions", ()))
+        self.__dict__.update(state)
+
 
 # ------------------------------------------------------------------------------ main_grad
 def main_grad_target(param: torch.Tensor, name: str, shape: tuple[int, ...],
