@@ -327,3 +327,14 @@ def test_block_copied_with_queued_wgrad_jobs_runs_them(how):
     block.backward_dw()
     for mine, theirs in zip(block.parameters(), clone.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.filterwarnings("ignore:load_state_dict")
+def test_dense_checkpoint_into_per_expert_layer_is_not_called_a_stacked_one():
+    """A dense layer's 2-D ``weight`` (upcycling a dense checkpoint, ``strict=False``) is not
+    a stacked per-expert weight: no expert-count error, torch's missing / unexpected keys."""
+    dense = torch.nn.Linear(H, FF)
+    layer = te_ops.GroupedLinear(E, H, FF)
+    result = layer.load_state_dict(dense.state_dict(), strict=False)
+    assert sorted(result.unexpected_keys) == ["bias", "weight"]
+    assert len(result.missing_keys) == 2 * E

@@ -52,7 +52,8 @@ def expert_count_errors(state_dict: dict, prefix: str, num_groups: int, single: 
         One message per kind that cannot be converted: a single-weight layer given
         per-expert entries that lack some of ``{kind}0..{kind}{G-1}`` (more experts than the
         layer are not reported here: experts 0..G-1 load and the rest are unexpected keys, as
-        for a per-expert layer); a per-expert layer given a stacked ``{kind}`` whose first dim
+        for a per-expert layer); a per-expert layer given a stacked ``{kind}`` (3-D weight,
+        2-D bias; a dense layer's 2-D weight is left to torch's key messages) whose first dim
         (experts) is not ``num_groups``.
     """
     errors = []
@@ -70,7 +71,8 @@ def expert_count_errors(state_dict: dict, prefix: str, num_groups: int, single: 
         elif not single and one in state_dict and not _per_expert_indices(state_dict, prefix,
                                                                             kind):
             shape: Any = tuple(getattr(state_dict[one], "shape", ()))
-            if shape and shape[0] != num_groups:
+            stacked_dims = 3 if kind == "weight" else 2  # (G, out, in) / (G, out); else dense
+            if len(shape) == stacked_dims and shape[0] != num_groups:
                 errors.append(
                     f"cannot split the stacked {one} of shape {shape} into per-expert "
                     f"{kind}0..{kind}{num_groups - 1}: it holds {shape[0]} experts, the layer "
