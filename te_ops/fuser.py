@@ -33,6 +33,7 @@ import torch
 
 from . import env, fast_step
 from .call_scope import close_call_scope, open_call_scope
+from .func_transforms import check_no_func_transform
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
@@ -444,8 +445,11 @@ class OperationFuser:
         # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
         # unwrapping: one generator step per parameter, 128+ with per-expert weights); it
         # matters only under functorch transforms, so the C apply is called directly without.
-        apply = (_FuserFunction.apply if torch._C._are_functorch_transforms_active()
-                 else _APPLY)
+        if torch._C._are_functorch_transforms_active():
+            check_no_func_transform()  # grad / jvp / vmap: a te_ops error, not torch's
+            apply = _FuserFunction.apply
+        else:
+            apply = _APPLY
         outputs = apply(
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
             tuple(map(len, params)), groups, *flat_params, *flat_extra,

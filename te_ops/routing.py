@@ -146,10 +146,15 @@ def unpermute(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> to
     ------
     ValueError
         ``y`` and ``token_index`` of different lengths or bad ``num_tokens``.
+    TypeError
+        ``token_index`` not int64 / int32.
     """
     if y.dim() != 2 or token_index.dim() != 1 or y.shape[0] != token_index.shape[0]:
         raise ValueError(f"y must have shape (S, hidden) and token_index (S,), got "
                          f"y {tuple(y.shape)} and token_index {tuple(token_index.shape)}")
+    if token_index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"token_index must have dtype torch.int64 or torch.int32, got "
+                        f"{token_index.dtype}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) or (
             num_tokens < 0):
         raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")

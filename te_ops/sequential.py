@@ -156,8 +156,11 @@ class Sequential(torch.nn.Module):
         items = self._items()
         hooked = tuple(i for i, m in enumerate(items)
                        if isinstance(m, FusibleOperation) and has_hooks(m))
+        # The modules' identities too: torch.nn.Module's own API (setattr, add_module,
+        # set_submodule) replaces entries of _modules without going through this container.
+        key = (hooked, tuple(map(id, items)))
         groups = self.__dict__.get("_fuser_groups")
-        if groups is not None and self.__dict__.get("_hooked") == hooked:
+        if groups is not None and self.__dict__.get("_groups_key") == key:
             return groups
         groups = []
         run: list[FusibleOperation] = []
@@ -182,7 +185,7 @@ class Sequential(torch.nn.Module):
         if run:
             groups.append(OperationFuser(run))
         self.__dict__["_fuser_groups"] = groups
-        self.__dict__["_hooked"] = hooked
+        self.__dict__["_groups_key"] = key
         signature = CallSignature(
             [b for g in groups if isinstance(g, OperationFuser) for b in g.basic_ops])
         self.__dict__["_signature"] = signature

@@ -112,6 +112,13 @@ class _WgradJob:
     single: bool
     recipe: Any = None  # the forward's low-precision recipe: wgrad quantizes dy with it
     dy_q: Any = None  # dy already quantized column-wise (with its row-wise copy, for dgrad)
+    versions: tuple = ()  # (name, tensor, version) of x and probs when queued: see _check_versions
+
+    def __setstate__(self, state: dict) -> None:
+        # deepcopy / pickle make new tensors whose version counters start elsewhere: record
+        # the copies' versions (the copy holds the values the original job was queued with).
+        state["versions"] = tuple((n, t, t._version) for n, t, _ in state.get("versions", ()))
+        self.__dict__.update(state)
 
 
 # ------------------------------------------------------------------------------ main_grad
@@ -237,6 +244,9 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: A
         probs=saved.probs, single=saved.single, recipe=saved.recipe, dy_q=dy_q,
     )
     if policy.delay_wgrad_compute:
+        job.versions = tuple((name, t, t._version) for name, t in
+                             (("input", job.x), ("probs", job.probs))
+                             if isinstance(t, torch.Tensor))
         policy.pending.append(job)
         return [None] * len(job.weights), [None] * len(job.biases)
     return _weight_grads(policy, job), _bias_grads(job)
@@ -266,10 +276,24 @@ def backward_dw(policy: WgradPolicy) -> None:
     with torch.no_grad():
         while policy.pending:
             job = policy.pending.popleft()
+            _check_versions(policy, job)
             for w, g in zip(job.weights, _weight_grads(policy, job)):
                 _add_to_grad(w, g)
             for b, g in zip(job.biases, _bias_grads(job)):
                 _add_to_grad(b, g)
+
+
+def _check_versions(policy: WgradPolicy, job: _WgradJob) -> None:
+    """Raise autograd's in-place error where a tensor a queued job reads (the layer's input,
+    ``scale_bias`` probs) changed in place after it was queued (a reused activation buffer
+    would otherwise give wrong weight gradients silently)."""
+    for name, t, version in job.versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the {name} of {policy.owner} {tuple(t.shape)}, kept for "
+                f"backward_dw() (delay_wgrad_compute=True), is at version {t._version}; "
+                f"expected version {version} (call backward_dw() before changing it)")
 
 
 def backward_dw_all(modules: Any) -> None:

@@ -159,9 +159,12 @@ def test_inplace_weight_change_before_backward_still_raises(monkeypatch, fusion,
 
 # ---------------------------------------------------------------------------- apply path
 def test_functorch_transform_still_goes_through_function_apply():
-    """Under a functorch transform the fuser takes ``Function.apply`` (torch's own checks and
-    message), not the C apply it uses otherwise."""
+    """Under a functorch transform the fuser does not take the C apply it uses otherwise: it
+    raises te_ops' error naming the transform (te_ops/func_transforms.py; torch's own
+    ``Function.apply`` check named only ``setup_context``)."""
     fc = te_ops.GroupedLinear(2, 4, 3)
     x = torch.randn(5, 4)
-    with pytest.raises(RuntimeError, match="setup_context"):
+    with pytest.raises(RuntimeError, match="te_ops.*torch.func.grad"):
         torch.func.grad(lambda x: fc(x, [2, 3]).sum())(x)
+    with pytest.raises(RuntimeError, match="te_ops.*torch.func.functionalize"):
+        torch.func.functionalize(lambda x: fc(x, [2, 3]))(x)

@@ -36,6 +36,7 @@ from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
+from .checkpoint_layout import expert_count_errors
 
 __all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
 
@@ -391,7 +392,9 @@ class GroupedLinear(BasicOperation):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, flag in (("bias", bias), ("scale_bias", scale_bias),
-                           ("single_grouped_weight", single_grouped_weight)):
+                           ("single_grouped_weight", single_grouped_weight),
+                           ("accumulate_into_main_grad", accumulate_into_main_grad),
+                           ("delay_wgrad_compute", delay_wgrad_compute)):
             if flag is not None and not isinstance(flag, (bool, int)):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
         bias, scale_bias = bool(bias), bool(scale_bias)
@@ -469,6 +472,9 @@ class GroupedLinear(BasicOperation):
                             f"size mismatch for {prefix}{kind}{g}: copying a param with shape "
                             f"{tuple(t.shape)} from checkpoint into {prefix}{kind}[{g}] of a "
                             f"single_grouped_weight layer, which has shape {shape}")
+        error_msgs.extend(expert_count_errors(  # another expert count: name the experts
+            state_dict, prefix, self.num_groups, self.single_grouped_weight,
+            ("weight", "bias") if self.has_bias else ("weight",)))
         convert_weight_layout(state_dict, prefix, self.num_groups, self.single_grouped_weight)
         names = [prefix + n for n, p in self._parameters.items() if p is not None]
         # load_state_dict passes strict=True here whatever the caller asked: warn in every

@@ -164,14 +164,13 @@ class ForwardGroupedMLP(FusedOperation):
             w_ops2 = fc2.forward_weight_operand(ctx2, recipe)
         splits = fc1.prepare_splits(input_, ex1[0], checked=True)
         rows = splits.num_rows
-        probs1 = ex1[1] if fc1.scale_bias else None
-        probs2 = ex2[1] if fc2.scale_bias else None
-        probs_act = ex_act[0] if isinstance(act, ScaledSwiGLU) else None
         lead = tuple(input_.shape[:-1])
+        # Every probs an op takes is checked (a None one raises, as on the unfused path).
         probs1, probs_act, probs2 = (
-            None if p is None else check_probs(p, rows, input_.device, name, lead_shape=lead)
-            for name, p in (("fc1 probs", probs1), ("probs", probs_act), ("fc2 probs", probs2))
-        )
+            check_probs(ex[i], rows, input_.device, name, lead_shape=lead) if takes else None
+            for name, ex, i, takes in (("fc1 probs", ex1, 1, fc1.scale_bias),
+                                       ("probs", ex_act, 0, isinstance(act, ScaledSwiGLU)),
+                                       ("fc2 probs", ex2, 1, fc2.scale_bias)))
 
         x2d = rows_2d(input_, fc1.in_features)
         backend1 = fc1.select_backend(x2d, splits)
