@@ -267,7 +267,7 @@ def _force_gluon(monkeypatch) -> list[int]:
     (the rule patched); returns a list that counts the Gluon launches."""
     from te_ops.kernels import grouped_gemm
 
-    monkeypatch.setattr(grouped_gemm, "gluon_kinds",
+    monkeypatch.setattr(grouped_gemm, "gluon_gemm_kinds",
                         lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
                                                         if k in large))
     grouped_gemm._CHOICES.clear()
