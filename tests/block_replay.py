@@ -69,3 +69,31 @@ def assert_graph_and_compile_match_eager(block, x: torch.Tensor, split: torch.Te
             want = run_block(block, x, s, probs, dy)[0]
             assert all(torch.equal(a, b) for a, b in zip(got, want)), sizes_
     assert cnt.frame_count == 1 and not counters["graph_break"]
+
+
+def assert_block_matches_reference(block, x: torch.Tensor, probs: torch.Tensor,
+                                   sizes: list[int], dy: torch.Tensor,
+                                   got: list[torch.Tensor]) -> None:
+    """``got`` (``run_block``'s ``[y, x.grad, probs.grad, *parameter grads]`` of a
+    GroupedLinear - ScaledSwiGLU - GroupedLinear block with ``block``'s weights, no bias)
+    against the fp64 per-expert reference (``tests/reference.py``) on the rows the split
+    ``sizes`` cover, at the tolerance of ``x``'s dtype; the padding rows of y and x.grad
+    must be zero."""
+    import reference as ref
+
+    total = sum(sizes)
+    y, gx, gp, *grads = got
+    assert not y[total:].any() and not gx[total:].any(), "padding rows not zero"
+    fc1, _, fc2 = block
+    leaves = {"x": ref.leaf(x[:total].clone()), "probs": ref.leaf(probs[:total].clone())}
+    w1 = [ref.leaf(p) for p in fc1.parameters()]
+    w2 = [ref.leaf(p) for p in fc2.parameters()]
+    h = ref.grouped_linear(leaves["x"], w1, None, sizes)
+    want = ref.grouped_linear(ref.scaled_swiglu(h, leaves["probs"]), w2, None, sizes)
+    ref.assert_close(y[:total], want, x.dtype, "output")
+    want.backward(dy[:total].double())
+    ref.assert_close(gx[:total], leaves["x"].grad, x.dtype, "x.grad")
+    ref.assert_close(gp[:total], leaves["probs"].grad, x.dtype, "probs.grad")
+    assert len(grads) == len(w1) + len(w2)
+    for i, leaf in enumerate(w1 + w2):
+        ref.assert_close(grads[i], leaf.grad, x.dtype, f"weight grad {i}")

@@ -14,9 +14,12 @@ True)`` of a block equal eager bit for bit.
 from __future__ import annotations
 
 import pytest
-import reference as ref
 import torch
-from block_replay import assert_graph_and_compile_match_eager, run_block
+from block_replay import (
+    assert_block_matches_reference,
+    assert_graph_and_compile_match_eager,
+    run_block,
+)
 from reference import assert_close
 
 import te_ops
@@ -143,21 +146,7 @@ def test_block_at_many_rows_takes_it_and_matches_reference(monkeypatch):
     for key in (("0", "auto"), ("1", "0")):
         for i, (a, b) in enumerate(zip(outs["1", "auto"], outs[key])):
             assert torch.equal(a, b), f"tensor {i}: {key} differs"
-    total = sum(sizes)
-    y, gx, gp, *gw_ = outs["1", "auto"]
-    block = _block()
-    fc1, _, fc2 = block
-    leaves = {"x": ref.leaf(x[:total].clone()), "probs": ref.leaf(probs[:total].clone())}
-    w1 = [ref.leaf(p) for p in fc1.parameters()]
-    w2 = [ref.leaf(p) for p in fc2.parameters()]
-    h = ref.grouped_linear(leaves["x"], w1, None, sizes)
-    want = ref.grouped_linear(ref.scaled_swiglu(h, leaves["probs"]), w2, None, sizes)
-    assert_close(y[:total], want, torch.bfloat16, "output")
-    want.backward(dy[:total].double())
-    assert_close(gx[:total], leaves["x"].grad, torch.bfloat16, "x.grad")
-    assert_close(gp[:total], leaves["probs"].grad, torch.bfloat16, "probs.grad")
-    for i, leaf in enumerate(w1 + w2):
-        assert_close(gw_[i], leaf.grad, torch.bfloat16, f"weight grad {i}")
+    assert_block_matches_reference(_block(), x, probs, sizes, dy, outs["1", "auto"])
 
 
 @pytest.mark.cuda
@@ -190,3 +179,20 @@ def test_gluon_wgrad_with_the_gluon_fprop_dgrad_rule(monkeypatch):
     assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
     assert "of those, dgrad in the warp-specialized Gluon kernel" in choice.reason
     assert "in torch._grouped_mm" not in choice.reason.split("; ")[-1]
+
+
+def test_block_helpers_on_cpu():
+    """``block_replay``'s run and fp64 reference check (used by the CUDA block tests here
+    and in test_large_gemm_dispatch) on a CPU block with padding rows and an empty group."""
+    torch.manual_seed(0)
+    block = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 24, bias=False),
+                              te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(3, 12, 16, bias=False))
+    sizes = [5, 0, 7]
+    x, probs, dy = torch.randn(14, 16), torch.rand(14), torch.randn(14, 16)
+    got, _ = run_block(block, x, torch.tensor(sizes), probs, dy)
+    assert len(got) == 3 + 6
+    assert_block_matches_reference(block, x, probs, sizes, dy, got)
+    bad = [t.clone() for t in got]
+    bad[3][0, 0] += 1.0
+    with pytest.raises(AssertionError):
+        assert_block_matches_reference(block, x, probs, sizes, dy, bad)

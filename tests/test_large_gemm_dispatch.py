@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import reference as ref
 import torch
 import torch.nn.functional as F
+from block_replay import assert_block_matches_reference
 from reference import assert_close
 
 import te_ops
@@ -195,22 +195,7 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
                 or "persistent many-rows kernels" in text), text
     for i, (a, b) in enumerate(zip(outs["1"], outs["0"])):
         assert torch.equal(a, b), f"tensor {i}: fused != unfused"
-    total = sum(sizes)
-    y, gx = outs["1"][0], outs["1"][1]
-    assert not y[total:].any() and not gx[total:].any()
-    block = _block(4, hidden, ffn)
-    fc1, _, fc2 = block
-    leaves = {"x": ref.leaf(x[:total].clone()), "probs": ref.leaf(probs[:total].clone())}
-    w1 = [ref.leaf(p) for p in fc1.parameters()]
-    w2 = [ref.leaf(p) for p in fc2.parameters()]
-    h = ref.grouped_linear(leaves["x"], w1, None, sizes)
-    want = ref.grouped_linear(ref.scaled_swiglu(h, leaves["probs"]), w2, None, sizes)
-    assert_close(y[:total], want, torch.bfloat16, "output")
-    want.backward(dy[:total].double())
-    assert_close(gx[:total], leaves["x"].grad, torch.bfloat16, "x.grad")
-    assert_close(outs["1"][2][:total], leaves["probs"].grad, torch.bfloat16, "probs.grad")
-    for i, leaf in enumerate(w1 + w2):
-        assert_close(outs["1"][3 + i], leaf.grad, torch.bfloat16, f"weight grad {i}")
+    assert_block_matches_reference(_block(4, hidden, ffn), x, probs, sizes, dy, outs["1"])
 
 
 @pytest.mark.cuda
