@@ -82,6 +82,11 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     if backend_act.name != "triton":
         return f"the activation runs in {backend_act.name} ({backend_act.reason})"
     if large:
+        if mode == "auto" and "fprop" in backend1.gluon_kinds:  # GLUON_RULE's shapes
+            return (f"fc1's fprop runs in the warp-specialized Gluon kernel (backend "
+                    f"{backend1.name}, gluon_kinds: measured faster than the persistent Triton "
+                    "kernel at this shape), which the fused launch (large_fc1_swiglu) would "
+                    "replace; TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it")
         if mode == "auto" and not LARGE_AUTO:
             return (f"fc1's fprop runs in the persistent many-rows Triton kernel (backend "
                     f"{backend1.name}, large_kinds), where the fused launch (large_fc1_swiglu, "
