@@ -450,16 +450,9 @@ def check_config(config: dict | None) -> None:
 
 def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
     """ValueError naming the argument whose shape, dtype or device does not fit."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
-    if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or (
-            dy.device != x.device):
-        raise ValueError(f"dy must be 2-D ({x.shape[0]}, out_features) {x.dtype} on "
-                         f"{x.device}, got shape {tuple(dy.shape)} {dy.dtype} on {dy.device}")
-    if (offsets.dim() != 1 or offsets.device != x.device
-            or offsets.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"offsets must be 1-D int32/int64 (G,) on {x.device}, got "
-                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    from .grouped_wgrad_large_triton import check_wgrad_operands
+
+    check_wgrad_operands(x, dy, offsets)
 
 
 def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,

@@ -498,20 +498,26 @@ def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     return _launch(x, dy, offsets, out, config)
 
 
-def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-           out: torch.Tensor | None) -> None:
+def check_wgrad_operands(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
+    """``ValueError`` naming the wgrad operand (x (M, K), dy (M, N), offsets (G,) int32 /
+    int64 on x's device) whose shape, dtype or device does not fit (this kernel's and the
+    Gluon wgrad's check)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
     if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or (
             dy.device != x.device):
         raise ValueError(f"dy must be 2-D ({x.shape[0]}, out_features) {x.dtype} on "
                          f"{x.device}, got shape {tuple(dy.shape)} {dy.dtype} on {dy.device}")
-    groups = offsets.shape[0] if offsets.dim() == 1 else -1
     if (offsets.dim() != 1 or offsets.device != x.device
             or offsets.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"offsets must be 1-D int32/int64 (G,) on {x.device}, got "
                          f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
-    want = (groups, dy.shape[1], x.shape[1])
+
+
+def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+           out: torch.Tensor | None) -> None:
+    check_wgrad_operands(x, dy, offsets)
+    want = (offsets.shape[0], dy.shape[1], x.shape[1])
     if out is not None and (tuple(out.shape) != want or out.dtype != torch.float32
                             or out.device != x.device or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous torch.float32 tensor of shape {want} on "
