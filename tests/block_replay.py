@@ -10,17 +10,30 @@ import torch
 
 def run_block(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,
               dy: torch.Tensor) -> tuple[list[torch.Tensor], str]:
-    """One eager fwd+bwd of ``block(x, split, probs, split)`` on fresh leaf copies of ``x``
-    and ``probs``: ``[y, x.grad, probs.grad, *parameter grads]`` and the output's grad_fn
-    class name (which path ran); the grads are cleared."""
+    """One eager fwd+bwd of ``block(x, split, probs, split)`` (``block(x, split, split)``
+    when the activation is a plain SwiGLU, which takes no probs) on fresh leaf copies of
+    ``x`` and ``probs``: ``[y, x.grad, probs.grad, *parameter grads]`` (``probs.grad`` is
+    ``None`` without probs) and the output's grad_fn class name (which path ran); the grads
+    are cleared."""
+    import te_ops
+
     x = x.detach().clone().requires_grad_(True)
     probs = probs.detach().clone().requires_grad_(True)
-    y = block(x, split, probs, split)
+    scaled = isinstance(block[1], te_ops.ScaledSwiGLU)
+    y = block(x, split, probs, split) if scaled else block(x, split, split)
     y.backward(dy)
-    out = [y.detach().clone(), x.grad.clone(), probs.grad.clone(),
+    out = [y.detach().clone(), x.grad.clone(), probs.grad.clone() if scaled else None,
            *[p.grad.clone() for p in block.parameters()]]
     block.zero_grad(set_to_none=True)
     return out, type(y.grad_fn).__name__
+
+
+def run_block_params_first(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,
+                           dy: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+    """:func:`run_block` in the epilogue tests' order: ``[y, x.grad, *parameter grads]``
+    then ``probs.grad`` when the block takes probs."""
+    (y, gx, gp, *grads), name = run_block(block, x, split, probs, dy)
+    return [y, gx, *grads, *([] if gp is None else [gp])], name
 
 
 def assert_graph_and_compile_match_eager(block, x: torch.Tensor, split: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from block_replay import assert_graph_and_compile_match_eager
+from block_replay import assert_graph_and_compile_match_eager, run_block_params_first
 from reference import assert_close
 
 import te_ops
@@ -193,19 +193,7 @@ def _block(groups=8, h=128, ffn=96, scaled=True):
                              te_ops.GroupedLinear(groups, ffn, h, **kw))
 
 
-def _run(block, x, split, probs, dy):
-    x = x.detach().clone().requires_grad_(True)
-    probs = probs.detach().clone().requires_grad_(True)
-    args = (x, split, probs, split) if isinstance(block[1], te_ops.ScaledSwiGLU) else (
-        x, split, split)
-    y = block(*args)
-    y.backward(dy)
-    out = [y.detach().clone(), x.grad.clone(),
-           *[p.grad.clone() for p in block.parameters()]]
-    if isinstance(block[1], te_ops.ScaledSwiGLU):
-        out.append(probs.grad.clone())
-    block.zero_grad(set_to_none=True)
-    return out, type(y.grad_fn).__name__
+_run = run_block_params_first  # [y, x.grad, *parameter grads, (probs.grad)], grad_fn name
 
 
 def _inputs(sizes, rows, h=128):

@@ -19,6 +19,7 @@ from block_replay import (
     assert_block_matches_reference,
     assert_graph_and_compile_match_eager,
     run_block,
+    run_block_params_first,
 )
 from reference import assert_close
 
@@ -196,3 +197,18 @@ def test_block_helpers_on_cpu():
     bad[3][0, 0] += 1.0
     with pytest.raises(AssertionError):
         assert_block_matches_reference(block, x, probs, sizes, dy, bad)
+
+
+def test_block_helpers_take_a_plain_swiglu_block_on_cpu():
+    """``run_block`` on a block without probs (plain SwiGLU) calls ``block(x, split, split)``
+    and gives ``None`` for probs.grad; ``run_block_params_first`` then leaves it out."""
+    torch.manual_seed(0)
+    block = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 24, bias=False), te_ops.SwiGLU(),
+                              te_ops.GroupedLinear(3, 12, 16, bias=False))
+    x, probs, dy = torch.randn(12, 16), torch.rand(12), torch.randn(12, 16)
+    split = torch.tensor([5, 0, 7])
+    got, _ = run_block(block, x, split, probs, dy)
+    assert got[2] is None and len(got) == 3 + 6
+    first, _ = run_block_params_first(block, x, split, probs, dy)
+    assert len(first) == 2 + 6
+    assert all(torch.equal(a, b) for a, b in zip(first, got[:2] + got[3:]))
