@@ -381,3 +381,26 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     x, split, probs, dy = _inputs(SIZES, ROWS)
     assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 90, 0, 180],
                                          "warp-specialized Gluon kernel, gluon_fc1_swiglu")
+
+
+@pytest.mark.cuda
+def test_block_at_a_rule_shape_takes_the_kernel_unpatched(monkeypatch):
+    """E128 T65536 H2048 FF768 (a :data:`GLUON_FC1_RULE` shape, 512 rows per group) under
+    auto: the Gluon kernel runs (``explain()``), and the block's output and gradients equal
+    the run with the epilogue off bit for bit."""
+    _skip_unless_sm90()
+    if FG.GLUON_FC1_RULE.get((2048, 1536)) != 512.0:
+        pytest.skip("E128 T65536 H2048 FF768 is not in GLUON_FC1_RULE")
+    gen = torch.Generator().manual_seed(0)  # Zipf(1.2) routing, as benchmarks/grouped_mlp.py
+    popularity = 1.0 / torch.arange(1, 129, dtype=torch.float64) ** 1.2
+    picks = torch.multinomial(popularity[torch.randperm(128, generator=gen)], 65536,
+                              replacement=True, generator=gen)
+    sizes = torch.bincount(picks, minlength=128).tolist()
+    x, split, probs, dy = _inputs(sizes, 65536, h=2048)
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    off = run_block(_block(128, 2048, 768), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    block = _block(128, 2048, 768)
+    got = run_block(block, x, split, probs, dy)[0]
+    assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, off))

@@ -61,9 +61,17 @@ __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
 #: Auto dispatch (``fused/fc1_epilogue.py``) runs fc1's fprop + the (Scaled)SwiGLU forward in
 #: this kernel, where fc1's fprop would run in the persistent Triton kernel, at these
 #: measured shapes only: (in_features, 2 * ffn) -> the average rows per group (padding
-#: included). Filled from the H200 run (docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue
-#: (stop 17)").
-GLUON_FC1_RULE: dict[tuple[int, int], float] = {}
+#: included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the two
+#: launches it replaces (``large_fprop`` + the Triton SwiGLU forward) with h and a bitwise
+#: theirs (``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1``, H200, 2026-11-30,
+#: medians of 25 interleaved rounds; docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue (stop
+#: 17)"): E8 T16384 H4096 FF14336 1.034x (5.965 ms against 6.168 ms) and E128 T65536 H2048
+#: FF768 1.090x (0.735 against 0.802 ms). Not taken: E32 T32768 H7168 FF2048, 1.006x (3.149
+#: against 3.169 ms: parity, within the rounds' spread).
+GLUON_FC1_RULE: dict[tuple[int, int], float] = {
+    (4096, 28672): 2048.0,
+    (2048, 1536): 512.0,
+}
 
 
 def gluon_fc1_config() -> dict[str, int | bool]:
