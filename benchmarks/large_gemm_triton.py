@@ -50,6 +50,13 @@ warp-specialized Gluon fprop/dgrad (``kernels/grouped_gemm_gluon.py``) in the sa
 (``NAME_ms``, ``NAME_x`` against ``_grouped_mm``, ``NAME_vs_triton`` against the Triton
 kernel, ``bitwise_equal_NAME``, ``NAME_equal_triton``); fc1 then leaves out the SwiGLU and
 fused calls, and the wgrad GEMMs are not affected.
+``--gluon-fc1 JSON`` (``{"gfc1": {}, "gfc1_NAME": {config changes}}``) times the Gluon fc1 +
+SwiGLU kernel (``kernels/fc1_swiglu_gluon.py``: h and a in one warp-specialized launch) in
+fc1's rounds, beside ``triton_swiglu`` (the persistent fprop + the Triton SwiGLU pass it
+replaces) and ``fused``: ``NAME_ms``, ``NAME_vs_triton_swiglu``, ``NAME_x`` (against
+``grouped_mm_swiglu``), ``NAME_vs_grouped_mm`` (the plain ``_grouped_mm`` fprop against the
+fused launch: what issue 10 compares), ``NAME_h_equal_triton`` (h equals ``large_fprop``'s
+bit for bit) and ``NAME_a_equal`` (a equals ``swiglu_forward(large_fprop(...), probs)``).
 ``--summarize FILE`` prints a table of a results file (no GPU needed).
 
 ``--gemms fc2_dswiglu`` (not in the default list) times fc2's backward front half
@@ -180,7 +187,8 @@ def _operands(shape: tuple[int, int, int, int], gemm: str, seed: int) -> dict[st
 def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | None,
            variants: dict[str, dict] | None = None,
            fused_variants: dict[str, dict] | None = None,
-           gluon: dict[str, dict] | None = None) -> dict[str, Any]:
+           gluon: dict[str, dict] | None = None,
+           gluon_fc1: dict[str, dict] | None = None) -> dict[str, Any]:
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
@@ -212,6 +220,11 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
         for name, change in (fused_variants or {}).items():  # --fused-variants
             calls[f"fused_{name}"] = lambda c={**(fused_cfg or {}), **change}: (
                 lg.large_fc1_swiglu(x, w, offs, probs, c))
+        if gluon_fc1:  # --gluon-fc1: the warp-specialized Gluon fc1 + SwiGLU
+            from te_ops.kernels import fc1_swiglu_gluon as fg
+
+            for name, change in gluon_fc1.items():
+                calls[name] = lambda c=change: fg.gluon_fc1_swiglu(x, w, offs, probs, c)
     return calls
 
 
@@ -261,6 +274,11 @@ def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None,
         out["fused_h_max_abs_diff"] = (h.float() - want.float()).abs().max().item()
         out["fused_h_equal_triton"] = bool(torch.equal(h, got))  # the persistent fprop's bits
         out["a_equal"] = bool(torch.equal(a, st.swiglu_forward(h, probs)))
+        two = st.swiglu_forward(got, probs)  # the two launches' a
+        for name in (n for n in calls if n.startswith("gfc1")):  # --gluon-fc1
+            h, a = calls[name]()
+            out[f"{name}_h_equal_triton"] = bool(torch.equal(h, got))
+            out[f"{name}_a_equal"] = bool(torch.equal(a, two))
     return out
 
 
@@ -274,7 +292,8 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
     variants = {} if gemm in WGRADS else (getattr(args, "variants", None) or {})
     fused_variants = (getattr(args, "fused_variants", None) or {}) if gemm == "fc1" else {}
     gluon = getattr(args, "gluon", None) if gemm not in WGRADS else None
-    calls = _calls(ops, gemm, cfg, fused_cfg, variants, fused_variants, gluon)
+    gluon_fc1 = getattr(args, "gluon_fc1", None) if gemm == "fc1" else None
+    calls = _calls(ops, gemm, cfg, fused_cfg, variants, fused_variants, gluon, gluon_fc1)
     rec: dict[str, Any] = {"bench": BENCH, "shape": shape_name, "gemm": gemm,
                            "reps": args.reps, "split_sizes": ops["sizes"]}
     if gemm in WGRADS:
@@ -316,6 +335,16 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
             rec[f"fused_{name}_config"] = {**rec["fused_config"], **change}
             rec[f"fused_{name}_vs_triton_swiglu"] = (rec["triton_swiglu_ms"]
                                                      / rec[f"fused_{name}_ms"])
+    if gluon_fc1 and "fused" in calls:
+        from te_ops.kernels import fc1_swiglu_gluon as fg
+
+        rec["gluon_fc1_configs"] = {n: {**fg.gluon_fc1_config(), **c}
+                                    for n, c in gluon_fc1.items()}
+        for name in gluon_fc1:
+            rec[f"{name}_vs_triton_swiglu"] = rec["triton_swiglu_ms"] / rec[f"{name}_ms"]
+            rec[f"{name}_x"] = rec["grouped_mm_swiglu_ms"] / rec[f"{name}_ms"]
+            rec[f"{name}_vs_grouped_mm"] = rec["grouped_mm_ms"] / rec[f"{name}_ms"]
+            rec[f"{name}_tflops"] = ops["flop"] / rec[f"{name}_ms"] / 1e9
     return rec
 
 
@@ -510,6 +539,11 @@ def summarize(path: str) -> str:
                     name = key[len("fused_"):-len("_vs_triton_swiglu")]
                     lines.append(f"  fused variant {name}: {r[f'fused_{name}_ms']:.3f} ms, "
                                  f"{r[key]:5.3f}x")
+        for name in r.get("gluon_fc1_configs", {}):  # --gluon-fc1
+            lines.append(f"  {name:20} {r[f'{name}_ms']:8.3f} ms  vs triton+swiglu "
+                         f"{r[f'{name}_vs_triton_swiglu']:5.3f}  vs grouped_mm fprop "
+                         f"{r[f'{name}_vs_grouped_mm']:5.3f}  h/a bits "
+                         f"{r.get(f'{name}_h_equal_triton')}/{r.get(f'{name}_a_equal')}")
         for name in r.get("gluon_configs", {}):  # --gluon
             lines.append(f"  {name:20} {r[f'{name}_ms']:8.3f} ms  x {r[f'{name}_x']:5.3f}  "
                          f"vs triton {r[f'{name}_vs_triton']:5.3f}  bits "
@@ -679,6 +713,11 @@ def main(argv: list[str] | None = None) -> int:
                              '{"gluon": {}, "gluon_NAME": {config changes}, ...} (names start '
                              'with "gluon"; records NAME_ms, NAME_x, NAME_vs_triton, '
                              'bitwise_equal_NAME); fc1 then leaves out the SwiGLU / fused calls')
+    parser.add_argument("--gluon-fc1", default=None, metavar="JSON",
+                        help='time the Gluon fc1 + SwiGLU kernel (kernels/fc1_swiglu_gluon.py) '
+                             'in fc1\'s rounds: {"gfc1": {}, "gfc1_NAME": {config changes}} '
+                             '(names start with "gfc1"; records NAME_ms, '
+                             'NAME_vs_triton_swiglu, NAME_h_equal_triton, NAME_a_equal)')
     parser.add_argument("--out", default=None, help="append JSON lines here")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
@@ -705,7 +744,20 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.gluon or {}:
         if not name.startswith("gluon"):
             parser.error(f"--gluon names must start with 'gluon', got {name!r}")
-    for flag, given, gemm in (("--fused-config", fused_override, "fc1"),
+    args.gluon_fc1 = _json_arg(parser, "--gluon-fc1", args.gluon_fc1, nested=True) or None
+    for name, change in (args.gluon_fc1 or {}).items():
+        if not name.startswith("gfc1"):
+            parser.error(f"--gluon-fc1 names must start with 'gfc1', got {name!r}")
+        from te_ops.kernels import fc1_swiglu_gluon as fg
+        try:
+            fg._resolve(change)
+        except ValueError as exc:
+            parser.error(f"--gluon-fc1 {name!r}: {exc}")
+    if args.gluon_fc1 and args.gluon:
+        parser.error("--gluon-fc1 needs fc1's SwiGLU calls, which --gluon leaves out: give "
+                     "one of them")
+    for flag, given, gemm in (("--gluon-fc1", args.gluon_fc1, "fc1"),
+                              ("--fused-config", fused_override, "fc1"),
                               ("--fused-variants", args.fused_variants, "fc1"),
                               ("--dswiglu-variants", args.dswiglu_variants, "fc2_dswiglu")):
         if given and gemm not in gemms:

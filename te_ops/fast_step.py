@@ -53,7 +53,7 @@ import torch
 from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
-from .fused.fc1_epilogue import fc1_epilogue_reason
+from .fused.fc1_epilogue import fc1_epilogue_reason, large_fused_launch
 from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
@@ -66,7 +66,6 @@ from .kernels.grouped_gemm import (
     storage_spans,
 )
 from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
-from .kernels.grouped_gemm_large_triton import large_fc1_swiglu
 from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
 from .kernels.grouped_mlp_triton import BoundFc1Swiglu
 from .kernels.split_table import BoundSplitTable
@@ -153,10 +152,11 @@ def _fc1_activation_call(fprop1: Any, act_forward: Any, epilogue: bool,
     """``fc1_act(x, w1, splits, probs) -> (h, a)``: fc1's fprop and the activation forward as
     the general path ran them for the recorded call (``epilogue``: one fused Triton launch,
     ``fused/fc1_epilogue.py``, through a bound call site of ``batch``, or with ``large``, fc1's
-    fprop in the persistent kernel, ``large_fc1_swiglu``; else the two calls)."""
+    fprop in the persistent kernel, ``fc1_epilogue.large_fused_launch``: the Gluon or the
+    persistent Triton kernel's fused launch, as the general path; else the two calls)."""
     if epilogue and large:
         def fc1_act(x, w1, splits, probs):
-            return large_fc1_swiglu(x, w1, splits.offsets, probs)
+            return large_fused_launch(x, w1, splits.offsets, probs)
     elif epilogue:
         site = BoundFc1Swiglu(batch)
 
@@ -367,7 +367,8 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
         return None
     epilogue = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
                                    act.glu_interleave_size,
-                                   input_.shape[0] / max(fc1.num_groups, 1)) is None
+                                   input_.shape[0] / max(fc1.num_groups, 1),
+                                   features=(fc1.in_features, fc1.out_features)) is None
     dswiglu = fc2_dgrad_epilogue_reason(backend2, backend_act, recipe, False,
                                         act.glu_interleave_size,
                                         input_.shape[0] / max(fc1.num_groups, 1)) is None

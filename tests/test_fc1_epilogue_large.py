@@ -101,15 +101,15 @@ def test_fast_path_calls_the_persistent_kernel(monkeypatch):
     from te_ops.kernels.triton_launch import LaunchBatch
 
     calls = []
-    monkeypatch.setattr(fast_step, "large_fc1_swiglu",
+    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
                         lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
     monkeypatch.setattr(fast_step, "BoundFc1Swiglu",
                         lambda batch: pytest.fail("the few-rows kernel was bound"))
     fused = fast_step._fc1_activation_call(None, None, True, LaunchBatch(), large=True)
     splits = type("S", (), {"offsets": torch.tensor([1])})()
-    x, p = torch.zeros(2, 2), torch.ones(2)
-    assert fused(x, "w", splits, p) == ("h", "a")
-    assert calls[0][0] is x and calls[0][1] == "w" and calls[0][2] is splits.offsets
+    x, p, w = torch.zeros(2, 2), torch.ones(2), torch.zeros(1, 4, 2)
+    assert fused(x, w, splits, p) == ("h", "a")
+    assert calls[0][0] is x and calls[0][1] is w and calls[0][2] is splits.offsets
 
 
 # ---------------------------------------------------------------------------- CUDA: the block

@@ -16,7 +16,11 @@ is the persistent fprop's). The forward (``ForwardGroupedMLP`` and the fast path
   the persistent many-rows kernel (``backend.large_kinds``; the fused launch is
   ``large_fc1_swiglu``, same tiles and k-steps as ``large_fprop``), and the activation runs in
   Triton (halves layout, contiguous; ``swiglu_triton.select_backend``);
-* under ``auto`` (the default): in the few-rows case at most
+* under ``auto`` (the default): in the persistent case at the measured shapes of
+  ``fc1_swiglu_gluon.GLUON_FC1_RULE`` (in_features, 2 * ffn, rows per group), where the fused
+  launch is the warp-specialized Gluon kernel ``gluon_fc1_swiglu`` (h bitwise the persistent
+  fprop's, a bitwise the Triton SwiGLU's; docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue
+  (stop 17)"), with ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` too; in the few-rows case at most
   :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
   (padding rows counted; docs/benchmarks.md, "Epilogue-fused decode kernels"); in the
   persistent case never (:data:`LARGE_AUTO`: measured 0.97-0.99x the persistent fprop + the
@@ -35,10 +39,11 @@ import torch
 
 from .. import env
 from ..basic.swiglu import FC1_EPILOGUE
-from ..kernels import grouped_mlp_triton
+from ..kernels import fc1_swiglu_gluon, grouped_mlp_triton
 from ..kernels.grouped_gemm_large_triton import large_fc1_swiglu
 
-__all__ = ["LARGE_AUTO", "fc1_epilogue_reason", "fc1_swiglu_forward"]
+__all__ = ["LARGE_AUTO", "fc1_epilogue_reason", "fc1_swiglu_forward", "large_fused_launch",
+           "uses_gluon_fc1"]
 
 _KIND = FC1_EPILOGUE
 
@@ -52,12 +57,15 @@ LARGE_AUTO = False
 
 def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bool,
                         interleave: int | None, rows_per_group: float,
-                        device: torch.device | None = None) -> str | None:
+                        device: torch.device | None = None,
+                        features: tuple[int, int] | None = None) -> str | None:
     """Why fc1's fprop and the activation forward run as two launches (``None``: one).
 
     ``backend1``: fc1's ``BackendChoice``; ``backend_act``: the activation's
     ``ActivationChoice``; ``rows_per_group``: the call's rows (padding included) over groups;
-    ``device``: the call's device (named in the reason where it is not CUDA).
+    ``device``: the call's device (named in the reason where it is not CUDA); ``features``:
+    fc1's (in_features, out_features), which the Gluon kernel's measured rule
+    (``fc1_swiglu_gluon.GLUON_FC1_RULE``) is keyed on (``None``: the rule is not consulted).
 
     Raises
     ------
@@ -82,6 +90,8 @@ def fc1_epilogue_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: 
     if backend_act.name != "triton":
         return f"the activation runs in {backend_act.name} ({backend_act.reason})"
     if large:
+        if features is not None and uses_gluon_fc1(features[0], features[1], rows_per_group):
+            return None  # measured faster than the two launches (GLUON_FC1_RULE)
         if mode == "auto" and "fprop" in backend1.gluon_kinds:  # GLUON_RULE's shapes
             return (f"fc1's fprop runs in the warp-specialized Gluon kernel (backend "
                     f"{backend1.name}, gluon_kinds: measured faster than the persistent Triton "
@@ -129,7 +139,8 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
     # The activation's backend for an h of this dtype and device (h is always contiguous).
     backend_act = act.select_backend(x2d.new_empty(0, fc1.out_features))
     why = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
-                              act.glu_interleave_size, rows_per_group)
+                              act.glu_interleave_size, rows_per_group,
+                              features=(weights.shape[2], weights.shape[1]))
     if why is not None:
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
@@ -144,8 +155,37 @@ def fc1_swiglu_launch(backend1: Any, act: Any, x2d: torch.Tensor, weights: torch
     persistent many-rows one (``large_kinds``) or the few-rows one; recorded on ``act`` for
     ``explain()``. Shapes as :func:`fc1_swiglu_forward`."""
     if "fprop" in backend1.large_kinds:
-        act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation "
-                                   "(the persistent many-rows kernel, large_fc1_swiglu)")
-        return large_fc1_swiglu(x2d, weights, offsets, probs)
+        if _gluon_shape(x2d, weights):
+            act.record_dispatch(_KIND, "one launch for fc1's fprop and the activation (the "
+                                       "warp-specialized Gluon kernel, gluon_fc1_swiglu: "
+                                       "GLUON_FC1_RULE's measured shapes)")
+        else:
+            act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation "
+                                       "(the persistent many-rows kernel, large_fc1_swiglu)")
+        return large_fused_launch(x2d, weights, offsets, probs)
     act.record_dispatch(_KIND, "one Triton launch for fc1's fprop and the activation")
     return grouped_mlp_triton.fc1_swiglu(x2d, weights, offsets, probs)
+
+
+def uses_gluon_fc1(in_features: int, out_features: int, rows_per_group: float) -> bool:
+    """Whether the fused launch where fc1's fprop runs in the persistent kernel is the Gluon
+    kernel (``fc1_swiglu_gluon.gluon_fc1_rule``: its measured shapes), under any
+    ``TE_OPS_FC1_SWIGLU_EPILOGUE`` but ``0`` (checked by the caller)."""
+    return fc1_swiglu_gluon.gluon_fc1_rule(in_features, out_features, rows_per_group)
+
+
+def _gluon_shape(x2d: torch.Tensor, weights: torch.Tensor) -> bool:
+    return uses_gluon_fc1(weights.shape[2], weights.shape[1],
+                          x2d.shape[0] / max(weights.shape[0], 1))
+
+
+def large_fused_launch(x2d: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                       probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, a)`` of the fused launch where fc1's fprop runs in the persistent kernel: the
+    Gluon kernel at :func:`uses_gluon_fc1`'s shapes (``gluon_fc1_dispatched``: the persistent
+    Triton kernel's fused launch, same bits, where its operands rule it out at run time),
+    else ``large_fc1_swiglu``. The general path and ``te_ops.fast_step`` both call this, so
+    they run the same kernel. Shapes as :func:`fc1_swiglu_forward`."""
+    if _gluon_shape(x2d, weights):
+        return fc1_swiglu_gluon.gluon_fc1_dispatched(x2d, weights, offsets, probs)
+    return large_fc1_swiglu(x2d, weights, offsets, probs)
