@@ -1,0 +1,215 @@
+"""fc2's grouped dgrad with the (Scaled)SwiGLU backward in a warp-specialized Gluon epilogue
+(``kernels/dgrad_dswiglu_gluon.py``).
+
+CPU (CI): the launch config's checks, the argument errors (the argument, expected and actual
+value), the reason on CPU, the fake kernel's shapes; the sm_90 ahead-of-time compile with
+Triton 3.6 (skipped without Gluon or an sm_90 ptxas): three partitions with their register
+budgets, wgmma m64n128k16, TMA loads (the ring's dy + W2 tile and the epilogue's two h
+tiles), no spills, shared memory within 227 KiB. CUDA (``@pytest.mark.cuda``): the kernel
+against an fp64 per-expert reference (dy ~ N(0, 1), weights at init scale, h ~ N(0, 1)) and
+bitwise against the two launches it replaces (dh, a; dprobs within fp32 summation order),
+skewed and empty groups, padding rows, columns off the tile, NaN garbage in the output
+buffers, in place over h, bf16 / fp16, with and without probs, ``SPLIT``; the op under
+``torch.compile(fullgraph=True)`` and in a CUDA graph replayed with new offsets, bitwise
+equal to eager.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from reference import assert_close
+from test_dgrad_dswiglu import CASES, _problem, _reference, _two_launches
+
+from te_ops.kernels import dgrad_dswiglu_gluon as GD
+
+CUDA = torch.device("cuda")
+
+
+# ----------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("change, match", [
+    ({"FLAT": True}, r"config keys must be among .* got unknown \['FLAT'\]"),
+    ({"SPLIT": True}, "num_warps must be 4 with SPLIT=True .* got 8"),
+    ({"num_warps": 4}, "num_warps must be 8 with SPLIT=False .* got 4"),
+    ({"EPI_WARPS": 4}, "EPI_WARPS must be 1 or 2 .* got 4"),
+    ({"CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 4 \* WORKER_REGS must be <= 2048"),
+    ({"BLOCK_N": 96}, "BLOCK_N in .* got BLOCK_M=128 BLOCK_N=96"),
+    ({"SUB_M": 2}, "SUB_M dividing BLOCK_M.* SUB_M=2"),
+    ({"STAGES": 0}, "config STAGES must be an int >= 1, got 0"),
+    ({"SPLIT": 1}, "config SPLIT must be a bool, got 1"),
+])
+def test_config_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        GD._resolve(change)
+
+
+def test_config_fits_the_register_file_and_shared_memory():
+    cfg = GD.gluon_dswiglu_config()
+    assert 8 * cfg["CONSUMER_REGS"] + 4 * cfg["WORKER_REGS"] <= 2048
+    assert GD.MAXNREG * 12 * 32 <= 65536
+    tile = cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
+    ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert ring + 3 * tile <= 227 * 1024  # ring, da tile, gate and up tiles
+    assert GD._resolve({"SPLIT": True, "num_warps": 4})["SPLIT"] is True
+
+
+def _args(m=8, n=6, f=4, g=2, dtype=torch.bfloat16):
+    return (torch.zeros(m, n, dtype=dtype), torch.zeros(g, n, f, dtype=dtype),
+            torch.tensor([3, m]), torch.zeros(m, 2 * f, dtype=dtype), torch.rand(m))
+
+
+@pytest.mark.parametrize("index, value, exc, match", [
+    (0, torch.zeros(8, 5, dtype=torch.bfloat16), ValueError, "dy has 5 columns, weights"),
+    (3, torch.zeros(8, 6, dtype=torch.bfloat16), ValueError,
+     r"h must have shape \(8, 8\) .* got \(8, 6\)"),
+    (2, torch.tensor([8]), ValueError, r"offsets must be int32/int64 of shape \(2,\)"),
+    (4, torch.zeros(8, dtype=torch.int64), ValueError, "probs must be a floating-point"),
+])
+def test_argument_errors_name_the_argument(index, value, exc, match):
+    args = list(_args())
+    args[index] = value
+    with pytest.raises(exc, match=match):
+        GD.gluon_dgrad_dswiglu(*args)
+
+
+def test_cpu_raises_with_the_reason():
+    dy, w, offs, h, probs = _args()
+    with pytest.raises(RuntimeError, match="cannot run: device type cpu is not cuda"):
+        GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs)
+    why = GD.gluon_dswiglu_unsupported_reason(dy, w, h)
+    assert why is not None and ("CUDA" in why or "gluon" in why)
+    with pytest.raises(ValueError, match="unknown"):
+        GD._launch(dy, w, offs, h, probs, {"X": 1}, False)
+
+
+def test_fake_kernel_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        dy, w, offs, h, probs = _args(m=16, n=6, f=8)
+        dh, dp, a = torch.ops.te_ops.grouped_dgrad_dswiglu_gluon(dy, w, offs, h, probs)
+        assert dh.shape == (16, 16) and dp.shape == (16,) and a.shape == (16, 8)
+        assert dp.dtype == torch.float32
+        assert torch.ops.te_ops.grouped_dgrad_dswiglu_gluon(dy, w, offs, h, None)[1].numel() == 0
+
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16",
+             "a_ptr": "*bf16", "p_ptr": "*fp32", "dpp_ptr": "*fp32", "offs_ptr": "*i32",
+             "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32",
+             "stride_wg": "i32", "stride_wn": "i32", "stride_wk": "i32"}
+
+
+def _compile_sm90(change: dict | None, has_p: bool = True):
+    pytest.importorskip("triton")
+    if GD.gluon is None:
+        pytest.skip("no triton.experimental.gluon in this Triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = GD._resolve(change)
+    const = {"HAS_P": has_p, "WRITE_OUT": True, "GBLOCK": 8, **cfg}
+    src = GluonASTSource(GD._dgrad_dswiglu_kernel,
+                         {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg["num_warps"], "maxnreg": GD.MAXNREG})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise
+
+
+@pytest.mark.parametrize("change, has_p", [(None, True), (None, False),
+                                           ({"SPLIT": True, "num_warps": 4}, True)])
+def test_compiles_for_sm90_warp_specialized(change, has_p):
+    kernel = _compile_sm90(change, has_p)
+    ptx = kernel.asm["ptx"]
+    cfg = GD._resolve(change)
+    regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    assert cfg["WORKER_REGS"] in regs and max(regs) <= 256
+    assert re.search(rf"\.maxnreg\s+{GD.MAXNREG}", ptx)
+    assert re.search(rf"\.reqntid\s+{12 * 32}", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    ring = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    h_tiles = 2 * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
+    for nbytes in (ring, h_tiles):
+        assert re.search(r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], "
+                         + str(nbytes), ptx), nbytes
+    assert "ex2.approx" in ptx  # the SwiGLU backward's sigmoid, in the epilogue partition
+    assert kernel.metadata.shared <= 227 * 1024
+    assert "st.local" not in ptx and "ld.local" not in ptx  # no spills
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on SM90 only")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype):
+    _sm90()
+    sizes, rows, ffn, hidden = CASES[case]
+    dy, w, h, offs, probs = _problem(sizes, rows, ffn, hidden, dtype)
+    probs = probs if with_probs else None
+    dh0, dp0, a0 = _two_launches(dy, w, offs, h, probs)
+    torch.full((rows + 64, 8 * ffn), float("nan"), device=CUDA, dtype=dtype)  # garbage
+    h_in = h.clone()
+    dh, dp, a = GD.gluon_dgrad_dswiglu(dy, w, offs, h_in, probs, grad_into_input=True)
+    assert dh.data_ptr() == h_in.data_ptr()
+    assert torch.equal(dh, dh0) and torch.equal(a, a0)  # the two launches' bits
+    want_dh, want_dp, want_a = _reference(dy, w, h, probs, sizes)
+    assert_close(dh, want_dh, dtype, "dh")
+    assert_close(a, want_a, dtype, "a")
+    if probs is None:
+        assert dp is None
+    else:
+        assert dp.dtype == probs.dtype and dp.shape == probs.shape
+        gate, up = h[:, :ffn].double(), h[:, ffn:].double()
+        scale = (gate * torch.sigmoid(gate) * up).abs().max().item() * \
+            (want_dh.abs().max().item() + 1) * ffn
+        torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
+        assert_close(dp, want_dp, dtype, "dprobs")
+    if case == "skewed_padding" and dtype == torch.bfloat16:
+        for variant in ({"SPLIT": True, "num_warps": 4}, {"SUB_M": 16}):
+            got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, config=variant)
+            assert torch.equal(got[0], dh0) and torch.equal(got[2], a0), variant
+        got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, write_output=False)
+        assert torch.equal(got[0], dh0) and got[2] is None
+
+
+@pytest.mark.cuda
+def test_op_compiles_and_replays_in_a_cuda_graph_bitwise():
+    _sm90()
+    sizes, rows, ffn, hidden = CASES["skewed_padding"]
+    dy, w, h, offs, probs = _problem(sizes, rows, ffn, hidden, torch.bfloat16)
+    eager = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs)
+
+    def fn(dy, w, offs, h, probs):
+        return GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True)(dy, w, offs, h, probs)
+    for x, y in zip(got, eager):
+        assert torch.equal(x, y)
+    static = [t.clone() for t in (dy, w, offs, h, probs)]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn(*static)  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    new = torch.cumsum(torch.tensor([100, 0, 30, 64, 70, 10, 159, 50], device=CUDA),
+                       0).to(torch.int32)
+    static[2].copy_(new)
+    graph.replay()
+    want = GD.gluon_dgrad_dswiglu(dy, w, new, h, probs)
+    for x, y in zip(out, want):
+        assert torch.equal(x, y)
