@@ -67,7 +67,8 @@ With ``--gluon JSON`` (``{"gluon": {}, "gluon_NAME": {config changes}}``) the re
 times the warp-specialized Gluon fused kernel (``dgrad_dswiglu_gluon.gluon_dgrad_dswiglu``,
 configs of ``gluon_dswiglu_config``: ``NAME_ms``, ``NAME_x`` = two_launches / NAME,
 ``NAME_vs_gluon_pair`` against ``two_launches_gluon`` (the Gluon dgrad then the SwiGLU
-backward), ``dh_equal_NAME`` / ``a_equal_NAME`` bitwise, ``dprobs_max_rel_diff_NAME``).
+backward), ``dgrad_gluon_n128`` (the Gluon dgrad with the fused kernel's 128 x 128 tiles),
+``dh_equal_NAME`` / ``a_equal_NAME`` bitwise, ``dprobs_max_rel_diff_NAME``).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
@@ -374,6 +375,7 @@ def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict],
             return st.swiglu_backward(h, da, probs, write_output=True)
 
         calls["dgrad_gluon"] = lambda: gg.gluon_grouped_gemm(dy, w, offs, True)
+        calls["dgrad_gluon_n128"] = lambda: gg.gluon_dgrad(dy, w, offs, {"BLOCK_N": 128})
         calls["two_launches_gluon"] = gluon_two_launches
         for name, change in gluon.items():
             calls[name] = lambda c=change: gd.gluon_dgrad_dswiglu(dy, w, offs, h, probs,
@@ -581,7 +583,8 @@ def summarize(path: str) -> str:
             lines.append(f"  variant {name:12} {r[f'fused_{name}_ms']:8.3f} ms  x "
                          f"{r[f'fused_{name}_x']:5.3f}  bits {r[f'dh_equal_{name}']}")
         if r.get("gluon_configs"):
-            lines.append(f"  gluon dgrad {r['dgrad_gluon_ms']:.3f} ms, gluon pair "
+            lines.append(f"  gluon dgrad {r['dgrad_gluon_ms']:.3f} ms (128 x 128 tiles "
+                         f"{r['dgrad_gluon_n128_ms']:.3f}), gluon pair "
                          f"{r['two_launches_gluon_ms']:.3f} ms (bits "
                          f"{r['two_launches_gluon_equal']})")
         for name in r.get("gluon_configs", {}):

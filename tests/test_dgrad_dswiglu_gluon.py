@@ -33,10 +33,12 @@ CUDA = torch.device("cuda")
     ({"FLAT": True}, r"config keys must be among .* got unknown \['FLAT'\]"),
     ({"SPLIT": True}, "num_warps must be 4 with SPLIT=True .* got 8"),
     ({"num_warps": 4}, "num_warps must be 8 with SPLIT=False .* got 4"),
-    ({"EPI_WARPS": 4}, "EPI_WARPS must be 1 or 2 .* got 4"),
-    ({"CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 4 \* WORKER_REGS must be <= 2048"),
+    ({"EPI_WARPS": 3}, "EPI_WARPS must be 1, 2 or 4, got 3"),
+    ({"CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 8 \* WORKER_REGS must be <= 2048"),
+    ({"EPI_WARPS": 2, "WORKER_REGS": 160, "CONSUMER_REGS": 200},
+     r"8 \* CONSUMER_REGS \+ 4 \* WORKER_REGS"),
     ({"BLOCK_N": 96}, "BLOCK_N in .* got BLOCK_M=128 BLOCK_N=96"),
-    ({"SUB_M": 2}, "SUB_M dividing BLOCK_M.* SUB_M=2"),
+    ({"SUB_M": 4}, "SUB_M dividing BLOCK_M.* SUB_M=4"),
     ({"STAGES": 0}, "config STAGES must be an int >= 1, got 0"),
     ({"SPLIT": 1}, "config SPLIT must be a bool, got 1"),
 ])
@@ -47,8 +49,9 @@ def test_config_errors_name_the_key(change, match):
 
 def test_config_fits_the_register_file_and_shared_memory():
     cfg = GD.gluon_dswiglu_config()
-    assert 8 * cfg["CONSUMER_REGS"] + 4 * cfg["WORKER_REGS"] <= 2048
-    assert GD.MAXNREG * 12 * 32 <= 65536
+    assert GD.total_warps(cfg) == 16 and GD.maxnreg(cfg) == GD.MAXNREG == 128
+    assert 8 * cfg["CONSUMER_REGS"] + 8 * cfg["WORKER_REGS"] <= 2048
+    assert GD.total_warps({"EPI_WARPS": 2}) == 12 and GD.maxnreg({"EPI_WARPS": 2}) == 168
     tile = cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
     ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     assert ring + 3 * tile <= 227 * 1024  # ring, da tile, gate and up tiles
@@ -115,23 +118,25 @@ def _compile_sm90(change: dict | None, has_p: bool = True):
                          {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"], "maxnreg": GD.MAXNREG})
+                              options={"num_warps": cfg["num_warps"],
+                                       "maxnreg": GD.maxnreg(cfg)})
     except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
         if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
             pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
         raise
 
 
-@pytest.mark.parametrize("change, has_p", [(None, True), (None, False),
-                                           ({"SPLIT": True, "num_warps": 4}, True)])
+@pytest.mark.parametrize("change, has_p", [
+    (None, True), (None, False), ({"SPLIT": True, "num_warps": 4}, True),
+    ({"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}, True)])
 def test_compiles_for_sm90_warp_specialized(change, has_p):
     kernel = _compile_sm90(change, has_p)
     ptx = kernel.asm["ptx"]
     cfg = GD._resolve(change)
     regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert cfg["WORKER_REGS"] in regs and max(regs) <= 256
-    assert re.search(rf"\.maxnreg\s+{GD.MAXNREG}", ptx)
-    assert re.search(rf"\.reqntid\s+{12 * 32}", ptx)
+    assert re.search(rf"\.maxnreg\s+{GD.maxnreg(cfg)}", ptx)
+    assert re.search(rf"\.reqntid\s+{GD.total_warps(cfg) * 32}", ptx)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
     ring = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     h_tiles = 2 * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
@@ -177,7 +182,8 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
         torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
         assert_close(dp, want_dp, dtype, "dprobs")
     if case == "skewed_padding" and dtype == torch.bfloat16:
-        for variant in ({"SPLIT": True, "num_warps": 4}, {"SUB_M": 16}):
+        for variant in ({"SPLIT": True, "num_warps": 4}, {"SUB_M": 16},
+                        {"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}):
             got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, config=variant)
             assert torch.equal(got[0], dh0) and torch.equal(got[2], a0), variant
         got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, write_output=False)

@@ -75,9 +75,8 @@ if gluon is not None:
 __all__ = ["gluon_dswiglu_config", "gluon_dgrad_dswiglu", "gluon_dswiglu_unsupported_reason",
            "MAXNREG"]
 
-#: Registers per thread ptxas compiles the function under: 65536 / (12 warps x 32 threads),
-#: rounded down to 8 (``setmaxnreg`` moves them between partitions at run time).
-MAXNREG = 168
+#: Registers per thread ptxas compiles the default launch under (:func:`maxnreg`: 16 warps).
+MAXNREG = 128
 
 
 def gluon_dswiglu_config() -> dict[str, int | bool]:
@@ -87,8 +86,8 @@ def gluon_dswiglu_config() -> dict[str, int | bool]:
     registers per thread (8 x CONSUMER_REGS + 4 x WORKER_REGS <= 2048: the 65536-register
     file over 32 threads)."""
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
-            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 152, "SPLIT": False,
-            "CONSUMER_REGS": 176}
+            "num_warps": 8, "EPI_WARPS": 4, "SUB_M": 8, "WORKER_REGS": 128, "SPLIT": False,
+            "CONSUMER_REGS": 128}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -104,22 +103,34 @@ def _resolve(config: dict | None) -> dict:
     if cfg["num_warps"] != want:
         raise ValueError(f"config num_warps must be {want} with SPLIT={cfg['SPLIT']} (one "
                          f"warpgroup per 64 rows of the tile), got {cfg['num_warps']}")
-    if cfg["EPI_WARPS"] not in (1, 2):
-        raise ValueError(f"config EPI_WARPS must be 1 or 2 (it shares a warpgroup with the "
-                         f"producer), got {cfg['EPI_WARPS']}")
-    if 8 * cfg["CONSUMER_REGS"] + 4 * cfg["WORKER_REGS"] > 2048:
-        raise ValueError(f"config 8 * CONSUMER_REGS + 4 * WORKER_REGS must be <= 2048 (the "
-                         f"register file), got {cfg['CONSUMER_REGS']} and "
-                         f"{cfg['WORKER_REGS']}")
-    lanes = (cfg["BLOCK_N"] // 8) if cfg["BLOCK_N"] >= 8 else 0
-    if (cfg["BLOCK_N"] not in (64, 128, 256) or cfg["BLOCK_M"] != 128
-            or cfg["BLOCK_M"] % cfg["SUB_M"] or cfg["SUB_M"] % (32 // min(lanes, 32)
-                                                                 * cfg["EPI_WARPS"])):
+    if cfg["EPI_WARPS"] not in (1, 2, 4):
+        raise ValueError(f"config EPI_WARPS must be 1, 2 or 4, got {cfg['EPI_WARPS']}")
+    workers = total_warps(cfg) - 8
+    if 8 * cfg["CONSUMER_REGS"] + workers * cfg["WORKER_REGS"] > 2048:
+        raise ValueError(f"config 8 * CONSUMER_REGS + {workers} * WORKER_REGS must be <= 2048 "
+                         f"(the register file over 32 threads), got {cfg['CONSUMER_REGS']} "
+                         f"and {cfg['WORKER_REGS']}")
+    ok = cfg["BLOCK_M"] == 128 and cfg["BLOCK_N"] in (64, 128, 256)
+    layout_rows = 32 // (cfg["BLOCK_N"] // 8) * cfg["EPI_WARPS"] if ok else 1
+    if not ok or cfg["BLOCK_M"] % cfg["SUB_M"] or cfg["SUB_M"] % layout_rows:
         raise ValueError(f"config needs BLOCK_M 128, BLOCK_N in (64, 128, 256) and SUB_M "
                          f"dividing BLOCK_M, a multiple of the epilogue layout's rows, got "
                          f"BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
                          f"SUB_M={cfg['SUB_M']}")
     return cfg
+
+
+def total_warps(cfg: dict) -> int:
+    """Warps of the launch: 8 consumer warps, the producer's and the epilogue's, rounded up
+    to whole warpgroups (``setmaxnreg`` acts on a warpgroup)."""
+    return -(-(8 + 1 + cfg["EPI_WARPS"]) // 4) * 4
+
+
+def maxnreg(cfg: dict) -> int:
+    """Registers per thread ptxas compiles the function under: 65536 over the launch's
+    threads, rounded down to 8 (``setmaxnreg`` moves them between partitions at run
+    time)."""
+    return 65536 // (total_warps(cfg) * 32) // 8 * 8
 
 
 def gluon_dswiglu_unsupported_reason(dy: torch.Tensor, weights: torch.Tensor,
@@ -145,18 +156,19 @@ def gluon_dswiglu_unsupported_reason(dy: torch.Tensor, weights: torch.Tensor,
 if gluon is not None:
 
     @gluon.jit
-    def _rows_dswiglu(da, gate, up, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, end, n0, M, N,
+    def _rows_dswiglu(da, gate, up, pr, dh_ptr, a_ptr, dpp_ptr, rows, end, n0, M, N,
                       HAS_P: gl.constexpr, WRITE_OUT: gl.constexpr, SUB_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, layout: gl.constexpr):
         """dh, a and the probs partial of rows ``rows`` (below ``end``), columns n0.. (below
-        N) from fp32 da, gate, up (SUB_M, BLOCK_N) in ``layout``."""
+        N) from fp32 da, gate, up (SUB_M, BLOCK_N) in ``layout`` and the rows' probs ``pr``
+        (fp32, ``SliceLayout(1, layout)``; unused without ``HAS_P``)."""
         cols = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
         row_ok = rows < end
         col_ok = cols < N
         mask = row_ok[:, None] & col_ok[None, :]
         p = 1.0
         if HAS_P:
-            p = gl.load(p_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
+            p = pr[:, None]
         dgate, dup, out, dp = _dswiglu(gate, up, da, p, HAS_P)
         off = rows[:, None] * (2 * N) + cols[None, :]
         gl.store(dh_ptr + off, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
@@ -187,12 +199,12 @@ if gluon is not None:
             off = rows[:, None] * (2 * N) + cols[None, :]
             gate = gl.load(h_ptr + off, mask=mask, other=0.0).to(gl.float32)
             up = gl.load(h_ptr + off + N, mask=mask, other=0.0).to(gl.float32)
-            _rows_dswiglu(zero.to(dh_ptr.dtype.element_ty).to(gl.float32), gate, up, h_ptr,
-                          dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, M, n0, M, N, HAS_P, WRITE_OUT,
-                          SUB_M, BLOCK_N, layout)
+            pr = gl.load(p_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
+            _rows_dswiglu(zero, gate, up, pr, dh_ptr, a_ptr, dpp_ptr, rows, M, n0, M, N,
+                          HAS_P, WRITE_OUT, SUB_M, BLOCK_N, layout)
 
     @gluon.jit
-    def _dswiglu_partition(c_buf, c_ready, c_empty, h_desc, h_bufs, h_bar, h_ptr, dh_ptr,
+    def _dswiglu_partition(c_buf, c_ready, c_empty, h_desc, h_bufs, p_buf, h_bar, h_ptr, dh_ptr,
                            a_ptr, p_ptr, dpp_ptr, offs_ptr, M, N, G, P, HAS_P: gl.constexpr,
                            WRITE_OUT: gl.constexpr, GBLOCK: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -210,6 +222,7 @@ if gluon is not None:
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, EPI_WARPS)
         n_tiles = gl.max(ends, 0)
         nbytes: gl.constexpr = 2 * BLOCK_M * BLOCK_N * 2
+        p_layout: gl.constexpr = gl.BlockedLayout([1], [32], [EPI_WARPS], [0])
         gate_buf = h_bufs.index(0)
         up_buf = h_bufs.index(1)
         t = 0
@@ -220,16 +233,21 @@ if gluon is not None:
             mbarrier.expect(h_bar, nbytes)
             tma.async_copy_global_to_shared(h_desc, [m0.to(gl.int32), n0], h_bar, gate_buf)
             tma.async_copy_global_to_shared(h_desc, [m0.to(gl.int32), N + n0], h_bar, up_buf)
+            if HAS_P:  # the tile's probs into shared memory once (not a load per slice)
+                prow = m0 + gl.arange(0, BLOCK_M, p_layout).to(gl.int64)
+                p_buf.store(gl.load(p_ptr + prow, mask=prow < end, other=0.0).to(gl.float32))
+                gl.thread_barrier()
             mbarrier.wait(h_bar, t & 1)
             mbarrier.wait(c_ready, t & 1)
             for i in gl.static_range(BLOCK_M // SUB_M):
                 da = c_buf.slice(i * SUB_M, SUB_M).load(layout).to(gl.float32)
                 gate = gate_buf.slice(i * SUB_M, SUB_M).load(layout).to(gl.float32)
                 up = up_buf.slice(i * SUB_M, SUB_M).load(layout).to(gl.float32)
+                pr = p_buf.slice(i * SUB_M, SUB_M).load(gl.SliceLayout(1, layout))
                 rows = m0 + i * SUB_M + gl.arange(0, SUB_M, gl.SliceLayout(1, layout)).to(
                     gl.int64)
-                _rows_dswiglu(da, gate, up, h_ptr, dh_ptr, a_ptr, p_ptr, dpp_ptr, rows, end,
-                              n0, M, N, HAS_P, WRITE_OUT, SUB_M, BLOCK_N, layout)
+                _rows_dswiglu(da, gate, up, pr, dh_ptr, a_ptr, dpp_ptr, rows, end, n0, M, N,
+                              HAS_P, WRITE_OUT, SUB_M, BLOCK_N, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf and the h tiles
             mbarrier.arrive(c_empty)
             t += 1
@@ -263,6 +281,8 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
         c_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
         h_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        p_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -285,7 +305,7 @@ if gluon is not None:
                              num_warps, 1, BLOCK_M // 2)),
                 (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
                              G, P, True, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                (_dswiglu_partition, (c_buf, c_ready, c_empty, h_desc, h_bufs, h_bar, h_ptr,
+                (_dswiglu_partition, (c_buf, c_ready, c_empty, h_desc, h_bufs, p_buf, h_bar, h_ptr,
                                       dh_ptr, a_ptr, p_ptr, dpp_ptr, offs_ptr, M, N, G, P,
                                       HAS_P, WRITE_OUT, GBLOCK, BLOCK_M, BLOCK_N, GROUP_M,
                                       SUB_M, EPI_WARPS)),
@@ -297,7 +317,7 @@ if gluon is not None:
                              num_warps, 0, BLOCK_M)),
                 (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
                              G, P, True, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                (_dswiglu_partition, (c_buf, c_ready, c_empty, h_desc, h_bufs, h_bar, h_ptr,
+                (_dswiglu_partition, (c_buf, c_ready, c_empty, h_desc, h_bufs, p_buf, h_bar, h_ptr,
                                       dh_ptr, a_ptr, p_ptr, dpp_ptr, offs_ptr, M, N, G, P,
                                       HAS_P, WRITE_OUT, GBLOCK, BLOCK_M, BLOCK_N, GROUP_M,
                                       SUB_M, EPI_WARPS)),
@@ -335,7 +355,7 @@ def _launch(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, h: t
         dy, weights, h, dh, a if a is not None else dh, p,
         partials if partials is not None else dy, offsets, m, f, k, groups, grid[0],
         weights.stride(0), weights.stride(2), weights.stride(1), HAS_P=probs is not None,
-        WRITE_OUT=write_out, GBLOCK=max(next_power_of_2(groups), 1), maxnreg=MAXNREG, **cfg)
+        WRITE_OUT=write_out, GBLOCK=max(next_power_of_2(groups), 1), maxnreg=maxnreg(cfg), **cfg)
     dp = None
     if partials is not None:  # a fixed order (no atomics), the Triton version's reduction
         dp = torch.empty(m, device=dy.device, dtype=probs.dtype)
