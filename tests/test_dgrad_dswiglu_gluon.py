@@ -4,7 +4,7 @@
 CPU (CI): the launch config's checks, the argument errors (the argument, expected and actual
 value), the reason on CPU, the fake kernel's shapes; the sm_90 ahead-of-time compile with
 Triton 3.6 (skipped without Gluon or an sm_90 ptxas): three partitions with their register
-budgets, wgmma m64n128k16, TMA loads (the ring's dy + W2 tile and the epilogue's two h
+budgets, wgmma m64nBLOCK_Nk16, TMA loads (the ring's dy + W2 tile and the epilogue's two h
 tiles), no spills, shared memory within 227 KiB. CUDA (``@pytest.mark.cuda``): the kernel
 against an fp64 per-expert reference (dy ~ N(0, 1), weights at init scale, h ~ N(0, 1)) and
 bitwise against the two launches it replaces (dh, a; dprobs within fp32 summation order),
@@ -31,14 +31,18 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 @pytest.mark.parametrize("change, match", [
     ({"FLAT": True}, r"config keys must be among .* got unknown \['FLAT'\]"),
-    ({"SPLIT": True}, "num_warps must be 4 with SPLIT=True .* got 8"),
-    ({"num_warps": 4}, "num_warps must be 8 with SPLIT=False .* got 4"),
+    ({"SPLIT": True}, "num_warps must be 4 with BLOCK_M=128 SPLIT=True .* got 8"),
+    ({"num_warps": 4}, "num_warps must be 8 with BLOCK_M=128 SPLIT=False .* got 4"),
+    ({"BLOCK_M": 64}, "num_warps must be 4 with BLOCK_M=64 .* got 8"),
+    ({"BLOCK_M": 64, "num_warps": 4, "SPLIT": True}, "SPLIT needs BLOCK_M 128"),
+    ({"BLOCK_M": 32}, "BLOCK_M in .* got BLOCK_M=32"),
     ({"EPI_WARPS": 3}, "EPI_WARPS must be 1, 2 or 4, got 3"),
     ({"CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 8 \* WORKER_REGS must be <= 2048"),
     ({"EPI_WARPS": 2, "WORKER_REGS": 160, "CONSUMER_REGS": 200},
      r"8 \* CONSUMER_REGS \+ 4 \* WORKER_REGS"),
     ({"BLOCK_N": 96}, "BLOCK_N in .* got BLOCK_M=128 BLOCK_N=96"),
-    ({"SUB_M": 4}, "SUB_M dividing BLOCK_M.* SUB_M=4"),
+    ({"SUB_M": 4}, "SUB_M must divide BLOCK_M=128 and be a multiple of 8 .* got SUB_M=4"),
+    ({"SUB_M": 12}, "SUB_M must divide BLOCK_M=128"),
     ({"STAGES": 0}, "config STAGES must be an int >= 1, got 0"),
     ({"SPLIT": 1}, "config SPLIT must be a bool, got 1"),
 ])
@@ -128,7 +132,8 @@ def _compile_sm90(change: dict | None, has_p: bool = True):
 
 @pytest.mark.parametrize("change, has_p", [
     (None, True), (None, False), ({"SPLIT": True, "num_warps": 4}, True),
-    ({"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}, True)])
+    ({"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}, True),
+    ({"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4, "WORKER_REGS": 136}, True)])
 def test_compiles_for_sm90_warp_specialized(change, has_p):
     kernel = _compile_sm90(change, has_p)
     ptx = kernel.asm["ptx"]
@@ -137,7 +142,7 @@ def test_compiles_for_sm90_warp_specialized(change, has_p):
     assert cfg["WORKER_REGS"] in regs and max(regs) <= 256
     assert re.search(rf"\.maxnreg\s+{GD.maxnreg(cfg)}", ptx)
     assert re.search(rf"\.reqntid\s+{GD.total_warps(cfg) * 32}", ptx)
-    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k16.f32.bf16.bf16" in ptx
     ring = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     h_tiles = 2 * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
     for nbytes in (ring, h_tiles):
@@ -182,12 +187,32 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
         torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
         assert_close(dp, want_dp, dtype, "dprobs")
     if case == "skewed_padding" and dtype == torch.bfloat16:
-        for variant in ({"SPLIT": True, "num_warps": 4}, {"SUB_M": 16},
-                        {"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}):
-            got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, config=variant)
-            assert torch.equal(got[0], dh0) and torch.equal(got[2], a0), variant
         got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, write_output=False)
         assert torch.equal(got[0], dh0) and got[2] is None
+
+
+CONFIGS = {"split": {"SPLIT": True, "num_warps": 4}, "sub16": {"SUB_M": 16},
+           "epi2": {"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176},
+           "m64_n256": {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4, "WORKER_REGS": 136},
+           "m64_n256_sub16": {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4,
+                              "WORKER_REGS": 136, "SUB_M": 16}}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("case", ["skewed_padding", "ffn_off_tiles", "padding_only"])
+def test_launch_configs_bitwise_equal_to_two_launches(case, config):
+    """The other launch configs (tiles, warps, slices): dh and a the two launches' bits,
+    dprobs within fp32 summation order (the same partial sums as the default where the
+    column tile is the same)."""
+    _sm90()
+    sizes, rows, ffn, hidden = CASES[case]
+    dy, w, h, offs, probs = _problem(sizes, rows, ffn, hidden, torch.bfloat16)
+    dh0, dp0, a0 = _two_launches(dy, w, offs, h, probs)
+    torch.full((rows + 64, 8 * ffn), float("nan"), device=CUDA, dtype=torch.bfloat16)
+    dh, dp, a = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, config=CONFIGS[config])
+    assert torch.equal(dh, dh0) and torch.equal(a, a0)
+    torch.testing.assert_close(dp, dp0, rtol=1e-5, atol=1e-5 * dp0.abs().max().item())
 
 
 @pytest.mark.cuda

@@ -99,31 +99,40 @@ def _resolve(config: dict | None) -> dict:
         raise ValueError(f"config keys must be among {sorted(base)}, got unknown {unknown}")
     cfg = {**base, **(config or {})}
     lg.check_config_values(cfg, base)
-    want = 4 if cfg["SPLIT"] else 8
-    if cfg["num_warps"] != want:
-        raise ValueError(f"config num_warps must be {want} with SPLIT={cfg['SPLIT']} (one "
-                         f"warpgroup per 64 rows of the tile), got {cfg['num_warps']}")
+    if cfg["BLOCK_M"] not in (64, 128) or cfg["BLOCK_N"] not in (64, 128, 256):
+        raise ValueError(f"config needs BLOCK_M in (64, 128) and BLOCK_N in (64, 128, 256), "
+                         f"got BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']}")
+    want = 4 if cfg["SPLIT"] else cfg["BLOCK_M"] // 16
+    if cfg["num_warps"] != want or (cfg["SPLIT"] and cfg["BLOCK_M"] != 128):
+        raise ValueError(f"config num_warps must be {want} with BLOCK_M={cfg['BLOCK_M']} "
+                         f"SPLIT={cfg['SPLIT']} (one warpgroup per 64 rows of the tile; SPLIT "
+                         f"needs BLOCK_M 128), got {cfg['num_warps']}")
     if cfg["EPI_WARPS"] not in (1, 2, 4):
         raise ValueError(f"config EPI_WARPS must be 1, 2 or 4, got {cfg['EPI_WARPS']}")
-    workers = total_warps(cfg) - 8
-    if 8 * cfg["CONSUMER_REGS"] + workers * cfg["WORKER_REGS"] > 2048:
-        raise ValueError(f"config 8 * CONSUMER_REGS + {workers} * WORKER_REGS must be <= 2048 "
-                         f"(the register file over 32 threads), got {cfg['CONSUMER_REGS']} "
-                         f"and {cfg['WORKER_REGS']}")
-    ok = cfg["BLOCK_M"] == 128 and cfg["BLOCK_N"] in (64, 128, 256)
-    layout_rows = 32 // (cfg["BLOCK_N"] // 8) * cfg["EPI_WARPS"] if ok else 1
-    if not ok or cfg["BLOCK_M"] % cfg["SUB_M"] or cfg["SUB_M"] % layout_rows:
-        raise ValueError(f"config needs BLOCK_M 128, BLOCK_N in (64, 128, 256) and SUB_M "
-                         f"dividing BLOCK_M, a multiple of the epilogue layout's rows, got "
-                         f"BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
-                         f"SUB_M={cfg['SUB_M']}")
+    consumers = consumer_warps(cfg)
+    workers = total_warps(cfg) - consumers
+    if consumers * cfg["CONSUMER_REGS"] + workers * cfg["WORKER_REGS"] > 2048:
+        raise ValueError(f"config {consumers} * CONSUMER_REGS + {workers} * WORKER_REGS must "
+                         f"be <= 2048 (the register file over 32 threads), got "
+                         f"{cfg['CONSUMER_REGS']} and {cfg['WORKER_REGS']}")
+    # the epilogue layout's rows, and 8: a slice of the 128-byte-swizzled tiles
+    rows = max(32 // (cfg["BLOCK_N"] // 8) * cfg["EPI_WARPS"], 8)
+    if cfg["BLOCK_M"] % cfg["SUB_M"] or cfg["SUB_M"] % rows:
+        raise ValueError(f"config SUB_M must divide BLOCK_M={cfg['BLOCK_M']} and be a multiple "
+                         f"of {rows} (the epilogue layout's rows, the swizzle's 8), got SUB_M="
+                         f"{cfg['SUB_M']}")
     return cfg
 
 
+def consumer_warps(cfg: dict) -> int:
+    """The MMA consumers' warps: one warpgroup per 64 rows of the tile."""
+    return cfg.get("BLOCK_M", 128) // 16
+
+
 def total_warps(cfg: dict) -> int:
-    """Warps of the launch: 8 consumer warps, the producer's and the epilogue's, rounded up
-    to whole warpgroups (``setmaxnreg`` acts on a warpgroup)."""
-    return -(-(8 + 1 + cfg["EPI_WARPS"]) // 4) * 4
+    """Warps of the launch: the consumers', the producer's and the epilogue's, rounded up to
+    whole warpgroups (``setmaxnreg`` acts on a warpgroup)."""
+    return -(-(consumer_warps(cfg) + 1 + cfg["EPI_WARPS"]) // 4) * 4
 
 
 def maxnreg(cfg: dict) -> int:
