@@ -20,29 +20,42 @@ import re
 
 import pytest
 import torch
+from block_replay import assert_graph_and_compile_match_eager
 from reference import assert_close
-from test_dgrad_dswiglu import CASES, _problem, _reference, _two_launches
+from test_dgrad_dswiglu import (
+    CASES,
+    _block,
+    _inputs,
+    _problem,
+    _reference,
+    _run,
+    _same,
+    _two_launches,
+)
 
+from te_ops.fused import fc2_dgrad_epilogue as fe
 from te_ops.kernels import dgrad_dswiglu_gluon as GD
 
 CUDA = torch.device("cuda")
+#: The 128 x 128 tiles with two consumer warpgroups (the default is 64 x 256 with one).
+N128 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "WORKER_REGS": 128,
+        "CONSUMER_REGS": 128}
 
 
 # ----------------------------------------------------------------------------------- CPU
 @pytest.mark.parametrize("change, match", [
     ({"FLAT": True}, r"config keys must be among .* got unknown \['FLAT'\]"),
-    ({"SPLIT": True}, "num_warps must be 4 with BLOCK_M=128 SPLIT=True .* got 8"),
-    ({"num_warps": 4}, "num_warps must be 8 with BLOCK_M=128 SPLIT=False .* got 4"),
-    ({"BLOCK_M": 64}, "num_warps must be 4 with BLOCK_M=64 .* got 8"),
-    ({"BLOCK_M": 64, "num_warps": 4, "SPLIT": True}, "SPLIT needs BLOCK_M 128"),
+    ({**N128, "SPLIT": True}, "num_warps must be 4 with BLOCK_M=128 SPLIT=True .* got 8"),
+    ({**N128, "num_warps": 4}, "num_warps must be 8 with BLOCK_M=128 SPLIT=False .* got 4"),
+    ({"num_warps": 8}, "num_warps must be 4 with BLOCK_M=64 .* got 8"),
+    ({"SPLIT": True}, "SPLIT needs BLOCK_M 128"),
     ({"BLOCK_M": 32}, "BLOCK_M in .* got BLOCK_M=32"),
     ({"EPI_WARPS": 3}, "EPI_WARPS must be 1, 2 or 4, got 3"),
-    ({"CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 8 \* WORKER_REGS must be <= 2048"),
-    ({"EPI_WARPS": 2, "WORKER_REGS": 160, "CONSUMER_REGS": 200},
-     r"8 \* CONSUMER_REGS \+ 4 \* WORKER_REGS"),
-    ({"BLOCK_N": 96}, "BLOCK_N in .* got BLOCK_M=128 BLOCK_N=96"),
-    ({"SUB_M": 4}, "SUB_M must divide BLOCK_M=128 and be a multiple of 8 .* got SUB_M=4"),
-    ({"SUB_M": 12}, "SUB_M must divide BLOCK_M=128"),
+    ({**N128, "CONSUMER_REGS": 232}, r"8 \* CONSUMER_REGS \+ 8 \* WORKER_REGS must be <= 2048"),
+    ({"WORKER_REGS": 160}, r"4 \* CONSUMER_REGS \+ 8 \* WORKER_REGS must be <= 2048"),
+    ({"BLOCK_N": 96}, "BLOCK_N in .* got BLOCK_M=64 BLOCK_N=96"),
+    ({"SUB_M": 4}, "SUB_M must divide BLOCK_M=64 and be a multiple of 8 .* got SUB_M=4"),
+    ({"SUB_M": 12}, "SUB_M must divide BLOCK_M=64"),
     ({"STAGES": 0}, "config STAGES must be an int >= 1, got 0"),
     ({"SPLIT": 1}, "config SPLIT must be a bool, got 1"),
 ])
@@ -53,13 +66,15 @@ def test_config_errors_name_the_key(change, match):
 
 def test_config_fits_the_register_file_and_shared_memory():
     cfg = GD.gluon_dswiglu_config()
-    assert GD.total_warps(cfg) == 16 and GD.maxnreg(cfg) == GD.MAXNREG == 128
-    assert 8 * cfg["CONSUMER_REGS"] + 8 * cfg["WORKER_REGS"] <= 2048
-    assert GD.total_warps({"EPI_WARPS": 2}) == 12 and GD.maxnreg({"EPI_WARPS": 2}) == 168
+    assert GD.total_warps(cfg) == 12 and GD.maxnreg(cfg) == GD.MAXNREG == 168
+    assert 4 * cfg["CONSUMER_REGS"] + 8 * cfg["WORKER_REGS"] <= 2048
+    n128 = GD._resolve(N128)
+    assert GD.total_warps(n128) == 16 and GD.maxnreg(n128) == 128
+    assert GD.total_warps({**n128, "EPI_WARPS": 2}) == 12
     tile = cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2
     ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     assert ring + 3 * tile <= 227 * 1024  # ring, da tile, gate and up tiles
-    assert GD._resolve({"SPLIT": True, "num_warps": 4})["SPLIT"] is True
+    assert GD._resolve({**N128, "SPLIT": True, "num_warps": 4})["SPLIT"] is True
 
 
 def _args(m=8, n=6, f=4, g=2, dtype=torch.bfloat16):
@@ -102,6 +117,60 @@ def test_fake_kernel_shapes():
         assert torch.ops.te_ops.grouped_dgrad_dswiglu_gluon(dy, w, offs, h, None)[1].numel() == 0
 
 
+def test_kernel_choice_follows_the_env_and_the_reason(monkeypatch):
+    """auto: Gluon where it can run, else Triton with the reason; triton: always Triton;
+    gluon: raises with the reason where it cannot run; a bad value names the variable."""
+    dy, w, _, h, _ = _args()
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "auto")
+    kernel, why = fe.dswiglu_kernel(dy, w, h)
+    assert kernel == "triton" and why.startswith("the Gluon kernel cannot run: ")
+    monkeypatch.setattr(GD, "gluon_dswiglu_unsupported_reason", lambda *a: None)
+    assert fe.dswiglu_kernel(dy, w, h)[0] == "gluon"
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "triton")
+    assert fe.dswiglu_kernel(dy, w, h) == ("triton",
+                                           "forced by TE_OPS_FC2_DSWIGLU_KERNEL=triton")
+    monkeypatch.setattr(GD, "gluon_dswiglu_unsupported_reason", lambda *a: "no SM90 here")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "gluon")
+    with pytest.raises(RuntimeError, match="TE_OPS_FC2_DSWIGLU_KERNEL=gluon cannot run: no SM90"):
+        fe.dswiglu_kernel(dy, w, h)
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="TE_OPS_FC2_DSWIGLU_KERNEL"):
+        fe.dswiglu_kernel(dy, w, h)
+
+
+def test_run_dgrad_dswiglu_calls_the_chosen_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(GD, "gluon_dgrad_dswiglu", lambda *a, **k: calls.append("gluon"))
+    monkeypatch.setattr(fe.dgrad_dswiglu_triton, "large_dgrad_dswiglu",
+                        lambda *a, **k: calls.append("triton"))
+    dy, w, offs, h, probs = _args()
+    fe.run_dgrad_dswiglu(dy, w, offs, h, probs, kernel="gluon")
+    fe.run_dgrad_dswiglu(dy, w, offs, h, probs, kernel="triton")
+    fe.run_dgrad_dswiglu(dy, w, offs, h, probs)  # auto on CPU: the Triton kernel
+    assert calls == ["gluon", "triton", "triton"]
+
+
+def test_unsupported_reasons_name_the_operand():
+    dy, w, _, h, _ = _args(f=8)
+    why = GD.gluon_dswiglu_unsupported_reason
+    assert why(dy, w, h) is not None  # CPU (or no Gluon) first
+    if GD.gluon is None:
+        return
+    from te_ops.kernels import grouped_gemm_gluon as GG
+
+    orig = GG.gluon_unsupported_reason
+    try:
+        GD.gluon_unsupported_reason = lambda *a: None
+        assert "not contiguous along F" in why(dy, w.transpose(1, 2).contiguous()
+                                               .transpose(1, 2), h)
+        assert "h is not contiguous" in why(dy, w, h.t().contiguous().t())
+        odd = torch.zeros(8, 6, dtype=torch.bfloat16)  # 12-byte rows
+        assert "multiple of 16 bytes" in why(dy, w, odd)
+        assert why(dy, w, h) is None or "16-byte boundary" in why(dy, w, h)
+    finally:
+        GD.gluon_unsupported_reason = orig
+
+
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16",
              "a_ptr": "*bf16", "p_ptr": "*fp32", "dpp_ptr": "*fp32", "offs_ptr": "*i32",
              "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32",
@@ -131,9 +200,8 @@ def _compile_sm90(change: dict | None, has_p: bool = True):
 
 
 @pytest.mark.parametrize("change, has_p", [
-    (None, True), (None, False), ({"SPLIT": True, "num_warps": 4}, True),
-    ({"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}, True),
-    ({"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4, "WORKER_REGS": 136}, True)])
+    (None, True), (None, False), (N128, True), ({**N128, "SPLIT": True, "num_warps": 4}, True),
+    ({**N128, "EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176}, True)])
 def test_compiles_for_sm90_warp_specialized(change, has_p):
     kernel = _compile_sm90(change, has_p)
     ptx = kernel.asm["ptx"]
@@ -191,11 +259,10 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
         assert torch.equal(got[0], dh0) and got[2] is None
 
 
-CONFIGS = {"split": {"SPLIT": True, "num_warps": 4}, "sub16": {"SUB_M": 16},
-           "epi2": {"EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176},
-           "m64_n256": {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4, "WORKER_REGS": 136},
-           "m64_n256_sub16": {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 4,
-                              "WORKER_REGS": 136, "SUB_M": 16}}
+CONFIGS = {"n128": N128, "n128_split": {**N128, "SPLIT": True, "num_warps": 4},
+           "n128_sub16": {**N128, "SUB_M": 16},
+           "n128_epi2": {**N128, "EPI_WARPS": 2, "WORKER_REGS": 152, "CONSUMER_REGS": 176},
+           "sub16": {"SUB_M": 16}}
 
 
 @pytest.mark.cuda
@@ -244,3 +311,35 @@ def test_op_compiles_and_replays_in_a_cuda_graph_bitwise():
     want = GD.gluon_dgrad_dswiglu(dy, w, new, h, probs)
     for x, y in zip(out, want):
         assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------- CUDA: the block
+@pytest.mark.cuda
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
+def test_block_with_gluon_epilogue_equal_to_two_launches(monkeypatch, scaled):
+    """``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` with the Gluon kernel (general path, then the fast
+    path) against the epilogue off: y, dx, dW1, dW2 bit for bit, probs.grad within bf16
+    rounding; explain() names the Gluon launch."""
+    _sm90()
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
+    x, split, probs, dy = _inputs()
+    off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "gluon")
+    block = _block(scaled=scaled)
+    runs = [_run(block, x, split, probs, dy) for _ in range(3)]
+    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch" in block.explain()
+    for got, _ in runs:
+        _same(got, off, scaled)
+
+
+@pytest.mark.cuda
+def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
+    _sm90()
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "gluon")
+    x, split, probs, dy = _inputs()
+    assert_graph_and_compile_match_eager(
+        _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50],
+        "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch")

@@ -75,9 +75,6 @@ if gluon is not None:
 __all__ = ["gluon_dswiglu_config", "gluon_dgrad_dswiglu", "gluon_dswiglu_unsupported_reason",
            "MAXNREG"]
 
-#: Registers per thread ptxas compiles the default launch under (:func:`maxnreg`: 16 warps).
-MAXNREG = 128
-
 
 def gluon_dswiglu_config() -> dict[str, int | bool]:
     """Launch parameters: 128 x 128 x 64 tiles, ``GROUP_M`` 8, a 3-stage ring, 8 consumer
@@ -85,9 +82,9 @@ def gluon_dswiglu_config() -> dict[str, int | bool]:
     4), a 2-warp epilogue on ``SUB_M``-row slices, ``CONSUMER_REGS`` / ``WORKER_REGS``
     registers per thread (8 x CONSUMER_REGS + 4 x WORKER_REGS <= 2048: the 65536-register
     file over 32 threads)."""
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
-            "num_warps": 8, "EPI_WARPS": 4, "SUB_M": 8, "WORKER_REGS": 128, "SPLIT": False,
-            "CONSUMER_REGS": 128}
+    return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
+            "num_warps": 4, "EPI_WARPS": 4, "SUB_M": 8, "WORKER_REGS": 136, "SPLIT": False,
+            "CONSUMER_REGS": 232}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -140,6 +137,10 @@ def maxnreg(cfg: dict) -> int:
     threads, rounded down to 8 (``setmaxnreg`` moves them between partitions at run
     time)."""
     return 65536 // (total_warps(cfg) * 32) // 8 * 8
+
+
+#: Registers per thread ptxas compiles the default launch under (:func:`maxnreg`: 12 warps).
+MAXNREG = maxnreg(gluon_dswiglu_config())
 
 
 def gluon_dswiglu_unsupported_reason(dy: torch.Tensor, weights: torch.Tensor,
