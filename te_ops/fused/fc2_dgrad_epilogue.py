@@ -59,7 +59,10 @@ _KIND = FC2_EPILOGUE
 #: ran at 0.64-0.69x at E8 T16384 H4096 FF14336 (2048 rows per group), 0.64-0.71x at E32
 #: T32768 H7168 FF2048 (1024), 0.74x at E128 T65536 H2048 FF768 (512) and 0.57x at E128
 #: T16384 (128), best launch config of each; the epilogue's h loads and dh / a stores do not
-#: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6).
+#: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6). The
+#: warp-specialized Gluon kernel (stop 17, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a
+#: warp-specialized Gluon epilogue") measured 0.73x (E8), 0.76x (E32) and 0.93x (E128) the
+#: two launches: still never.
 AUTO_MIN_ROWS_PER_GROUP: float = float("inf")
 
 

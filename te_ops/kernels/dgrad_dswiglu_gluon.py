@@ -9,8 +9,9 @@ between k-loops with nothing overlapping it. Partitions (one CTA per SM, persist
 
 * **producer** (1 warp; ``grouped_gemm_gluon._producer`` with ``W_KN``): TMA loads of dy's
   row tile and W2's (K, N) tile per k-step into a ``STAGES``-deep ring;
-* **MMA consumer** (``grouped_gemm_gluon._consumer``, 8 warps, or two 4-warp partitions with
-  ``SPLIT``): async wgmma per k-step, at most one in flight; at the tile's end it rounds the
+* **MMA consumer** (``grouped_gemm_gluon._consumer``, one warpgroup per 64 rows of the
+  tile: 4 warps at the default 64 x 256 tiles, 8 or two 4-warp partitions (``SPLIT``) at
+  128 x 128): async wgmma per k-step, at most one in flight; at the tile's end it rounds the
   fp32 accumulator to dy's dtype (the bits the plain dgrad stores: da) into a shared-memory
   tile ``c_buf`` and goes on with the next tile;
 * **dSwiGLU epilogue** (``EPI_WARPS`` warps, :func:`_dswiglu_partition`): for each of its
@@ -25,20 +26,36 @@ between k-loops with nothing overlapping it. Partitions (one CTA per SM, persist
   its first tile it runs the padding rows (past ``offsets[-1]``) with da = 0 and h through
   pointer loads (what the two launches compute there).
 
-Tiles 128 x 128 (not the plain dgrad's 128 x 256): shared memory holds the ring (3 x 32 KiB),
-``c_buf`` (32 KiB) and the two h tiles (64 KiB): 192 KiB of SM90's 227; at 128 x 256 the h
-tiles alone would take 128 KiB beside a 144 KiB ring. Each output element's k-steps are the
-plain dgrad's (64 per step, in order, fp32, the first with ``use_acc=False``), so da has the
-bits of ``grouped_gemm_large_triton.large_dgrad`` / ``torch._grouped_mm`` and dh and a are the
-two launches' bit for bit (checked on the H200, tests/test_dgrad_dswiglu_gluon.py). dprobs
-is the deterministic two-step sum of the Triton version (``dgrad_dswiglu_triton
-._sum_partials_kernel`` over the partials in column-tile order): not bitwise the SwiGLU
-kernel's order, compared with a tolerance.
+Tiles: 64 x 256 x 64 by default (one consumer warpgroup, m64n256k16 wgmmas, 128 fp32
+accumulator registers per thread): shared memory holds the ring (3 x 40 KiB), ``c_buf``
+(32 KiB) and the two h tiles (64 KiB): 217 KiB of SM90's 227. The plain dgrad's 128 x 256
+does not fit (the h tiles alone would take 128 KiB beside a 144 KiB ring and a 64 KiB
+``c_buf``; and its 8 consumer warps hold 128 accumulator registers each, leaving 48 per
+thread for the 4 other warps, too few for the epilogue's arithmetic). 128 x 128 with two
+consumer warpgroups is a launch config. Each output element's k-steps are the plain dgrad's
+(64 per step, in order, fp32, the first with ``use_acc=False``), so da has the bits of
+``grouped_gemm_large_triton.large_dgrad`` / ``torch._grouped_mm`` and dh and a are the two
+launches' bit for bit (checked on the H200: tests/test_dgrad_dswiglu_gluon.py and every
+benchmark record). dprobs is the deterministic two-step sum of the Triton version
+(``dgrad_dswiglu_triton._sum_partials_kernel`` over the partials in column-tile order): not
+bitwise the SwiGLU kernel's order, compared with a tolerance.
 
-Registers: 12 warps (8 consumer, the producer's and the epilogue's 3 sharing a warpgroup),
-``maxnreg`` :data:`MAXNREG`; ``setmaxnreg`` gives the consumers ``CONSUMER_REGS`` (a 64 x 128
-fp32 accumulator per warpgroup: 64 registers) and the workers ``WORKER_REGS`` (the epilogue
-holds a (SUB_M, BN) slice of da, gate, up and the outputs in fp32).
+Registers: the consumers' warps, the producer's and ``EPI_WARPS`` = 4 epilogue warps, rounded
+up to warpgroups (:func:`total_warps`: 12 at the default, 16 at 128 x 128), ``maxnreg``
+:func:`maxnreg` (65536 over the threads); ``setmaxnreg`` gives the workers ``WORKER_REGS``
+(the epilogue holds a (SUB_M, BN) slice of da, gate, up and the outputs in fp32) and the
+consumers the rest (``CONSUMER_REGS`` with ``SPLIT``). Two epilogue warps made the epilogue
+the bottleneck (3x slower at E128, H200); staging probs in shared memory once per tile
+changed nothing measurable.
+
+Speed (H200, bf16, 2026-11-30, ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu
+--gluon``, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue
+(stop 17)"): 1.14-1.30x the Triton fused kernel, but 0.73x (E8 T16384 H4096 FF14336), 0.76x
+(E32 T32768 H7168 FF2048) and 0.93x (E128 T65536 H2048 FF768) the two launches: at these
+tiles the GEMM alone is slower than the plain dgrad at 128 x 256 (at 128 x 128: 4.10 against
+2.65 ms at E8), and the epilogue's traffic and issue slots still slow the mainloop. So
+``TE_OPS_FC2_DSWIGLU_EPILOGUE=auto`` stays off; where the fused launch is taken (``1``)
+``TE_OPS_FC2_DSWIGLU_KERNEL=auto`` runs this kernel (``fused/fc2_dgrad_epilogue.py``).
 
 In-place (``grad_into_input``): each h element is read by one tile's TMA load (or one padding
 pointer load) before its dh is written by the same partition; a TMA box past the group's end
@@ -77,11 +94,13 @@ __all__ = ["gluon_dswiglu_config", "gluon_dgrad_dswiglu", "gluon_dswiglu_unsuppo
 
 
 def gluon_dswiglu_config() -> dict[str, int | bool]:
-    """Launch parameters: 128 x 128 x 64 tiles, ``GROUP_M`` 8, a 3-stage ring, 8 consumer
-    warps (``SPLIT`` False) or two 4-warp consumer partitions (``SPLIT`` True, ``num_warps``
-    4), a 2-warp epilogue on ``SUB_M``-row slices, ``CONSUMER_REGS`` / ``WORKER_REGS``
-    registers per thread (8 x CONSUMER_REGS + 4 x WORKER_REGS <= 2048: the 65536-register
-    file over 32 threads)."""
+    """Launch parameters: 64 x 256 x 64 tiles, ``GROUP_M`` 8, a 3-stage ring, one consumer
+    warpgroup (``num_warps`` = BLOCK_M / 16; at BLOCK_M 128 ``SPLIT`` makes two 4-warp
+    consumer partitions, ``num_warps`` 4), a 4-warp epilogue on 8-row slices (``SUB_M``, a
+    multiple of the 128-byte swizzle's 8 rows), ``WORKER_REGS`` registers per thread for the
+    producer's and the epilogue's warpgroups and ``CONSUMER_REGS`` for a ``SPLIT`` consumer
+    (consumer warps x CONSUMER_REGS + other warps x WORKER_REGS <= 2048: the 65536-register
+    file over 32 threads). Measured the fastest of those timed (docs/benchmarks.md)."""
     return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 4, "EPI_WARPS": 4, "SUB_M": 8, "WORKER_REGS": 136, "SPLIT": False,
             "CONSUMER_REGS": 232}
