@@ -70,6 +70,12 @@ backward runs without the epilogue) and
 ``dprobs_max_abs_diff`` / ``dprobs_max_rel_diff`` against the two launches.
 ``--dswiglu-variants JSON`` times other launch configs of the fused kernel beside its default
 (``fused_NAME_ms``, ``fused_NAME_x``, ``dh_equal_NAME``).
+With ``--gluon JSON`` (``{"gluon": {}, "gluon_NAME": {config changes}}``) the record also
+times the warp-specialized Gluon fused kernel (``dgrad_dswiglu_gluon.gluon_dgrad_dswiglu``,
+configs of ``gluon_dswiglu_config``: ``NAME_ms``, ``NAME_x`` = two_launches / NAME,
+``NAME_vs_gluon_pair`` against ``two_launches_gluon`` (the Gluon dgrad then the SwiGLU
+backward), ``dgrad_gluon_n128`` (the Gluon dgrad with the fused kernel's 128 x 128 tiles),
+``dh_equal_NAME`` / ``a_equal_NAME`` bitwise, ``dprobs_max_rel_diff_NAME``).
 
 Usage (one device call; see docs/benchmarks.md "Large-shape Triton grouped GEMM")::
 
@@ -363,7 +369,8 @@ def _dswiglu_operands(shape: tuple[int, int, int, int], seed: int) -> dict[str, 
             "offs": torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32), "sizes": sizes}
 
 
-def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict]) -> dict[str, Any]:
+def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict],
+                   gluon: dict[str, dict] | None = None) -> dict[str, Any]:
     """The timed calls of ``--gemms fc2_dswiglu`` (h is not overwritten: dh goes to a new
     buffer in both, the same bytes as over h)."""
     from te_ops.kernels import dgrad_dswiglu_triton as dd
@@ -388,6 +395,20 @@ def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict]) -> dict[str, 
     for name, change in variants.items():
         calls[f"fused_{name}"] = lambda c=change: dd.large_dgrad_dswiglu(dy, w, offs, h, probs,
                                                                          config=c)
+    if gluon:  # --gluon: the warp-specialized Gluon fused kernel and the Gluon dgrad's pair
+        from te_ops.kernels import dgrad_dswiglu_gluon as gd
+        from te_ops.kernels import grouped_gemm_gluon as gg
+
+        def gluon_two_launches():
+            da = gg.gluon_grouped_gemm(dy, w, offs, True)
+            return st.swiglu_backward(h, da, probs, write_output=True)
+
+        calls["dgrad_gluon"] = lambda: gg.gluon_grouped_gemm(dy, w, offs, True)
+        calls["dgrad_gluon_n128"] = lambda: gg.gluon_dgrad(dy, w, offs, {"BLOCK_N": 128})
+        calls["two_launches_gluon"] = gluon_two_launches
+        for name, change in gluon.items():
+            calls[name] = lambda c=change: gd.gluon_dgrad_dswiglu(dy, w, offs, h, probs,
+                                                                  config=c or None)
     return calls
 
 
@@ -398,7 +419,8 @@ def compare_dswiglu(shape_name: str, args: argparse.Namespace) -> dict[str, Any]
 
     ops = _dswiglu_operands(ALL_SHAPES[shape_name], args.seed)
     variants = getattr(args, "dswiglu_variants", None) or {}
-    calls = _dswiglu_calls(ops, variants)
+    gluon = getattr(args, "gluon", None)
+    calls = _dswiglu_calls(ops, variants, gluon)
     rec: dict[str, Any] = {"bench": BENCH + "_dswiglu", "shape": shape_name,
                            "gemm": "fc2_dswiglu", "reps": args.reps,
                            "split_sizes": ops["sizes"], "config": dd.dswiglu_config()}
@@ -413,6 +435,23 @@ def compare_dswiglu(shape_name: str, args: argparse.Namespace) -> dict[str, Any]
     for name in variants:
         dhv, _, av = calls[f"fused_{name}"]()
         rec[f"dh_equal_{name}"] = bool(torch.equal(dhv, dh0) and torch.equal(av, a0))
+    if gluon:
+        from te_ops.kernels import dgrad_dswiglu_gluon as gd
+
+        rec["gluon_configs"] = {n: {**gd.gluon_dswiglu_config(), **c} for n, c in gluon.items()}
+        dhg, dpg, ag = calls["two_launches_gluon"]()
+        rec["two_launches_gluon_equal"] = bool(torch.equal(dhg, dh0) and torch.equal(ag, a0)
+                                               and torch.equal(dpg, dp0))
+        for name in gluon:
+            dhv, dpv, av = calls[name]()
+            rec[f"dh_equal_{name}"] = bool(torch.equal(dhv, dh0))
+            rec[f"a_equal_{name}"] = bool(torch.equal(av, a0))
+            dv = (dpv.double() - dp0.double()).abs()
+            rec[f"dprobs_max_rel_diff_{name}"] = (
+                dv / dp0.double().abs().clamp_min(1e-30)).max().item()
+            rec[f"dprobs_max_abs_diff_{name}"] = dv.max().item()
+            del dhv, dpv, av
+        del dhg, dpg, ag
     del dh0, dp0, a0, dh, dp, a
     times = _time_interleaved(calls, args.reps, args.warmup)
     for name, ts in times.items():
@@ -426,6 +465,10 @@ def compare_dswiglu(shape_name: str, args: argparse.Namespace) -> dict[str, Any]
         rec["variants"] = {n: {**rec["config"], **c} for n, c in variants.items()}
     for name in variants:
         rec[f"fused_{name}_x"] = rec["two_launches_ms"] / rec[f"fused_{name}_ms"]
+    for name in gluon or {}:  # against the faster of the two unfused pairs
+        rec[f"{name}_x"] = rec["two_launches_ms"] / rec[f"{name}_ms"]
+        rec[f"{name}_vs_gluon_pair"] = rec["two_launches_gluon_ms"] / rec[f"{name}_ms"]
+        rec[f"{name}_epilogue_ms"] = rec[f"{name}_ms"] - rec["dgrad_fused_tiles_ms"]
     return rec
 
 
@@ -440,6 +483,18 @@ def _check_dswiglu_variants(parser: argparse.ArgumentParser, variants: dict[str,
             dd._resolve(change, 1)
         except ValueError as exc:
             parser.error(f"--dswiglu-variants {name!r}: {exc}")
+
+
+def _check_gluon_dswiglu(parser: argparse.ArgumentParser, gluon: dict[str, dict]) -> None:
+    """A usage error (before any GPU work) where a ``--gluon`` config is not a launch config
+    of the Gluon fc2 dgrad + dSwiGLU kernel (``--gemms fc2_dswiglu``)."""
+    from te_ops.kernels import dgrad_dswiglu_gluon as gd
+
+    for name, change in gluon.items():
+        try:
+            gd._resolve(change)
+        except ValueError as exc:
+            parser.error(f"--gluon {name!r} (fc2_dswiglu): {exc}")
 
 
 def sweep(shape_name: str, gemm: str, args: argparse.Namespace, out: JsonLines
@@ -561,6 +616,16 @@ def summarize(path: str) -> str:
         for name in r.get("variants", {}):
             lines.append(f"  variant {name:12} {r[f'fused_{name}_ms']:8.3f} ms  x "
                          f"{r[f'fused_{name}_x']:5.3f}  bits {r[f'dh_equal_{name}']}")
+        if r.get("gluon_configs"):
+            lines.append(f"  gluon dgrad {r['dgrad_gluon_ms']:.3f} ms (128 x 128 tiles "
+                         f"{r['dgrad_gluon_n128_ms']:.3f}), gluon pair "
+                         f"{r['two_launches_gluon_ms']:.3f} ms (bits "
+                         f"{r['two_launches_gluon_equal']})")
+        for name in r.get("gluon_configs", {}):
+            lines.append(f"  {name:20} {r[f'{name}_ms']:8.3f} ms  x {r[f'{name}_x']:5.3f}  "
+                         f"vs gluon pair {r[f'{name}_vs_gluon_pair']:5.3f}  dh/a bits "
+                         f"{r[f'dh_equal_{name}']}/{r[f'a_equal_{name}']} dprobs rel "
+                         f"{r[f'dprobs_max_rel_diff_{name}']:.2g}")
     best: dict[tuple, dict] = {}
     for r in read_records(path, BENCH + "_sweep"):
         key = (r["shape"], r["gemm"], r["kind"])
@@ -756,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gluon_fc1 and args.gluon:
         parser.error("--gluon-fc1 needs fc1's SwiGLU calls, which --gluon leaves out: give "
                      "one of them")
+    if args.gluon and "fc2_dswiglu" in gemms:
+        _check_gluon_dswiglu(parser, args.gluon)
     for flag, given, gemm in (("--gluon-fc1", args.gluon_fc1, "fc1"),
                               ("--fused-config", fused_override, "fc1"),
                               ("--fused-variants", args.fused_variants, "fc1"),

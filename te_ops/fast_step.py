@@ -54,10 +54,9 @@ from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
 from .fused.fc1_epilogue import fc1_epilogue_reason, large_fused_launch
-from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason
+from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason, run_dgrad_dswiglu
 from .kernels import swiglu_triton
 from .kernels.compiled_ops import tracing
-from .kernels.dgrad_dswiglu_triton import large_dgrad_dswiglu
 from .kernels.grouped_gemm import (
     grouped_dgrad,
     grouped_fprop,
@@ -565,8 +564,8 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     elif w2 is None:
         w2 = stacked(list(params[n1:]), single2)
     if step.fc2_dswiglu:  # one launch: fc2's dgrad and the activation backward, dh over h
-        dh, gprobs, act_out = large_dgrad_dswiglu(dy, w2, splits.offsets, h, probs,
-                                                  grad_into_input=True)
+        dh, gprobs, act_out = run_dgrad_dswiglu(dy, w2, splits.offsets, h, probs,
+                                                grad_into_input=True)
     else:
         dgrad2 = dgrad2_fn(dy, w2, splits)
         # One activation-backward pass: dh over h, the activation output over dgrad2 (as the

@@ -303,6 +303,7 @@ def test_block_with_epilogue_equal_to_two_launches(monkeypatch, scaled):
     x, split, probs, dy = _inputs()
     off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "triton")  # the Gluon one: its own tests
     block = _block(scaled=scaled)
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FastGroupedMLPBackward"
@@ -334,6 +335,7 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     and compiled with fullgraph=True: bitwise the eager values; one frame, no graph break."""
     _large_dgrad_env(monkeypatch)
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "triton")
     x, split, probs, dy = _inputs()
     assert_graph_and_compile_match_eager(
         _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50],

@@ -92,13 +92,27 @@ ENV_VARS: dict[str, EnvVar] = {
             "TE_OPS_FC2_DSWIGLU_EPILOGUE",
             "auto",
             ("auto", "0", "1"),
-            "fc2's dgrad with the (Scaled)SwiGLU backward in its epilogue (one persistent "
-            "Triton kernel; dh and the activation output have the two launches' bits, the "
-            "probs gradient is summed in another order; te_ops/fused/fc2_dgrad_epilogue.py), "
-            "where fc2's dgrad runs in the persistent many-rows kernel and the activation in "
-            "Triton, no recipe, no bias, halves layout: auto takes it at the measured rule "
-            "(fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP: nowhere yet, it measured 0.57-0.74x "
+            "fc2's dgrad with the (Scaled)SwiGLU backward in its epilogue (one launch: the "
+            "warp-specialized Gluon kernel or the persistent Triton one, "
+            "TE_OPS_FC2_DSWIGLU_KERNEL; dh and the activation output have the two launches' "
+            "bits, the probs gradient is summed in another order; "
+            "te_ops/fused/fc2_dgrad_epilogue.py), where fc2's dgrad runs in the persistent "
+            "many-rows kernel and the activation in Triton, no recipe, no bias, halves layout: "
+            "auto takes it at the measured rule (fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP: "
+            "nowhere yet, the Triton kernel measured 0.57-0.74x and the Gluon one 0.73-0.93x "
             "the two launches on the H200), 1 wherever it can run, 0 never.",
+        ),
+        EnvVar(
+            "TE_OPS_FC2_DSWIGLU_KERNEL",
+            "auto",
+            ("auto", "triton", "gluon"),
+            "Which kernel runs fc2's dgrad + (Scaled)SwiGLU backward where "
+            "TE_OPS_FC2_DSWIGLU_EPILOGUE takes the fused launch: auto the warp-specialized "
+            "Gluon kernel (te_ops/kernels/dgrad_dswiglu_gluon.py; the same bits) where it can "
+            "run (SM90, Triton's Gluon API, TMA-aligned operands; measured 1.14-1.30x the "
+            "Triton fused kernel on the H200), else the persistent Triton one; triton always "
+            "the Triton kernel; gluon raises with the reason where the Gluon kernel cannot "
+            "run.",
         ),
         EnvVar(
             "TE_OPS_GLUON_WGRAD",

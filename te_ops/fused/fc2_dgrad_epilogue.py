@@ -21,6 +21,15 @@ probs gradient within fp32 summation order of it (a deterministic two-step sum).
   dSwiGLU in its epilogue": never so far, the fused launch measured 0.57-0.74x the two
   launches); ``1`` takes it wherever it can run.
 
+Which kernel runs the fused launch (:func:`dswiglu_kernel`, ``TE_OPS_FC2_DSWIGLU_KERNEL``):
+under ``auto`` the warp-specialized Gluon kernel (``kernels/dgrad_dswiglu_gluon.py``; the
+same bits: dh and a the two launches', dprobs the same deterministic partial sums) where it
+can run (SM90, Triton's Gluon API, TMA-aligned operands), else the persistent Triton one.
+Measured (docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue
+(stop 17)"): the Gluon kernel 1.14-1.30x the Triton fused kernel at the three issue-10 shapes,
+but still 0.73-0.93x the two launches, so ``auto`` of ``TE_OPS_FC2_DSWIGLU_EPILOGUE`` stays
+off.
+
 The saved context does not change (``SwiGLUSaved`` holds h, ``GroupedLinearSaved`` fc2's
 weights), so fused and unfused halves still pair in any combination.
 """
@@ -34,11 +43,12 @@ import torch
 from .. import env
 from ..basic.grouped_linear import stacked
 from ..basic.swiglu import FC2_EPILOGUE
-from ..kernels import dgrad_dswiglu_triton
+from ..kernels import dgrad_dswiglu_gluon, dgrad_dswiglu_triton
 from ..shapes import as_shape
 from .fc1_epilogue import not_cuda_note
 
-__all__ = ["fc2_dgrad_epilogue_reason", "fc2_dgrad_dswiglu", "AUTO_MIN_ROWS_PER_GROUP"]
+__all__ = ["fc2_dgrad_epilogue_reason", "fc2_dgrad_dswiglu", "AUTO_MIN_ROWS_PER_GROUP",
+           "dswiglu_kernel", "run_dgrad_dswiglu"]
 
 _KIND = FC2_EPILOGUE
 
@@ -49,7 +59,10 @@ _KIND = FC2_EPILOGUE
 #: ran at 0.64-0.69x at E8 T16384 H4096 FF14336 (2048 rows per group), 0.64-0.71x at E32
 #: T32768 H7168 FF2048 (1024), 0.74x at E128 T65536 H2048 FF768 (512) and 0.57x at E128
 #: T16384 (128), best launch config of each; the epilogue's h loads and dh / a stores do not
-#: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6).
+#: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6). The
+#: warp-specialized Gluon kernel (stop 17, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a
+#: warp-specialized Gluon epilogue") measured 0.73x (E8), 0.76x (E32) and 0.93x (E128) the
+#: two launches: still never.
 AUTO_MIN_ROWS_PER_GROUP: float = float("inf")
 
 
@@ -94,6 +107,45 @@ def fc2_dgrad_epilogue_reason(backend2: Any, backend_act: Any, recipe: Any, has_
     return None
 
 
+def dswiglu_kernel(dy: torch.Tensor, weights: torch.Tensor, h: torch.Tensor
+                   ) -> tuple[str, str]:
+    """``("gluon" | "triton", why)``: the kernel of the fused launch for these operands
+    (``TE_OPS_FC2_DSWIGLU_KERNEL``; module docstring). Shapes: dy (T, N), weights (G, N, F),
+    h (T, 2F).
+
+    Raises
+    ------
+    RuntimeError
+        ``TE_OPS_FC2_DSWIGLU_KERNEL=gluon`` where the Gluon kernel cannot run (the reason).
+    ValueError
+        The variable is not one of auto, triton, gluon (names the variable).
+    """
+    mode = env.read("TE_OPS_FC2_DSWIGLU_KERNEL")
+    if mode == "triton":
+        return "triton", "forced by TE_OPS_FC2_DSWIGLU_KERNEL=triton"
+    why = dgrad_dswiglu_gluon.gluon_dswiglu_unsupported_reason(dy, weights, h)
+    if why is not None and mode == "gluon":
+        raise RuntimeError(f"TE_OPS_FC2_DSWIGLU_KERNEL=gluon cannot run: {why}")
+    if why is not None:
+        return "triton", f"the Gluon kernel cannot run: {why}"
+    return "gluon", "measured 1.14-1.30x the Triton fused kernel"
+
+
+def run_dgrad_dswiglu(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                      h: torch.Tensor, probs: torch.Tensor | None, write_output: bool = True,
+                      grad_into_input: bool = False, kernel: str | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The fused launch in ``kernel`` (:func:`dswiglu_kernel`'s choice when ``None``):
+    ``dgrad_dswiglu_gluon.gluon_dgrad_dswiglu`` or ``dgrad_dswiglu_triton
+    .large_dgrad_dswiglu`` (the same contract, shapes and errors)."""
+    if kernel is None:
+        kernel = dswiglu_kernel(dy, weights, h)[0]
+    fn = (dgrad_dswiglu_gluon.gluon_dgrad_dswiglu if kernel == "gluon"
+          else dgrad_dswiglu_triton.large_dgrad_dswiglu)
+    return fn(dy, weights, offsets, h, probs, write_output=write_output,
+              grad_into_input=grad_into_input)
+
+
 def fc2_dgrad_dswiglu(fc1: Any, act: Any, fc2: Any, saved2: Any, saved_act: Any,
                       dy2d: torch.Tensor, recipe: Any, need_out: bool
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -115,15 +167,18 @@ def fc2_dgrad_dswiglu(fc1: Any, act: Any, fc2: Any, saved2: Any, saved_act: Any,
     if why is not None:
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
-    act.record_dispatch(_KIND, "one Triton launch for fc2's dgrad and the activation backward")
     weights = (saved2.weights_view if saved2.weights_view is not None
                else stacked(saved2.weights, saved2.single))
     h = saved_act.input()  # saved, or fc1's GEMM re-run (recompute_input)
     h2d = as_shape(h, (dy2d.shape[0], 2 * fc2.in_features))
+    kernel, kernel_why = dswiglu_kernel(dy2d, weights, h2d)
+    act.record_dispatch(_KIND, "one Triton launch for fc2's dgrad and the activation backward"
+                        if kernel == "triton" else "one warp-specialized Gluon launch for "
+                        f"fc2's dgrad and the activation backward ({kernel_why})")
     probs = saved_act.probs
     p1d = None if probs is None else as_shape(probs, (dy2d.shape[0],))
-    dh, dp, out = dgrad_dswiglu_triton.large_dgrad_dswiglu(
-        dy2d, weights, splits.offsets, h2d, p1d, write_output=need_out, grad_into_input=True)
+    dh, dp, out = run_dgrad_dswiglu(dy2d, weights, splits.offsets, h2d, p1d,
+                                    write_output=need_out, grad_into_input=True, kernel=kernel)
     torch.autograd.graph.increment_version(h)
     dh = as_shape(dh, tuple(h.shape))
     if dp is not None:
