@@ -22,8 +22,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 from block_replay import assert_graph_and_compile_match_eager, run_block
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_ops
 from te_ops.fused import fc1_epilogue

@@ -102,8 +102,9 @@ class _Act:
 
 
 def test_explain_names_the_run_time_fallback(monkeypatch):
-    """At a rule shape whose operands the Gluon kernel cannot take: ``explain()`` names ``large_fc1_swiglu`` and the reason; the
-    launch is still ``gluon_fc1_dispatched`` (which falls back with the same bits)."""
+    """At a rule shape whose operands the Gluon kernel cannot take: ``explain()`` names
+    ``large_fc1_swiglu`` and the reason; the launch is still ``gluon_fc1_dispatched``
+    (which falls back with the same bits)."""
     monkeypatch.setattr(FG, "gluon_fc1_rule", lambda *a: True)
     seen, calls = [], []
     monkeypatch.setattr(FG, "gluon_fc1_unsupported_reason",

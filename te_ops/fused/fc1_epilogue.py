@@ -19,14 +19,15 @@ is the persistent fprop's). The forward (``ForwardGroupedMLP`` and the fast path
 * under ``auto`` (the default): in the persistent case at the measured shapes of
   ``fc1_swiglu_gluon.GLUON_FC1_RULE`` (in_features, 2 * ffn, rows per group exactly; SM90,
   bfloat16: under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` on another GPU or in float16 not),
-  where the fused launch is the warp-specialized Gluon kernel ``gluon_fc1_swiglu`` (h bitwise the persistent
-  fprop's, a bitwise the Triton SwiGLU's; docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue
-  (stop 17)"), with ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` too; in the few-rows case at most
-  :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per group on average
-  (padding rows counted; docs/benchmarks.md, "Epilogue-fused decode kernels"); in the
-  persistent case elsewhere never (:data:`LARGE_AUTO`: measured 0.97-0.99x the persistent fprop + the
-  Triton SwiGLU pass at 128-2048 rows per group on the H200, docs/benchmarks.md, "fc1 +
-  SwiGLU in the persistent kernel's epilogue"). ``1`` takes it wherever it can run.
+  where the fused launch is the warp-specialized Gluon kernel ``gluon_fc1_swiglu`` (h
+  bitwise the persistent fprop's, a bitwise the Triton SwiGLU's; docs/benchmarks.md, "Gluon
+  fc1 + SwiGLU epilogue (stop 17)"), with ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` too; in the
+  few-rows case at most :data:`~te_ops.kernels.grouped_mlp_triton.MAX_ROWS_PER_GROUP` rows per
+  group on average (padding rows counted; docs/benchmarks.md, "Epilogue-fused decode
+  kernels"); in the persistent case elsewhere never (:data:`LARGE_AUTO`: measured 0.97-0.99x
+  the persistent fprop + the Triton SwiGLU pass at 128-2048 rows per group on the H200,
+  docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue"). ``1`` takes it
+  wherever it can run.
 
 What the forward saves does not change (``SwiGLUSaved`` holds ``h``; fc2's input is recomputed
 in backward), so a forward that took the fused launch pairs with any backward bit-exactly.
