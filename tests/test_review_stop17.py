@@ -159,3 +159,32 @@ def test_block_on_a_misaligned_input_says_so_and_keeps_the_bits(monkeypatch):
     got = fused(x, split, probs, split)
     assert "cannot take the operands" in fused.explain()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_fake_kernel_matches_the_op_contract(with_probs):
+    """The op's fake kernel (what ``torch.compile`` traces): h (M, 2F) and a (M, F),
+    contiguous, in x's dtype and on x's device, as ``_launch`` allocates them."""
+    with FakeTensorMode():
+        x = torch.empty(300, 64, device=CUDA, dtype=torch.float16)
+        w = torch.empty(3, 2 * 96, 64, device=CUDA, dtype=torch.float16)
+        offs = torch.empty(3, device=CUDA, dtype=torch.int64)
+        probs = torch.empty(300, device=CUDA) if with_probs else None
+        h, a = torch.ops.te_ops.grouped_fc1_swiglu_gluon(x, w, offs, probs)
+    assert (h.shape, a.shape) == ((300, 192), (300, 96))
+    assert h.dtype == a.dtype == torch.float16 and h.device == a.device == x.device
+    assert h.is_contiguous() and a.is_contiguous()
+
+
+@pytest.mark.cuda
+def test_opcheck_on_sm90():
+    """``torch.library.opcheck`` of ``te_ops::grouped_fc1_swiglu_gluon`` (schema, fake kernel
+    against the real op, AOT dispatch with dynamic shapes) on SM90."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(300, 64, generator=gen, device=CUDA).to(torch.bfloat16)
+    w = (torch.randn(3, 256, 64, generator=gen, device=CUDA) * 0.125).to(torch.bfloat16)
+    offs = torch.tensor([100, 100, 290], device=CUDA, dtype=torch.int32)
+    for probs in (torch.rand(300, generator=gen, device=CUDA), None):
+        torch.library.opcheck(torch.ops.te_ops.grouped_fc1_swiglu_gluon, (x, w, offs, probs))
