@@ -188,3 +188,36 @@ def test_opcheck_on_sm90():
     offs = torch.tensor([100, 100, 290], device=CUDA, dtype=torch.int32)
     for probs in (torch.rand(300, generator=gen, device=CUDA), None):
         torch.library.opcheck(torch.ops.te_ops.grouped_fc1_swiglu_gluon, (x, w, offs, probs))
+
+
+@pytest.mark.cuda
+def test_outputs_past_2_to_the_31_elements_and_int64_offsets():
+    """h has more than 2**31 elements (65544 x 33024): the last rows' pointers need int64.
+    Their h and a against the fp64 reference and bitwise the two launches, padding rows
+    zero; int64 offsets; two groups, the second ending 8 rows before M."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    import torch.nn.functional as F
+
+    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.kernels.swiglu_triton import swiglu_forward
+
+    m, ffn, k, total = 65544, 16512, 64, 65536
+    assert m * 2 * ffn > 2 ** 31
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    w = (torch.randn(2, 2 * ffn, k, generator=gen, device=CUDA) * k ** -0.5).to(torch.bfloat16)
+    offs = torch.tensor([30000, total], device=CUDA, dtype=torch.int64)
+    probs = torch.rand(m, generator=gen, device=CUDA)
+    h, a = FG.gluon_fc1_swiglu(x, w, offs, probs)
+    assert not h[total:].any() and not a[total:].any()
+    tail = slice(total - 64, total)
+    h_ref = F.linear(x[tail].double(), w[1].double())  # bf16 rounding: relative 2**-9
+    assert ((h[tail].double() - h_ref).abs() <= h_ref.abs() * 2 ** -7 + 1e-3).all()
+    got = h[tail].double()  # a is computed from the rounded h
+    a_ref = F.silu(got[:, :ffn]) * got[:, ffn:] * probs[tail].double()[:, None]
+    assert ((a[tail].double() - a_ref).abs() <= a_ref.abs() * 2 ** -7 + 1e-5).all()
+    plain = L.large_fprop(x, w, offs)
+    assert torch.equal(h[tail], plain[tail]) and torch.equal(h[:64], plain[:64])
+    del plain
+    assert torch.equal(a[tail], swiglu_forward(h[tail].contiguous(), probs[tail].contiguous()))
