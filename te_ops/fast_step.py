@@ -366,8 +366,9 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
         return None
     epilogue = fc1_epilogue_reason(backend1, backend_act, recipe, fc1.has_bias,
                                    act.glu_interleave_size,
-                                   input_.shape[0] / max(fc1.num_groups, 1),
-                                   features=(fc1.in_features, fc1.out_features)) is None
+                                   input_.shape[0] / max(fc1.num_groups, 1), input_.device,
+                                   features=(fc1.in_features, fc1.out_features),
+                                   dtype=input_.dtype) is None
     dswiglu = fc2_dgrad_epilogue_reason(backend2, backend_act, recipe, False,
                                         act.glu_interleave_size,
                                         input_.shape[0] / max(fc1.num_groups, 1)) is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from block_replay import assert_graph_and_compile_match_eager, run_block
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_ops
 from te_ops.fused import fc1_epilogue
@@ -79,17 +80,20 @@ def test_general_path_launches_the_persistent_kernel(monkeypatch):
     monkeypatch.setattr(fc1_epilogue.grouped_mlp_triton, "fc1_swiglu",
                         lambda *a: pytest.fail("the few-rows kernel ran"))
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
-    splits = type("S", (), {"num_rows": 128, "num_groups": 2,
-                            "offsets": torch.tensor([64, 128])})()
     act = _Act()
-    x, w, p = torch.zeros(128, 4), torch.zeros(2, 8, 4), torch.ones(128)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
-        ("h", "a", ACT)
-    assert calls[0][0] is x and calls[0][1] is w and calls[0][3] is p
-    assert "persistent many-rows kernel, large_fc1_swiglu" in act.records[-1][1]
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
+    cuda = torch.device("cuda")
+    with FakeTensorMode():  # operands on a (fake) CUDA device, as the general path has them
+        splits = type("S", (), {"num_rows": 128, "num_groups": 2,
+                                "offsets": torch.tensor([64, 128], device=cuda)})()
+        x, w = torch.zeros(128, 4, device=cuda), torch.zeros(2, 8, 4, device=cuda)
+        p = torch.ones(128, device=cuda)
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
+            ("h", "a", ACT)
+        assert calls[0][0] is x and calls[0][1] is w and calls[0][3] is p
+        assert "persistent many-rows kernel, large_fc1_swiglu" in act.records[-1][1]
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
     assert act.records[-1][1].startswith("not used: fc1's fprop runs in the persistent")
     assert len(calls) == 1
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from block_replay import assert_graph_and_compile_match_eager, run_block
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_ops
 from te_ops.fused import fc1_epilogue
@@ -78,12 +79,14 @@ def test_cpu_raises_with_the_reason():
 def test_rule_takes_the_listed_shapes_only(monkeypatch):
     monkeypatch.setattr(FG, "gluon", object())  # as where Gluon is installed
     monkeypatch.setattr(FG, "GLUON_FC1_RULE", {(4096, 28672): 2048.0})
-    assert FG.gluon_fc1_rule(4096, 28672, 2048.0)
-    assert not FG.gluon_fc1_rule(4096, 28672, 1024.0)
-    assert not FG.gluon_fc1_rule(2048, 1536, 512.0)
-    assert not FG.gluon_fc1_rule(4096, 28672, None)
+    monkeypatch.setattr(FG, "_measured_on", lambda d, t: t == torch.bfloat16)  # as on SM90
+    bf16 = (CUDA, torch.bfloat16)
+    assert FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
+    assert not FG.gluon_fc1_rule(4096, 28672, 1024.0, *bf16)
+    assert not FG.gluon_fc1_rule(2048, 1536, 512.0, *bf16)
+    assert not FG.gluon_fc1_rule(4096, 28672, None, *bf16)
     monkeypatch.setattr(FG, "gluon", None)
-    assert not FG.gluon_fc1_rule(4096, 28672, 2048.0)
+    assert not FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
 
 
 def test_rule_entries_are_measured_issue10_shapes():
@@ -111,31 +114,37 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
     """At a rule shape auto (and ``1``) take the fused launch, which is the Gluon kernel
     (``gluon_fc1_dispatched``), recorded for ``explain()``; ``0`` still turns it off; off the
     rule auto keeps the two launches and ``1`` runs ``large_fc1_swiglu``."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows: (i, o, rows) == (4, 8, 64.0))
+    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: (i, o, rows) == (4, 8, 64.0))
+    monkeypatch.setattr(FG, "gluon_fc1_unsupported_reason", lambda x, w: None)
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
                         lambda x, w, off, p: (gluon.append(x), ("gh", "ga"))[1])
     monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
                         lambda x, w, off, p: (large.append(x), ("h", "a"))[1])
-    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8)) is None
+    here = {"device": CUDA, "dtype": torch.bfloat16}
+    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8),
+                               **here) is None
     assert "persistent" in fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0)
     assert "a recipe" in fc1_epilogue_reason(LARGE, ACT, object(), False, None, 64.0,
-                                             features=(4, 8))
+                                             features=(4, 8), **here)
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
-    splits = type("S", (), {"num_rows": 128, "num_groups": 2,
-                            "offsets": torch.tensor([64, 128])})()
-    act = _Act()
-    x, w, p = torch.zeros(128, 4), torch.zeros(2, 8, 4), torch.ones(128)
-    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
-        ("gh", "ga", ACT)
-    assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in act.records[-1][1]
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    x96 = torch.zeros(96, 4)  # 48 rows per group: off the rule
-    splits.num_rows = 96
-    assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x96, w, splits, LARGE, p, None) == \
-        ("h", "a", ACT)
+    with FakeTensorMode():  # operands on a (fake) CUDA device, as the general path has them
+        splits = type("S", (), {"num_rows": 128, "num_groups": 2,
+                                "offsets": torch.tensor([64, 128], device=CUDA)})()
+        act = _Act()
+        x, w = torch.zeros(128, 4, device=CUDA), torch.zeros(2, 8, 4, device=CUDA)
+        p = torch.ones(128, device=CUDA)
+        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
+            ("gh", "ga", ACT)
+        assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in act.records[-1][1]
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
+        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        x96 = torch.zeros(96, 4, device=CUDA)  # 48 rows per group: off the rule
+        splits.num_rows = 96
+        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x96, w, splits, LARGE, p, None) == \
+            ("h", "a", ACT)
+        assert "large_fc1_swiglu; off GLUON_FC1_RULE" in act.records[-1][1]
     assert gluon == [x] and large == [x96]
 
 
@@ -143,7 +152,7 @@ def test_fast_path_runs_the_same_kernel_as_the_general_path(monkeypatch):
     from te_ops import fast_step
     from te_ops.kernels.triton_launch import LaunchBatch
 
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows: True)
+    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
     calls = []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
                         lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
@@ -337,7 +346,7 @@ SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the per
 
 def _take_gluon(monkeypatch) -> list[int]:
     """The rule patched to take the Gluon kernel at every shape; counts its launches."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows: True)
+    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
     launches: list[int] = []
     launch = FG._launch
 

@@ -42,6 +42,7 @@ import torch
 
 from . import grouped_gemm_gluon as GG
 from .compiled_ops import tracing
+from .grouped_gemm import _measured_on
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
@@ -109,12 +110,17 @@ def _resolve(config: dict | None) -> dict:
     return cfg
 
 
-def gluon_fc1_rule(in_features: int, out_features: int, rows_per_group: float | None) -> bool:
+def gluon_fc1_rule(in_features: int, out_features: int, rows_per_group: float | None,
+                   device: torch.device, dtype: torch.dtype) -> bool:
     """Whether auto runs fc1 + SwiGLU in this kernel: :data:`GLUON_FC1_RULE` lists
-    (in_features, out_features = 2 * ffn) at this average ``rows_per_group``, and this
-    Triton has Gluon."""
+    (in_features, out_features = 2 * ffn) at this average ``rows_per_group`` (an exact match:
+    the rows per group it was measured at), the call is where it was measured (``device``
+    SM90, ``dtype`` bfloat16: ``grouped_gemm._measured_on``; so not under
+    ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` on another GPU or in float16, whose fused launch
+    would be the unmeasured ``large_fc1_swiglu``), and this Triton has Gluon."""
     return (gluon is not None and rows_per_group is not None
-            and GLUON_FC1_RULE.get((in_features, out_features)) == rows_per_group)
+            and GLUON_FC1_RULE.get((in_features, out_features)) == rows_per_group
+            and _measured_on(device, dtype))
 
 
 def gluon_fc1_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:

@@ -6,8 +6,10 @@ Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
 (``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Persistent Triton grouped GEMMs
 for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue
 (:func:`large_fc1_swiglu`) runs where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` asks for it
-(``fused/fc1_epilogue.py``); auto keeps fprop + the Triton SwiGLU pass, which it measured
-0.97-0.99x of at 128-2048 rows per group (H200, ``PAIRED``, stop 15).
+(``fused/fc1_epilogue.py``) off ``fc1_swiglu_gluon.GLUON_FC1_RULE``'s shapes (there the fused
+launch is the Gluon kernel, taken by auto too); auto keeps fprop + the Triton SwiGLU pass,
+which this kernel measured 0.97-0.99x of at 128-2048 rows per group (H200, ``PAIRED``, stop
+15). ``fc1_swiglu_gluon`` falls back to it (same bits) where TMA cannot take the operands.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
@@ -699,7 +701,9 @@ def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
                      probs: torch.Tensor | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``fused/fc1_epilogue.py``
-    takes it where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` and fc1's fprop runs in this module).
+    takes it where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` and fc1's fprop runs in this module, off
+    ``fc1_swiglu_gluon.GLUON_FC1_RULE``'s shapes, and where the Gluon kernel's operands rule
+    it out at run time).
 
     ``h_g = x_g @ W_g^T``, bitwise :func:`large_fprop`'s with the default config (``PAIRED``:
     the same tiles of rows and k-steps); ``a = SiLU(h[:, :F]) * h[:, F:]`` (times
