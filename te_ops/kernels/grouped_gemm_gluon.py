@@ -118,7 +118,7 @@ def gluon_config() -> dict[str, int]:
     and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
-            "CONSUMER_REGS": 232}
+            "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -136,6 +136,9 @@ def _resolve(config: dict | None) -> dict:
     if not cfg["SPLIT"] and cfg["num_warps"] != 8:
         raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
                          f"SPLIT, got {cfg['num_warps']}")
+    if not 1 <= cfg["LAG"] < cfg["STAGES"]:
+        raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
+                         f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
     return cfg
 
 
@@ -214,27 +217,42 @@ if gluon is not None:
         return g, start + pm * BLOCK_M, end, pn
 
     @gluon.jit
-    def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G, P,
-                  W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _producer(x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G,
+                  P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA loads of every k-step of the program's tiles into the ring, in tile order."""
+                  STAGES: gl.constexpr, HALF_LOAD: gl.constexpr):
+        """TMA loads of every k-step of the program's tiles into the ring, in tile order.
+        ``HALF_LOAD``: a tile whose rows end in its first half loads only that half of x's
+        rows (``xh_desc``, BLOCK_M / 2-row blocks) into the slot's first half; the second
+        half keeps stale data, which only reaches accumulator rows past the group's end (a
+        wgmma row depends on its A row only), never stored."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
         n_tiles = gl.max(ends, 0)
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
+        short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
         it = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
+            short = m0 + BLOCK_M // 2 >= end
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
             for k0 in range(0, K, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+                if HALF_LOAD:
+                    if short:
+                        mbarrier.expect(bar, short_bytes)
+                        tma.async_copy_global_to_shared(
+                            xh_desc, [m0, k0], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
+                    else:
+                        mbarrier.expect(bar, nbytes)
+                        tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+                else:
+                    mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
                 if W_KN:
                     tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
                 else:
@@ -242,50 +260,92 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
+    def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
+                  W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                  HALF: gl.constexpr, ROWS: gl.constexpr, LAG: gl.constexpr):
+        """One tile's k-steps (ring iterations ``it``..), ``LAG`` wgmmas in flight (the slot
+        of the k-step ``LAG`` back is released once its wgmma completed); the rounded
+        accumulator into ``out_buf`` once the epilogue freed it (tile count ``t``). Returns
+        the next ring iteration."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
+        for k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if W_KN:
+                b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+            else:
+                b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
+            acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+            if ROWS == BLOCK_M:
+                gl.thread_barrier()  # both warpgroups' wgmma LAG steps back done
+            mbarrier.arrive(empty.index((it + STAGES - LAG) % STAGES), pred=k0 >= LAG * BLOCK_K)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if ROWS == BLOCK_M:
+            gl.thread_barrier()
+        for j in gl.static_range(LAG):  # the last LAG k-steps' slots (those that exist)
+            mbarrier.arrive(empty.index((it + STAGES - 1 - j) % STAGES), pred=K > j * BLOCK_K)
+        out = acc.to(out_buf.dtype)
+        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        out_buf.store(out)
+        return it
+
+    @gluon.jit
+    def _drain_tile(ready, empty, c_empty, K, it, t, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """A tile half past the group's end (``SKIP_TAIL``): no wgmma; each k-step's slot is
+        waited for (so this partition never releases a slot of a later ring round before the
+        other consumer released the earlier one) and released at once. Returns the next ring
+        iteration."""
+        for _k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        return it
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
                   G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
-        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``.
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
+                  ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr):
+        """wgmma over the ring's slots (:func:`_mma_tile`); the rounded tile into ``c_buf``.
         ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
         and syncs its warps before each barrier arrival (an arrival is one thread's);
         ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
         [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the
-        barriers count two arrivals), so the two halves need no common sync."""
+        barriers count two arrivals), so the two halves need no common sync.
+        ``SKIP_TAIL``: where this partition's rows all lie past the tile's group end
+        (the second half of a tail tile with <= ROWS rows), it issues no wgmma and only
+        releases the slots (:func:`_drain_tile`) and arrives on ``c_ready``: the
+        epilogue stores no row there."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
         out_buf = c_buf.slice(HALF * ROWS, ROWS)
         it = 0
         t = 0
-        for _tile in range(pid, n_tiles, P):
-            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
-            prev = 0
-            for k0 in range(0, K, BLOCK_K):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if W_KN:
-                    b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+        for tile in range(pid, n_tiles, P):
+            if SKIP_TAIL:
+                _g, m0, end, _pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M,
+                                            GROUP_M)
+                if m0 + HALF * ROWS < end:
+                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
+                                   W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF, ROWS,
+                                   LAG)
                 else:
-                    b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-                a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
-                acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if ROWS == BLOCK_M:
-                    gl.thread_barrier()  # both warpgroups' previous wgmma done
-                mbarrier.arrive(empty.index(prev), pred=k0 > 0)
-                prev = s
-                it += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if ROWS == BLOCK_M:
-                gl.thread_barrier()
-            mbarrier.arrive(empty.index(prev))
-            out = acc.to(c_buf.dtype)
-            mbarrier.wait(c_empty, (t & 1) ^ 1)
-            out_buf.store(out)
+                    it = _drain_tile(ready, empty, c_empty, K, it, t, BLOCK_K, STAGES)
+            else:
+                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
+                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF, ROWS, LAG)
             gl.thread_barrier()  # every warp's rows are in c_buf
             mbarrier.arrive(c_ready)
             t += 1
@@ -303,8 +363,10 @@ if gluon is not None:
     @gluon.jit
     def _epilogue(c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P,
                   GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y."""
+                  GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr,
+                  SKIP_TAIL: gl.constexpr):
+        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y
+        (``SKIP_TAIL``: the ``SUB_M``-row slices past the group's end are not read)."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
@@ -321,9 +383,15 @@ if gluon is not None:
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
             mbarrier.wait(c_ready, t & 1)
             for i in gl.static_range(BLOCK_M // SUB_M):
-                vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
-                _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
-                            BLOCK_N, layout)
+                if SKIP_TAIL:
+                    if m0 + i * SUB_M < end:
+                        vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
+                        _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
+                                    BLOCK_N, layout)
+                else:
+                    vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
+                    _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
+                                BLOCK_N, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf
             mbarrier.arrive(c_empty)
             t += 1
@@ -335,7 +403,8 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                      SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
+                      LAG: gl.constexpr, num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
         output tile and the barriers, then forks the three partitions."""
@@ -343,6 +412,14 @@ if gluon is not None:
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                             block_shape=[BLOCK_M, BLOCK_K], layout=x_layout)
+        if HALF_LOAD:  # half-height x blocks for tiles whose rows end in their first half
+            xh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [BLOCK_M // 2, BLOCK_K], dtype)
+            xh_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                                 block_shape=[BLOCK_M // 2, BLOCK_K],
+                                                 layout=xh_layout)
+        else:
+            xh_desc = x_desc
         if W_KN:
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [1, BLOCK_K, BLOCK_N], dtype)
@@ -375,25 +452,27 @@ if gluon is not None:
         if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 0, BLOCK_M // 2)),
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES, num_warps, 0, BLOCK_M // 2, SKIP_TAIL, LAG)),
                 (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 1, BLOCK_M // 2)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
-                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES, num_warps, 1, BLOCK_M // 2, SKIP_TAIL, LAG)),
+                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 0, BLOCK_M)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
-                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES, num_warps, 0, BLOCK_M, SKIP_TAIL, LAG)),
+                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr,
+                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             STAGES, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
