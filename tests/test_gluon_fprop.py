@@ -41,6 +41,8 @@ def test_config_errors_name_the_key():
         GG._resolve({"LAG": 3})
     with pytest.raises(ValueError, match=r"LAG .* got 0"):
         GG._resolve({"LAG": 0})
+    with pytest.raises(ValueError, match="C_HALF=True .* needs SPLIT=True, got SPLIT=False"):
+        GG._resolve({"C_HALF": True})
 
 
 def test_config_fits_the_register_file():
@@ -141,6 +143,15 @@ def test_tail_variants_compile_for_sm90(dgrad):
     lag = _compile_sm90(dgrad, extra={**TAIL, "LAG": 2}).asm["ptx"]
     assert "wgmma.wait_group.sync.aligned 2;" in lag
     assert "wgmma.wait_group.sync.aligned 2;" not in ptx
+
+
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_half_output_buffer_fits_a_fourth_stage(dgrad):
+    """``C_HALF``: a 64-row output buffer (32 KiB) instead of 128 rows leaves room for a
+    4-stage ring (4 x 48 KiB): within SM90's 227 KiB, no spills."""
+    kernel = _compile_sm90(dgrad, extra={**TAIL, "C_HALF": True, "STAGES": 4})
+    assert 4 * 48 * 1024 + 32 * 1024 <= kernel.metadata.shared <= 227 * 1024
+    assert "st.local" not in kernel.asm["ptx"]
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -370,7 +381,10 @@ def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
 TAIL_SIZES = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300, 0]
 TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                 "unsplit_half_load": {"SKIP_TAIL": True, "HALF_LOAD": True},
-                "skip_lag2": {**TAIL, "LAG": 2}}
+                "skip_lag2": {**TAIL, "LAG": 2},
+                "half_buffer": {**TAIL, "C_HALF": True, "STAGES": 4},
+                "half_buffer_lag2": {**TAIL, "C_HALF": True, "STAGES": 4, "LAG": 2,
+                                     "SKIP_TAIL": False}}
 
 
 def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:

@@ -118,7 +118,8 @@ def gluon_config() -> dict[str, int]:
     and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
-            "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1}
+            "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
+            "C_HALF": False}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -136,6 +137,9 @@ def _resolve(config: dict | None) -> dict:
     if not cfg["SPLIT"] and cfg["num_warps"] != 8:
         raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
                          f"SPLIT, got {cfg['num_warps']}")
+    if cfg["C_HALF"] and not cfg["SPLIT"]:
+        raise ValueError("config C_HALF=True (a 64-row output buffer the two consumer "
+                         "partitions fill in turn) needs SPLIT=True, got SPLIT=False")
     if not 1 <= cfg["LAG"] < cfg["STAGES"]:
         raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
                          f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
@@ -217,31 +221,42 @@ if gluon is not None:
         return g, start + pm * BLOCK_M, end, pn
 
     @gluon.jit
-    def _producer(x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G,
-                  P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, HALF_LOAD: gl.constexpr):
+    def _producer(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
+                  M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                  HALF_LOAD: gl.constexpr):
         """TMA loads of every k-step of the program's tiles into the ring, in tile order.
-        ``HALF_LOAD``: a tile whose rows end in its first half loads only that half of x's
-        rows (``xh_desc``, BLOCK_M / 2-row blocks) into the slot's first half; the second
-        half keeps stale data, which only reaches accumulator rows past the group's end (a
-        wgmma row depends on its A row only), never stored."""
+        ``SKIP_TAIL``: with a tile's first k-step it writes the tile's row count (rows of
+        the group in it, 1..BLOCK_M) into ``rows_buf`` at that slot, before the arrival
+        that the consumers wait for (the arrive releases it), so the consumers learn it
+        without a table lookup of their own. ``HALF_LOAD``: a tile whose rows end in its
+        first half loads only that half of x's rows (``xh_desc``, BLOCK_M / 2-row blocks)
+        into the slot's first half; the second half keeps stale data, which reaches only
+        accumulator rows past the group's end (a wgmma row depends on its A row only),
+        never stored."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
         n_tiles = gl.max(ends, 0)
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
         short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
+        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         it = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
             short = m0 + BLOCK_M // 2 >= end
+            rows = gl.minimum(end - m0, BLOCK_M).to(gl.int32)
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
             for k0 in range(0, K, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
+                if SKIP_TAIL:
+                    if k0 == 0:
+                        rows_buf.index(s).store(gl.full([1], rows, gl.int32, flag_layout))
+                        gl.thread_barrier()  # the warp's store before the releasing arrive
                 if HALF_LOAD:
                     if short:
                         mbarrier.expect(bar, short_bytes)
@@ -260,14 +275,14 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
+    def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase, K, it,
                   W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                   HALF: gl.constexpr, ROWS: gl.constexpr, LAG: gl.constexpr):
         """One tile's k-steps (ring iterations ``it``..), ``LAG`` wgmmas in flight (the slot
         of the k-step ``LAG`` back is released once its wgmma completed); the rounded
-        accumulator into ``out_buf`` once the epilogue freed it (tile count ``t``). Returns
-        the next ring iteration."""
+        accumulator into ``out_buf`` once the epilogue freed it (``c_free`` at parity
+        ``free_phase``). Returns the next ring iteration."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
@@ -291,63 +306,83 @@ if gluon is not None:
         for j in gl.static_range(LAG):  # the last LAG k-steps' slots (those that exist)
             mbarrier.arrive(empty.index((it + STAGES - 1 - j) % STAGES), pred=K > j * BLOCK_K)
         out = acc.to(out_buf.dtype)
-        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        mbarrier.wait(c_free, free_phase)
         out_buf.store(out)
         return it
 
     @gluon.jit
-    def _drain_tile(ready, empty, c_empty, K, it, t, BLOCK_K: gl.constexpr,
+    def _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr):
         """A tile half past the group's end (``SKIP_TAIL``): no wgmma; each k-step's slot is
         waited for (so this partition never releases a slot of a later ring round before the
-        other consumer released the earlier one) and released at once. Returns the next ring
-        iteration."""
+        other consumer released the earlier one) and released at once; the output buffer's
+        turn is kept (``c_free``). Returns the next ring iteration."""
         for _k0 in range(0, K, BLOCK_K):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             mbarrier.arrive(empty.index(s))
             it += 1
-        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        mbarrier.wait(c_free, free_phase)
         return it
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
-                  G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    def _consumer(a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free, offs_ptr,
+                  M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
-                  ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr):
+                  ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr,
+                  C_HALF: gl.constexpr):
         """wgmma over the ring's slots (:func:`_mma_tile`); the rounded tile into ``c_buf``.
         ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
         and syncs its warps before each barrier arrival (an arrival is one thread's);
         ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
-        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the
+        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the ring's
         barriers count two arrivals), so the two halves need no common sync.
-        ``SKIP_TAIL``: where this partition's rows all lie past the tile's group end
-        (the second half of a tail tile with <= ROWS rows), it issues no wgmma and only
-        releases the slots (:func:`_drain_tile`) and arrives on ``c_ready``: the
-        epilogue stores no row there."""
+        ``SKIP_TAIL``: where the tile's row count (``rows_buf``, written by the producer
+        with the tile's first k-step) is <= HALF * ROWS, this half's rows all lie past the
+        group's end: it issues no wgmma and only releases the slots (:func:`_drain_tile`).
+        Output buffer: ``C_HALF`` False: one BLOCK_M-row buffer, ``c_ready`` / ``c_free``
+        single barriers (``c_ready`` counts the consumer partitions); ``C_HALF`` (SPLIT
+        only): one ROWS-row buffer the halves fill in turn, half 0 then half 1 per tile,
+        ``c_ready`` / ``c_free`` one barrier per half (``c_free`` [h] completes when the
+        epilogue has read the other half's rows)."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
-        out_buf = c_buf.slice(HALF * ROWS, ROWS)
+        if C_HALF:
+            out_buf = c_buf
+            ready_bar = c_ready.index(HALF)
+            free_bar = c_free.index(HALF)
+        else:
+            out_buf = c_buf.slice(HALF * ROWS, ROWS)
+            ready_bar = c_ready.index(0)
+            free_bar = c_free.index(0)
+        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         it = 0
         t = 0
-        for tile in range(pid, n_tiles, P):
+        for _tile in range(pid, n_tiles, P):
+            if C_HALF and HALF == 1:  # after the epilogue read half 0's rows of this tile
+                free_phase = t & 1
+            else:  # after the epilogue read the previous tile's (other half's) rows
+                free_phase = (t & 1) ^ 1
             if SKIP_TAIL:
-                _g, m0, end, _pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M,
-                                            GROUP_M)
-                if m0 + HALF * ROWS < end:
-                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
-                                   W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF, ROWS,
-                                   LAG)
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                rows = gl.max(rows_buf.index(s).load(flag_layout), 0)
+                if rows > HALF * ROWS:
+                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, free_bar,
+                                   free_phase, K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                   WARPS, HALF, ROWS, LAG)
                 else:
-                    it = _drain_tile(ready, empty, c_empty, K, it, t, BLOCK_K, STAGES)
+                    it = _drain_tile(ready, empty, free_bar, free_phase, K, it, BLOCK_K,
+                                     STAGES)
             else:
-                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_empty, K, it, t,
-                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF, ROWS, LAG)
+                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, free_bar, free_phase,
+                               K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
+                               ROWS, LAG)
             gl.thread_barrier()  # every warp's rows are in c_buf
-            mbarrier.arrive(c_ready)
+            mbarrier.arrive(ready_bar)
             t += 1
 
     @gluon.jit
@@ -361,12 +396,28 @@ if gluon is not None:
         gl.store(y_ptr + rows[:, None] * N + cols[None, :], vals, mask=mask)
 
     @gluon.jit
-    def _epilogue(c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P,
+    def _store_buf(c_buf, y_ptr, m0, end, n0, N, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                   layout: gl.constexpr):
+        """Rows [FIRST, FIRST + ROWS) of ``c_buf`` to y's rows m0.. (below ``end``) in
+        ``SUB_M``-row slices (``SKIP_TAIL``: the slices past ``end`` are not read)."""
+        for i in gl.static_range(ROWS // SUB_M):
+            r0 = m0 + i * SUB_M
+            if SKIP_TAIL:
+                if r0 < end:
+                    vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
+                    _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
+            else:
+                vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
+                _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
+
+    @gluon.jit
+    def _epilogue(c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P,
                   GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr,
-                  SKIP_TAIL: gl.constexpr):
-        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y
-        (``SKIP_TAIL``: the ``SUB_M``-row slices past the group's end are not read)."""
+                  SKIP_TAIL: gl.constexpr, C_HALF: gl.constexpr):
+        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y (``C_HALF``:
+        half 0's rows, then half 1's, each freeing the buffer for the other half)."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
@@ -378,22 +429,25 @@ if gluon is not None:
         for tile in range(pid, pad_tiles, P):
             _store_rows(y_ptr, zero, pad_start + (tile // tiles_n) * SUB_M, M,
                         (tile % tiles_n) * BLOCK_N, N, SUB_M, BLOCK_N, layout)
+        HALF_M: gl.constexpr = BLOCK_M // 2
         t = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
-            mbarrier.wait(c_ready, t & 1)
-            for i in gl.static_range(BLOCK_M // SUB_M):
-                if SKIP_TAIL:
-                    if m0 + i * SUB_M < end:
-                        vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
-                        _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
-                                    BLOCK_N, layout)
-                else:
-                    vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
-                    _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
-                                BLOCK_N, layout)
+            if C_HALF:
+                mbarrier.wait(c_ready.index(0), t & 1)
+                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, HALF_M, BLOCK_N, SUB_M,
+                           SKIP_TAIL, layout)
+                gl.thread_barrier()  # every epilogue warp has read c_buf
+                mbarrier.arrive(c_free.index(1))
+                mbarrier.wait(c_ready.index(1), t & 1)
+                _store_buf(c_buf, y_ptr, m0 + HALF_M, end, pn * BLOCK_N, N, 0, HALF_M,
+                           BLOCK_N, SUB_M, SKIP_TAIL, layout)
+            else:
+                mbarrier.wait(c_ready.index(0), t & 1)
+                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, BLOCK_M, BLOCK_N, SUB_M,
+                           SKIP_TAIL, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf
-            mbarrier.arrive(c_empty)
+            mbarrier.arrive(c_free.index(0))
             t += 1
 
     @gluon.jit
@@ -404,10 +458,10 @@ if gluon is not None:
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
-                      LAG: gl.constexpr, num_warps: gl.constexpr):
+                      LAG: gl.constexpr, C_HALF: gl.constexpr, num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
-        output tile and the barriers, then forks the three partitions."""
+        output tile and the barriers, then forks the partitions."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
@@ -437,42 +491,46 @@ if gluon is not None:
                                                 layout=w_layout)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, BLOCK_K], w_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        c_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
+        C_ROWS: gl.constexpr = BLOCK_M // 2 if C_HALF else BLOCK_M
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], dtype)
+        c_buf = gl.allocate_shared_memory(dtype, [C_ROWS, BLOCK_N], c_layout)
+        rows_buf = gl.allocate_shared_memory(gl.int32, [STAGES, 1],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        c_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         arrivals: gl.constexpr = 2 if SPLIT else 1  # consumer partitions
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=arrivals)
-        mbarrier.init(c_ready, count=arrivals)
-        mbarrier.init(c_empty, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(c_ready.index(i), count=1 if C_HALF else arrivals)
+            mbarrier.init(c_free.index(i), count=1)
         if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES, num_warps, 0, BLOCK_M // 2, SKIP_TAIL, LAG)),
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES, num_warps, 1, BLOCK_M // 2, SKIP_TAIL, LAG)),
-                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES, HALF_LOAD)),
-                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL)),
+                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
+                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                             STAGES, num_warps, 0, BLOCK_M // 2, SKIP_TAIL, LAG, C_HALF)),
+                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
+                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                             STAGES, num_warps, 1, BLOCK_M // 2, SKIP_TAIL, LAG, C_HALF)),
+                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty,
+                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                             GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
+                (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES, num_warps, 0, BLOCK_M, SKIP_TAIL, LAG)),
-                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             STAGES, HALF_LOAD)),
-                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL)),
+                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
+                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                             STAGES, num_warps, 0, BLOCK_M, False, LAG, False)),
+                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty,
+                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                             GROUP_M, STAGES, False, HALF_LOAD)),
+                (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
