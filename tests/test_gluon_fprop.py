@@ -259,11 +259,16 @@ def test_rule_names_the_measured_shapes_only(monkeypatch):
     monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
     both = ("fprop", "dgrad")
     assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
-    assert GG.gluon_kinds(2048, 1536, 512.0, both) == ("dgrad",)  # fc1: dgrad only
     assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
     assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
     assert GG.gluon_kinds(768, 2048, None, both) == ()
-    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == ()  # E8: measured slower
+    assert GG.gluon_kinds(2048, 1536, 512.0, both) == both  # fc1: fprop since stop 17
+    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == both  # E8 fc1 (stop 17)
+    assert GG.gluon_kinds(14336, 4096, 2048.0, both) == both  # E8 fc2
+    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == both  # E32 fc1
+    assert GG.gluon_kinds(2048, 7168, 1024.0, both) == both  # E32 fc2
+    assert GG.gluon_kinds(7168, 4096, 512.0, both) == ()  # E32 features, rows not measured
+    assert GG.gluon_kinds(4096, 14336, 2048.0, both) == ()  # not a measured linear
     monkeypatch.setattr(GG, "gluon", None)
     assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
 

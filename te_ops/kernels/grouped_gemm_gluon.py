@@ -84,25 +84,36 @@ GLUON_MAX_GROUPS = 1024
 #: Auto dispatch (``kernels.grouped_gemm``) runs a grouped linear's GEMM kind in this kernel
 #: (instead of the persistent Triton kernel, which auto would run it in) only for the
 #: measured shapes: (kind, in_features, out_features) -> the average rows per group
-#: (padding included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the
-#: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
-#: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
-#: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
-#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x,
-#: below 1.03x in two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32
-#: T32768 H7168 FF2048 (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the
-#: overlapped epilogue is a small share, and this kernel's mainloop runs 1-3 % slower than
-#: the Triton kernel's).
+#: (padding included) it was measured at; SM90, bfloat16. Measured with bitwise equal
+#: outputs (``benchmarks/large_gemm_triton.py --gluon`` on the H200, 2026-11-30; docs/
+#: benchmarks.md "Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad:
+#: tail skip and a 4-stage ring (stop 17)"). Stop 16 (``SPLIT``, 3 stages): the E128
+#: T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and dgrad and fc1's dgrad
+#: (2048 -> 1536), >= 1.03x the Triton kernel. Stop 17 (:data:`DISPATCH_CONFIG`: a 64-row
+#: output buffer and a 4-stage ring): every fprop / dgrad of E8 T16384 H4096 FF14336
+#: (2048 rows per group) and E32 T32768 H7168 FF2048 (1024), faster than the Triton kernel
+#: in both of two runs (1.01-1.03x), and E128's fc1 fprop (1.04-1.06x).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
     ("dgrad", 2048, 1536): 512.0,
+    ("fprop", 2048, 1536): 512.0,
+    ("fprop", 4096, 28672): 2048.0,  # E8 fc1
+    ("dgrad", 4096, 28672): 2048.0,
+    ("fprop", 14336, 4096): 2048.0,  # E8 fc2
+    ("dgrad", 14336, 4096): 2048.0,
+    ("fprop", 7168, 4096): 1024.0,  # E32 fc1
+    ("dgrad", 7168, 4096): 1024.0,
+    ("fprop", 2048, 7168): 1024.0,  # E32 fc2
+    ("dgrad", 2048, 7168): 1024.0,
 }
 
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
-#: measured 1.01-1.03x the unsplit default at E128 T65536 (1.03x on fc2's fprop; the same
-#: run, interleaved).
-DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4}
+#: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
+#: 1.04-1.10x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.02x at E128 (same run,
+#: interleaved; stop 17). Not ``SKIP_TAIL`` (measured 0-4 % slower, stop 17).
+DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
+                                          "STAGES": 4}
 
 #: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
 MAXNREG = 168
