@@ -20,6 +20,25 @@ the partitions explicitly (``gl.warp_specialize``). This kernel has three:
   MMAs of tile t + 1; the consumer's part of the epilogue is the register -> shared copy.
   Before its first tile it writes the padding rows' zeros (rows past ``offsets[-1]``).
 
+Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_CONFIG`):
+
+* ``SPLIT``: the consumer is two 4-warp partitions, rows [0, 64) and [64, 128) of each tile,
+  each releasing ring slots by itself (the ring barriers count two arrivals);
+* ``C_HALF`` (with ``SPLIT``): the output buffer holds 64 rows (32 KiB); half 0 writes it,
+  the epilogue stores it and frees it for half 1 (``c_free`` [1]), then stores half 1's
+  rows and frees it for half 0's next tile (``c_free`` [0]). The 32 KiB saved hold a fourth
+  ring stage (``STAGES`` = 4: 4 x 48 + 32 KiB = 224 KiB): the loads run one more k-step
+  ahead of the wgmmas, which measured 1.05-1.10x at the long k-loops of E8 and E32;
+* ``SKIP_TAIL`` (with ``SPLIT``): the producer writes each tile's row count into shared
+  memory with its first k-step (before the arrival the consumers wait on); a consumer half
+  whose 64 rows all lie past the group's end (a tail tile of <= 64 rows) issues no wgmma and
+  only waits for and releases the slots (the barrier protocol unchanged); the epilogue
+  reads no slice past the group's end. ``HALF_LOAD``: the producer loads only the first
+  64 rows of x for such tiles (the other half keeps stale rows, which reach only
+  accumulator rows that are never stored). Both measured slower (stop 17), not dispatched;
+* ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
+  wgmma was issued); 2 measured slower (0.6-0.7x with 3 stages, 0.98-1.0x with 4).
+
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
 program p takes tiles p, p + P, ...; each partition finds a tile's group in a cumulative tile
@@ -33,14 +52,15 @@ Loads through device-side TMA descriptors (``tma.make_tensor_descriptor``; the t
 allocator of ``grouped_gemm_large_triton`` is installed when none is set): x as (M, K) with
 (128, 64) blocks, W as (G, N, K) with (1, 256, 64) blocks for fprop (the shared tile is
 transposed as a view for the wgmma) or as (G, K_red, N_out) with (1, 64, 256) blocks for
-dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + 64 KiB output tile (3 stages:
-208 KiB of the H200's 227).
+dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + the output tile, 64 KiB (3
+stages: 208 KiB of the H200's 227) or 32 KiB with ``C_HALF`` (4 stages: 224 KiB).
 
-Measured on the H200 against the Triton kernel and ``torch._grouped_mm``
-(docs/benchmarks.md, "Gluon warp-specialized fprop/dgrad (stop 16)"): 1.03-1.10x the Triton
-kernel at E128 T65536 H2048 FF768 (512 rows per group, short k-loops, where the overlapped
-epilogue is a large share of a tile), 0.97-1.00x at E8 T16384 H4096 FF14336 and E32 T32768
-H7168 FF2048 (long k-loops; its mainloop is slower there). Auto dispatch takes it for the
+Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (docs/benchmarks.md,
+"Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad: tail skip and a
+4-stage ring (stop 17)"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
+FF768 (short k-loops, where the overlapped epilogue is a large share of a tile), 0.92-0.98x
+at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with ``C_HALF`` and
+4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it for the
 measured winning shapes only (:data:`GLUON_RULE`, :func:`gluon_kinds`,
 :func:`gluon_grouped_gemm`: the op ``te_ops::grouped_gemm_gluon`` under a trace).
 """
@@ -90,9 +110,10 @@ GLUON_MAX_GROUPS = 1024
 #: tail skip and a 4-stage ring (stop 17)"). Stop 16 (``SPLIT``, 3 stages): the E128
 #: T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and dgrad and fc1's dgrad
 #: (2048 -> 1536), >= 1.03x the Triton kernel. Stop 17 (:data:`DISPATCH_CONFIG`: a 64-row
-#: output buffer and a 4-stage ring): every fprop / dgrad of E8 T16384 H4096 FF14336
-#: (2048 rows per group) and E32 T32768 H7168 FF2048 (1024), faster than the Triton kernel
-#: in both of two runs (1.01-1.03x), and E128's fc1 fprop (1.04-1.06x).
+#: output buffer and a 4-stage ring): the GEMMs faster than the Triton kernel in both of two
+#: runs: every fprop / dgrad of E8 T16384 H4096 FF14336 (2048 rows per group; 1.006-1.026x)
+#: and of E32 T32768 H7168 FF2048 (1024; 1.008-1.037x) but E32's fc2 dgrad (1.010x, then
+#: 0.997x: left in the Triton kernel), and E128's fc1 fprop (1.057x, 1.055x).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
@@ -104,14 +125,13 @@ GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("dgrad", 14336, 4096): 2048.0,
     ("fprop", 7168, 4096): 1024.0,  # E32 fc1
     ("dgrad", 7168, 4096): 1024.0,
-    ("fprop", 2048, 7168): 1024.0,  # E32 fc2
-    ("dgrad", 2048, 7168): 1024.0,
+    ("fprop", 2048, 7168): 1024.0,  # E32 fc2 (its dgrad: 1.010x, 0.997x; not taken)
 }
 
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
-#: 1.04-1.10x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.02x at E128 (same run,
-#: interleaved; stop 17). Not ``SKIP_TAIL`` (measured 0-4 % slower, stop 17).
+#: 1.05-1.10x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
+#: interleaved; stop 17). Not ``SKIP_TAIL`` (measured up to 5 % slower, stop 17).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4}
 
@@ -126,7 +146,9 @@ def gluon_config() -> dict[str, int]:
     epilogue's warpgroup (they share the third warpgroup; the consumers get the rest of the
     65536). 12 warps in all, so ptxas compiles every partition under :data:`MAXNREG` (it
     allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
-    and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
+    and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all). Off by
+    default: ``SPLIT``, ``C_HALF``, ``SKIP_TAIL``, ``HALF_LOAD``; ``LAG`` 1 (module
+    docstring)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
             "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
@@ -136,7 +158,8 @@ def gluon_config() -> dict[str, int]:
 def _resolve(config: dict | None) -> dict:
     """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
     consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
-    ``num_warps`` 4 (the default partition is the first half)."""
+    ``num_warps`` 4 (the default partition is the first half); ``C_HALF`` needs ``SPLIT``;
+    ``LAG`` in [1, STAGES - 1]. Raises ``ValueError`` naming the key otherwise."""
     cfg = gluon_config()
     unknown = sorted(set(config or {}) - set(cfg))
     if unknown:
