@@ -28,16 +28,18 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   the epilogue stores it and frees it for half 1 (``c_free`` [1]), then stores half 1's
   rows and frees it for half 0's next tile (``c_free`` [0]). The 32 KiB saved hold a fourth
   ring stage (``STAGES`` = 4: 4 x 48 + 32 KiB = 224 KiB): the loads run one more k-step
-  ahead of the wgmmas, which measured 1.05-1.10x at the long k-loops of E8 and E32;
+  ahead of the wgmmas, which measured 1.05-1.11x the 3-stage ``SPLIT`` config at the long
+  k-loops of E8 and E32 (1.00-1.03x at E128);
 * ``SKIP_TAIL`` (with ``SPLIT``): the producer writes each tile's row count into shared
   memory with its first k-step (before the arrival the consumers wait on); a consumer half
   whose 64 rows all lie past the group's end (a tail tile of <= 64 rows) issues no wgmma and
   only waits for and releases the slots (the barrier protocol unchanged); the epilogue
   reads no slice past the group's end. ``HALF_LOAD``: the producer loads only the first
   64 rows of x for such tiles (the other half keeps stale rows, which reach only
-  accumulator rows that are never stored). Both measured slower (stop 17), not dispatched;
+  accumulator rows that are never stored). ``SKIP_TAIL`` measured 0.95-1.02x the same
+  config without it, ``HALF_LOAD`` 0.99-1.01x (stop 17): not dispatched;
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
-  wgmma was issued); 2 measured slower (0.6-0.7x with 3 stages, 0.98-1.0x with 4).
+  wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
@@ -130,8 +132,8 @@ GLUON_RULE: dict[tuple[str, int, int], float] = {
 
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
-#: 1.05-1.10x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
-#: interleaved; stop 17). Not ``SKIP_TAIL`` (measured up to 5 % slower, stop 17).
+#: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
+#: interleaved; stop 17). Not ``SKIP_TAIL`` (0.95-1.02x, stop 17).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4}
 
