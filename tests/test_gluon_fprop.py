@@ -43,6 +43,9 @@ def test_config_errors_name_the_key():
         GG._resolve({"LAG": 0})
     with pytest.raises(ValueError, match="C_HALF=True .* needs SPLIT=True, got SPLIT=False"):
         GG._resolve({"C_HALF": True})
+    with pytest.raises(ValueError, match=r"STAGES=4 with C_HALF=False needs 262144 bytes"):
+        GG._resolve({"SPLIT": True, "num_warps": 4, "STAGES": 4})
+    assert GG._resolve(GG.DISPATCH_CONFIG)["STAGES"] == 4  # fits with the 64-row buffer
 
 
 def test_config_fits_the_register_file():

@@ -13,8 +13,8 @@ the partitions explicitly (``gl.warp_specialize``). This kernel has three:
   the tile's 128 rows): one async ``warpgroup_mma`` per k-step into a 128 x 256 fp32
   accumulator, at most one in flight (the slot read by the previous one is released as soon
   as it completes); at the tile's end it rounds the accumulator to the output dtype into one
-  shared-memory tile buffer (``c_ready`` / ``c_empty``) and goes on with the next tile;
-* the **epilogue** (``EPI_WARPS`` = 4 warps): reads that buffer in ``SUB_M``-row slices and
+  shared-memory tile buffer (``c_ready`` / ``c_free``) and goes on with the next tile;
+* the **epilogue** (``EPI_WARPS`` = 2 warps): reads that buffer in ``SUB_M``-row slices and
   stores the rows inside the tile's group with masked pointer stores (a TMA store would write
   the next group's rows), then frees the buffer. So the global stores of tile t overlap the
   MMAs of tile t + 1; the consumer's part of the epilogue is the register -> shared copy.
@@ -34,10 +34,11 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   memory with its first k-step (before the arrival the consumers wait on); a consumer half
   whose 64 rows all lie past the group's end (a tail tile of <= 64 rows) issues no wgmma and
   only waits for and releases the slots (the barrier protocol unchanged); the epilogue
-  reads no slice past the group's end. ``HALF_LOAD``: the producer loads only the first
-  64 rows of x for such tiles (the other half keeps stale rows, which reach only
-  accumulator rows that are never stored). ``SKIP_TAIL`` measured 0.95-1.02x the same
-  config without it, ``HALF_LOAD`` 0.99-1.01x (stop 17): not dispatched;
+  reads no slice past the group's end (without ``SPLIT``, only that applies).
+  ``HALF_LOAD``: the producer loads only the first 64 rows of x for such tiles (the other
+  half keeps stale rows, which reach only accumulator rows that are never stored).
+  ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
+  (stop 17): not dispatched;
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
 
@@ -161,7 +162,8 @@ def _resolve(config: dict | None) -> dict:
     """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
     consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
     ``num_warps`` 4 (the default partition is the first half); ``C_HALF`` needs ``SPLIT``;
-    ``LAG`` in [1, STAGES - 1]. Raises ``ValueError`` naming the key otherwise."""
+    ``LAG`` in [1, STAGES - 1]; ring + output buffer within :data:`SHARED_LIMIT`. Raises
+    ``ValueError`` naming the key otherwise."""
     cfg = gluon_config()
     unknown = sorted(set(config or {}) - set(cfg))
     if unknown:
@@ -179,7 +181,25 @@ def _resolve(config: dict | None) -> dict:
     if not 1 <= cfg["LAG"] < cfg["STAGES"]:
         raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
                          f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
+    need = _shared_bytes(cfg)
+    if need > SHARED_LIMIT:
+        raise ValueError(f"config STAGES={cfg['STAGES']} with C_HALF={cfg['C_HALF']} needs "
+                         f"{need} bytes of shared memory (ring + output buffer, 16-bit "
+                         f"dtypes), more than the {SHARED_LIMIT} SM90 leaves for them")
     return cfg
+
+
+#: Shared memory per block on SM90 (227 KiB) less 2 KiB for the barriers, ``rows_buf`` and
+#: the compiler's scratch (about 1 KiB in the sm_90 compiles, Triton 3.6).
+SHARED_LIMIT = 227 * 1024 - 2048
+
+
+def _shared_bytes(cfg: dict) -> int:
+    """The ring (``STAGES`` x one x tile + one W tile) and the output buffer (``BLOCK_M`` or,
+    ``C_HALF``, ``BLOCK_M / 2`` rows), in bytes of a 16-bit dtype."""
+    ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    rows = cfg["BLOCK_M"] // 2 if cfg["C_HALF"] else cfg["BLOCK_M"]
+    return ring + rows * cfg["BLOCK_N"] * 2
 
 
 def gluon_kinds(in_features: int, out_features: int, rows_per_group: float | None,
