@@ -277,11 +277,23 @@ if gluon is not None:
         return g, start + pm * BLOCK_M, end, pn
 
     @gluon.jit
-    def _producer(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
-                  M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
-                  HALF_LOAD: gl.constexpr):
+    def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K, G, P,
+                  W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA loads of every k-step of the program's tiles into the ring, in tile order
+        (:func:`_load_tiles` without ``SKIP_TAIL`` / ``HALF_LOAD``; the signature the Gluon
+        epilogue kernels, ``fc1_swiglu_gluon`` and ``dgrad_dswiglu_gluon``, call)."""
+        _load_tiles(x_desc, x_desc, w_desc, a_bufs, b_bufs, None, ready, empty, offs_ptr, M,
+                    N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    False, False)
+
+    @gluon.jit
+    def _load_tiles(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
+                    M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                    HALF_LOAD: gl.constexpr):
         """TMA loads of every k-step of the program's tiles into the ring, in tile order.
         ``SKIP_TAIL``: with a tile's first k-step it writes the tile's row count (rows of
         the group in it, 1..BLOCK_M) into ``rows_buf`` at that slot, before the arrival
@@ -382,13 +394,28 @@ if gluon is not None:
         return it
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free, offs_ptr,
-                  M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
-                  ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr,
-                  C_HALF: gl.constexpr):
-        """wgmma over the ring's slots (:func:`_mma_tile`); the rounded tile into ``c_buf``.
+    def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
+                  G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
+        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``
+        (BLOCK_M rows; ``c_ready`` counts the consumer partitions, ``c_empty`` the
+        epilogue's): :func:`_mma_tiles` without ``SKIP_TAIL``, ``LAG`` 1, rows
+        [HALF * ROWS, (HALF + 1) * ROWS) of the buffer. The signature the Gluon epilogue
+        kernels (``fc1_swiglu_gluon``, ``dgrad_dswiglu_gluon``) call."""
+        _mma_tiles(a_bufs, b_bufs, c_buf.slice(HALF * ROWS, ROWS), None, ready, empty,
+                   c_ready, c_empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                   BLOCK_K, STAGES, WARPS, HALF, ROWS, False, 1, False)
+
+    @gluon.jit
+    def _mma_tiles(a_bufs, b_bufs, out_buf, rows_buf, ready, empty, c_ready, c_free, offs_ptr,
+                   M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
+                   ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr,
+                   SECOND_TURN: gl.constexpr):
+        """A consumer partition: the program's tiles (:func:`_mma_tile`), each rounded into
+        ``out_buf`` (ROWS rows), then an arrival on ``c_ready``.
         ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
         and syncs its warps before each barrier arrival (an arrival is one thread's);
         ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
@@ -397,48 +424,38 @@ if gluon is not None:
         ``SKIP_TAIL``: where the tile's row count (``rows_buf``, written by the producer
         with the tile's first k-step) is <= HALF * ROWS, this half's rows all lie past the
         group's end: it issues no wgmma and only releases the slots (:func:`_drain_tile`).
-        Output buffer: ``C_HALF`` False: one BLOCK_M-row buffer, ``c_ready`` / ``c_free``
-        single barriers (``c_ready`` counts the consumer partitions); ``C_HALF`` (SPLIT
-        only): one ROWS-row buffer the halves fill in turn, half 0 then half 1 per tile,
-        ``c_ready`` / ``c_free`` one barrier per half (``c_free`` [h] completes when the
-        epilogue has read the other half's rows)."""
+        ``c_free`` frees ``out_buf`` once per tile: after the epilogue read the previous
+        tile's rows, or (``SECOND_TURN``: ``C_HALF``'s second half, whose buffer half 0
+        shares) after it read this tile's first half."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
-        if C_HALF:
-            out_buf = c_buf
-            ready_bar = c_ready.index(HALF)
-            free_bar = c_free.index(HALF)
-        else:
-            out_buf = c_buf.slice(HALF * ROWS, ROWS)
-            ready_bar = c_ready.index(0)
-            free_bar = c_free.index(0)
         flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         it = 0
         t = 0
         for _tile in range(pid, n_tiles, P):
-            if C_HALF and HALF == 1:  # after the epilogue read half 0's rows of this tile
+            if SECOND_TURN:
                 free_phase = t & 1
-            else:  # after the epilogue read the previous tile's (other half's) rows
+            else:
                 free_phase = (t & 1) ^ 1
             if SKIP_TAIL:
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
                 rows = gl.max(rows_buf.index(s).load(flag_layout), 0)
                 if rows > HALF * ROWS:
-                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, free_bar,
+                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free,
                                    free_phase, K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                                    WARPS, HALF, ROWS, LAG)
                 else:
-                    it = _drain_tile(ready, empty, free_bar, free_phase, K, it, BLOCK_K,
+                    it = _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K,
                                      STAGES)
             else:
-                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, free_bar, free_phase,
+                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase,
                                K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
                                ROWS, LAG)
-            gl.thread_barrier()  # every warp's rows are in c_buf
-            mbarrier.arrive(ready_bar)
+            gl.thread_barrier()  # every warp's rows are in the buffer
+            mbarrier.arrive(c_ready)
             t += 1
 
     @gluon.jit
@@ -564,27 +581,39 @@ if gluon is not None:
             mbarrier.init(c_ready.index(i), count=1 if C_HALF else arrivals)
             mbarrier.init(c_free.index(i), count=1)
         if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
+            ROWS: gl.constexpr = BLOCK_M // 2
+            if C_HALF:  # one 64-row buffer, filled in turn; a barrier pair per half
+                out0 = c_buf
+                out1 = c_buf
+                second: gl.constexpr = 1
+            else:  # each half its rows of one 128-row buffer; one barrier pair
+                out0 = c_buf.slice(0, ROWS)
+                out1 = c_buf.slice(ROWS, ROWS)
+                second: gl.constexpr = 0
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
-                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             STAGES, num_warps, 0, BLOCK_M // 2, SKIP_TAIL, LAG, C_HALF)),
-                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
-                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             STAGES, num_warps, 1, BLOCK_M // 2, SKIP_TAIL, LAG, C_HALF)),
-                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty,
-                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
+                (_mma_tiles, (a_bufs, b_bufs, out0, rows_buf, ready, empty, c_ready.index(0),
+                              c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, ROWS, SKIP_TAIL, LAG,
+                              False)),
+                (_mma_tiles, (a_bufs, b_bufs, out1, rows_buf, ready, empty,
+                              c_ready.index(second), c_free.index(second), offs_ptr, M, N, K,
+                              G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                              num_warps, 1, ROWS, SKIP_TAIL, LAG, C_HALF)),
+                (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                               empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
                              BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready, c_free,
-                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             STAGES, num_warps, 0, BLOCK_M, False, LAG, False)),
-                (_producer, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty,
-                             offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                             GROUP_M, STAGES, False, HALF_LOAD)),
+                (_mma_tiles, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready.index(0),
+                              c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, BLOCK_M, False, LAG,
+                              False)),
+                (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                               empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
                              BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
