@@ -37,6 +37,15 @@ def test_config_errors_name_the_key():
         GG._resolve({"SPLIT": True})
     with pytest.raises(ValueError, match="num_warps must be 8 .* got 4"):
         GG._resolve({"num_warps": 4})
+    with pytest.raises(ValueError, match=r"LAG .* must be in \[1, STAGES - 1 = 2\], got 3"):
+        GG._resolve({"LAG": 3})
+    with pytest.raises(ValueError, match=r"LAG .* got 0"):
+        GG._resolve({"LAG": 0})
+    with pytest.raises(ValueError, match="C_HALF=True .* needs SPLIT=True, got SPLIT=False"):
+        GG._resolve({"C_HALF": True})
+    with pytest.raises(ValueError, match=r"STAGES=4 with C_HALF=False needs 262144 bytes"):
+        GG._resolve({"SPLIT": True, "num_warps": 4, "STAGES": 4})
+    assert GG._resolve(GG.DISPATCH_CONFIG)["STAGES"] == 4  # fits with the 64-row buffer
 
 
 def test_config_fits_the_register_file():
@@ -71,7 +80,7 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "
              "stride_wg": "i32", "stride_wn": "i32", "stride_wk": "i32"}
 
 
-def _compile_sm90(dgrad: bool, split: bool = False):
+def _compile_sm90(dgrad: bool, split: bool = False, extra: dict | None = None):
     pytest.importorskip("triton")
     if GG.gluon is None:
         pytest.skip("no triton.experimental.gluon in this Triton")
@@ -79,7 +88,7 @@ def _compile_sm90(dgrad: bool, split: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = GG._resolve({"SPLIT": True, "num_warps": 4} if split else None)
+    cfg = GG._resolve({**({"SPLIT": True, "num_warps": 4} if split else {}), **(extra or {})})
     const = {"W_KN": dgrad, "GBLOCK": 8, **cfg}
     src = GluonASTSource(GG._gluon_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
                          constexprs=const)
@@ -113,6 +122,39 @@ def test_compiles_for_sm90_warp_specialized(dgrad, split):
     assert re.search(r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], " + str(nbytes), ptx)
     assert kernel.metadata.shared <= 227 * 1024
     assert "st.local" not in ptx and "ld.local" not in ptx  # no spills in the PTX
+
+
+TAIL = {"SPLIT": True, "num_warps": 4, "SKIP_TAIL": True}
+
+
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_tail_variants_compile_for_sm90(dgrad):
+    """``SKIP_TAIL`` (+ ``HALF_LOAD``) and ``LAG`` 2 compile without spills within shared
+    memory; ``HALF_LOAD`` expects one half-height x block plus a W tile on the short
+    tiles' barrier; ``LAG`` 2 waits with two wgmma groups in flight."""
+    cfg = GG.gluon_config()
+    short = (cfg["BLOCK_M"] // 2 + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    expect = r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], "
+    for extra in ({**TAIL, "HALF_LOAD": True}, {"SKIP_TAIL": True, "HALF_LOAD": True}):
+        kernel = _compile_sm90(dgrad, extra=extra)
+        ptx = kernel.asm["ptx"]
+        assert re.search(expect + str(short), ptx)
+        assert "st.local" not in ptx and kernel.metadata.shared <= 227 * 1024
+    ptx = _compile_sm90(dgrad, extra=TAIL).asm["ptx"]
+    assert not re.search(expect + str(short), ptx)  # full-height loads only
+    assert "st.local" not in ptx
+    lag = _compile_sm90(dgrad, extra={**TAIL, "LAG": 2}).asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 2;" in lag
+    assert "wgmma.wait_group.sync.aligned 2;" not in ptx
+
+
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_half_output_buffer_fits_a_fourth_stage(dgrad):
+    """``C_HALF``: a 64-row output buffer (32 KiB) instead of 128 rows leaves room for a
+    4-stage ring (4 x 48 KiB): within SM90's 227 KiB, no spills."""
+    kernel = _compile_sm90(dgrad, extra={**TAIL, "C_HALF": True, "STAGES": 4})
+    assert 4 * 48 * 1024 + 32 * 1024 <= kernel.metadata.shared <= 227 * 1024
+    assert "st.local" not in kernel.asm["ptx"]
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -220,11 +262,16 @@ def test_rule_names_the_measured_shapes_only(monkeypatch):
     monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
     both = ("fprop", "dgrad")
     assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
-    assert GG.gluon_kinds(2048, 1536, 512.0, both) == ("dgrad",)  # fc1: dgrad only
     assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
     assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
     assert GG.gluon_kinds(768, 2048, None, both) == ()
-    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == ()  # E8: measured slower
+    assert GG.gluon_kinds(2048, 1536, 512.0, both) == both  # fc1: fprop since stop 17
+    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == both  # E8 fc1 (stop 17)
+    assert GG.gluon_kinds(14336, 4096, 2048.0, both) == both  # E8 fc2
+    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == both  # E32 fc1
+    assert GG.gluon_kinds(2048, 7168, 1024.0, both) == ("fprop",)  # E32 fc2: dgrad a tie
+    assert GG.gluon_kinds(7168, 4096, 512.0, both) == ()  # E32 features, rows not measured
+    assert GG.gluon_kinds(4096, 14336, 2048.0, both) == ()  # not a measured linear
     monkeypatch.setattr(GG, "gluon", None)
     assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
 
@@ -334,3 +381,51 @@ def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
     test_torch_compile_cuda._check_compiled_bitwise(block, "default")
     test_cuda_graphs.test_replay_matches_eager_bitwise(monkeypatch, fusion, torch.bfloat16)
     assert launches
+
+
+# Group sizes around the 64-row halves of a 128-row tile: tail tiles whose second half is
+# empty (1, 63, 64 rows; 129 = 128 + 1), one row into it (65), full (127, 128); empty groups
+# (first, middle and last), a long group, 37 padding rows (NaN in the input).
+TAIL_SIZES = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300, 0]
+TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
+                "unsplit_half_load": {"SKIP_TAIL": True, "HALF_LOAD": True},
+                "skip_lag2": {**TAIL, "LAG": 2},
+                "half_buffer": {**TAIL, "C_HALF": True, "STAGES": 4},
+                "half_buffer_lag2": {**TAIL, "C_HALF": True, "STAGES": 4, "LAG": 2,
+                                     "SKIP_TAIL": False}}
+
+
+def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:
+    """Leave a NaN-filled block of ``numel`` elements in the caching allocator's pool, so
+    the kernel's ``torch.empty`` output starts as NaN garbage: a row it does not write
+    stays NaN and cannot equal the reference's."""
+    torch.full((numel,), float("nan"), device=CUDA, dtype=dtype)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, k", [(384, 320), (64, 64)], ids=["k5n2", "k1n1"])
+@pytest.mark.parametrize("name", list(TAIL_CONFIGS))
+def test_tail_skip_bitwise_equal_to_grouped_mm(name, n, k):
+    """Every stored row of fprop and dgrad equals ``torch._grouped_mm``'s and the Triton
+    kernel's bit for bit with the tail skips on (group sizes 1, 63, 64, 65, 127, 128, 129,
+    empty groups, NaN padding rows in the input, NaN garbage in the output buffer; one and
+    several k-steps, so ``LAG`` 2 drains a one-step tile too); padding rows zero."""
+    _skip_unless_sm90()
+    config = TAIL_CONFIGS[name]
+    total = sum(TAIL_SIZES)
+    m = total + 37
+    x, w, offs = _operands(TAIL_SIZES, m, n, k, seed=3)
+    _poisoned_empty(m * n, x.dtype)
+    y = GG.gluon_fprop(x, w, offs, config)
+    want = torch._grouped_mm(x[:total], w.transpose(1, 2), offs=offs)
+    assert torch.equal(y[:total], want)
+    assert torch.equal(y, L.large_fprop(x, w, offs))
+    assert not y[total:].any()
+    dy = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
+    dy[total:] = float("nan")
+    _poisoned_empty(m * k, dy.dtype)
+    dx = GG.gluon_dgrad(dy, w, offs, config)
+    assert torch.equal(dx[:total], torch._grouped_mm(dy[:total], w, offs=offs))
+    assert torch.equal(dx, L.large_dgrad(dy, w, offs))
+    assert not dx[total:].any()

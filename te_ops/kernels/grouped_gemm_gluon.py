@@ -13,12 +13,34 @@ the partitions explicitly (``gl.warp_specialize``). This kernel has three:
   the tile's 128 rows): one async ``warpgroup_mma`` per k-step into a 128 x 256 fp32
   accumulator, at most one in flight (the slot read by the previous one is released as soon
   as it completes); at the tile's end it rounds the accumulator to the output dtype into one
-  shared-memory tile buffer (``c_ready`` / ``c_empty``) and goes on with the next tile;
-* the **epilogue** (``EPI_WARPS`` = 4 warps): reads that buffer in ``SUB_M``-row slices and
+  shared-memory tile buffer (``c_ready`` / ``c_free``) and goes on with the next tile;
+* the **epilogue** (``EPI_WARPS`` = 2 warps): reads that buffer in ``SUB_M``-row slices and
   stores the rows inside the tile's group with masked pointer stores (a TMA store would write
   the next group's rows), then frees the buffer. So the global stores of tile t overlap the
   MMAs of tile t + 1; the consumer's part of the epilogue is the register -> shared copy.
   Before its first tile it writes the padding rows' zeros (rows past ``offsets[-1]``).
+
+Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_CONFIG`):
+
+* ``SPLIT``: the consumer is two 4-warp partitions, rows [0, 64) and [64, 128) of each tile,
+  each releasing ring slots by itself (the ring barriers count two arrivals);
+* ``C_HALF`` (with ``SPLIT``): the output buffer holds 64 rows (32 KiB); half 0 writes it,
+  the epilogue stores it and frees it for half 1 (``c_free`` [1]), then stores half 1's
+  rows and frees it for half 0's next tile (``c_free`` [0]). The 32 KiB saved hold a fourth
+  ring stage (``STAGES`` = 4: 4 x 48 + 32 KiB = 224 KiB): the loads run one more k-step
+  ahead of the wgmmas, which measured 1.05-1.11x the 3-stage ``SPLIT`` config at the long
+  k-loops of E8 and E32 (1.00-1.03x at E128);
+* ``SKIP_TAIL`` (with ``SPLIT``): the producer writes each tile's row count into shared
+  memory with its first k-step (before the arrival the consumers wait on); a consumer half
+  whose 64 rows all lie past the group's end (a tail tile of <= 64 rows) issues no wgmma and
+  only waits for and releases the slots (the barrier protocol unchanged); the epilogue
+  reads no slice past the group's end (without ``SPLIT``, only that applies).
+  ``HALF_LOAD``: the producer loads only the first 64 rows of x for such tiles (the other
+  half keeps stale rows, which reach only accumulator rows that are never stored).
+  ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
+  (stop 17): not dispatched;
+* ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
+  wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
@@ -33,14 +55,15 @@ Loads through device-side TMA descriptors (``tma.make_tensor_descriptor``; the t
 allocator of ``grouped_gemm_large_triton`` is installed when none is set): x as (M, K) with
 (128, 64) blocks, W as (G, N, K) with (1, 256, 64) blocks for fprop (the shared tile is
 transposed as a view for the wgmma) or as (G, K_red, N_out) with (1, 64, 256) blocks for
-dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + 64 KiB output tile (3 stages:
-208 KiB of the H200's 227).
+dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + the output tile, 64 KiB (3
+stages: 208 KiB of the H200's 227) or 32 KiB with ``C_HALF`` (4 stages: 224 KiB).
 
-Measured on the H200 against the Triton kernel and ``torch._grouped_mm``
-(docs/benchmarks.md, "Gluon warp-specialized fprop/dgrad (stop 16)"): 1.03-1.10x the Triton
-kernel at E128 T65536 H2048 FF768 (512 rows per group, short k-loops, where the overlapped
-epilogue is a large share of a tile), 0.97-1.00x at E8 T16384 H4096 FF14336 and E32 T32768
-H7168 FF2048 (long k-loops; its mainloop is slower there). Auto dispatch takes it for the
+Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (docs/benchmarks.md,
+"Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad: tail skip and a
+4-stage ring (stop 17)"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
+FF768 (short k-loops, where the overlapped epilogue is a large share of a tile), 0.92-0.98x
+at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with ``C_HALF`` and
+4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it for the
 measured winning shapes only (:data:`GLUON_RULE`, :func:`gluon_kinds`,
 :func:`gluon_grouped_gemm`: the op ``te_ops::grouped_gemm_gluon`` under a trace).
 """
@@ -84,25 +107,36 @@ GLUON_MAX_GROUPS = 1024
 #: Auto dispatch (``kernels.grouped_gemm``) runs a grouped linear's GEMM kind in this kernel
 #: (instead of the persistent Triton kernel, which auto would run it in) only for the
 #: measured shapes: (kind, in_features, out_features) -> the average rows per group
-#: (padding included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the
-#: Triton kernel with bitwise equal outputs (``benchmarks/large_gemm_triton.py --gluon`` on
-#: the H200, 2026-11-30, :data:`DISPATCH_CONFIG`; docs/benchmarks.md "Gluon warp-specialized
-#: fprop/dgrad (stop 16)"): the E128 T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and
-#: dgrad, and fc1's dgrad (2048 -> 1536). Not taken: that block's fc1 fprop (1.01-1.04x,
-#: below 1.03x in two of four runs), and every GEMM of E8 T16384 H4096 FF14336 and E32
-#: T32768 H7168 FF2048 (0.97-1.00x: there the k-loop is 32-448 steps per tile, so the
-#: overlapped epilogue is a small share, and this kernel's mainloop runs 1-3 % slower than
-#: the Triton kernel's).
+#: (padding included) it was measured at; SM90, bfloat16. Measured with bitwise equal
+#: outputs (``benchmarks/large_gemm_triton.py --gluon`` on the H200, 2026-11-30; docs/
+#: benchmarks.md "Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad:
+#: tail skip and a 4-stage ring (stop 17)"). Stop 16 (``SPLIT``, 3 stages): the E128
+#: T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and dgrad and fc1's dgrad
+#: (2048 -> 1536), >= 1.03x the Triton kernel. Stop 17 (:data:`DISPATCH_CONFIG`: a 64-row
+#: output buffer and a 4-stage ring): the GEMMs faster than the Triton kernel in both of two
+#: runs: every fprop / dgrad of E8 T16384 H4096 FF14336 (2048 rows per group; 1.006-1.026x)
+#: and of E32 T32768 H7168 FF2048 (1024; 1.008-1.037x) but E32's fc2 dgrad (1.010x, then
+#: 0.997x: left in the Triton kernel), and E128's fc1 fprop (1.057x, 1.055x).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
     ("dgrad", 2048, 1536): 512.0,
+    ("fprop", 2048, 1536): 512.0,
+    ("fprop", 4096, 28672): 2048.0,  # E8 fc1
+    ("dgrad", 4096, 28672): 2048.0,
+    ("fprop", 14336, 4096): 2048.0,  # E8 fc2
+    ("dgrad", 14336, 4096): 2048.0,
+    ("fprop", 7168, 4096): 1024.0,  # E32 fc1
+    ("dgrad", 7168, 4096): 1024.0,
+    ("fprop", 2048, 7168): 1024.0,  # E32 fc2 (its dgrad: 1.010x, 0.997x; not taken)
 }
 
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
-#: measured 1.01-1.03x the unsplit default at E128 T65536 (1.03x on fc2's fprop; the same
-#: run, interleaved).
-DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4}
+#: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
+#: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
+#: interleaved; stop 17). Not ``SKIP_TAIL`` (0.95-1.02x, stop 17).
+DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
+                                          "STAGES": 4}
 
 #: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
 MAXNREG = 168
@@ -115,16 +149,21 @@ def gluon_config() -> dict[str, int]:
     epilogue's warpgroup (they share the third warpgroup; the consumers get the rest of the
     65536). 12 warps in all, so ptxas compiles every partition under :data:`MAXNREG` (it
     allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
-    and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all)."""
+    and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all). Off by
+    default: ``SPLIT``, ``C_HALF``, ``SKIP_TAIL``, ``HALF_LOAD``; ``LAG`` 1 (module
+    docstring)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
-            "CONSUMER_REGS": 232}
+            "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
+            "C_HALF": False}
 
 
 def _resolve(config: dict | None) -> dict:
     """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
     consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
-    ``num_warps`` 4 (the default partition is the first half)."""
+    ``num_warps`` 4 (the default partition is the first half); ``C_HALF`` needs ``SPLIT``;
+    ``LAG`` in [1, STAGES - 1]; ring + output buffer within :data:`SHARED_LIMIT`. Raises
+    ``ValueError`` naming the key otherwise."""
     cfg = gluon_config()
     unknown = sorted(set(config or {}) - set(cfg))
     if unknown:
@@ -136,7 +175,31 @@ def _resolve(config: dict | None) -> dict:
     if not cfg["SPLIT"] and cfg["num_warps"] != 8:
         raise ValueError(f"config num_warps must be 8 (two warpgroups, 64 rows each) without "
                          f"SPLIT, got {cfg['num_warps']}")
+    if cfg["C_HALF"] and not cfg["SPLIT"]:
+        raise ValueError("config C_HALF=True (a 64-row output buffer the two consumer "
+                         "partitions fill in turn) needs SPLIT=True, got SPLIT=False")
+    if not 1 <= cfg["LAG"] < cfg["STAGES"]:
+        raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
+                         f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
+    need = _shared_bytes(cfg)
+    if need > SHARED_LIMIT:
+        raise ValueError(f"config STAGES={cfg['STAGES']} with C_HALF={cfg['C_HALF']} needs "
+                         f"{need} bytes of shared memory (ring + output buffer, 16-bit "
+                         f"dtypes), more than the {SHARED_LIMIT} SM90 leaves for them")
     return cfg
+
+
+#: Shared memory per block on SM90 (227 KiB) less 2 KiB for the barriers, ``rows_buf`` and
+#: the compiler's scratch (about 1 KiB in the sm_90 compiles, Triton 3.6).
+SHARED_LIMIT = 227 * 1024 - 2048
+
+
+def _shared_bytes(cfg: dict) -> int:
+    """The ring (``STAGES`` x one x tile + one W tile) and the output buffer (``BLOCK_M`` or,
+    ``C_HALF``, ``BLOCK_M / 2`` rows), in bytes of a 16-bit dtype."""
+    ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    rows = cfg["BLOCK_M"] // 2 if cfg["C_HALF"] else cfg["BLOCK_M"]
+    return ring + rows * cfg["BLOCK_N"] * 2
 
 
 def gluon_kinds(in_features: int, out_features: int, rows_per_group: float | None,
@@ -218,23 +281,61 @@ if gluon is not None:
                   W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr):
-        """TMA loads of every k-step of the program's tiles into the ring, in tile order."""
+        """TMA loads of every k-step of the program's tiles into the ring, in tile order
+        (:func:`_load_tiles` without ``SKIP_TAIL`` / ``HALF_LOAD``; the signature the Gluon
+        epilogue kernels, ``fc1_swiglu_gluon`` and ``dgrad_dswiglu_gluon``, call)."""
+        _load_tiles(x_desc, x_desc, w_desc, a_bufs, b_bufs, None, ready, empty, offs_ptr, M,
+                    N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    False, False)
+
+    @gluon.jit
+    def _load_tiles(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
+                    M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                    HALF_LOAD: gl.constexpr):
+        """TMA loads of every k-step of the program's tiles into the ring, in tile order.
+        ``SKIP_TAIL``: with a tile's first k-step it writes the tile's row count (rows of
+        the group in it, 1..BLOCK_M) into ``rows_buf`` at that slot, before the arrival
+        that the consumers wait for (the arrive releases it), so the consumers learn it
+        without a table lookup of their own. ``HALF_LOAD``: a tile whose rows end in its
+        first half loads only that half of x's rows (``xh_desc``, BLOCK_M / 2-row blocks)
+        into the slot's first half; the second half keeps stale data, which reaches only
+        accumulator rows past the group's end (a wgmma row depends on its A row only),
+        never stored."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
         n_tiles = gl.max(ends, 0)
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
+        short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
+        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         it = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
+            short = m0 + BLOCK_M // 2 >= end
+            rows = gl.minimum(end - m0, BLOCK_M).to(gl.int32)
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
             for k0 in range(0, K, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+                if SKIP_TAIL:
+                    if k0 == 0:
+                        rows_buf.index(s).store(gl.full([1], rows, gl.int32, flag_layout))
+                        gl.thread_barrier()  # the warp's store before the releasing arrive
+                if HALF_LOAD:
+                    if short:
+                        mbarrier.expect(bar, short_bytes)
+                        tma.async_copy_global_to_shared(
+                            xh_desc, [m0, k0], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
+                    else:
+                        mbarrier.expect(bar, nbytes)
+                        tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+                else:
+                    mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
                 if W_KN:
                     tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
                 else:
@@ -242,51 +343,118 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
+    def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase, K, it,
+                  W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                  HALF: gl.constexpr, ROWS: gl.constexpr, LAG: gl.constexpr):
+        """One tile's k-steps (ring iterations ``it``..), ``LAG`` wgmmas in flight (the slot
+        of the k-step ``LAG`` back is released once its wgmma completed); the rounded
+        accumulator into ``out_buf`` once the epilogue freed it (``c_free`` at parity
+        ``free_phase``). Returns the next ring iteration."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
+        for k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if W_KN:
+                b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+            else:
+                b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
+            acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+            if ROWS == BLOCK_M:
+                gl.thread_barrier()  # both warpgroups' wgmma LAG steps back done
+            mbarrier.arrive(empty.index((it + STAGES - LAG) % STAGES), pred=k0 >= LAG * BLOCK_K)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if ROWS == BLOCK_M:
+            gl.thread_barrier()
+        for j in gl.static_range(LAG):  # the last LAG k-steps' slots (those that exist)
+            mbarrier.arrive(empty.index((it + STAGES - 1 - j) % STAGES), pred=K > j * BLOCK_K)
+        out = acc.to(out_buf.dtype)
+        mbarrier.wait(c_free, free_phase)
+        out_buf.store(out)
+        return it
+
+    @gluon.jit
+    def _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """A tile half past the group's end (``SKIP_TAIL``): no wgmma; each k-step's slot is
+        waited for (so this partition never releases a slot of a later ring round before the
+        other consumer released the earlier one) and released at once; the output buffer's
+        turn is kept (``c_free``). Returns the next ring iteration."""
+        for _k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        mbarrier.wait(c_free, free_phase)
+        return it
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr, M, N, K,
                   G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                   WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
-        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``.
+        """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``
+        (BLOCK_M rows; ``c_ready`` counts the consumer partitions, ``c_empty`` the
+        epilogue's): :func:`_mma_tiles` without ``SKIP_TAIL``, ``LAG`` 1, rows
+        [HALF * ROWS, (HALF + 1) * ROWS) of the buffer. The signature the Gluon epilogue
+        kernels (``fc1_swiglu_gluon``, ``dgrad_dswiglu_gluon``) call."""
+        _mma_tiles(a_bufs, b_bufs, c_buf.slice(HALF * ROWS, ROWS), None, ready, empty,
+                   c_ready, c_empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                   BLOCK_K, STAGES, WARPS, HALF, ROWS, False, 1, False)
+
+    @gluon.jit
+    def _mma_tiles(a_bufs, b_bufs, out_buf, rows_buf, ready, empty, c_ready, c_free, offs_ptr,
+                   M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
+                   ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr,
+                   SECOND_TURN: gl.constexpr):
+        """A consumer partition: the program's tiles (:func:`_mma_tile`), each rounded into
+        ``out_buf`` (ROWS rows), then an arrival on ``c_ready``.
         ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
         and syncs its warps before each barrier arrival (an arrival is one thread's);
         ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
-        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the
-        barriers count two arrivals), so the two halves need no common sync."""
+        [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the ring's
+        barriers count two arrivals), so the two halves need no common sync.
+        ``SKIP_TAIL``: where the tile's row count (``rows_buf``, written by the producer
+        with the tile's first k-step) is <= HALF * ROWS, this half's rows all lie past the
+        group's end: it issues no wgmma and only releases the slots (:func:`_drain_tile`).
+        ``c_free`` frees ``out_buf`` once per tile: after the epilogue read the previous
+        tile's rows, or (``SECOND_TURN``: ``C_HALF``'s second half, whose buffer half 0
+        shares) after it read this tile's first half."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
-        out_buf = c_buf.slice(HALF * ROWS, ROWS)
+        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         it = 0
         t = 0
         for _tile in range(pid, n_tiles, P):
-            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout)
-            prev = 0
-            for k0 in range(0, K, BLOCK_K):
+            if SECOND_TURN:
+                free_phase = t & 1
+            else:
+                free_phase = (t & 1) ^ 1
+            if SKIP_TAIL:
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if W_KN:
-                    b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+                rows = gl.max(rows_buf.index(s).load(flag_layout), 0)
+                if rows > HALF * ROWS:
+                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free,
+                                   free_phase, K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                   WARPS, HALF, ROWS, LAG)
                 else:
-                    b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-                a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
-                acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if ROWS == BLOCK_M:
-                    gl.thread_barrier()  # both warpgroups' previous wgmma done
-                mbarrier.arrive(empty.index(prev), pred=k0 > 0)
-                prev = s
-                it += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if ROWS == BLOCK_M:
-                gl.thread_barrier()
-            mbarrier.arrive(empty.index(prev))
-            out = acc.to(c_buf.dtype)
-            mbarrier.wait(c_empty, (t & 1) ^ 1)
-            out_buf.store(out)
-            gl.thread_barrier()  # every warp's rows are in c_buf
+                    it = _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K,
+                                     STAGES)
+            else:
+                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase,
+                               K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
+                               ROWS, LAG)
+            gl.thread_barrier()  # every warp's rows are in the buffer
             mbarrier.arrive(c_ready)
             t += 1
 
@@ -301,10 +469,28 @@ if gluon is not None:
         gl.store(y_ptr + rows[:, None] * N + cols[None, :], vals, mask=mask)
 
     @gluon.jit
-    def _epilogue(c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P,
+    def _store_buf(c_buf, y_ptr, m0, end, n0, N, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                   layout: gl.constexpr):
+        """Rows [FIRST, FIRST + ROWS) of ``c_buf`` to y's rows m0.. (below ``end``) in
+        ``SUB_M``-row slices (``SKIP_TAIL``: the slices past ``end`` are not read)."""
+        for i in gl.static_range(ROWS // SUB_M):
+            r0 = m0 + i * SUB_M
+            if SKIP_TAIL:
+                if r0 < end:
+                    vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
+                    _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
+            else:
+                vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
+                _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
+
+    @gluon.jit
+    def _epilogue(c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P,
                   GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y."""
+                  GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr,
+                  SKIP_TAIL: gl.constexpr, C_HALF: gl.constexpr):
+        """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y (``C_HALF``:
+        half 0's rows, then half 1's, each freeing the buffer for the other half)."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
@@ -316,16 +502,25 @@ if gluon is not None:
         for tile in range(pid, pad_tiles, P):
             _store_rows(y_ptr, zero, pad_start + (tile // tiles_n) * SUB_M, M,
                         (tile % tiles_n) * BLOCK_N, N, SUB_M, BLOCK_N, layout)
+        HALF_M: gl.constexpr = BLOCK_M // 2
         t = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
-            mbarrier.wait(c_ready, t & 1)
-            for i in gl.static_range(BLOCK_M // SUB_M):
-                vals = c_buf.slice(i * SUB_M, SUB_M).load(layout)
-                _store_rows(y_ptr, vals, m0 + i * SUB_M, end, pn * BLOCK_N, N, SUB_M,
-                            BLOCK_N, layout)
+            if C_HALF:
+                mbarrier.wait(c_ready.index(0), t & 1)
+                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, HALF_M, BLOCK_N, SUB_M,
+                           SKIP_TAIL, layout)
+                gl.thread_barrier()  # every epilogue warp has read c_buf
+                mbarrier.arrive(c_free.index(1))
+                mbarrier.wait(c_ready.index(1), t & 1)
+                _store_buf(c_buf, y_ptr, m0 + HALF_M, end, pn * BLOCK_N, N, 0, HALF_M,
+                           BLOCK_N, SUB_M, SKIP_TAIL, layout)
+            else:
+                mbarrier.wait(c_ready.index(0), t & 1)
+                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, BLOCK_M, BLOCK_N, SUB_M,
+                           SKIP_TAIL, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf
-            mbarrier.arrive(c_empty)
+            mbarrier.arrive(c_free.index(0))
             t += 1
 
     @gluon.jit
@@ -335,14 +530,23 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                      SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
+                      LAG: gl.constexpr, C_HALF: gl.constexpr, num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
-        output tile and the barriers, then forks the three partitions."""
+        output tile and the barriers, then forks the partitions."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                             block_shape=[BLOCK_M, BLOCK_K], layout=x_layout)
+        if HALF_LOAD:  # half-height x blocks for tiles whose rows end in their first half
+            xh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [BLOCK_M // 2, BLOCK_K], dtype)
+            xh_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                                 block_shape=[BLOCK_M // 2, BLOCK_K],
+                                                 layout=xh_layout)
+        else:
+            xh_desc = x_desc
         if W_KN:
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [1, BLOCK_K, BLOCK_N], dtype)
@@ -360,40 +564,58 @@ if gluon is not None:
                                                 layout=w_layout)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, BLOCK_K], w_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        c_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
+        C_ROWS: gl.constexpr = BLOCK_M // 2 if C_HALF else BLOCK_M
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], dtype)
+        c_buf = gl.allocate_shared_memory(dtype, [C_ROWS, BLOCK_N], c_layout)
+        rows_buf = gl.allocate_shared_memory(gl.int32, [STAGES, 1],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        c_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         arrivals: gl.constexpr = 2 if SPLIT else 1  # consumer partitions
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=arrivals)
-        mbarrier.init(c_ready, count=arrivals)
-        mbarrier.init(c_empty, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(c_ready.index(i), count=1 if C_HALF else arrivals)
+            mbarrier.init(c_free.index(i), count=1)
         if SPLIT:  # two 4-warp consumer partitions, rows [0, 64) and [64, 128) of a tile
+            ROWS: gl.constexpr = BLOCK_M // 2
+            if C_HALF:  # one 64-row buffer, filled in turn; a barrier pair per half
+                out0 = c_buf
+                out1 = c_buf
+                second: gl.constexpr = 1
+            else:  # each half its rows of one 128-row buffer; one barrier pair
+                out0 = c_buf.slice(0, ROWS)
+                out1 = c_buf.slice(ROWS, ROWS)
+                second: gl.constexpr = 0
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 0, BLOCK_M // 2)),
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 1, BLOCK_M // 2)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
-                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+                (_mma_tiles, (a_bufs, b_bufs, out0, rows_buf, ready, empty, c_ready.index(0),
+                              c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, ROWS, SKIP_TAIL, LAG,
+                              False)),
+                (_mma_tiles, (a_bufs, b_bufs, out1, rows_buf, ready, empty,
+                              c_ready.index(second), c_free.index(second), offs_ptr, M, N, K,
+                              G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                              num_warps, 1, ROWS, SKIP_TAIL, LAG, C_HALF)),
+                (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                               empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
+                (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, offs_ptr,
-                             M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             num_warps, 0, BLOCK_M)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, K,
-                             G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                (_epilogue, (c_buf, c_ready, c_empty, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS)),
+                (_mma_tiles, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready.index(0),
+                              c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, BLOCK_M, False, LAG,
+                              False)),
+                (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                               empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD)),
+                (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
