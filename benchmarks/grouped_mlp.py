@@ -114,10 +114,11 @@ QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
 PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
          "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
          "te_ops_fused_single_graph_noclone", "te_ops_compiled", "torch_grouped_mm_compiled"]
-#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute; the Gluon wgrad off).
+#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute; the Gluon wgrad off;
+#: fc1's SwiGLU epilogue off).
 EXTRA_PEERS = ["te_ops_fused_recompute", "te_ops_fused_single_recompute",
                "te_ops_fused_single_graph_noclone_recompute", "te_ops_fused_nogluon",
-               "te_ops_fused_single_nogluon"]
+               "te_ops_fused_single_nogluon", "te_ops_fused_single_nofc1epi"]
 BASELINE = "torch_grouped_mm"
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
@@ -340,6 +341,14 @@ class TeOpsFusedSingleNoGluon(TeOpsFusedSingle):
     env = {"TE_OPS_FUSION": "1", "TE_OPS_GLUON_WGRAD": "0"}
 
 
+class TeOpsFusedSingleNoFc1Epilogue(TeOpsFusedSingle):
+    """te_ops fused (single weight) with fc1's SwiGLU epilogue off
+    (``TE_OPS_FC1_SWIGLU_EPILOGUE=0``: fc1's fprop then the SwiGLU pass): the A/B peer of the
+    Gluon fc1 + SwiGLU kernel."""
+    name = "te_ops_fused_single_nofc1epi"
+    env = {"TE_OPS_FUSION": "1", "TE_OPS_FC1_SWIGLU_EPILOGUE": "0"}
+
+
 class TeOpsFusedSingleGraphNoCloneRecompute(TeOpsFusedSingleGraphNoClone):
     name = "te_ops_fused_single_graph_noclone_recompute"
     recompute = True
@@ -381,7 +390,8 @@ PEER_CLASSES: dict[str, type[Peer]] = {
                               TeOpsFusedSingleGraphNoClone, TeOpsCompiled,
                               TorchGroupedMMCompiled, TeOpsFusedRecompute,
                               TeOpsFusedSingleRecompute, TeOpsFusedSingleGraphNoCloneRecompute,
-                              TeOpsFusedNoGluon, TeOpsFusedSingleNoGluon)
+                              TeOpsFusedNoGluon, TeOpsFusedSingleNoGluon,
+                              TeOpsFusedSingleNoFc1Epilogue)
 }
 
 
