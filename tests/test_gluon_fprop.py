@@ -198,7 +198,8 @@ SPLIT = {"SPLIT": True, "num_warps": 4}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, SPLIT])
+@pytest.mark.parametrize("config", [None, SPLIT, GG.DISPATCH_CONFIG], ids=["none", "split",
+                                                                           "dispatch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
 def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
@@ -222,7 +223,8 @@ def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, SPLIT])
+@pytest.mark.parametrize("config", [None, SPLIT, GG.DISPATCH_CONFIG], ids=["none", "split",
+                                                                           "dispatch"])
 def test_bitwise_equal_to_grouped_mm_and_the_triton_kernel(config):
     """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) and ``large_fprop`` /
     ``large_dgrad`` bit for bit (skewed and empty groups, no padding)."""
@@ -392,7 +394,8 @@ TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                 "skip_lag2": {**TAIL, "LAG": 2},
                 "half_buffer": {**TAIL, "C_HALF": True, "STAGES": 4},
                 "half_buffer_lag2": {**TAIL, "C_HALF": True, "STAGES": 4, "LAG": 2,
-                                     "SKIP_TAIL": False}}
+                                     "SKIP_TAIL": False},
+                "dispatch": GG.DISPATCH_CONFIG}  # the dispatched calls' config itself
 
 
 def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:

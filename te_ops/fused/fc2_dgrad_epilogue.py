@@ -172,9 +172,9 @@ def fc2_dgrad_dswiglu(fc1: Any, act: Any, fc2: Any, saved2: Any, saved_act: Any,
     h = saved_act.input()  # saved, or fc1's GEMM re-run (recompute_input)
     h2d = as_shape(h, (dy2d.shape[0], 2 * fc2.in_features))
     kernel, kernel_why = dswiglu_kernel(dy2d, weights, h2d)
-    act.record_dispatch(_KIND, "one Triton launch for fc2's dgrad and the activation backward"
-                        if kernel == "triton" else "one warp-specialized Gluon launch for "
-                        f"fc2's dgrad and the activation backward ({kernel_why})")
+    kind = "Triton" if kernel == "triton" else "warp-specialized Gluon"
+    act.record_dispatch(_KIND, f"one {kind} launch for fc2's dgrad and the activation "
+                        f"backward ({kernel_why})")
     probs = saved_act.probs
     p1d = None if probs is None else as_shape(probs, (dy2d.shape[0],))
     dh, dp, out = run_dgrad_dswiglu(dy2d, weights, splits.offsets, h2d, p1d,

@@ -72,6 +72,7 @@ from __future__ import annotations
 import torch
 
 from . import dgrad_dswiglu_triton as dd
+from . import grouped_gemm_gluon as GG
 from . import grouped_gemm_large_triton as lg
 from . import swiglu_triton
 from .compiled_ops import tracing
@@ -108,7 +109,8 @@ def gluon_dswiglu_config() -> dict[str, int | bool]:
 
 def _resolve(config: dict | None) -> dict:
     """:func:`gluon_dswiglu_config` updated by ``config``, checked (known keys, ints >= 1 /
-    bools, the warp counts of ``SPLIT``, the register file, the slice shape)."""
+    bools, the warp counts of ``SPLIT``, the register file, the slice shape, the shared
+    memory: :func:`shared_bytes` within ``grouped_gemm_gluon.SHARED_LIMIT``)."""
     base = gluon_dswiglu_config()
     unknown = sorted(set(config or {}) - set(base))
     if unknown:
@@ -137,7 +139,21 @@ def _resolve(config: dict | None) -> dict:
         raise ValueError(f"config SUB_M must divide BLOCK_M={cfg['BLOCK_M']} and be a multiple "
                          f"of {rows} (the epilogue layout's rows, the swizzle's 8), got SUB_M="
                          f"{cfg['SUB_M']}")
+    need = shared_bytes(cfg)
+    if need > GG.SHARED_LIMIT:
+        raise ValueError(f"config STAGES={cfg['STAGES']} BLOCK_M={cfg['BLOCK_M']} BLOCK_N="
+                         f"{cfg['BLOCK_N']} BLOCK_K={cfg['BLOCK_K']} needs {need} bytes of shared "
+                         f"memory (ring, da tile, gate and up tiles, probs), more than the "
+                         f"{GG.SHARED_LIMIT} SM90 leaves for them")
     return cfg
+
+
+def shared_bytes(cfg: dict) -> int:
+    """Shared memory of the launch in bytes (16-bit dtypes), barriers and the compiler's
+    scratch aside: the ring (``STAGES`` x (BLOCK_M + BLOCK_N) x BLOCK_K), ``c_buf`` and the two
+    h tiles (BLOCK_M x BLOCK_N each) and the fp32 probs of a tile (BLOCK_M)."""
+    ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    return ring + 3 * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2 + 4 * cfg["BLOCK_M"]
 
 
 def consumer_warps(cfg: dict) -> int:
@@ -167,7 +183,12 @@ def gluon_dswiglu_unsupported_reason(dy: torch.Tensor, weights: torch.Tensor,
     """Why the Gluon kernel cannot take these operands (``None`` when it can): those of
     ``grouped_gemm_gluon.gluon_unsupported_reason`` (no Gluon, not SM90, TMA not possible for
     dy or W2 read as (G, K, N) along F, too many groups), h not TMA-loadable (contiguous, a
-    16-byte-aligned base and row stride: F a multiple of 4 for 2-byte dtypes)."""
+    16-byte-aligned base and row stride: F a multiple of 4 for 2-byte dtypes). dy is judged
+    as the launch takes it: contiguous (a non-contiguous dy, e.g. the expanded gradient of
+    ``out.sum()``, is copied first, so it is judged by a fresh contiguous tensor of its
+    shape)."""
+    if not dy.is_contiguous():
+        dy = dy.new_empty(dy.shape)
     why = gluon_unsupported_reason(dy, weights)
     if why is not None:
         return why

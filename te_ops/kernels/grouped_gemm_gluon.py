@@ -76,6 +76,7 @@ from .compiled_ops import tracing
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
+    check_config_values,
     grid_size,
     large_dgrad,
     large_fprop,
@@ -161,7 +162,8 @@ def gluon_config() -> dict[str, int]:
 def _resolve(config: dict | None) -> dict:
     """:func:`gluon_config` updated by ``config``: known keys only; ``SPLIT`` (two 4-warp
     consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
-    ``num_warps`` 4 (the default partition is the first half); ``C_HALF`` needs ``SPLIT``;
+    ``num_warps`` 4 (the default partition is the first half); the switches bools, the sizes
+    and counts ints >= 1 (``check_config_values``); ``C_HALF`` needs ``SPLIT``;
     ``LAG`` in [1, STAGES - 1]; ring + output buffer within :data:`SHARED_LIMIT`. Raises
     ``ValueError`` naming the key otherwise."""
     cfg = gluon_config()
@@ -169,6 +171,7 @@ def _resolve(config: dict | None) -> dict:
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got unknown {unknown}")
     cfg.update(config or {})
+    check_config_values(cfg, gluon_config())  # bools for the switches, ints >= 1 else
     if cfg["SPLIT"] and cfg["num_warps"] != 4:
         raise ValueError(f"config SPLIT=True needs num_warps=4 (one warpgroup per consumer "
                          f"partition), got num_warps={cfg['num_warps']}")
