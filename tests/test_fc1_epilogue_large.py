@@ -15,17 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from block_replay import assert_graph_and_compile_match_eager, run_block
+from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_ops
 from te_ops.fused import fc1_epilogue
 from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels.grouped_gemm import BackendChoice
 from te_ops.kernels.swiglu_triton import ActivationChoice
 
 CUDA = torch.device("cuda")
-LARGE = BackendChoice("triton", "test", True, large_kinds=("fprop", "dgrad"))
-ACT = ActivationChoice("triton", "test")
 
 
 # ----------------------------------------------------------------------------- CPU: the rule
@@ -55,19 +54,6 @@ def test_zero_turns_it_off(monkeypatch):
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
     assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0) == \
         "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
-
-
-class _Act:
-    glu_interleave_size = None
-
-    def __init__(self):
-        self.records = []
-
-    def record_dispatch(self, kind, text):
-        self.records.append((kind, text))
-
-    def select_backend(self, h):
-        return ACT
 
 
 def test_general_path_launches_the_persistent_kernel(monkeypatch):

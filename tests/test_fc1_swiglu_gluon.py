@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from block_replay import assert_graph_and_compile_match_eager, run_block
+from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_ops
@@ -31,12 +33,8 @@ from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
 from te_ops.kernels import fc1_swiglu_gluon as FG
 from te_ops.kernels import grouped_gemm_gluon as GG
 from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels.grouped_gemm import BackendChoice
-from te_ops.kernels.swiglu_triton import ActivationChoice
 
 CUDA = torch.device("cuda")
-LARGE = BackendChoice("triton", "test", True, large_kinds=("fprop", "dgrad"))
-ACT = ActivationChoice("triton", "test")
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -95,19 +93,6 @@ def test_rule_entries_are_measured_issue10_shapes():
     measured = {(4096, 28672): 2048.0, (7168, 4096): 1024.0, (2048, 1536): 512.0}
     for key, rows in FG.GLUON_FC1_RULE.items():
         assert measured.get(key) == rows, key
-
-
-class _Act:
-    glu_interleave_size = None
-
-    def __init__(self):
-        self.records = []
-
-    def record_dispatch(self, kind, text):
-        self.records.append((kind, text))
-
-    def select_backend(self, h):
-        return ACT
 
 
 def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):

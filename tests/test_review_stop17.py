@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
 from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
 from te_ops.kernels import fc1_swiglu_gluon as FG
 from te_ops.kernels import grouped_gemm
-from te_ops.kernels.grouped_gemm import BackendChoice
-from te_ops.kernels.swiglu_triton import ActivationChoice
 
 CUDA = torch.device("cuda")
-LARGE = BackendChoice("triton", "test", True, large_kinds=("fprop", "dgrad"))
-ACT = ActivationChoice("triton", "test")
 E8 = (4096, 28672)  # a GLUON_FC1_RULE shape at 2048 rows per group
 
 
@@ -86,19 +84,6 @@ def test_features_without_device_and_dtype_raise():
     with pytest.raises(ValueError, match=r"features=\(4096, 28672\) needs the call's device "
                                          r"and dtype .* got device=None, dtype=None"):
         fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0, features=E8)
-
-
-class _Act:
-    glu_interleave_size = None
-
-    def __init__(self):
-        self.records = []
-
-    def record_dispatch(self, kind, text):
-        self.records.append((kind, text))
-
-    def select_backend(self, h):
-        return ACT
 
 
 def test_explain_names_the_run_time_fallback(monkeypatch):
