@@ -343,12 +343,12 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
 
 
 # ------------------------------------------------------------------ CPU: the benchmark record
-def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
-    """``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` end to end on a tiny shape with
-    the kernels replaced by torch references and fixed times (call i of a round takes 1 + i
-    ms): the record's checks, times and ratios, then ``--summarize``; a bad
-    ``--dswiglu-variants`` config is a usage error naming the flag."""
-    import argparse
+def patch_dswiglu_bench(monkeypatch):
+    """``benchmarks/large_gemm_triton.py`` (imported) on the CPU at one tiny shape
+    (E2 T64 H32 FF16), its fc2 dgrad, SwiGLU backward and fused kernels replaced by torch
+    references (``_reference``) and its timer by fixed times (call i of a round takes 1 + i
+    ms). Returns the module, the reference dgrad ``(dy, w, offs, cfg=None, *rest)`` and the
+    reference fused call ``(dy, w, offs, h, probs, config=None)``."""
     import os
     import sys
 
@@ -358,7 +358,7 @@ def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
     from te_ops.kernels import grouped_gemm_large_triton as lg
     from te_ops.kernels import swiglu_triton as st
 
-    def dgrad(dy, w, offs, cfg=None):
+    def dgrad(dy, w, offs, cfg=None, *rest):
         out, start = torch.zeros(dy.shape[0], w.shape[2]), 0
         for g, end in enumerate(offs.tolist()):
             out[start:end] = dy[start:end].float() @ w[g].float()
@@ -382,6 +382,17 @@ def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_time_interleaved",
                         lambda calls, reps, warmup: {n: [1.0 + i] * reps
                                                      for i, n in enumerate(calls)})
+    return bench, dgrad, fused
+
+
+def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
+    """``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu`` end to end on a tiny shape with
+    the kernels replaced by torch references and fixed times (call i of a round takes 1 + i
+    ms): the record's checks, times and ratios, then ``--summarize``; a bad
+    ``--dswiglu-variants`` config is a usage error naming the flag."""
+    import argparse
+
+    bench, _, _ = patch_dswiglu_bench(monkeypatch)
     args = argparse.Namespace(seed=0, reps=20, warmup=0,
                               dswiglu_variants={"walk": {"FLAT": False}})
     rec = bench.compare_dswiglu("E2_T64_H32_FF16", args)

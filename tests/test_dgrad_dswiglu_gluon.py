@@ -31,6 +31,7 @@ from test_dgrad_dswiglu import (
     _run,
     _same,
     _two_launches,
+    patch_dswiglu_bench,
 )
 
 from te_ops.fused import fc2_dgrad_epilogue as fe
@@ -351,44 +352,13 @@ def test_benchmark_record_with_gluon_on_cpu(monkeypatch, tmp_path, capsys):
     torch references and fixed times (call i of a round takes 1 + i ms): the Gluon calls'
     checks, times and ratios, ``--summarize``, and a bad Gluon config is a usage error."""
     import argparse
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import large_gemm_triton as bench
-
-    from te_ops.kernels import dgrad_dswiglu_triton as D
     from te_ops.kernels import grouped_gemm_gluon as GG
-    from te_ops.kernels import grouped_gemm_large_triton as lg
-    from te_ops.kernels import swiglu_triton as st
 
-    def dgrad(dy, w, offs, cfg=None, *rest):
-        out, start = torch.zeros(dy.shape[0], w.shape[2]), 0
-        for g, end in enumerate(offs.tolist()):
-            out[start:end] = dy[start:end].float() @ w[g].float()
-            start = end
-        return out.to(dy.dtype)
-
-    def swiglu_bwd(h, da, probs, write_output=False, grad_into_input=False):
-        dh, dp, a = _reference(da.float(), torch.eye(da.shape[1])[None].expand(1, -1, -1),
-                               h, probs, [da.shape[0]])
-        return dh.to(h.dtype), dp.float(), a.to(h.dtype)
-
-    def fused(dy, w, offs, h, probs, config=None):
-        return swiglu_bwd(h, dgrad(dy, w, offs), probs)
-
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "SHAPES", {"E2_T64_H32_FF16": (2, 64, 32, 16)})
-    monkeypatch.setattr(bench, "ALL_SHAPES", bench.SHAPES)
-    monkeypatch.setattr(lg, "large_dgrad", dgrad)
+    bench, dgrad, fused = patch_dswiglu_bench(monkeypatch)
     monkeypatch.setattr(GG, "gluon_grouped_gemm", lambda dy, w, offs, _: dgrad(dy, w, offs))
     monkeypatch.setattr(GG, "gluon_dgrad", dgrad)
-    monkeypatch.setattr(st, "swiglu_backward", swiglu_bwd)
-    monkeypatch.setattr(D, "large_dgrad_dswiglu", fused)
     monkeypatch.setattr(GD, "gluon_dgrad_dswiglu", fused)
-    monkeypatch.setattr(bench, "_time_interleaved",
-                        lambda calls, reps, warmup: {n: [1.0 + i] * reps
-                                                     for i, n in enumerate(calls)})
     args = argparse.Namespace(seed=0, reps=20, warmup=0, dswiglu_variants={},
                               gluon={"gluon": {}, "gluon_n128": {"BLOCK_M": 128}})
     rec = bench.compare_dswiglu("E2_T64_H32_FF16", args)
