@@ -31,6 +31,24 @@ two launches write them (the epilogue partition writes them before its first til
 Shared memory: the 3-stage ring of 48 KiB (x 128 x 64 + W 256 x 64, bf16) + the 64 KiB
 output tile = 208 KiB of the H200's 227 (a is stored from registers, no buffer).
 
+``C_HALF`` (with ``SPLIT``; off by default, built and compiled for sm_90 with Triton 3.6,
+**not measured**): ``grouped_gemm_gluon``'s ``C_HALF`` for this kernel. The output buffer
+holds 64 rows (32 KiB); each 64-row half of the 128 x 256 tile holds the gate and the up
+columns of its rows, so the epilogue works per half: it waits for consumer half 0's rows
+(``c_ready`` [0]), stores h's and a's rows of them, frees the buffer for half 1 (``c_empty``
+[1]), then the same for half 1, freeing it for half 0's next tile (``c_empty`` [0]). The
+consumers are ``grouped_gemm_gluon._mma_tiles`` (``_consumer_turn``: the k-steps, rounding
+and ``LAG`` 1 of ``SPLIT``'s consumer), the epilogue's per-slice math is unchanged, so h and
+a are meant to keep the bits above (the CUDA tests check it on SM90). The 32 KiB saved hold
+a 4th ring stage (``STAGES`` 4: 4 x 48 + 32 = 224 KiB), which made the plain Gluon
+fprop/dgrad 1.05-1.11x its 3-stage config at E8 / E32 (docs/benchmarks.md "Gluon
+fprop/dgrad: tail skip and a 4-stage ring (stop 17)"). sm_90 compile (Triton 3.6 + its
+ptxas): 229704 bytes of shared memory, consumers at 208 / 200 registers, the worker
+warpgroup at 96, no spills (the 3-stage configs: 4-8 bytes with probs). To measure:
+``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1 '{"gfc1": {}, "gfc1_split":
+{"SPLIT": true, "num_warps": 4}, "gfc1_c4": {"SPLIT": true, "num_warps": 4, "C_HALF": true,
+"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue (stop 17)").
+
 Auto dispatch (``fused/fc1_epilogue.py``) takes it at the measured shapes of
 :data:`GLUON_FC1_RULE`; ``gluon_fc1_swiglu`` is the op ``te_ops::grouped_fc1_swiglu_gluon``
 under a trace (a ``custom_op``: ``wrap_triton`` takes Triton ``JITFunction`` kernels only).
