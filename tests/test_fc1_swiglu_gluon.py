@@ -5,14 +5,17 @@ CPU (CI): the config and argument errors, the reason on CPU, the measured rule a
 dispatch (general path, fast path, ``explain()``), the sm_90 ahead-of-time compile (skipped
 without Gluon or an sm_90 ptxas: run with Triton 3.6 on the path): four partitions' register
 budgets, wgmma m64n256k16, one paired TMA load of 48 KiB per k-step, shared memory within
-227 KiB. CUDA (``@pytest.mark.cuda``, SM90): h and a against the fp64 per-expert reference
-(N(0, 1) inputs, init-scale weights), bitwise equal to the two launches (``large_fprop`` /
-``torch._grouped_mm``, then ``swiglu_forward``) with NaN garbage in x's padding rows and in
-the recycled output memory, skewed and empty groups, with and without probs, bf16 and fp16,
-``SPLIT``; CUDA-graph replay with new offsets and ``torch.compile(fullgraph=True)`` bitwise
-equal to eager; the block with the rule patched to take the kernel: fused (general and fast
-path), the fused forward with the unfused backward and the unfused ops bitwise equal to the
-epilogue off; graph capture and compile of that block bitwise equal to eager.
+227 KiB; the ``C_HALF`` + ``STAGES`` 4 config (not measured): 4 ring stages in 224-227 KiB,
+the per-half barriers, no ptxas spills, its config errors and the check of
+``benchmarks/large_gemm_triton.py --gluon-fc1``. CUDA (``@pytest.mark.cuda``, SM90): h and
+a against the fp64 per-expert reference (N(0, 1) inputs, init-scale weights), bitwise equal
+to the two launches (``large_fprop`` / ``torch._grouped_mm``, then ``swiglu_forward``) with
+NaN garbage in x's padding rows and in the recycled output memory, skewed and empty groups,
+with and without probs, bf16 and fp16, ``SPLIT`` and ``C_HALF`` + ``STAGES`` 4; CUDA-graph
+replay with new offsets and ``torch.compile(fullgraph=True)`` bitwise equal to eager; the
+block with the rule patched to take the kernel: fused (general and fast path), the fused
+forward with the unfused backward and the unfused ops bitwise equal to the epilogue off;
+graph capture and compile of that block bitwise equal to eager.
 """
 
 from __future__ import annotations
