@@ -38,6 +38,9 @@
 #                 dispatch rule MIN_ROWS_PER_GROUP -> "$OUT/large_gemm.jsonl"
 #     gluon_wgrad benchmarks/gluon_wgrad.py --check: the Gluon wgrad's correctness cases, then
 #                 its time vs torch._grouped_mm and the Triton wgrad -> "$OUT/gluon_wgrad.jsonl"
+#     gluon_fc1   benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1: the Gluon fc1 + SwiGLU
+#                 kernel (dispatched default, SPLIT, C_HALF + 4 stages) vs the fprop + SwiGLU
+#                 pass, bitwise checks -> "$OUT/gluon_fc1.jsonl"
 #     profile_graph  benchmarks/profile_graph_e64.py: every kernel of one replay of the graphed
 #                 E64 step, gaps between them, GEMM / other sums -> "$OUT/profile_graph.jsonl"
 #     gaps        benchmarks/profile_gaps.py, the three large shapes: device idle time between
@@ -81,7 +84,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad profile_graph gaps gaps_mid host_costs host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -202,6 +205,10 @@ bench_lane() {
     # rows per group).
     step gluon_wgrad 120 "$PY" benchmarks/gluon_wgrad.py --check --reps 20 \
         --out "$OUT/gluon_wgrad.jsonl"
+    # The Gluon fc1 + SwiGLU kernel's configs against fc1's fprop + the SwiGLU pass (stop 17:
+    # the default dispatched at GLUON_FC1_RULE's shapes; C_HALF + 4 stages built, not measured).
+    step gluon_fc1 150 "$PY" benchmarks/large_gemm_triton.py --gemms fc1 \
+        --out "$OUT/gluon_fc1.jsonl" --gluon-fc1 '{"gfc1": {}, "gfc1_split": {"SPLIT": true, "num_warps": 4}, "gfc1_c4": {"SPLIT": true, "num_warps": 4, "C_HALF": true, "STAGES": 4}}'
     # Every kernel of the graphed E64 step (and the eager peers'), with the gaps between them.
     step profile_graph 60 "$PY" benchmarks/profile_graph_e64.py --out "$OUT/profile_graph.jsonl"
     # Idle device time between kernels of back-to-back steps, and which host ops launched late
