@@ -110,3 +110,28 @@ def assert_block_matches_reference(block, x: torch.Tensor, probs: torch.Tensor,
     assert len(grads) == len(w1) + len(w2)
     for i, leaf in enumerate(w1 + w2):
         ref.assert_close(grads[i], leaf.grad, x.dtype, f"weight grad {i}")
+
+
+def count_launches(monkeypatch, module, name: str = "_launch") -> list[int]:
+    """Wrap ``module.<name>`` so every call appends 1 to the returned list (the calls still
+    run); for tests that a dispatch rule really reached a kernel's launch."""
+    launches: list[int] = []
+    launch = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return launches
+
+
+def summarize_record(bench, rec: dict, path, capsys) -> str:
+    """Write one benchmark record to ``path`` (JSON lines), run the benchmark's
+    ``--summarize`` on it and return what it printed (the records' own echo dropped)."""
+    out = bench.JsonLines(str(path))
+    out.write(rec)
+    out.close()
+    capsys.readouterr()
+    assert bench.main(["--summarize", str(path)]) == 0
+    return capsys.readouterr().out
+

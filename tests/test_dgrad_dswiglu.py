@@ -20,7 +20,11 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from block_replay import assert_graph_and_compile_match_eager, run_block_params_first
+from block_replay import (
+    assert_graph_and_compile_match_eager,
+    run_block_params_first,
+    summarize_record,
+)
 from reference import assert_close
 from sm90_compile import compile_for_sm90
 
@@ -402,13 +406,7 @@ def test_benchmark_record_on_cpu(monkeypatch, tmp_path, capsys):
     assert rec["two_launches_ms"] == 4.0 and rec["fused_ms"] == 5.0
     assert rec["fused_x"] == 4.0 / 5.0 and rec["fused_walk_x"] == 4.0 / 6.0
     assert rec["epilogue_ms"] == 2.0 and rec["variants"]["walk"]["FLAT"] is False
-    path = tmp_path / "r.jsonl"
-    out = bench.JsonLines(str(path))
-    out.write(rec)
-    out.close()
-    capsys.readouterr()
-    assert bench.main(["--summarize", str(path)]) == 0
-    table = capsys.readouterr().out
+    table = summarize_record(bench, rec, tmp_path / "r.jsonl", capsys)
     assert "fc2 dgrad+dSwiGLU" in table and "x 0.800" in table and "variant walk" in table
     with pytest.raises(SystemExit):
         bench.main(["--gemms", "fc2_dswiglu", "--dswiglu-variants", '{"x": {"EPI_SPLIT": 3}}'])

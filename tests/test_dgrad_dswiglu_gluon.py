@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from block_replay import assert_graph_and_compile_match_eager
+from block_replay import assert_graph_and_compile_match_eager, summarize_record
 from reference import assert_close
 from test_dgrad_dswiglu import (
     CASES,
@@ -369,13 +369,7 @@ def test_benchmark_record_with_gluon_on_cpu(monkeypatch, tmp_path, capsys):
     assert rec["two_launches_ms"] == 4.0 and rec["gluon_ms"] == 9.0
     assert rec["gluon_x"] == 4.0 / 9.0 and rec["gluon_n128_vs_gluon_pair"] == 8.0 / 10.0
     assert rec["gluon_configs"]["gluon_n128"]["BLOCK_M"] == 128
-    path = tmp_path / "r.jsonl"
-    out = bench.JsonLines(str(path))
-    out.write(rec)
-    out.close()
-    capsys.readouterr()
-    assert bench.main(["--summarize", str(path)]) == 0
-    table = capsys.readouterr().out
+    table = summarize_record(bench, rec, tmp_path / "r.jsonl", capsys)
     assert "gluon pair" in table and "gluon_n128" in table and "x 0.444" in table
     with pytest.raises(SystemExit):
         bench.main(["--gemms", "fc2_dswiglu", "--gluon", '{"gluon": {"SUB_M": 3}}'])

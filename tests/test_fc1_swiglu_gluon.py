@@ -25,7 +25,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from block_replay import assert_graph_and_compile_match_eager, run_block
+from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -426,14 +426,7 @@ SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the per
 def _take_gluon(monkeypatch) -> list[int]:
     """The rule patched to take the Gluon kernel at every shape; counts its launches."""
     monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
-    launches: list[int] = []
-    launch = FG._launch
-
-    def counted(*args, **kwargs):
-        launches.append(1)
-        return launch(*args, **kwargs)
-    monkeypatch.setattr(FG, "_launch", counted)
-    return launches
+    return count_launches(monkeypatch, FG)
 
 
 @pytest.mark.cuda

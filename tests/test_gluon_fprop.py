@@ -22,6 +22,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from block_replay import count_launches
+from test_grouped_gemm_large_triton import CASES, _tol  # the persistent kernel's cases
 
 from te_ops.kernels import grouped_gemm_gluon as GG
 from te_ops.kernels import grouped_gemm_large_triton as L
@@ -177,18 +179,6 @@ def _operands(sizes, m, n, k, dtype=torch.bfloat16, seed=0):
     return x, w, offs
 
 
-def _tol(dtype, k):
-    return (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, (k / 64) ** 0.5)
-
-
-CASES = [
-    ([300, 0, 17, 129], 460, 384, 256),      # empty group, 14 padding rows, skew
-    ([1000, 3, 0, 0, 250], 1300, 200, 136),  # dims off the tiles
-    ([0, 0], 50, 256, 64),                   # padding only
-    ([512] * 4, 2048, 1536, 512),            # E128-like fc1 slice, no padding
-]
-
-
 def _skip_unless_sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
@@ -320,14 +310,7 @@ def _force_gluon(monkeypatch) -> list[int]:
                         lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
                                                         if k in large))
     grouped_gemm._CHOICES.clear()
-    launches: list[int] = []
-    launch = GG._launch
-
-    def counted(*args, **kwargs):
-        launches.append(1)
-        return launch(*args, **kwargs)
-    monkeypatch.setattr(GG, "_launch", counted)
-    return launches
+    return count_launches(monkeypatch, GG)
 
 
 @pytest.mark.cuda

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from block_replay import summarize_record
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -171,13 +172,7 @@ def test_variants_are_timed_checked_and_summarized(monkeypatch, tmp_path, capsys
     assert rec["variants"]["walk"]["FLAT"] is False and rec["variants"]["tail"]["GROUP_M"] == 4
     assert {"GROUP_M": 4, "FLAT": False} in seen and {"GROUP_M": 4, "TAIL": True} in seen
     assert "variants" not in bench.compare("E2_T64_H32_FF16", "fc2_wgrad", args)
-    path = tmp_path / "v.jsonl"
-    out = bench.JsonLines(str(path))
-    out.write(rec)
-    out.close()
-    capsys.readouterr()
-    assert bench.main(["--summarize", str(path)]) == 0
-    table = capsys.readouterr().out.splitlines()
+    table = summarize_record(bench, rec, tmp_path / "v.jsonl", capsys).splitlines()
     assert table[2].split()[:2] == ["variant", "walk"] and "bits True" in table[2]
 
 
@@ -204,13 +199,8 @@ def test_fused_variants_are_timed_and_summarized(monkeypatch, tmp_path, capsys):
     assert seen[-1] == {"FLAT": False, "PAIRED": False, "BLOCK_N": 128}
     assert rec["fused_old_ms"] == 6.0 and rec["fused_old_vs_triton_swiglu"] == 4.0 / 6.0
     assert rec["fused_old_config"]["PAIRED"] is False
-    path = tmp_path / "r.jsonl"
-    out = bench.JsonLines(str(path))
-    out.write(rec)
-    out.close()
-    capsys.readouterr()
-    assert bench.main(["--summarize", str(path)]) == 0
-    assert "fused variant old: 6.000 ms, 0.667x" in capsys.readouterr().out
+    table = summarize_record(bench, rec, tmp_path / "r.jsonl", capsys)
+    assert "fused variant old: 6.000 ms, 0.667x" in table
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
     with pytest.raises(SystemExit):
         bench.main(["--fused-variants", '{"x": {"PAIRED": true, "BLOCK_N": 7}}'])
