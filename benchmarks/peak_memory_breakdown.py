@@ -4,7 +4,8 @@ Records the caching allocator's history (``torch.cuda.memory._record_memory_hist
 step of each peer of ``benchmarks/grouped_mlp.py`` and prints, at the step's peak, the live
 blocks allocated during the step by size, each with the innermost Python frame of this
 repository that allocated it (memory live before the step, e.g. inputs and parameters, is one
-line).
+line). ``--small`` lists every block under 1 MiB live at the peak, in bytes, where two peers'
+peaks differ by KiB (split tables, kernel scratch, the peer's CUTLASS argument buffers).
 
 Usage::
 
@@ -32,10 +33,14 @@ def _where(frames: list[dict]) -> str:
         name = f.get("filename", "")
         if ("te_ops" in name or "benchmarks" in name) and "peak_memory" not in name:
             return f"{os.path.basename(name)}:{f.get('line')}({f.get('name')})"
+    for f in frames:  # a C++ allocation (the torch peer's): the first aten / native frame
+        name = f.get("name", "")
+        if ("at::" in name or "native" in name) and "Allocator" not in name:
+            return name[:90]
     return frames[0].get("name", "?") if frames else "?"
 
 
-def breakdown(peer_name: str, problem, top: int) -> list[str]:
+def breakdown(peer_name: str, problem, top: int, small_kib: bool = False) -> list[str]:
     peer = PEER_CLASSES[peer_name](problem)
     params = peer.parameters()
     x, probs = problem.x, problem.probs
@@ -74,6 +79,12 @@ def breakdown(peer_name: str, problem, top: int) -> list[str]:
         by_site.setdefault(site, []).append(size)
     for site, sizes in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(sizes) / _MIB:9.1f} MiB  {len(sizes):3d} blocks  {site}")
+    if small_kib:  # every block under 1 MiB live at the peak, in bytes: the KiB differences
+        small = sorted((size, site) for size, site in at_peak.values() if size < _MIB)
+        lines.append(f"  before the step {before} bytes, step's own peak {peak} bytes; "
+                     f"blocks under 1 MiB: {len(small)}, {sum(s for s, _ in small)} bytes")
+        for size, site in small:
+            lines.append(f"    {size:8d} B  {site}")
     return lines
 
 
@@ -82,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--peers", default="torch_grouped_mm,te_ops_fused")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--small", action="store_true",
+                        help="also list every block under 1 MiB live at the peak, in bytes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         problem = make_problem(name, SHAPES[name], torch.device("cuda"), torch.bfloat16, 0)
         for peer in args.peers.split(","):
-            print("\n".join(breakdown(peer, problem, args.top)), flush=True)
+            print("\n".join(breakdown(peer, problem, args.top, args.small)), flush=True)
             free_memory()
         del problem
         free_memory()

@@ -227,42 +227,48 @@ if gluon is not None:
     def _loader(x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N, K,
                 G, P, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr):
-        """Worker: TMA loads of every row step of this program's tiles into the ring."""
+        """Worker: TMA loads of every row step of this program's tiles into the ring.
+
+        The tiles of one group run back to back (``order`` ranks whole groups), so the loop
+        is over groups, then over the group's tiles: each group's two descriptors are made
+        in the outer loop's body and carried by no loop, which keeps them at two
+        global-scratch slots per program (a loop-carried descriptor needs a seed made before
+        the loop, and every ``make_tensor_descriptor`` call site takes its own 128 bytes)."""
         x_layout: gl.constexpr = x_bufs.type.layout
         dy_layout: gl.constexpr = dy_bufs.type.layout
         nbytes: gl.constexpr = (BLOCK_M * (BLOCK_N + BLOCK_K)
                                 * x_ptr.dtype.element_ty.primitive_bitwidth // 8)
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_group = gl.cdiv(N, BLOCK_N) * tiles_k
+        total = G * per_group
         s = 0
-        desc_g = -1  # the first tile builds its group's descriptors; these only seed the loop
-        x_desc = tma.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K], x_layout)
-        dy_desc = tma.make_tensor_descriptor(dy_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N],
-                                             dy_layout)
-        for t in range(gl.program_id(0), G * per_group, P):
+        t = gl.program_id(0)
+        while t < total:  # a new group: descriptors that end at its last row
+            # they overwrite the previous group's in global scratch: first let the copies
+            # in flight (the last min(s, STAGES) steps) finish reading them
+            for i in range(gl.minimum(s, STAGES)):
+                done = s - 1 - i
+                mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
             g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
-            if g != desc_g:  # a new group: descriptors that end at its last row
-                desc_g = g
-                # the new descriptors overwrite the old ones in global scratch: first let
-                # the copies in flight (the last min(s, STAGES) steps) finish reading them
-                for i in range(gl.minimum(s, STAGES)):
-                    done = s - 1 - i
-                    mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
-                base = start.to(gl.int64)
-                rows = gl.maximum(end - start, 1)
-                x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
-                                                    [BLOCK_M, BLOCK_K], x_layout)
-                dy_desc = tma.make_tensor_descriptor(dy_ptr + base * N, [rows, N], [N, 1],
-                                                     [BLOCK_M, BLOCK_N], dy_layout)
-            for kk in range(gl.cdiv(end - start, BLOCK_M)):
-                st = s % STAGES
-                mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(st), nbytes)
-                tma.async_copy_global_to_shared(dy_desc, [kk * BLOCK_M, pn * BLOCK_N],
-                                                ready.index(st), dy_bufs.index(st))
-                tma.async_copy_global_to_shared(x_desc, [kk * BLOCK_M, pk * BLOCK_K],
-                                                ready.index(st), x_bufs.index(st))
-                s += 1
+            base = start.to(gl.int64)
+            rows = gl.maximum(end - start, 1)
+            x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
+                                                [BLOCK_M, BLOCK_K], x_layout)
+            dy_desc = tma.make_tensor_descriptor(dy_ptr + base * N, [rows, N], [N, 1],
+                                                 [BLOCK_M, BLOCK_N], dy_layout)
+            rank = t // per_group
+            while (t < total) & (t // per_group == rank):  # this group's tiles
+                g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+                for kk in range(gl.cdiv(end - start, BLOCK_M)):
+                    st = s % STAGES
+                    mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(st), nbytes)
+                    tma.async_copy_global_to_shared(dy_desc, [kk * BLOCK_M, pn * BLOCK_N],
+                                                    ready.index(st), dy_bufs.index(st))
+                    tma.async_copy_global_to_shared(x_desc, [kk * BLOCK_M, pk * BLOCK_K],
+                                                    ready.index(st), x_bufs.index(st))
+                    s += 1
+                t += P
 
     @gluon.jit
     def _split_cols(t):
