@@ -52,6 +52,9 @@
 #     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py --general: E64 and E128 eager,
 #                 a baseline te_ops copy vs this tree, fast path on and off, one process
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
+#     peak        benchmarks/peak_memory_breakdown.py --small: what is live at one step's memory
+#                 peak (the torch peer vs te_ops fused, per-expert and single weight, E128 / E32 /
+#                 E64), every block under 1 MiB in bytes -> "$OUT/peak.log"
 #     main_job    the main job on CUDA at 600 steps, bf16 eager vs --cuda-graph (the loss
 #                 curves must agree bit for bit)
 #     main_job_seeds  scripts/main_job_seeds.py: bf16 vs FP8 (default, and with fast accumulation
@@ -84,7 +87,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -228,6 +231,10 @@ bench_lane() {
     fi
     step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory.jsonl"
+    # The KiB-scale peak differences (split tables, kernel scratch, CUTLASS argument buffers).
+    step peak 90 "$PY" benchmarks/peak_memory_breakdown.py --small \
+        --shapes E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768 \
+        --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single
     # The main job: eager vs --cuda-graph bf16 at 600 steps (same seed, curves must agree).
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT"
     # Issue 9's loss goal: FP8 within 2 % of bf16 on the same seed (fp32 master weights), at the
@@ -287,6 +294,10 @@ fi
     if [ -s "$OUT/host_costs.jsonl" ]; then
         echo
         grep '"call"' "$OUT/host_costs.jsonl"
+    fi
+    if [ -s "$OUT/peak.log" ]; then  # each peer's peak in bytes (the step's own)
+        echo
+        grep -E "^## |step's own peak" "$OUT/peak.log"
     fi
     if [ -s "$PROFILE_JSON" ]; then
         echo
