@@ -52,6 +52,9 @@
 #     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py --general: E64 and E128 eager,
 #                 a baseline te_ops copy vs this tree, fast path on and off, one process
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
+#     power       benchmarks/power_clock.py: SM clock, board power, power-cap share and energy per
+#                 step of 150 back-to-back steps, the peer vs te_ops fused, three large shapes
+#                 -> "$OUT/power.jsonl" (the step ratios at the 700 W cap follow the energy)
 #     peak        benchmarks/peak_memory_breakdown.py --small: what is live at one step's memory
 #                 peak (the torch peer vs te_ops fused, per-expert and single weight, E128 / E32 /
 #                 E64), every block under 1 MiB in bytes -> "$OUT/peak.log"
@@ -87,7 +90,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak power} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -235,6 +238,9 @@ bench_lane() {
     step peak 90 "$PY" benchmarks/peak_memory_breakdown.py --small \
         --shapes E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768 \
         --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single
+    step power 150 "$PY" benchmarks/power_clock.py --steps 150 --out "$OUT/power.jsonl" \
+        --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768 \
+        --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused
     # The main job: eager vs --cuda-graph bf16 at 600 steps (same seed, curves must agree).
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT"
     # Issue 9's loss goal: FP8 within 2 % of bf16 on the same seed (fp32 master weights), at the
@@ -294,6 +300,10 @@ fi
     if [ -s "$OUT/host_costs.jsonl" ]; then
         echo
         grep '"call"' "$OUT/host_costs.jsonl"
+    fi
+    if [ -s "$OUT/power.log" ]; then  # ms, MHz, W, power-capped share, J per step
+        echo
+        grep -E "^(# power|shape|E[0-9])" "$OUT/power.log"
     fi
     if [ -s "$OUT/peak.log" ]; then  # each peer's peak in bytes (the step's own)
         echo
