@@ -256,6 +256,21 @@ class JsonLines:
             self.file.close()
 
 
+@contextlib.contextmanager
+def warmed_peer(peer_name: str, problem: Any, warmup: int) -> Iterator[Callable[[], None]]:
+    """The fwd+bwd step (:func:`fwd_bwd_step`) of one ``benchmarks/grouped_mlp.py`` peer on
+    ``problem``, run ``warmup`` times and synchronized, yielded inside the peer's env."""
+    from grouped_mlp import PEER_CLASSES
+
+    peer = PEER_CLASSES[peer_name](problem)
+    step = fwd_bwd_step(peer, problem)
+    with env_override(**peer.env):
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        yield step
+
+
 def trace_events(peer_name: str, problem: Any, *, warmup: int, steps: int,
                  step_prefix: str | None = None) -> list[dict[str, Any]]:
     """Chrome-trace events (torch.profiler, CPU + CUDA) of ``steps`` fwd+bwd steps of one
@@ -267,15 +282,9 @@ def trace_events(peer_name: str, problem: Any, *, warmup: int, steps: int,
     """
     import tempfile
 
-    from grouped_mlp import PEER_CLASSES
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    peer = PEER_CLASSES[peer_name](problem)
-    step = fwd_bwd_step(peer, problem)
-    with env_override(**peer.env):
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
+    with warmed_peer(peer_name, problem, warmup) as step:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
                 if step_prefix is None:

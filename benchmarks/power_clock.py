@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_override, free_memory, fwd_bwd_step  # noqa: E402
+from common import free_memory, warmed_peer  # noqa: E402
 from grouped_mlp import PEER_CLASSES, SHAPES, make_problem  # noqa: E402
 
 # NVML clocks-event reason bits (nvml.h: nvmlClocksEventReason*)
@@ -73,12 +73,7 @@ class Sampler:
 
 def measure(peer_name: str, problem, steps: int, warmup: int, interval_s: float,
             pynvml, handle) -> dict:
-    peer = PEER_CLASSES[peer_name](problem)
-    step = fwd_bwd_step(peer, problem)
-    with env_override(**peer.env):
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
+    with warmed_peer(peer_name, problem, warmup) as step:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         with Sampler(pynvml, handle, interval_s) as sampler:
             t0 = time.perf_counter()
@@ -106,7 +101,7 @@ def measure(peer_name: str, problem, steps: int, warmup: int, interval_s: float,
                               for s in busy) / len(busy)) if busy else None,
         "joules_per_step": power * wall / steps,
     }
-    del peer, step
+    del step
     free_memory()
     return record
 
