@@ -6,9 +6,13 @@ of the energy each step takes. This script runs each peer of ``benchmarks/groupe
 for ``--steps`` back-to-back forward+backward steps (after ``--warmup``) while a thread reads
 NVML every ``--interval-ms``: SM clock (MHz), board power (W), temperature (C) and whether
 the clock was held back by the power cap or a thermal limit
-(``nvmlDeviceGetCurrentClocksEventReasons``). Per peer it prints the median step time (CUDA
-events), the mean clock and power over the timed steps, the share of samples throttled by
-power / thermal limits, and the energy per step (mean power x wall time / steps, J).
+(``nvmlDeviceGetCurrentClocksEventReasons``), and the instantaneous power where NVML has it.
+Per peer it prints the median step time (CUDA events), the mean clock and power over the
+timed steps, the share of samples throttled by power / thermal limits, and the energy per
+step (mean power x wall time / steps, J). ``nvmlDeviceGetPowerUsage`` averages over about a
+second on recent drivers, so the energy is approximate, and too low for runs shorter than
+that window (the E128 peers: 150 steps take ~0.6 s); the instantaneous mean is printed too
+(``inst W``; NaN where unavailable).
 
 Needs ``nvidia-ml-py`` (``import pynvml``). Usage::
 
@@ -45,9 +49,22 @@ class Sampler:
 
     def __init__(self, pynvml, handle, interval_s: float) -> None:
         self.nv, self.handle, self.interval_s = pynvml, handle, interval_s
-        self.samples: list[tuple[float, int, float, int, int]] = []
+        self.samples: list[tuple[float, int, float, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _instant_w(self) -> float:
+        """Instantaneous board power (``NVML_FI_DEV_POWER_INSTANT``), NaN where the driver or
+        nvidia-ml-py lacks it (``nvmlDeviceGetPowerUsage`` is an average over about 1 s on
+        recent drivers: longer than one step)."""
+        fid = getattr(self.nv, "NVML_FI_DEV_POWER_INSTANT", None)
+        if fid is None:
+            return float("nan")
+        try:
+            value = self.nv.nvmlDeviceGetFieldValues(self.handle, [fid])[0]
+        except self.nv.NVMLError:
+            return float("nan")
+        return value.value.uiVal / 1000.0 if value.nvmlReturn == 0 else float("nan")
 
     def _run(self) -> None:
         nv, h = self.nv, self.handle
@@ -59,7 +76,8 @@ class Sampler:
                 nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                 nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-                reasons(h)))
+                reasons(h),
+                self._instant_w()))
             time.sleep(self.interval_s)
 
     def __enter__(self) -> Sampler:
@@ -94,6 +112,7 @@ def measure(peer_name: str, problem, steps: int, warmup: int, interval_s: float,
         "sm_mhz_mean": statistics.fmean(s[1] for s in busy) if busy else None,
         "sm_mhz_min": min((s[1] for s in busy), default=None),
         "power_w_mean": power,
+        "power_instant_w_mean": statistics.fmean(s[5] for s in busy) if busy else None,
         "temp_c_max": max((s[3] for s in busy), default=None),
         "power_capped_share": (sum(bool(s[4] & (_POWER_CAP | _HW_POWER_BRAKE)) for s in busy)
                                / len(busy)) if busy else None,
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     print(f"# power limit {limit:.0f} W, GPU {torch.cuda.get_device_name(index)}")
     print(f"{'shape':26} {'peer':22} {'ms':>8} {'first':>7} {'MHz':>6} {'W':>6} "
-          f"{'capped':>6} {'J/step':>7}")
+          f"{'inst W':>6} {'capped':>6} {'J/step':>7}")
     for name in args.shapes.split(","):
         problem = make_problem(name, SHAPES[name], torch.device("cuda"), torch.bfloat16, 0)
         for peer in args.peers.split(","):
@@ -146,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             r["power_limit_w"] = limit
             print(f"{name:26} {peer:22} {r['ms_median']:8.3f} {r['ms_first']:7.3f} "
                   f"{r['sm_mhz_mean'] or 0:6.0f} {r['power_w_mean']:6.0f} "
+                  f"{r['power_instant_w_mean'] or float('nan'):6.0f} "
                   f"{r['power_capped_share'] or 0:6.2f} {r['joules_per_step']:7.3f}", flush=True)
             if args.out:
                 with open(args.out, "a") as f:
