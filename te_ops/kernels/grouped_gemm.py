@@ -243,7 +243,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds, large, gluon, wgrad_preset=preset)
+                                 forced, graph_safe, kinds, large, gluon, preset)
         if gluon_why is not None:
             choice = dataclasses.replace(choice, reason=f"{choice.reason}; "
                                          f"TE_OPS_GLUON_WGRAD=1 not taken: {gluon_why}")
