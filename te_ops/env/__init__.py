@@ -57,7 +57,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "faster: the few-rows kernels for fprop <= 8, dgrad <= 4, wgrad <= 32 rows per "
             "group on average, the persistent kernels for fprop and dgrad at >= 32 (the Gluon "
             "fprop/dgrad instead at the measured shapes of grouped_gemm_gluon.GLUON_RULE) and "
-            "for wgrad at 64-256, the Gluon wgrad at >= 1024: TE_OPS_GLUON_WGRAD), else a "
+            "for wgrad at 64-256, the Gluon wgrad at >= 512: TE_OPS_GLUON_WGRAD), else a "
             "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
             "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
             "GEMMs under a recipe stay "
@@ -123,9 +123,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "bitwise torch._grouped_mm's result), where auto dispatch runs (TE_OPS_GROUPED_GEMM_"
             "BACKEND=auto, SM90, bfloat16, Triton 3.6's Gluon API) and out_features is a multiple "
             "of 128: auto at the "
-            "measured rule (>= 1024 rows per group on average, grouped_wgrad_gluon."
-            "MIN_ROWS_PER_GROUP: 1.04-1.13x torch._grouped_mm on the H200), 1 at any row count, "
-            "0 never.",
+            "measured rule (>= 512 rows per group on average, grouped_wgrad_gluon."
+            "MID_MIN_ROWS_PER_GROUP; at 512-1023 with the 4-stage subtiled-epilogue config "
+            "MID_ROWS_CONFIG: 1.12-1.21x torch._grouped_mm at 512, at >= 1024 "
+            "(MIN_ROWS_PER_GROUP) with the default config: 1.04-1.13x, on the H200), 1 at any "
+            "row count (the same configs, the default below 512), 0 never.",
         ),
         EnvVar(
             "TE_OPS_GRAPH_SAFE",

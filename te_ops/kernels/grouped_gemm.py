@@ -31,9 +31,11 @@ Backends
     1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes); of those, the (kind,
     features, rows per group) that ``grouped_gemm_gluon.GLUON_RULE`` lists (measured shapes
     only) run in the warp-specialized Gluon fprop/dgrad kernel (same bits). At
-    ``grouped_wgrad_gluon.MIN_ROWS_PER_GROUP`` (1024) rows per group or more, wgrad runs in
-    the warp-specialized Gluon wgrad (``kernels/grouped_wgrad_gluon.py``; measured 1.04-1.13x
-    ``torch._grouped_mm`` there; ``TE_OPS_GLUON_WGRAD``). Both are ``BackendChoice.gluon_kinds``.
+    ``grouped_wgrad_gluon.MID_MIN_ROWS_PER_GROUP`` (512) rows per group or more, wgrad runs in
+    the warp-specialized Gluon wgrad (``kernels/grouped_wgrad_gluon.py``; ``TE_OPS_GLUON_WGRAD``):
+    with its 4-stage config ``MID_ROWS_CONFIG`` below ``MIN_ROWS_PER_GROUP`` (1024; measured
+    1.12-1.21x ``torch._grouped_mm`` at 512), with the default config from there (measured
+    1.04-1.13x; ``BackendChoice.gluon_wgrad_preset``). Both are ``BackendChoice.gluon_kinds``.
     Forced, all three kinds
     run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
     ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
@@ -76,12 +78,14 @@ from .grouped_gemm_triton import (
     triton_wgrad,
 )
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
+from .grouped_wgrad_gluon import MID_MIN_ROWS_PER_GROUP as GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP
 from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
 from .grouped_wgrad_gluon import gluon_kinds as gluon_wgrad_kinds
 from .grouped_wgrad_gluon import (
     gluon_unavailable_reason,
     gluon_unsupported_reason,
     gluon_wgrad,
+    gluon_wgrad_preset,
 )
 from .grouped_wgrad_large_triton import large_wgrad
 from .padding import zero_padding_rows_
@@ -118,8 +122,11 @@ class BackendChoice:
     #: With ``name == "triton"``: the GEMM kinds that run in the warp-specialized Gluon
     #: kernels: fprop / dgrad of ``large_kinds`` instead of the persistent Triton kernel
     #: (``grouped_gemm_gluon``: measured shapes only, ``GLUON_RULE``), wgrad
-    #: (``grouped_wgrad_gluon``: ``MIN_ROWS_PER_GROUP``, ``TE_OPS_GLUON_WGRAD``).
+    #: (``grouped_wgrad_gluon``: ``MID_MIN_ROWS_PER_GROUP``, ``TE_OPS_GLUON_WGRAD``).
     gluon_kinds: tuple[str, ...] = ()
+    #: With "wgrad" in ``gluon_kinds``: the Gluon wgrad's launch config, a key of
+    #: ``grouped_wgrad_gluon.PRESETS`` (``gluon_wgrad_preset``: decided once per choice).
+    gluon_wgrad_preset: str = "default"
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -228,13 +235,15 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     # TE_OPS_GLUON_WGRAD=1 where the kernel can never run: the reason says why
     gluon_why = (gluon_unavailable_reason(out_features) if gluon_mode == "1"
                  and not wgrad_gluon else None)
+    # the Gluon wgrad's launch config (name, why) for this row count
+    preset = gluon_wgrad_preset(rows_per_group) if wgrad_gluon else None
     # the mode too: the reason text names it (auto and 1 give the same kinds at many rows)
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large, gluon, gluon_mode if wgrad_gluon else None, gluon_why)
+           kinds, large, gluon, gluon_mode if wgrad_gluon else None, gluon_why, preset)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds, large, gluon)
+                                 forced, graph_safe, kinds, large, gluon, preset)
         if gluon_why is not None:
             choice = dataclasses.replace(choice, reason=f"{choice.reason}; "
                                          f"TE_OPS_GLUON_WGRAD=1 not taken: {gluon_why}")
@@ -254,7 +263,8 @@ _CHOICES: dict[tuple, BackendChoice] = {}
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
                     graph_safe: str, kinds: tuple[str, ...] = (),
-                    large: tuple[str, ...] = (), gluon: tuple[str, ...] = ()) -> BackendChoice:
+                    large: tuple[str, ...] = (), gluon: tuple[str, ...] = (),
+                    wgrad_preset: tuple[str, str] | None = None) -> BackendChoice:
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
@@ -299,12 +309,16 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         # a wgrad into an fp32 main_grad runs torch._grouped_mm (out_dtype) where it can
         # (kernels/wgrad_into.py): said on the part that holds wgrad
         mg = ", wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
+        preset, preset_why = wgrad_preset or gluon_wgrad_preset(
+            float(GLUON_WGRAD_MIN_ROWS_PER_GROUP))
         if wgrad_gluon:
             parts.append("wgrad in the warp-specialized Gluon wgrad (SM90, bfloat16, "
                          "out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
                          f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
-                         f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={GLUON_WGRAD_MIN_ROWS_PER_GROUP} "
-                         "rows per group, measured faster than torch._grouped_mm there; a "
+                         f"GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP="
+                         f"{GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP} rows per group, measured faster "
+                         "than torch._grouped_mm there; launch config "
+                         f"{preset!r}: {preset_why}; a "
                          "call whose operands are not 16-byte aligned runs torch._grouped_mm"
                          f"{mg})")
         if small:
@@ -329,7 +343,8 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
                                triton_kinds=small, large_kinds=big,
-                               gluon_kinds=in_gluon + wgrad_gluon)
+                               gluon_kinds=in_gluon + wgrad_gluon,
+                               gluon_wgrad_preset=preset if wgrad_gluon else "default")
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
@@ -556,7 +571,7 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     if "wgrad" in backend.gluon_kinds:
         x, dy = x.contiguous(), dy.contiguous()
         if gluon_unsupported_reason(x, dy) is None:  # else (a misaligned base) _grouped_mm
-            return gluon_wgrad(x, dy, splits.offsets)
+            return gluon_wgrad(x, dy, splits.offsets, preset=backend.gluon_wgrad_preset)
     if "wgrad" in backend.triton_kinds:
         return triton_wgrad(x, dy, splits.offsets)
     if "wgrad" in backend.large_kinds:

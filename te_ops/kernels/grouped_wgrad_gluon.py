@@ -47,11 +47,13 @@ it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
 wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
 issue-10 wgrads, one run). Dispatched by ``kernels.grouped_gemm`` (:func:`gluon_kinds`: auto
-at :data:`MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``).
+at :data:`MID_MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``),
+with the launch config :func:`gluon_wgrad_preset` names for the row count: the subtiled
+epilogue with a 4th ring stage (:data:`MID_ROWS_CONFIG`) at 512-1023 rows per group, where it
+measured 1.06-1.09x the default config (stop 16 and stop 18), the default config at
+:data:`MIN_ROWS_PER_GROUP` or more, where the 4-stage config measured 0.966-0.976x it.
 The launch goes through ``triton_launch.launch``: on the tensors' device (Triton launches on
-the current one; the descriptor scratch is allocated inside the launch, so there too). The
-subtiled epilogue with a 4th stage measured 0.966-0.976x the default there
-(:func:`gluon_wgrad_config`).
+the current one; the descriptor scratch is allocated inside the launch, so there too).
 """
 
 from __future__ import annotations
@@ -82,13 +84,50 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
            "gluon_api_reason", "gluon_unavailable_reason", "check_config",
-           "MIN_ROWS_PER_GROUP"]
+           "gluon_wgrad_preset", "MIN_ROWS_PER_GROUP", "MID_MIN_ROWS_PER_GROUP",
+           "MID_ROWS_CONFIG", "PRESETS"]
 
 #: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
-#: at this many rows per group on average or more, SM90, bfloat16: measured 1.04-1.13x
-#: ``torch._grouped_mm`` at 1024 and 2048 rows per group (E32 / E8 of issue 10; 1.01-1.14x at
-#: 512, E128, where it stays in ``torch._grouped_mm``; docs/benchmarks.md).
+#: with the default config (:func:`gluon_wgrad_config`) at this many rows per group on average
+#: or more, SM90, bfloat16: measured 1.04-1.13x ``torch._grouped_mm`` at 1024 and 2048 rows per
+#: group (E32 / E8 of issue 10; docs/benchmarks.md), where :data:`MID_ROWS_CONFIG` measured
+#: 0.966-0.976x the default config.
 MIN_ROWS_PER_GROUP = 1024
+
+#: Auto dispatch runs the wgrad here with :data:`MID_ROWS_CONFIG` at this many rows per group
+#: on average or more, below :data:`MIN_ROWS_PER_GROUP`: measured at 512 rows per group (E128
+#: T65536 H2048 FF768, Zipf split sizes, H200, two runs: stop 16 and stop 18) 1.12-1.21x
+#: ``torch._grouped_mm`` (what auto ran there before), 1.09-1.13x the persistent Triton wgrad
+#: and 1.06-1.09x the default config, bitwise equal to ``torch._grouped_mm``
+#: (docs/benchmarks.md, "Gluon wgrad at 512 rows per group (stop 18)"). At 128-256 rows per
+#: group the margins over the Triton kernels were 0-5 % in one run: no rule there.
+MID_MIN_ROWS_PER_GROUP = 512
+
+#: The launch config (changes to :func:`gluon_wgrad_config`) at
+#: :data:`MID_MIN_ROWS_PER_GROUP` <= rows per group < :data:`MIN_ROWS_PER_GROUP`: 4 ring stages,
+#: the 128 x 256 dW tile stored as 4 column slices of 64 through 2 smem buffers (4 x 48 KiB +
+#: 2 x 16 KiB of smem); the ``s4_epi4x2`` config of ``benchmarks/gluon_wgrad.py``.
+MID_ROWS_CONFIG = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
+
+#: The named launch configs the dispatch picks from (:func:`gluon_wgrad_preset`), as changes to
+#: :func:`gluon_wgrad_config`; ``gluon_wgrad(..., preset=name)`` and the op
+#: ``te_ops::grouped_wgrad_gluon`` take the name.
+PRESETS: dict[str, dict[str, int]] = {"default": {}, "mid_rows": MID_ROWS_CONFIG}
+
+#: Why each band of rows per group gets its preset (for the dispatch's reason, which names
+#: the constants as ``kernels.grouped_gemm`` imports them: ``GLUON_WGRAD_...``).
+_PRESET_WHY = {
+    "default": ("the default config (STAGES=3, whole-tile epilogue) at >= "
+                f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP} rows per group, where "
+                "MID_ROWS_CONFIG measured 0.97x it"),
+    "mid_rows": (f"MID_ROWS_CONFIG={MID_ROWS_CONFIG} (4 ring stages, the tile stored as 4 "
+                 "column slices through 2 buffers) at "
+                 f"{MID_MIN_ROWS_PER_GROUP} to {MIN_ROWS_PER_GROUP - 1} rows per group, where "
+                 "it measured 1.06-1.09x the default config"),
+    "few_rows": ("the default config below "
+                 f"GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP={MID_MIN_ROWS_PER_GROUP} rows per group "
+                 "(no config rule measured there)"),
+}
 
 
 def gluon_api_reason(gl_module: Any, tma_module: Any) -> str | None:
@@ -122,8 +161,9 @@ def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "au
                 ) -> tuple[str, ...]:
     """``("wgrad",)`` where the dispatch runs a layer's wgrad in this kernel, else ``()``.
 
-    ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MIN_ROWS_PER_GROUP` rows per group
-    on average or more, ``1`` at any known row count, ``0`` never; always ``()`` when Gluon is
+    ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MID_MIN_ROWS_PER_GROUP` rows per group
+    on average or more, ``1`` at any known row count, ``0`` never (the launch config:
+    :func:`gluon_wgrad_preset`); always ``()`` when Gluon is
     missing or not Triton 3.6's API (:func:`gluon_api_reason`), the row count is not known
     (``None``) or ``out_features`` (the wgrad's N) is not
     a multiple of the tile's ``BLOCK_N`` (:func:`gluon_unsupported_reason`). The caller
@@ -133,9 +173,24 @@ def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "au
         return ()
     if out_features % gluon_wgrad_config()["BLOCK_N"]:
         return ()
-    if mode == "auto" and rows_per_group < MIN_ROWS_PER_GROUP:
+    if mode == "auto" and rows_per_group < MID_MIN_ROWS_PER_GROUP:
         return ()
     return ("wgrad",)
+
+
+def gluon_wgrad_preset(rows_per_group: float) -> tuple[str, str]:
+    """``(name, why)``: the launch config (a key of :data:`PRESETS`) the dispatch runs a wgrad
+    of ``rows_per_group`` rows per group on average (padding included) with, and why, for the
+    choice's reason. ``"mid_rows"`` (:data:`MID_ROWS_CONFIG`) at
+    :data:`MID_MIN_ROWS_PER_GROUP` <= rows < :data:`MIN_ROWS_PER_GROUP`, ``"default"`` at
+    :data:`MIN_ROWS_PER_GROUP` or more and below :data:`MID_MIN_ROWS_PER_GROUP` (only
+    ``TE_OPS_GLUON_WGRAD=1`` runs the kernel there; the config rule's measured range starts at
+    512). The same for ``auto`` and ``1``: asked only where :func:`gluon_kinds` takes wgrad."""
+    if rows_per_group >= MIN_ROWS_PER_GROUP:
+        return "default", _PRESET_WHY["default"]
+    if rows_per_group >= MID_MIN_ROWS_PER_GROUP:
+        return "mid_rows", _PRESET_WHY["mid_rows"]
+    return "default", _PRESET_WHY["few_rows"]
 
 
 def gluon_unavailable_reason(out_features: int) -> str | None:
@@ -167,9 +222,9 @@ def gluon_wgrad_config() -> dict[str, int]:
     stored through one of ``EPI_BUFS`` (1 or 2) bf16 smem buffers per consumer; the default 1 / 1
     is the whole-tile store. ``STAGES=4, EPI_SPLIT=2, EPI_BUFS=1`` (or ``EPI_SPLIT=4,
     EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
-    0.966-0.976x this default on the dispatched E8 / E32 wgrads and 1.06-1.08x at E128 (512 rows
-    per group, where auto does not run this kernel), one H200 run (docs/benchmarks.md), so
-    it stays off."""
+    0.966-0.976x this default on the E8 / E32 wgrads (>= 1024 rows per group), so it is not the
+    default, and 1.06-1.09x it at E128 (512 rows per group, two H200 runs), where the dispatch
+    runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, :func:`gluon_wgrad_preset`)."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
             "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
             "num_warps": 8, "maxnreg": 168}
@@ -410,7 +465,7 @@ if gluon is not None:
 
 
 def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, preset: str = "default") -> torch.Tensor:
     """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
@@ -420,28 +475,34 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
     cumulative group ends on x's device (rows past ``offsets[-1]`` are padding and never
     read) -> dW (G, N, K) in x's dtype, zeros for an empty group. No host sync (graph-safe):
-    the group order is a device argsort. ``config`` overrides keys of
-    :func:`gluon_wgrad_config` (benchmarks). Under a ``torch.compile`` trace the call is the
-    op ``te_ops::grouped_wgrad_gluon``.
+    the group order is a device argsort. ``preset`` names the launch config (a key of
+    :data:`PRESETS`: ``"default"`` or ``"mid_rows"``, :func:`gluon_wgrad_preset`; the
+    dispatch passes it); ``config`` overrides keys of it (benchmarks). Under a
+    ``torch.compile`` trace the call without ``config`` is the op
+    ``te_ops::grouped_wgrad_gluon`` (which takes the preset's name).
 
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices do not match (the message names the argument), or a
-        ``config`` key is unknown or ``EPI_SPLIT`` / ``EPI_BUFS`` is not one of their values
-        (:func:`check_config`).
+        Shapes, dtypes or devices do not match (the message names the argument), ``preset``
+        is not a key of :data:`PRESETS`, or a ``config`` key is unknown or ``EPI_SPLIT`` /
+        ``EPI_BUFS`` is not one of their values (:func:`check_config`).
     RuntimeError
         The kernel cannot run here (:func:`gluon_unsupported_reason`).
     """
     _check(x, dy, offsets)
-    unknown = sorted(set(config or ()) - set(gluon_wgrad_config()))
-    if unknown:
-        raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
-                         f"unknown {unknown}")
-    check_config(config)
-    if tracing() and config is None:
-        return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets)
-    return _launch(x, dy, offsets, config)
+    if preset not in _RESOLVED:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    if config is not None:
+        unknown = sorted(set(config) - set(gluon_wgrad_config()))
+        if unknown:
+            raise ValueError(f"config keys must be among {sorted(gluon_wgrad_config())}, got "
+                             f"unknown {unknown}")
+        config = {**PRESETS[preset], **config}
+        check_config(config)
+    elif tracing():
+        return torch.ops.te_ops.grouped_wgrad_gluon(x, dy, offsets, preset)
+    return _launch(x, dy, offsets, config, preset)
 
 
 def check_config(config: dict | None) -> None:
@@ -461,14 +522,27 @@ def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
     check_wgrad_operands(x, dy, offsets)
 
 
+def _resolve_presets() -> dict[str, dict[str, int]]:
+    """Each preset's full launch parameters, checked once (:func:`check_config`)."""
+    for changes in PRESETS.values():
+        check_config(changes)
+    return {name: {**gluon_wgrad_config(), **changes} for name, changes in PRESETS.items()}
+
+
+_RESOLVED = _resolve_presets()
+
+
 def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-            config: dict | None) -> torch.Tensor:
-    """The kernel launch into a new (G, N, K) tensor (the gate first: RuntimeError)."""
+            config: dict | None, preset: str = "default") -> torch.Tensor:
+    """The kernel launch into a new (G, N, K) tensor (the gate first: RuntimeError):
+    ``config`` (changes to :func:`gluon_wgrad_config`, already checked) or else the preset's
+    parameters."""
     from .grouped_gemm_large_triton import _ensure_allocator
     from .grouped_wgrad_large_triton import group_order
 
     x, dy, offsets = x.contiguous(), dy.contiguous(), offsets.contiguous()
-    why = gluon_unsupported_reason(x, dy, config)
+    cfg = _RESOLVED[preset] if config is None else {**gluon_wgrad_config(), **config}
+    why = gluon_unsupported_reason(x, dy, cfg)
     if why is not None:
         raise RuntimeError(f"the Gluon grouped wgrad cannot run: {why}")
     m, k = x.shape
@@ -477,7 +551,6 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     out = torch.empty(groups, n, k, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0 or k == 0 or groups == 0:
         return out.zero_()
-    cfg = {**gluon_wgrad_config(), **(config or {})}
     order = group_order(offsets)
     programs = max(1, min(sm_count(x.device),
                           groups * cdiv(n, cfg["BLOCK_N"]) * cdiv(k, cfg["BLOCK_K"])))
@@ -490,13 +563,17 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 
 @torch.library.custom_op("te_ops::grouped_wgrad_gluon", mutates_args=())
-def _grouped_wgrad_gluon_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
-                            ) -> torch.Tensor:
-    """:func:`gluon_wgrad` as an op (a ``custom_op``, opaque to Inductor: whether
-    ``triton_op`` / ``wrap_triton`` take a Gluon kernel was not tried)."""
-    return _launch(x, dy, offsets, None)
+def _grouped_wgrad_gluon_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                            preset: str = "default") -> torch.Tensor:
+    """:func:`gluon_wgrad` with the launch config ``preset`` (a key of :data:`PRESETS`) as an
+    op (a ``custom_op``, opaque to Inductor: whether ``triton_op`` / ``wrap_triton`` take a
+    Gluon kernel was not tried)."""
+    if preset not in _RESOLVED:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    return _launch(x, dy, offsets, None, preset)
 
 
 @_grouped_wgrad_gluon_op.register_fake
-def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+      preset: str = "default") -> torch.Tensor:
     return x.new_empty(offsets.shape[0], dy.shape[1], x.shape[1])
