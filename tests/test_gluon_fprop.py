@@ -21,9 +21,9 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from block_replay import count_launches
-from test_grouped_gemm_large_triton import CASES, _tol  # the persistent kernel's cases
+from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_linear_fp64
+from test_grouped_gemm_large_triton import CASES  # the persistent kernel's cases
 
 from te_ops.kernels import grouped_gemm_gluon as GG
 from te_ops.kernels import grouped_gemm_large_triton as L
@@ -160,23 +160,9 @@ def test_half_output_buffer_fits_a_fourth_stage(dgrad):
 
 
 # ---------------------------------------------------------------------------------- CUDA
-def _reference(x, w, sizes):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
-    start = 0
-    for g, n in enumerate(sizes):
-        out[start:start + n] = F.linear(x[start:start + n].double(), w[g].double())
-        start += n
-    return out
-
-
 def _operands(sizes, m, n, k, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(sizes)
-    x = torch.randn(m, k, generator=gen, device=CUDA).to(dtype)
-    x[total:] = float("nan")  # padding rows: garbage the kernel must not read into outputs
-    w = (torch.randn(len(sizes), n, k, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
-    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
-    return x, w, offs
+    """``(x, w, offs)`` of :func:`grouped_operands` (NaN padding rows of x)."""
+    return grouped_operands(sizes, m, n, k, dtype, seed)[:3]
 
 
 def _skip_unless_sm90():
@@ -200,16 +186,16 @@ def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
     if total:
-        err = (y.double() - _reference(x, w, sizes)).abs().max().item()
-        assert err <= _tol(dtype, k), err
+        err = (y.double() - per_expert_linear_fp64(x, w, sizes)).abs().max().item()
+        assert err <= fp64_tolerance(dtype, k), err
     dy = torch.randn(m, n, device=CUDA).to(dtype)
     dy[total:] = float("nan")
     dx = GG.gluon_dgrad(dy, w, offs, config)
     assert dx.shape == (m, k) and not dx[total:].any()
     if total:
-        ref = _reference(dy, w.transpose(1, 2), sizes)
+        ref = per_expert_linear_fp64(dy, w.transpose(1, 2), sizes)
         err = (dx.double() - ref).abs().max().item()
-        assert err <= _tol(dtype, n), err
+        assert err <= fp64_tolerance(dtype, n), err
 
 
 @pytest.mark.cuda
