@@ -33,3 +33,32 @@ def compile_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, A
         if "ptxas" in str(exc).lower():
             pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
         raise
+
+
+def skip_without_gluon(module: Any) -> None:
+    """Skip the calling test where Triton is missing or the kernel ``module`` found no
+    ``triton.experimental.gluon`` (its ``gluon`` attribute is None)."""
+    pytest.importorskip("triton")
+    if module.gluon is None:
+        pytest.skip("no triton.experimental.gluon in this Triton")
+
+
+def compile_gluon_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                           num_warps: int, maxnreg: int) -> Any:
+    """``triton.compile`` of the Gluon kernel ``fn`` for ``cuda:90`` (call
+    :func:`skip_without_gluon` first) with ``signature`` and ``constexprs`` as in
+    :func:`compile_for_sm90`, ``num_warps`` and the register cap ``maxnreg``. Skips where no
+    sm_90 assembler is installed; a ptxas "insufficient registers" error fails the test."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
+                         constexprs=constexprs)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "maxnreg": maxnreg})
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
+        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
+        raise

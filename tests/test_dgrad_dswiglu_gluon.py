@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 from block_replay import summarize_record
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from test_dgrad_dswiglu import (
     CASES,
     _problem,
@@ -176,25 +177,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*b
 
 
 def _compile_sm90(change: dict | None, has_p: bool = True):
-    pytest.importorskip("triton")
-    if GD.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(GD)
     cfg = GD._resolve(change)
     const = {"HAS_P": has_p, "WRITE_OUT": True, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(GD._dgrad_dswiglu_kernel,
-                         {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"],
-                                       "maxnreg": GD.maxnreg(cfg)})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(GD._dgrad_dswiglu_kernel, SIGNATURE, const,
+                                  cfg["num_warps"], GD.maxnreg(cfg))
 
 
 @pytest.mark.parametrize("change, has_p", [

@@ -34,6 +34,7 @@ from grouped_cuda_helpers import (
     fc1_block_inputs,
     per_expert_linear_fp64,
 )
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
@@ -212,24 +213,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
 
 
 def _compile_sm90(config: dict | None, has_p: bool):
-    pytest.importorskip("triton")
-    if FG.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(FG)
     cfg = FG._resolve(config)
     const = {"HAS_P": has_p, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(FG._fc1_swiglu_kernel,
-                         {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"], "maxnreg": GG.MAXNREG})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(FG._fc1_swiglu_kernel, SIGNATURE, const, cfg["num_warps"],
+                                  GG.MAXNREG)
 
 
 @pytest.mark.parametrize("config, has_p", [(None, True), (None, False), ("split", True),

@@ -23,6 +23,7 @@ import pytest
 import torch
 from block_replay import count_launches
 from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_linear_fp64
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from test_grouped_gemm_large_triton import CASES  # the persistent kernel's cases
 
 from te_ops.kernels import grouped_gemm_gluon as GG
@@ -83,24 +84,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "
 
 
 def _compile_sm90(dgrad: bool, split: bool = False, extra: dict | None = None):
-    pytest.importorskip("triton")
-    if GG.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(GG)
     cfg = GG._resolve({**({"SPLIT": True, "num_warps": 4} if split else {}), **(extra or {})})
     const = {"W_KN": dgrad, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(GG._gluon_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
-                         constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"], "maxnreg": GG.MAXNREG})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(GG._gluon_kernel, SIGNATURE, const, cfg["num_warps"],
+                                  GG.MAXNREG)
 
 
 @pytest.mark.parametrize("dgrad, split", [(False, False), (True, False), (False, True),
