@@ -30,6 +30,21 @@ def compile_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, A
                     registers_fail=False)
 
 
+
+def for_nesting(ttgir: str) -> int:
+    """Deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop, e.g. a
+    flattened tile loop). A brace count, independent of ``benchmarks/large_gemm_triton.py``'s
+    copy (the tests check the kernels with it, not the benchmark)."""
+    stack, deepest = [], 0
+    for line in ttgir.splitlines():
+        for ch in line:
+            if ch == "{":
+                stack.append("scf.for " in line)
+            elif ch == "}" and stack:
+                stack.pop()
+        deepest = max(deepest, sum(stack))
+    return deepest
+
 def _compile(triton: Any, target: Any, src: Any, options: dict[str, int],
              registers_fail: bool) -> Any:
     """``triton.compile(src)`` for ``cuda:90``; a ptxas error skips the calling test (no sm_90

@@ -26,7 +26,7 @@ from block_replay import (
     summarize_record,
 )
 from reference import assert_close
-from sm90_compile import compile_for_sm90
+from sm90_compile import compile_for_sm90, for_nesting
 
 import te_ops
 from te_ops.fused import fc2_dgrad_epilogue as fe
@@ -158,22 +158,8 @@ def test_sm90_compile(flat, epi_split):
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
-    nesting = _for_nesting(ttgir)
+    nesting = for_nesting(ttgir)
     assert nesting == (1 if flat else 2), nesting
-
-
-def _for_nesting(ttgir: str) -> int:
-    stack: list[bool] = []
-    deepest = 0
-    for line in ttgir.splitlines():
-        is_for = "scf.for " in line
-        for ch in line:
-            if ch == "{":
-                stack.append(is_for)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
 
 
 # --------------------------------------------------------------------------- CUDA: the kernel

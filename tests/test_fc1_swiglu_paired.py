@@ -22,7 +22,7 @@ from grouped_cuda_helpers import (
     per_expert_linear_fp64,
     swiglu_fp64,
 )
-from sm90_compile import compile_for_sm90
+from sm90_compile import compile_for_sm90, for_nesting
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
@@ -56,19 +56,6 @@ def _compile(change: dict):
                             cfg["num_stages"])
 
 
-def _nesting(ttgir: str) -> int:
-    """Deepest nesting of ``scf.for`` loops (a brace count)."""
-    stack, deepest = [], 0
-    for line in ttgir.splitlines():
-        for ch in line:
-            if ch == "{":
-                stack.append("scf.for " in line)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
-
-
 def test_paired_compiles_for_sm90_as_the_plain_fprop():
     """The default (PAIRED, FLAT, TMA): one level of ``scf.for`` (the tile and k loops fused),
     one ``warp_group_dot`` on a 128 x 256 accumulator (the plain fprop's, not two 128 x 128
@@ -77,7 +64,7 @@ def test_paired_compiles_for_sm90_as_the_plain_fprop():
     memory within SM90's 227 KiB. Checked with Triton 3.6.0 (the H200's)."""
     kernel = _compile({})
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    assert _nesting(ttgir) == 1
+    assert for_nesting(ttgir) == 1
     assert ttgir.count("ttng.warp_group_dot ") == 1
     assert "tensor<128x256xf32, #mma>" in ttgir
     assert "rank = 4" in ttgir  # the (G, 2, F, K) view's shared layout

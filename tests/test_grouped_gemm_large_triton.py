@@ -22,7 +22,7 @@ from grouped_cuda_helpers import (
     per_expert_linear_fp64,
     swiglu_fp64,
 )
-from sm90_compile import compile_for_sm90
+from sm90_compile import compile_for_sm90, for_nesting
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
@@ -103,20 +103,6 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
              "stride_wk": "i32"}
 
 
-def _for_nesting(ttgir: str) -> int:
-    """Deepest nesting of ``scf.for`` loops in a TTGIR listing (independent of the
-    benchmark's copy: a brace count)."""
-    stack, deepest = [], 0
-    for line in ttgir.splitlines():
-        for ch in line:
-            if ch == "{":
-                stack.append("scf.for " in line)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
-
-
 @pytest.mark.parametrize("swiglu, flat, tma, dgrad, tail", [
     (False, False, True, False, False), (True, True, True, False, False),
     (True, False, False, False, False), (False, False, True, True, False),
@@ -141,7 +127,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     assert "wgmma.mma_async" in ptx
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert kernel.metadata.shared <= 227 * 1024
-    assert _for_nesting(ttgir) == (1 if flat else 2)
+    assert for_nesting(ttgir) == (1 if flat else 2)
     if tail and not flat:
         assert ttgir.count("scf.for ") == 3  # group loop, full-tile and half-tile k-loops
     if tail and not (flat and swiglu):  # the flat PAIRED fc1's half-tile loop pipelines its
