@@ -183,3 +183,21 @@ def forward_backward(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     return out.detach(), {
         k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(names, grads)
     }
+
+
+def assert_module_matches_reference(module: torch.nn.Module,
+                                    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                                    x: torch.Tensor, probs: torch.Tensor, y: torch.Tensor,
+                                    dy: torch.Tensor, dtype: torch.dtype) -> None:
+    """After ``y = module(x, ..., probs, ...)`` and ``y.backward(dy)``: ``y`` and the gradients
+    of ``x``, ``probs`` and each of ``module``'s named parameters against the float64
+    reference ``fn`` over leaves named ``"x"``, ``"probs"`` and the parameter names (see
+    :func:`forward_backward`), at ``dtype``'s tolerance (:func:`assert_close`)."""
+    leaves = {"x": leaf(x), "probs": leaf(probs)}
+    leaves.update({n: leaf(p) for n, p in module.named_parameters()})
+    out, grads = forward_backward(fn, leaves, dy)
+    assert_close(y, out, dtype, "output")
+    assert_close(x.grad, grads["x"], dtype, "grad of input")
+    assert_close(probs.grad, grads["probs"], dtype, "grad of probs")
+    for n, p in module.named_parameters():
+        assert_close(p.grad, grads[n], dtype, f"grad of {n}")
