@@ -25,6 +25,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
@@ -95,16 +96,13 @@ def test_bench_accepts_the_half_buffer_config(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
-    def usage_error(change):
-        with pytest.raises(SystemExit) as info:
-            bench.main(["--gemms", "fc1", "--gluon-fc1",
-                        json.dumps({"gfc1": {}, "gfc1_c4": change})])
-        assert info.value.code == 2
-        return capsys.readouterr().err
-    assert "measuring needs CUDA" in usage_error(C4)
-    err = usage_error({"C_HALF": True, "STAGES": 4})
+    def gluon_fc1_error(change):
+        return usage_error(capsys, bench.main, ["--gemms", "fc1", "--gluon-fc1",
+                                                json.dumps({"gfc1": {}, "gfc1_c4": change})])
+    assert "measuring needs CUDA" in gluon_fc1_error(C4)
+    err = gluon_fc1_error({"C_HALF": True, "STAGES": 4})
     assert "--gluon-fc1 'gfc1_c4'" in err and "needs SPLIT=True" in err
-    assert "STAGES=4 with C_HALF=False" in usage_error(SPLIT | {"STAGES": 4})
+    assert "STAGES=4 with C_HALF=False" in gluon_fc1_error(SPLIT | {"STAGES": 4})
 
 
 def test_config_fits_the_register_file():
