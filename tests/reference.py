@@ -201,3 +201,27 @@ def assert_module_matches_reference(module: torch.nn.Module,
     assert_close(probs.grad, grads["probs"], dtype, "grad of probs")
     for n, p in module.named_parameters():
         assert_close(p.grad, grads[n], dtype, f"grad of {n}")
+
+
+def block_forward_backward(block: torch.nn.Module, groups: int, split_sizes: Sequence[int],
+                           x: torch.Tensor, probs: torch.Tensor, grad_output: torch.Tensor
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`forward_backward` of :func:`grouped_mlp` with the weights (and biases, where
+    fc1 / fc2 have them) of ``block`` (fc1, activation, fc2; ``groups`` experts): the fp64
+    output and the gradients of ``"x"``, ``"probs"`` and each parameter, named as in
+    ``block.named_parameters()`` (``"0.weight3"``, ``"2.bias0"``, ...)."""
+    fc1, _, fc2 = list(block)
+    leaves = {"x": leaf(x), "probs": leaf(probs)}
+    leaves.update({f"0.{n}": leaf(p) for n, p in fc1.named_parameters()})
+    leaves.update({f"2.{n}": leaf(p) for n, p in fc2.named_parameters()})
+
+    def params(lv, prefix, kind):
+        return ([lv[f"{prefix}.{kind}{g}"] for g in range(groups)]
+                if f"{prefix}.{kind}0" in lv else None)
+
+    def fn(lv):
+        return grouped_mlp(lv["x"], split_sizes, lv["probs"], params(lv, 0, "weight"),
+                           params(lv, 0, "bias"), params(lv, 2, "weight"),
+                           params(lv, 2, "bias"))
+
+    return forward_backward(fn, leaves, grad_output)
