@@ -23,14 +23,11 @@ from grouped_cuda_helpers import (
     swiglu_fp64,
 )
 from sm90_compile import compile_for_sm90, for_nesting
+from test_grouped_gemm_large_triton import SIGNATURE  # the persistent kernel's arguments
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
-             "p_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32",
-             "K": "i32", "G": "i32", "P": "i32", "stride_wg": "i32", "stride_wn": "i32",
-             "stride_wk": "i32"}
 
 
 # ----------------------------------------------------------------------------------- CPU
