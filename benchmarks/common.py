@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
@@ -254,6 +255,20 @@ class JsonLines:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+@contextlib.contextmanager
+def recorded_run(path: str | None, summarize: Callable[[str], str]) -> Iterator[JsonLines]:
+    """The run's :class:`JsonLines` (stdout, and ``path`` when given), closed when the block
+    ends; after a block that finished, the benchmark's ``summarize(path)`` table on stderr
+    when ``path`` was given."""
+    out = JsonLines(path)
+    try:
+        yield out
+    finally:
+        out.close()
+    if path:
+        print(summarize(path), file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -74,6 +74,7 @@ from common import (  # noqa: E402
     env_override,
     free_memory,
     machine_info,
+    recorded_run,
 )
 from grouped_mlp import PEER_CLASSES, QUICK_SHAPES, SHAPES, make_problem  # noqa: E402
 
@@ -762,22 +763,18 @@ def main(argv: list[str] | None = None) -> int:
     default = QUICK_SHAPES if args.quick else {k: v for k, v in SHAPES.items()
                                                if not k.startswith("E64")}
     names = args.shapes.split(",") if args.shapes else list(default)
-    out = JsonLines(args.out)
-    out.write({"bench": "gemm_call_patterns_run", **machine_info(device), "device": device.type,
-               "shapes": names, "parts": args.parts, "reps": args.reps})
-    sampler = ClockSampler(device.type == "cuda")
-    if not sampler.ok:
-        out.write({"part": "clock", "error": sampler.error})
-    try:
+    with recorded_run(args.out, summarize) as out:
+        out.write({"bench": "gemm_call_patterns_run", **machine_info(device),
+                   "device": device.type, "shapes": names, "parts": args.parts,
+                   "reps": args.reps})
+        sampler = ClockSampler(device.type == "cuda")
+        if not sampler.ok:
+            out.write({"part": "clock", "error": sampler.error})
         with sampler:
             if "dense" in args.parts.split(","):
                 _write_all(out, "dense", "-", lambda: part_dense(device, args, sampler))
             for name in names:
                 run_shape(name, known[name], device, args, out, sampler)
-    finally:
-        out.close()
-    if args.out:
-        print(summarize(args.out), file=sys.stderr)
     return 0
 
 

@@ -71,6 +71,7 @@ from common import (  # noqa: E402
     free_memory,
     machine_info,
     peak_memory_mib,
+    recorded_run,
     summarize_times,
     time_steps,
 )
@@ -683,16 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown shapes {unknown} / peers {bad_peers}; shapes: {list(known)}, "
               f"peers: {PEERS + EXTRA_PEERS}", file=sys.stderr)
         return 2
-    out = JsonLines(args.out)
-    out.write({"bench": "grouped_mlp_run", **machine_info(device), "device": device.type,
-               "shapes": names, "peers": peers})
-    try:
+    with recorded_run(args.out, summarize) as out:
+        out.write({"bench": "grouped_mlp_run", **machine_info(device), "device": device.type,
+                   "shapes": names, "peers": peers})
         for name in names:
             run_shape(name, known[name], peers, args, out, device)
-    finally:
-        out.close()
-    if args.out:
-        print(summarize(args.out), file=sys.stderr)
     return 0
 
 

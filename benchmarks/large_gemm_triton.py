@@ -106,6 +106,7 @@ from common import (  # noqa: E402
     check_min,
     machine_info,
     read_records,
+    recorded_run,
     summarize_times,
 )
 from grouped_mlp import skewed_sizes  # noqa: E402
@@ -840,9 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("measuring needs CUDA (torch.cuda.is_available() is False); "
                      "--summarize FILE works without it")
-    out = JsonLines(args.out)
-    out.write({"bench": BENCH + "_machine", **machine_info(torch.device("cuda"))})
-    try:
+    with recorded_run(args.out, summarize) as out:
+        out.write({"bench": BENCH + "_machine", **machine_info(torch.device("cuda"))})
         if args.loops:
             for name, change in {"default": {}, **args.variants}.items():
                 for kind in ("fprop", "dgrad"):
@@ -860,10 +860,6 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, fused_cfg = sweep(shape, gemm, args, out)
             out.write(compare(shape, gemm, args, cfg, fused_cfg))
             torch.cuda.empty_cache()
-    finally:
-        out.close()
-    if args.out:
-        print(summarize(args.out), file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""Shared CUDA check of the epilogue-kernel test files (``test_fc1_epilogue.py``,
-``test_fc1_epilogue_large.py``, ``test_dgrad_dswiglu.py``): a scaled-SwiGLU grouped MLP block
-captured in one CUDA graph (forward + backward, replayed with new split sizes) and compiled
-with ``torch.compile(fullgraph=True)`` gives its eager values bit for bit."""
+"""Shared block runs of the test files: one eager fwd+bwd of a grouped MLP block
+(``fwd_bwd_step`` on the caller's leaves, CPU or CUDA; ``run_block`` on fresh copies), and the
+epilogue-kernel tests' CUDA check (``test_fc1_epilogue.py``, ``test_fc1_epilogue_large.py``,
+``test_dgrad_dswiglu.py``): a scaled-SwiGLU grouped MLP block captured in one CUDA graph
+(forward + backward, replayed with new split sizes) and compiled with
+``torch.compile(fullgraph=True)`` gives its eager values bit for bit."""
 
 from __future__ import annotations
 
@@ -26,6 +28,31 @@ def run_block(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,
            *[p.grad.clone() for p in block.parameters()]]
     block.zero_grad(set_to_none=True)
     return out, type(y.grad_fn).__name__
+
+
+def block_args(block, x: torch.Tensor, probs: torch.Tensor, split: torch.Tensor) -> tuple:
+    """The call's arguments: ``(x, split, probs, split)`` for a ScaledSwiGLU block,
+    ``(x, split, split)`` for a plain SwiGLU one (which takes no probs)."""
+    import te_ops
+
+    return (x, split, probs, split) if isinstance(block[1], te_ops.ScaledSwiGLU) else (
+        x, split, split)
+
+
+def fwd_bwd_step(block, x: torch.Tensor, probs: torch.Tensor, split: torch.Tensor,
+                 dy: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None], bool]:
+    """One fwd+bwd of ``block`` on the caller's leaves ``x`` and ``probs`` (their ``.grad`` and
+    the parameters' are cleared first), with output gradient ``dy`` (ones by default): the
+    detached output, clones of the gradients of ``x``, ``probs`` and every parameter (None
+    where there is none), and whether the fast path ran (``_FastGroupedMLPBackward``)."""
+    for t in (x, probs, *block.parameters()):
+        t.grad = None
+    out = block(*block_args(block, x, probs, split))
+    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+    out.backward(torch.ones_like(out) if dy is None else dy)
+    grads = [t.grad for t in (x, probs, *block.parameters())]
+    return out.detach(), [None if g is None else g.clone() for g in grads], fast
 
 
 def run_block_params_first(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,

@@ -183,3 +183,45 @@ def forward_backward(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     return out.detach(), {
         k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(names, grads)
     }
+
+
+def assert_module_matches_reference(module: torch.nn.Module,
+                                    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                                    x: torch.Tensor, probs: torch.Tensor, y: torch.Tensor,
+                                    dy: torch.Tensor, dtype: torch.dtype) -> None:
+    """After ``y = module(x, ..., probs, ...)`` and ``y.backward(dy)``: ``y`` and the gradients
+    of ``x``, ``probs`` and each of ``module``'s named parameters against the float64
+    reference ``fn`` over leaves named ``"x"``, ``"probs"`` and the parameter names (see
+    :func:`forward_backward`), at ``dtype``'s tolerance (:func:`assert_close`)."""
+    leaves = {"x": leaf(x), "probs": leaf(probs)}
+    leaves.update({n: leaf(p) for n, p in module.named_parameters()})
+    out, grads = forward_backward(fn, leaves, dy)
+    assert_close(y, out, dtype, "output")
+    assert_close(x.grad, grads["x"], dtype, "grad of input")
+    assert_close(probs.grad, grads["probs"], dtype, "grad of probs")
+    for n, p in module.named_parameters():
+        assert_close(p.grad, grads[n], dtype, f"grad of {n}")
+
+
+def block_forward_backward(block: torch.nn.Module, groups: int, split_sizes: Sequence[int],
+                           x: torch.Tensor, probs: torch.Tensor, grad_output: torch.Tensor
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`forward_backward` of :func:`grouped_mlp` with the weights (and biases, where
+    fc1 / fc2 have them) of ``block`` (fc1, activation, fc2; ``groups`` experts): the fp64
+    output and the gradients of ``"x"``, ``"probs"`` and each parameter, named as in
+    ``block.named_parameters()`` (``"0.weight3"``, ``"2.bias0"``, ...)."""
+    fc1, _, fc2 = list(block)
+    leaves = {"x": leaf(x), "probs": leaf(probs)}
+    leaves.update({f"0.{n}": leaf(p) for n, p in fc1.named_parameters()})
+    leaves.update({f"2.{n}": leaf(p) for n, p in fc2.named_parameters()})
+
+    def params(lv, prefix, kind):
+        return ([lv[f"{prefix}.{kind}{g}"] for g in range(groups)]
+                if f"{prefix}.{kind}0" in lv else None)
+
+    def fn(lv):
+        return grouped_mlp(lv["x"], split_sizes, lv["probs"], params(lv, 0, "weight"),
+                           params(lv, 0, "bias"), params(lv, 2, "weight"),
+                           params(lv, 2, "bias"))
+
+    return forward_backward(fn, leaves, grad_output)

@@ -26,10 +26,57 @@ def compile_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, A
         pytest.skip(f"no ahead-of-time compile API: {exc}")
     src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
                     constexprs=constexprs)
+    return _compile(triton, GPUTarget, src, {"num_warps": num_warps, "num_stages": num_stages},
+                    registers_fail=False)
+
+
+
+def for_nesting(ttgir: str) -> int:
+    """Deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop, e.g. a
+    flattened tile loop). A brace count, independent of ``benchmarks/large_gemm_triton.py``'s
+    copy (the tests check the kernels with it, not the benchmark)."""
+    stack, deepest = [], 0
+    for line in ttgir.splitlines():
+        for ch in line:
+            if ch == "{":
+                stack.append("scf.for " in line)
+            elif ch == "}" and stack:
+                stack.pop()
+        deepest = max(deepest, sum(stack))
+    return deepest
+
+def _compile(triton: Any, target: Any, src: Any, options: dict[str, int],
+             registers_fail: bool) -> Any:
+    """``triton.compile(src)`` for ``cuda:90``; a ptxas error skips the calling test (no sm_90
+    assembler here) unless it is "insufficient registers" and ``registers_fail``."""
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+        return triton.compile(src, target=target("cuda", 90, 32), options=options)
     except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
+        message = str(exc).lower()
+        if "ptxas" in message and not (registers_fail and "insufficient registers" in message):
             pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
         raise
+
+
+def skip_without_gluon(module: Any) -> None:
+    """Skip the calling test where Triton is missing or the kernel ``module`` found no
+    ``triton.experimental.gluon`` (its ``gluon`` attribute is None)."""
+    pytest.importorskip("triton")
+    if module.gluon is None:
+        pytest.skip("no triton.experimental.gluon in this Triton")
+
+
+def compile_gluon_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                           num_warps: int, maxnreg: int) -> Any:
+    """``triton.compile`` of the Gluon kernel ``fn`` for ``cuda:90`` (call
+    :func:`skip_without_gluon` first) with ``signature`` and ``constexprs`` as in
+    :func:`compile_for_sm90`, ``num_warps`` and the register cap ``maxnreg``. Skips where no
+    sm_90 assembler is installed; a ptxas "insufficient registers" error fails the test."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
+                         constexprs=constexprs)
+    return _compile(triton, GPUTarget, src, {"num_warps": num_warps, "maxnreg": maxnreg},
+                    registers_fail=True)

@@ -383,18 +383,7 @@ def test_grouped_mlp_block_without_input_grad(device):
     dy = torch.randn_like(y)
     y.backward(dy)
     assert x.grad is None and probs.grad is None
-    leaves = {"x": leaf(x), "probs": leaf(probs)}
-    leaves.update({name: leaf(p) for name, p in block.named_parameters()})
-    fc1, _, fc2 = block
-
-    def fn(t):
-        return ref.grouped_mlp(t["x"], sizes, t["probs"],
-                               [t[f"0.weight{i}"] for i in range(groups)],
-                               [t[f"0.bias{i}"] for i in range(groups)],
-                               [t[f"2.weight{i}"] for i in range(groups)],
-                               [t[f"2.bias{i}"] for i in range(groups)])
-
-    out, grads = ref.forward_backward(fn, leaves, dy)
+    out, grads = ref.block_forward_backward(block, groups, sizes, x, probs, dy)
     assert_close(y, out, dtype, "output")
     _check_grads(block, grads, dtype)
 

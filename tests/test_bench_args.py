@@ -9,19 +9,13 @@ import os
 import sys
 
 import pytest
+from bench_helpers import usage_error
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import gemm_call_patterns  # noqa: E402
 import host_ab  # noqa: E402
 import profile_gaps  # noqa: E402
-
-
-def _usage_error(capsys, fn, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        fn(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -34,7 +28,7 @@ def _usage_error(capsys, fn, argv: list[str]) -> str:
     (["--steps", "0"], ["--steps", "got 0"]),
 ])
 def test_profile_gaps_bad_arguments(capsys, argv, words):
-    err = _usage_error(capsys, profile_gaps.main, argv)
+    err = usage_error(capsys, profile_gaps.main, argv)
     for word in words:
         assert word in err
 
@@ -49,7 +43,7 @@ def test_profile_gaps_bad_arguments(capsys, argv, words):
     (["--summarize", "/no/such/file.jsonl"], ["--summarize", "/no/such/file.jsonl"]),
 ])
 def test_gemm_call_patterns_bad_arguments(capsys, argv, words):
-    err = _usage_error(capsys, gemm_call_patterns.main, ["--quick", *argv])
+    err = usage_error(capsys, gemm_call_patterns.main, ["--quick", *argv])
     for word in words:
         assert word in err
 
@@ -66,7 +60,7 @@ def test_gemm_call_patterns_bad_arguments(capsys, argv, words):
 ])
 def test_host_ab_bad_arguments(capsys, argv, words):
     base = [] if argv[0] in ("--device", "--make-baseline") else ["--device", "cpu"]
-    err = _usage_error(capsys, host_ab.main, [*base, *argv])
+    err = usage_error(capsys, host_ab.main, [*base, *argv])
     for word in words:
         assert word in err
 
@@ -90,6 +84,6 @@ def test_fp8t_ab_bad_arguments(monkeypatch, capsys, argv, words):
     import fp8t_ab
 
     base = [] if argv[0] == "--device" else ["--device", "cpu"]
-    err = _usage_error(capsys, fp8t_ab.main, [*base, *argv])
+    err = usage_error(capsys, fp8t_ab.main, [*base, *argv])
     for word in words:
         assert word in err

@@ -26,7 +26,7 @@ from block_replay import (
     summarize_record,
 )
 from reference import assert_close
-from sm90_compile import compile_for_sm90
+from sm90_compile import compile_for_sm90, for_nesting
 
 import te_ops
 from te_ops.fused import fc2_dgrad_epilogue as fe
@@ -158,22 +158,8 @@ def test_sm90_compile(flat, epi_split):
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
-    nesting = _for_nesting(ttgir)
+    nesting = for_nesting(ttgir)
     assert nesting == (1 if flat else 2), nesting
-
-
-def _for_nesting(ttgir: str) -> int:
-    stack: list[bool] = []
-    deepest = 0
-    for line in ttgir.splitlines():
-        is_for = "scf.for " in line
-        for ch in line:
-            if ch == "{":
-                stack.append(is_for)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
 
 
 # --------------------------------------------------------------------------- CUDA: the kernel
@@ -225,11 +211,12 @@ def _two_launches(dy, w, offs, h, probs):
     return st.swiglu_backward(h.clone(), da, probs, write_output=True, grad_into_input=True)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype):
+def check_kernel_against_fp64_and_two_launches(fused, case, with_probs, dtype):
+    """``fused(dy, w, offs, h, probs, **kw)`` (a fused fc2 dgrad + dSwiGLU kernel) on
+    ``CASES[case]`` over NaN garbage, in place over h: dh and a bitwise the two launches',
+    all three within ``assert_close`` of the fp64 reference, dprobs within fp32 summation
+    order of the two launches'. Returns ``(dy, w, offs, h, probs, dh0, a0)`` (the inputs and
+    the two launches' dh and a) for the callers' launch-config checks."""
     sizes, rows, ffn, hidden = CASES[case]
     dy, w, h, offs, probs = _problem(sizes, rows, ffn, hidden, dtype)
     probs = probs if with_probs else None
@@ -237,7 +224,7 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
     # NaN garbage in the allocator's blocks: every output row must be written
     torch.full((rows + 64, 8 * ffn), float("nan"), device=CUDA, dtype=dtype)
     h_in = h.clone()
-    dh, dp, a = D.large_dgrad_dswiglu(dy, w, offs, h_in, probs, grad_into_input=True)
+    dh, dp, a = fused(dy, w, offs, h_in, probs, grad_into_input=True)
     assert dh.data_ptr() == h_in.data_ptr()
     assert torch.equal(dh, dh0) and torch.equal(a, a0)  # the two launches' bits
     want_dh, want_dp, want_a = _reference(dy, w, h, probs, sizes)
@@ -254,6 +241,16 @@ def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype)
             (want_dh.abs().max().item() + 1) * ffn
         torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
         assert_close(dp, want_dp, dtype, "dprobs")
+    return dy, w, offs, h, probs, dh0, a0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype):
+    dy, w, offs, h, probs, dh0, a0 = check_kernel_against_fp64_and_two_launches(
+        D.large_dgrad_dswiglu, case, with_probs, dtype)
     if case == "skewed_padding" and dtype == torch.bfloat16:  # the other launch configs
         for variant in ({"EPI_SPLIT": 1}, {"FLAT": False}, {"USE_TMA": False},
                         {"H_TMA": True}):
@@ -297,23 +294,46 @@ def _large_dgrad_env(monkeypatch):
         pytest.skip("auto runs fc2's dgrad in the persistent kernel on SM90 only")
 
 
+def check_block_epilogue_equal_to_off(monkeypatch, scaled, kernel, explained):
+    """The block with ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` and ``TE_OPS_FC2_DSWIGLU_KERNEL=kernel``
+    (general path, then fast path, three steps) against the epilogue off: y, dx, dW1, dW2 bit
+    for bit, probs.grad within bf16 rounding (``_same``); ``explain()`` holds ``explained``.
+    Returns ``((x, split, probs, dy), off, got)``: the inputs, the epilogue-off values and the
+    last fast-path step's values."""
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
+    x, split, probs, dy = _inputs()
+    off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", kernel)
+    block = _block(scaled=scaled)
+    runs = [_run(block, x, split, probs, dy) for _ in range(3)]
+    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert explained in block.explain()
+    for got, _ in runs:
+        _same(got, off, scaled)
+    return (x, split, probs, dy), off, runs[-1][0]
+
+
+def check_block_graph_replay_and_compile(monkeypatch, kernel, explained):
+    """The block with the epilogue (``TE_OPS_FC2_DSWIGLU_KERNEL=kernel``) captured in a CUDA
+    graph (replayed with new split sizes) and compiled with fullgraph=True: bitwise the eager
+    values, ``explain()`` holds ``explained`` (``assert_graph_and_compile_match_eager``)."""
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
+    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", kernel)
+    x, split, probs, dy = _inputs()
+    assert_graph_and_compile_match_eager(
+        _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50], explained)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
 def test_block_with_epilogue_equal_to_two_launches(monkeypatch, scaled):
     """Epilogue on (general path, then fast path; unfused forward + fused backward) vs off:
     outputs, dx, dW1, dW2 bit for bit, probs.grad within tolerance; explain() names it."""
     _large_dgrad_env(monkeypatch)
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
-    x, split, probs, dy = _inputs()
-    off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "triton")  # the Gluon one: its own tests
-    block = _block(scaled=scaled)
-    runs = [_run(block, x, split, probs, dy) for _ in range(3)]
-    assert runs[-1][1] == "_FastGroupedMLPBackward"
-    assert "fc2 dgrad dSwiGLU epilogue: one Triton launch" in block.explain()
-    for got, _ in runs:
-        _same(got, off, scaled)
+    # the Gluon kernel: its own tests
+    (x, split, probs, dy), off, got = check_block_epilogue_equal_to_off(
+        monkeypatch, scaled, "triton", "fc2 dgrad dSwiGLU epilogue: one Triton launch")
     monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "0")  # fc2's input saved
     _same(_run(_block(scaled=scaled), x, split, probs, dy)[0], off, scaled)
@@ -326,7 +346,6 @@ def test_block_with_epilogue_equal_to_two_launches(monkeypatch, scaled):
     act = ref.scaled_swiglu(h, leaves["probs"]) if scaled else ref.swiglu(h)
     y = ref.grouped_linear(act, w2, None, SIZES)
     y.backward(dy.double())
-    got = runs[-1][0]
     assert_close(got[0], y, torch.bfloat16, "y")
     assert_close(got[1], leaves["x"].grad, torch.bfloat16, "dx")
     if scaled:
@@ -338,12 +357,8 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     """The block with the epilogue captured in a CUDA graph (replayed with new split sizes)
     and compiled with fullgraph=True: bitwise the eager values; one frame, no graph break."""
     _large_dgrad_env(monkeypatch)
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "triton")
-    x, split, probs, dy = _inputs()
-    assert_graph_and_compile_match_eager(
-        _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50],
-        "fc2 dgrad dSwiGLU epilogue: one Triton launch")
+    check_block_graph_replay_and_compile(monkeypatch, "triton",
+                                         "fc2 dgrad dSwiGLU epilogue: one Triton launch")
 
 
 # ------------------------------------------------------------------ CPU: the benchmark record

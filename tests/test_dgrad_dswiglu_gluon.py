@@ -20,17 +20,15 @@ import re
 
 import pytest
 import torch
-from block_replay import assert_graph_and_compile_match_eager, summarize_record
-from reference import assert_close
+from block_replay import summarize_record
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from test_dgrad_dswiglu import (
     CASES,
-    _block,
-    _inputs,
     _problem,
-    _reference,
-    _run,
-    _same,
     _two_launches,
+    check_block_epilogue_equal_to_off,
+    check_block_graph_replay_and_compile,
+    check_kernel_against_fp64_and_two_launches,
     patch_dswiglu_bench,
 )
 
@@ -179,25 +177,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*b
 
 
 def _compile_sm90(change: dict | None, has_p: bool = True):
-    pytest.importorskip("triton")
-    if GD.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(GD)
     cfg = GD._resolve(change)
     const = {"HAS_P": has_p, "WRITE_OUT": True, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(GD._dgrad_dswiglu_kernel,
-                         {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"],
-                                       "maxnreg": GD.maxnreg(cfg)})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(GD._dgrad_dswiglu_kernel, SIGNATURE, const,
+                                  cfg["num_warps"], GD.maxnreg(cfg))
 
 
 @pytest.mark.parametrize("change, has_p", [
@@ -234,27 +218,8 @@ def _sm90():
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_fp64_reference_and_two_launches(case, with_probs, dtype):
     _sm90()
-    sizes, rows, ffn, hidden = CASES[case]
-    dy, w, h, offs, probs = _problem(sizes, rows, ffn, hidden, dtype)
-    probs = probs if with_probs else None
-    dh0, dp0, a0 = _two_launches(dy, w, offs, h, probs)
-    torch.full((rows + 64, 8 * ffn), float("nan"), device=CUDA, dtype=dtype)  # garbage
-    h_in = h.clone()
-    dh, dp, a = GD.gluon_dgrad_dswiglu(dy, w, offs, h_in, probs, grad_into_input=True)
-    assert dh.data_ptr() == h_in.data_ptr()
-    assert torch.equal(dh, dh0) and torch.equal(a, a0)  # the two launches' bits
-    want_dh, want_dp, want_a = _reference(dy, w, h, probs, sizes)
-    assert_close(dh, want_dh, dtype, "dh")
-    assert_close(a, want_a, dtype, "a")
-    if probs is None:
-        assert dp is None
-    else:
-        assert dp.dtype == probs.dtype and dp.shape == probs.shape
-        gate, up = h[:, :ffn].double(), h[:, ffn:].double()
-        scale = (gate * torch.sigmoid(gate) * up).abs().max().item() * \
-            (want_dh.abs().max().item() + 1) * ffn
-        torch.testing.assert_close(dp.double(), dp0.double(), rtol=0, atol=1e-6 * scale)
-        assert_close(dp, want_dp, dtype, "dprobs")
+    dy, w, offs, h, probs, dh0, a0 = check_kernel_against_fp64_and_two_launches(
+        GD.gluon_dgrad_dswiglu, case, with_probs, dtype)
     if case == "skewed_padding" and dtype == torch.bfloat16:
         got = GD.gluon_dgrad_dswiglu(dy, w, offs, h, probs, write_output=False)
         assert torch.equal(got[0], dh0) and got[2] is None
@@ -322,28 +287,16 @@ def test_block_with_gluon_epilogue_equal_to_two_launches(monkeypatch, scaled):
     path) against the epilogue off: y, dx, dW1, dW2 bit for bit, probs.grad within bf16
     rounding; explain() names the Gluon launch."""
     _sm90()
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
-    x, split, probs, dy = _inputs()
-    off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "gluon")
-    block = _block(scaled=scaled)
-    runs = [_run(block, x, split, probs, dy) for _ in range(3)]
-    assert runs[-1][1] == "_FastGroupedMLPBackward"
-    assert "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch" in block.explain()
-    for got, _ in runs:
-        _same(got, off, scaled)
+    check_block_epilogue_equal_to_off(
+        monkeypatch, scaled, "gluon",
+        "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch")
 
 
 @pytest.mark.cuda
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     _sm90()
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", "gluon")
-    x, split, probs, dy = _inputs()
-    assert_graph_and_compile_match_eager(
-        _block(), x, split, probs, dy, [100, 0, 30, 64, 70, 10, 159, 50],
-        "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch")
+    check_block_graph_replay_and_compile(
+        monkeypatch, "gluon", "fc2 dgrad dSwiGLU epilogue: one warp-specialized Gluon launch")
 
 
 # ------------------------------------------------------------------ CPU: the benchmark record

@@ -13,6 +13,7 @@ import copy
 import pytest
 import reference as ref
 import torch
+from block_replay import block_args, fwd_bwd_step
 
 import te_ops
 from te_ops.fuser import DOUBLE_BACKWARD_ERROR
@@ -39,22 +40,6 @@ def _inputs(rows: int = 10, sizes=(3, 0, 4, 2), device: str = "cpu",
     return x, probs, torch.tensor(sizes, device=device)
 
 
-def _args(block, x, probs, split):
-    return (x, split, probs, split) if isinstance(block[1], te_ops.ScaledSwiGLU) else (
-        x, split, split)
-
-
-def _step(block, x, probs, split, dy=None):
-    """One fwd+bwd; the output, the gradients and whether the fast path ran."""
-    for t in (x, probs, *block.parameters()):
-        t.grad = None
-    out = block(*_args(block, x, probs, split))
-    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
-    out.backward(torch.ones_like(out) if dy is None else dy)
-    grads = [t.grad for t in (x, probs, *block.parameters())]
-    return out.detach(), [None if g is None else g.clone() for g in grads], fast
-
-
 def _same(a, b) -> bool:
     return len(a) == len(b) and all(
         (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
@@ -71,7 +56,7 @@ def _fast_vs_general(monkeypatch, make_block, make_inputs, steps: int = 3):
         runs = []
         for i in range(steps):
             torch.manual_seed(10 + i)
-            runs.append(_step(block, *make_inputs()))
+            runs.append(fwd_bwd_step(block, *make_inputs()))
         results[flag] = runs
     return results["1"], results["0"]
 
@@ -98,8 +83,8 @@ def test_fast_path_bitwise_equal_to_general_path(monkeypatch, single, scaled, x_
 def test_fast_path_matches_fp64_reference():
     block = _block(single=True)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
-    out, grads, fast = _step(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
+    out, grads, fast = fwd_bwd_step(block, x, probs, split)
     assert fast
     fc1, fc2 = block[0], block[2]
     w1 = [ref.leaf(w) for w in fc1.weight]
@@ -118,18 +103,18 @@ def test_fast_path_matches_fp64_reference():
 def test_fast_path_is_taken_only_for_a_call_like_the_recorded_one(monkeypatch):
     block = _block(single=False)
     x, probs, split = _inputs()
-    assert not _step(block, x, probs, split)[2]
-    assert _step(block, x, probs, split)[2]
+    assert not fwd_bwd_step(block, x, probs, split)[2]
+    assert fwd_bwd_step(block, x, probs, split)[2]
     # new split-size values and new tensors of the same kind: still fast
     x2, probs2, split2 = _inputs(10, (1, 1, 1, 1))
-    assert _step(block, x2, probs2, split2)[2]
+    assert fwd_bwd_step(block, x2, probs2, split2)[2]
     # another row count: general once, then fast again
     x3, probs3, split3 = _inputs(12, (3, 3, 3, 3))
-    assert not _step(block, x3, probs3, split3)[2]
-    assert _step(block, x3, probs3, split3)[2]
+    assert not fwd_bwd_step(block, x3, probs3, split3)[2]
+    assert fwd_bwd_step(block, x3, probs3, split3)[2]
     # probs without grad, input without grad: the key changes
-    assert not _step(block, x3, probs3.detach(), split3)[2]
-    assert not _step(block, x3.detach(), probs3.detach(), split3)[2]
+    assert not fwd_bwd_step(block, x3, probs3.detach(), split3)[2]
+    assert not fwd_bwd_step(block, x3.detach(), probs3.detach(), split3)[2]
     # two split-size tensors (not one source): never fast
     out = block(x3, split3, probs3, split3.clone())
     assert type(out.grad_fn).__name__ != "_FastGroupedMLPBackward"
@@ -138,14 +123,14 @@ def test_fast_path_is_taken_only_for_a_call_like_the_recorded_one(monkeypatch):
         out = block(x3, [3, 3, 3, 3], probs3, [3, 3, 3, 3])
         assert type(out.grad_fn).__name__ != "_FastGroupedMLPBackward"
     # no grad: the general path's no-grad branch
-    _step(block, x3, probs3, split3)
+    fwd_bwd_step(block, x3, probs3, split3)
     with torch.no_grad():
         assert block(x3, split3, probs3, split3).grad_fn is None
-    assert _step(block, x3, probs3, split3)[2]
+    assert fwd_bwd_step(block, x3, probs3, split3)[2]
     # TE_OPS_FAST_STEP=0
     monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
-    assert not _step(block, x3, probs3, split3)[2]
-    assert not _step(block, x3, probs3, split3)[2]
+    assert not fwd_bwd_step(block, x3, probs3, split3)[2]
+    assert not fwd_bwd_step(block, x3, probs3, split3)[2]
 
 
 @pytest.mark.parametrize("change", ["swap", "freeze", "main_grad", "delay", "same_setting",
@@ -155,8 +140,8 @@ def test_fast_path_follows_changes(monkeypatch, change):
     general path (whose result is checked against a fresh block's general path)."""
     block = _block(single=False)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
-    assert _step(block, x, probs, split)[2]
+    fwd_bwd_step(block, x, probs, split)
+    assert fwd_bwd_step(block, x, probs, split)[2]
     fc1 = block[0]
     if change == "swap":
         fc1.weight0 = torch.nn.Parameter(fc1.weight0.detach() * 2)
@@ -170,7 +155,7 @@ def test_fast_path_follows_changes(monkeypatch, change):
         fc1.delay_wgrad_compute = True
     elif change == "same_setting":
         block[1].glu_interleave_size = None  # same value set again: still fast
-        assert _step(block, x, probs, split)[2]
+        assert fwd_bwd_step(block, x, probs, split)[2]
         return
     elif change == "interleave":
         block[1].glu_interleave_size = 2
@@ -178,17 +163,17 @@ def test_fast_path_follows_changes(monkeypatch, change):
         monkeypatch.setenv("TE_OPS_FUSION", "0")
     if change == "recipe":
         with te_ops.autocast(recipe=te_ops.recipe.Float8CurrentScaling()):
-            assert not _step(block, x, probs, split)[2]
+            assert not fwd_bwd_step(block, x, probs, split)[2]
         return
     if change == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
                 RuntimeError, match="te_ops ops do not follow torch.autocast"):
             block(x, split, probs, split)
         return
-    out, grads, fast = _step(block, x, probs, split)
+    out, grads, fast = fwd_bwd_step(block, x, probs, split)
     assert not fast
     monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
-    out2, grads2, _ = _step(block, x, probs, split)
+    out2, grads2, _ = fwd_bwd_step(block, x, probs, split)
     assert torch.equal(out, out2) and _same(grads, grads2)
 
 
@@ -198,12 +183,12 @@ def test_fast_path_environment_changed_and_restored(monkeypatch):
     block = _block(single=True)
     other = _block(single=True)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
-    assert _step(block, x, probs, split)[2]
+    fwd_bwd_step(block, x, probs, split)
+    assert fwd_bwd_step(block, x, probs, split)[2]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
-    assert not _step(other, x, probs, split)[2]  # another block, unfused meanwhile
+    assert not fwd_bwd_step(other, x, probs, split)[2]  # another block, unfused meanwhile
     monkeypatch.delenv("TE_OPS_FUSION")
-    assert _step(block, x, probs, split)[2]
+    assert fwd_bwd_step(block, x, probs, split)[2]
 
 
 def test_fast_path_keeps_input_errors():
@@ -211,7 +196,7 @@ def test_fast_path_keeps_input_errors():
     block = _block(single=True)
     x, probs, split = _inputs()
     for _ in range(2):
-        _step(block, x, probs, split)
+        fwd_bwd_step(block, x, probs, split)
     with pytest.raises(ValueError, match=f"in_features={H}"):
         block(torch.randn(10, H - 1), split, probs, split)
     with pytest.raises(ValueError, match="dtype"):
@@ -225,7 +210,7 @@ def test_fast_path_keeps_input_errors():
         block(x, split, probs[:5], split)
     with pytest.raises(RuntimeError, match="split_sizes must be non-negative and sum"):
         block(x, torch.tensor([9, 9, 0, 0]), probs, torch.tensor([9, 9, 0, 0]))
-    assert _step(block, x, probs, split)[2]
+    assert fwd_bwd_step(block, x, probs, split)[2]
     # the same sum error on the fast path itself (same kind of call, bad values)
     bad = torch.tensor([9, 9, 0, 0])
     with pytest.raises(RuntimeError, match="split_sizes must be non-negative and sum"):
@@ -240,10 +225,10 @@ def test_fast_path_block_cast_or_copied(single):
     block = _block(single)
     x, probs, split = _inputs()
     for _ in range(2):
-        out, grads, _ = _step(block, x, probs, split)
+        out, grads, _ = fwd_bwd_step(block, x, probs, split)
     copied = copy.deepcopy(block)
-    assert [_step(copied, x, probs, split)[2] for _ in range(2)] == [False, True]
-    out2, grads2, _ = _step(copied, x, probs, split)
+    assert [fwd_bwd_step(copied, x, probs, split)[2] for _ in range(2)] == [False, True]
+    out2, grads2, _ = fwd_bwd_step(copied, x, probs, split)
     assert torch.equal(out, out2) and _same(grads, grads2)
     block[2].to(torch.float64)  # one op (Sequential.to would also rebuild its fusers)
     with pytest.raises(ValueError, match="input must match the weights' dtype torch.float64"):
@@ -262,7 +247,7 @@ def test_fast_path_weight_data_replaced_with_another_shape(monkeypatch, single, 
         block = _block(single)
         x, probs, split = _inputs()
         for _ in range(2):
-            _step(block, x, probs, split)
+            fwd_bwd_step(block, x, probs, split)
         for w in block[op].weights():  # out_features grows by 16
             w.data = torch.randn(*w.shape[:-2], w.shape[-2] + 16, w.shape[-1])
         name = "weight" if single else "weight0"
@@ -281,7 +266,7 @@ def test_a_later_per_expert_weight_of_another_shape_is_named(monkeypatch, fusion
     block = _block(False)
     x, probs, split = _inputs()
     for _ in range(2):
-        _step(block, x, probs, split)
+        fwd_bwd_step(block, x, probs, split)
     w = block[op].weights()[3]
     w.data = torch.randn(w.shape[0] + 16, w.shape[1])
     with pytest.raises(ValueError, match=r"weight3 has shape .* expected .* weight0"):
@@ -294,7 +279,7 @@ def test_fast_path_and_activation_checkpointing(use_reentrant):
     recomputation saves what the original forward saved; gradients equal the plain calls'."""
     block = _block(single=True)
     x, probs, split = _inputs()
-    plain = [_step(block, x, probs, split) for _ in range(2)]
+    plain = [fwd_bwd_step(block, x, probs, split) for _ in range(2)]
     assert plain[1][2]
     fresh = _block(single=True)
     fresh.load_state_dict(block.state_dict())
@@ -316,7 +301,7 @@ def test_fast_path_and_activation_checkpointing(use_reentrant):
 def test_fast_path_in_place_weight_change_raises(single):
     block = _block(single)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     out = block(x, split, probs, split)
     assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
     with torch.no_grad():
@@ -346,7 +331,7 @@ def test_fast_path_in_place_input_view_change_raises():
 def test_fast_path_retained_graph_and_double_backward_raise():
     block = _block(single=True)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     out = block(x, split, probs, split)
     assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
     out.sum().backward(retain_graph=True)
@@ -363,7 +348,7 @@ def test_fast_path_parameter_hooks_and_grad_accumulation():
     """One autograd edge per weight parameter: per-parameter hooks run, .grad accumulates."""
     block = _block(single=False)
     x, probs, split = _inputs()
-    _step(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     seen = []
     for w in block.parameters():
         w.grad = None
@@ -382,7 +367,7 @@ def test_fast_path_then_torch_compile_fullgraph():
     """Eager fast calls, then the compiled block (which traces the general path): equal."""
     block = _block(single=True)
     x, probs, split = _inputs()
-    eager = [_step(block, x, probs, split) for _ in range(2)]
+    eager = [fwd_bwd_step(block, x, probs, split) for _ in range(2)]
     assert eager[1][2]
     compiled = torch.compile(block, fullgraph=True)
     for t in (x, probs, *block.parameters()):
@@ -393,7 +378,7 @@ def test_fast_path_then_torch_compile_fullgraph():
     ref.assert_close(out, eager[1][0], torch.float32)
     for g, e in zip(grads, eager[1][1]):
         ref.assert_close(g, e, torch.float32)
-    assert _step(block, x, probs, split)[2]  # eager again: fast
+    assert fwd_bwd_step(block, x, probs, split)[2]  # eager again: fast
 
 
 def test_fast_path_on_meta_device():
@@ -440,7 +425,7 @@ def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
     x, probs, split = make_inputs()
     dy = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        _step(block, x, probs, split, dy)
+        fwd_bwd_step(block, x, probs, split, dy)
     graph = torch.cuda.CUDAGraph()
     for t in (x, probs, *block.parameters()):
         t.grad = None
@@ -454,7 +439,7 @@ def test_fast_path_cuda_bitwise_and_graph_capture(monkeypatch, single, rows):
     torch.cuda.synchronize()
     got = [out.detach().clone()] + [t.grad.clone() for t in (x, probs, *block.parameters())]
     eager_block = make_block()
-    e_out, e_grads, _ = _step(eager_block, x, probs, torch.tensor(new, device="cuda"), dy)
+    e_out, e_grads, _ = fwd_bwd_step(eager_block, x, probs, torch.tensor(new, device="cuda"), dy)
     assert torch.equal(got[0], e_out)
     assert _same(got[1:], e_grads)
 
@@ -522,7 +507,7 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     torch.manual_seed(0)
     block = _block(True)
     x, probs, split = _inputs()
-    want = [_step(block, x, probs, split) for _ in range(3)][-1]
+    want = [fwd_bwd_step(block, x, probs, split) for _ in range(3)][-1]
     assert want[2]
     step = block.fusers()[0].__dict__["_fast_step"]
 
@@ -532,11 +517,11 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     for name in ("dgrad1", "wgrad1", "dgrad2", "wgrad2", "act_backward"):
         monkeypatch.setattr(step, name, eager_call)
     monkeypatch.setattr(fast_step, "tracing", lambda: True)
-    got = _step(block, x, probs, split)
+    got = fwd_bwd_step(block, x, probs, split)
     assert got[2] and torch.equal(got[0], want[0]) and _same(got[1], want[1])
     monkeypatch.setattr(fast_step, "tracing", lambda: False)
     with pytest.raises(AssertionError, match="eager entry point"):
-        _step(block, x, probs, split)
+        fwd_bwd_step(block, x, probs, split)
 
 
 @pytest.mark.parametrize("layer,index", [(0, 2), (2, 3), (0, 0)])
@@ -550,7 +535,7 @@ def test_a_per_group_weight_cast_alone_takes_the_general_path_and_its_error(monk
     torch.manual_seed(0)
     block = _block(False)
     x, probs, split = _inputs()
-    assert [_step(block, x, probs, split) for _ in range(2)][-1][2]
+    assert [fwd_bwd_step(block, x, probs, split) for _ in range(2)][-1][2]
     w = getattr(block[layer], f"weight{index}")
     w.data = w.data.to(torch.float64)
     general = []
@@ -561,10 +546,10 @@ def test_a_per_group_weight_cast_alone_takes_the_general_path_and_its_error(monk
     match = (f"weight{index} is torch.float64" if index else
              "weight1 is torch.float32 on cpu, expected torch.float64 on cpu as weight0")
     with pytest.raises(ValueError, match=match):
-        block(*_args(block, x, probs, split))
+        block(*block_args(block, x, probs, split))
     assert general == [1]
     w.data = w.data.to(torch.float32)  # cast back: the fast path again, same results
-    assert _step(block, x, probs, split)[2]
+    assert fwd_bwd_step(block, x, probs, split)[2]
 
 
 def test_stacking_per_group_weights_of_mixed_dtype_names_the_weight():

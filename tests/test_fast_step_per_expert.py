@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_replay import fwd_bwd_step
 
 import te_ops
 
@@ -34,17 +35,6 @@ def _inputs(groups: int = GROUPS, seed: int = 1):
     x = torch.randn(rows, H, generator=gen).requires_grad_()
     probs = torch.rand(rows, generator=gen).requires_grad_()
     return x, probs, sizes
-
-
-def _run(block, x, probs, split):
-    """One fwd+bwd: output, grads (input, probs, each parameter), whether the fast path ran."""
-    for t in (x, probs, *block.parameters()):
-        t.grad = None
-    out = block(x, split, probs, split)
-    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
-    out.backward(torch.ones_like(out))
-    grads = [t.grad.clone() for t in (x, probs, *block.parameters())]
-    return out.detach(), grads, fast
 
 
 def _same(a, b) -> bool:
@@ -74,7 +64,7 @@ def test_per_expert_fast_path_bitwise_vs_general_and_single(monkeypatch):
         block = _block(single)
         if single:
             _copy_weights(_block(False), block)
-        runs[name] = [_run(block, *_inputs(seed=s)) for s in (1, 1, 2)]
+        runs[name] = [fwd_bwd_step(block, *_inputs(seed=s)) for s in (1, 1, 2)]
     assert [r[2] for r in runs["fast"]] == [False, True, True]
     assert not any(r[2] for r in runs["general"])
     for fast, general, single in zip(runs["fast"], runs["general"], runs["single"]):
@@ -91,7 +81,7 @@ def test_parameter_names_and_state_dict_unchanged():
     names = [f"{i}.weight{g}" for i in (0, 2) for g in range(GROUPS)]
     before = block.state_dict()
     for _ in range(2):
-        assert _run(block, *_inputs())[2] in (False, True)
+        assert fwd_bwd_step(block, *_inputs())[2] in (False, True)
     assert [n for n, _ in block.named_parameters()] == names
     after = block.state_dict()
     assert list(after) == names == list(before)
@@ -104,7 +94,7 @@ def test_gradients_go_through_accumulate_grad_without_copies():
     without a copy: adjacent data pointers)."""
     block = _block(False)
     x, probs, split = _inputs()
-    _run(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     weights = list(block.parameters())
     fired = []
     for w in weights:
@@ -129,7 +119,7 @@ def test_gradients_go_through_accumulate_grad_without_copies():
 def test_in_place_weight_change_between_forward_and_backward_raises(layer, index):
     block = _block(False)
     x, probs, split = _inputs()
-    _run(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     out = block(x, split, probs, split)
     assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
     with torch.no_grad():
@@ -151,7 +141,7 @@ def test_in_place_change_of_a_weight_with_its_own_version_counter_raises():
     step = ws[0].numel() * ws[0].element_size()
     assert ws[5].data_ptr() == ws[0].data_ptr() + 5 * step  # adjacent again
     x, probs, split = _inputs()
-    _run(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     out = block(x, split, probs, split)
     assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
     v4 = ws[4]._version
@@ -174,7 +164,7 @@ def test_weight_data_repointed_follows(monkeypatch, change):
         block = _block(False)
         x, probs, split = _inputs()
         for _ in range(2):
-            _run(block, x, probs, split)
+            fwd_bwd_step(block, x, probs, split)
         ws = block[0].weights()
         if change == "repoint_all":
             buf = torch.stack([w.detach() for w in ws]) * 0.5
@@ -182,7 +172,7 @@ def test_weight_data_repointed_follows(monkeypatch, change):
                 w.data = buf[g]
         else:
             ws[9].data = ws[9].detach().clone() + 1.0
-        results[flag] = [_run(block, x, probs, split) for _ in range(2)]
+        results[flag] = [fwd_bwd_step(block, x, probs, split) for _ in range(2)]
     assert [r[2] for r in results["1"]] == [True, True]
     for a, b in zip(results["1"], results["0"]):
         assert torch.equal(a[0], b[0]) and _same(a[1], b[1])
@@ -193,7 +183,7 @@ def test_stacked_copy_in_place_change_raises():
     in-place change between forward and backward raises."""
     block = _block(False)
     x, probs, split = _inputs()
-    _run(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     block[2].weights()[3].data = block[2].weights()[3].detach().clone()
     out = block(x, split, probs, split)
     assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
@@ -210,7 +200,7 @@ def test_saved_tensors_do_not_grow_with_the_expert_count():
     for groups in (4, GROUPS):
         block = _block(False, groups=groups)
         x, probs, split = _inputs(groups)
-        _run(block, x, probs, split)
+        fwd_bwd_step(block, x, probs, split)
         out = block(x, split, probs, split)
         assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
         counts[groups] = len(out.grad_fn.saved_tensors)
@@ -233,7 +223,7 @@ def test_weight_reinterpreted_in_place_is_refused(monkeypatch, change, flag):
     x, probs, split = _inputs()
     x = x.detach().to(torch.bfloat16).requires_grad_()
     for _ in range(2):
-        _run(block, x, probs, split)
+        fwd_bwd_step(block, x, probs, split)
     w = block[2].weights()[5]
     ptr = w.data_ptr()
     w.data = w.data.view(torch.float16) if change == "dtype" else w.data.view(FF, H)

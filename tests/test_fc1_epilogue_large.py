@@ -17,9 +17,9 @@ import torch
 from block_replay import assert_graph_and_compile_match_eager, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
+from grouped_cuda_helpers import fc1_block, fc1_block_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import te_ops
 from te_ops.fused import fc1_epilogue
 from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
 from te_ops.kernels.swiglu_triton import ActivationChoice
@@ -103,22 +103,6 @@ def test_fast_path_calls_the_persistent_kernel(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- CUDA: the block
-def _block(groups=4, h=256, ffn=384):
-    torch.manual_seed(0)
-    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16}
-    return te_ops.Sequential(te_ops.GroupedLinear(groups, h, 2 * ffn, **kw),
-                             te_ops.ScaledSwiGLU(),
-                             te_ops.GroupedLinear(groups, ffn, h, **kw))
-
-
-def _inputs(sizes, rows, h=256):
-    gen = torch.Generator(device=CUDA).manual_seed(1)
-    x = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    return x, torch.tensor(sizes, device=CUDA), probs, dy
-
-
 _run = run_block  # [y, x.grad, probs.grad, *parameter grads], grad_fn name
 
 
@@ -137,24 +121,24 @@ def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkey
     """``1``: general path, then the fast path; against ``0``, the fused forward with the
     unfused backward and the unfused ops: outputs and every gradient bit for bit."""
     _needs_persistent_fprop()
-    x, split, probs, dy = _inputs(SIZES, ROWS)
+    x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-    auto = _block()
+    auto = fc1_block()
     _run(auto, x, split, probs, dy)
     assert "not used: fc1's fprop runs in the persistent many-rows" in auto.explain()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    block = _block()
+    block = fc1_block()
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FastGroupedMLPBackward"
     assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    off = _run(_block(), x, split, probs, dy)[0]
+    off = _run(fc1_block(), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    fwd_only = _run(_block(), x, split, probs, dy)[0]
+    fwd_only = _run(fc1_block(), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
-    unfused = _run(_block(), x, split, probs, dy)[0]
+    unfused = _run(fc1_block(), x, split, probs, dy)[0]
     for got in [r[0] for r in runs] + [fwd_only, unfused]:
         assert all(torch.equal(a, b) for a, b in zip(got, off))
 
@@ -166,6 +150,6 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     break; the op ``te_ops::grouped_fc1_swiglu_large``): bitwise the eager values."""
     _needs_persistent_fprop()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    x, split, probs, dy = _inputs(SIZES, ROWS)
-    assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 90, 0, 180],
+    x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
+    assert_graph_and_compile_match_eager(fc1_block(), x, split, probs, dy, [10, 90, 0, 180],
                                          "persistent many-rows kernel, large_fc1_swiglu")

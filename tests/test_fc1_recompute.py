@@ -29,22 +29,10 @@ CASES = ["base", "zero_token_groups", "padding_rows", "empty_batch", "one_group"
          "loop_backend_odd_dims"]
 
 
-def make_block(case: base.Case, dtype: torch.dtype, recompute: bool) -> te_ops.Sequential:
-    act = (te_ops.ScaledSwiGLU if case.scaled else te_ops.SwiGLU)(
-        glu_interleave_size=case.interleave, recompute_input=recompute)
-    return te_ops.Sequential(
-        te_ops.GroupedLinear(case.groups, case.hidden, 2 * case.ffn, bias=case.bias1,
-                             scale_bias=case.scale_bias1, dtype=dtype),
-        act,
-        te_ops.GroupedLinear(case.groups, case.ffn, case.out, bias=case.bias2,
-                             scale_bias=case.scale_bias2, dtype=dtype),
-    )
-
-
 def twin(master: te_ops.Sequential, case: base.Case, dtype: torch.dtype,
          recompute: bool) -> te_ops.Sequential:
     torch.manual_seed(1)  # another init, overwritten by the state dict
-    blk = make_block(case, dtype, recompute)
+    blk = base.make_block(case, dtype, recompute)
     blk.load_state_dict(master.state_dict())
     return blk
 
@@ -62,7 +50,7 @@ def test_four_combinations_bitwise_equal_to_option_off(monkeypatch, case_name, d
                                                        split_kind):
     case = base.CASES[case_name]
     torch.manual_seed(0)
-    master = make_block(case, dtype, False)
+    master = base.make_block(case, dtype, False)
     inp = base.make_inputs(case, dtype, split_kind)
     base.set_combo(monkeypatch, False, False)
     off = base.run(twin(master, case, dtype, False), case, inp)
@@ -113,7 +101,7 @@ def test_fused_forward_saves_no_activation(monkeypatch, case_name):
     if case_name == "nd_input_padding":
         case = replace(case, lead=(4, 16))
     torch.manual_seed(0)
-    master = make_block(case, torch.float32, False)
+    master = base.make_block(case, torch.float32, False)
     inp = base.make_inputs(case, torch.float32, "tensor")
     base.set_combo(monkeypatch, True, True)
     off = _saved_activation_bytes(twin(master, case, torch.float32, False), case, inp)
@@ -128,7 +116,7 @@ def test_second_backward_through_retained_graph_recomputes(monkeypatch):
     backward (retain_graph=True) recomputes h again and gives the same gradients."""
     case = base.BASE
     torch.manual_seed(0)
-    blk = make_block(case, torch.float32, True)
+    blk = base.make_block(case, torch.float32, True)
     inp = base.make_inputs(case, torch.float32, "tensor")
     x = inp.x.detach().clone().requires_grad_(True)
     probs = inp.probs["probs"].detach().clone().requires_grad_(True)
@@ -145,7 +133,7 @@ def test_second_backward_through_retained_graph_recomputes(monkeypatch):
 def test_in_place_weight_change_between_forward_and_backward_raises(monkeypatch):
     case = base.BASE
     torch.manual_seed(0)
-    blk = make_block(case, torch.float32, True)
+    blk = base.make_block(case, torch.float32, True)
     inp = base.make_inputs(case, torch.float32, "tensor")
     y = blk(inp.x, inp.split1, inp.probs["probs"].requires_grad_(True), inp.split2)
     with torch.no_grad():
@@ -172,7 +160,7 @@ def test_unfused_forward_saves_h_warns_once_and_explains(monkeypatch, toggle):
     case = base.BASE
     monkeypatch.setenv(toggle, "0")
     torch.manual_seed(0)
-    blk = make_block(case, torch.float32, True)
+    blk = base.make_block(case, torch.float32, True)
     inp = base.make_inputs(case, torch.float32, "tensor")
     with pytest.warns(UserWarning, match="recompute_input=True is not honoured.*ran unfused"):
         _call(blk, case, inp)
@@ -187,7 +175,7 @@ def test_fused_gate_refusal_is_noted_with_the_recompute_reason(monkeypatch):
     notes say recompute_input is not honoured."""
     case = base.BASE
     torch.manual_seed(0)
-    blk = make_block(case, torch.float32, True)
+    blk = base.make_block(case, torch.float32, True)
     inp = replace(base.make_inputs(case, torch.float32, "list"), split2=[3, 1, 4])
     with pytest.warns(UserWarning, match="not honoured"):
         _call(blk, case, inp)
@@ -211,7 +199,7 @@ def test_no_grouped_linear_before_the_activation():
 def test_recipe_saves_h_and_says_why(monkeypatch):
     case = replace(base.BASE, hidden=32, ffn=32, out=32, lead=(16,), sizes=(5, 0, 9))
     torch.manual_seed(0)
-    master = make_block(case, torch.bfloat16, False)
+    master = base.make_block(case, torch.bfloat16, False)
     inp = base.make_inputs(case, torch.bfloat16, "tensor")
     recipe = te_ops.recipe.Float8CurrentScaling()
     blk = twin(master, case, torch.bfloat16, True)
@@ -228,7 +216,7 @@ def test_recipe_saves_h_and_says_why(monkeypatch):
 def test_frozen_fc1_weights_save_h(monkeypatch):
     case = base.BASE
     torch.manual_seed(0)
-    master = make_block(case, torch.float32, False)
+    master = base.make_block(case, torch.float32, False)
     inp = base.make_inputs(case, torch.float32, "tensor")
     results = []
     for recompute in (True, False):
@@ -257,7 +245,7 @@ def test_context_without_input_or_recompute_raises():
 
 
 def test_explain_before_any_call_says_where_it_is_honoured():
-    blk = make_block(base.BASE, torch.float32, True)
+    blk = base.make_block(base.BASE, torch.float32, True)
     assert "fc1 recompute: requested (recompute_input=True)" in blk.explain()
 
 
@@ -266,7 +254,7 @@ def test_fast_path_declines_and_results_stay_bitwise(monkeypatch):
     case = replace(base.BASE, hidden=16, ffn=8, out=16, bias1=False, bias2=False, lead=(10,),
                    sizes=(3, 0, 4))
     torch.manual_seed(0)
-    master = make_block(case, torch.float32, False)
+    master = base.make_block(case, torch.float32, False)
     inp = base.make_inputs(case, torch.float32, "tensor")
     on, off = twin(master, case, torch.float32, True), twin(master, case, torch.float32, False)
     for _ in range(3):

@@ -72,20 +72,7 @@ def _assert_same(a, b, what):
 
 def _reference(blk, shape, x, probs, dy):
     e, _, _, _, sizes = shape
-    fc1, _, fc2 = list(blk)
-    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
-    leaves.update({f"0.{n}": ref.leaf(p) for n, p in fc1.named_parameters()})
-    leaves.update({f"2.{n}": ref.leaf(p) for n, p in fc2.named_parameters()})
-
-    def params(lv, prefix, kind):
-        return [lv[f"{prefix}.{kind}{g}"] for g in range(e)] if f"{prefix}.{kind}0" in lv else None
-
-    def fn(lv):
-        return ref.grouped_mlp(lv["x"], sizes, lv["probs"], params(lv, 0, "weight"),
-                               params(lv, 0, "bias"), params(lv, 2, "weight"),
-                               params(lv, 2, "bias"))
-
-    return ref.forward_backward(fn, leaves, dy)
+    return ref.block_forward_backward(blk, e, sizes, x, probs, dy)
 
 
 @pytest.mark.parametrize("bias", [False, True])

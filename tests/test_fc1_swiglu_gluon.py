@@ -25,12 +25,19 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
+from grouped_cuda_helpers import (
+    assert_replay_with_new_offsets_equal_to_eager,
+    fc1_block,
+    fc1_block_inputs,
+    per_expert_linear_fp64,
+)
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import te_ops
 from te_ops.fused import fc1_epilogue
 from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
 from te_ops.kernels import fc1_swiglu_gluon as FG
@@ -89,16 +96,13 @@ def test_bench_accepts_the_half_buffer_config(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
-    def usage_error(change):
-        with pytest.raises(SystemExit) as info:
-            bench.main(["--gemms", "fc1", "--gluon-fc1",
-                        json.dumps({"gfc1": {}, "gfc1_c4": change})])
-        assert info.value.code == 2
-        return capsys.readouterr().err
-    assert "measuring needs CUDA" in usage_error(C4)
-    err = usage_error({"C_HALF": True, "STAGES": 4})
+    def gluon_fc1_error(change):
+        return usage_error(capsys, bench.main, ["--gemms", "fc1", "--gluon-fc1",
+                                                json.dumps({"gfc1": {}, "gfc1_c4": change})])
+    assert "measuring needs CUDA" in gluon_fc1_error(C4)
+    err = gluon_fc1_error({"C_HALF": True, "STAGES": 4})
     assert "--gluon-fc1 'gfc1_c4'" in err and "needs SPLIT=True" in err
-    assert "STAGES=4 with C_HALF=False" in usage_error(SPLIT | {"STAGES": 4})
+    assert "STAGES=4 with C_HALF=False" in gluon_fc1_error(SPLIT | {"STAGES": 4})
 
 
 def test_config_fits_the_register_file():
@@ -207,24 +211,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
 
 
 def _compile_sm90(config: dict | None, has_p: bool):
-    pytest.importorskip("triton")
-    if FG.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(FG)
     cfg = FG._resolve(config)
     const = {"HAS_P": has_p, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(FG._fc1_swiglu_kernel,
-                         {**SIGNATURE, **{k: "constexpr" for k in const}}, constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"], "maxnreg": GG.MAXNREG})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(FG._fc1_swiglu_kernel, SIGNATURE, const, cfg["num_warps"],
+                                  GG.MAXNREG)
 
 
 @pytest.mark.parametrize("config, has_p", [(None, True), (None, False), ("split", True),
@@ -315,11 +306,7 @@ def _nan_garbage(m, ffn, dtype):
 
 
 def _reference(x, w, sizes, probs):
-    h = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
-    start = 0
-    for g, n in enumerate(sizes):
-        h[start:start + n] = F.linear(x[start:start + n].double(), w[g].double())
-        start += n
+    h = per_expert_linear_fp64(x, w, sizes)
     ffn = w.shape[1] // 2
     a = F.silu(h[:, :ffn]) * h[:, ffn:]
     if probs is not None:
@@ -389,35 +376,11 @@ def test_dispatched_falls_back_with_the_same_bits_on_a_misaligned_base():
 def test_graph_replay_with_new_offsets_and_compile_bitwise_equal_to_eager():
     _skip_unless_sm90()
     x, w, offs, probs = _operands([300, 0, 200], 520, 256, 256)
-    static = offs.clone()
-    FG.gluon_fc1_dispatched(x, w, static, probs)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h, a = FG.gluon_fc1_dispatched(x, w, static, probs)
-    new = torch.tensor([10, 400, 90], device=CUDA).cumsum(0).to(torch.int32)
-    static.copy_(new)
-    graph.replay()
-    want = FG.gluon_fc1_dispatched(x, w, new, probs)
-    assert torch.equal(h, want[0]) and torch.equal(a, want[1])
+    new, want = assert_replay_with_new_offsets_equal_to_eager(FG.gluon_fc1_dispatched, x, w,
+                                                              offs, probs)
     compiled = torch.compile(FG.gluon_fc1_dispatched, fullgraph=True)
     got = compiled(x, w, new, probs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def _block(groups=4, h=256, ffn=384, scaled=True):
-    torch.manual_seed(0)
-    kw = {"bias": False, "device": CUDA, "dtype": torch.bfloat16}
-    act = te_ops.ScaledSwiGLU() if scaled else te_ops.SwiGLU()
-    return te_ops.Sequential(te_ops.GroupedLinear(groups, h, 2 * ffn, **kw), act,
-                             te_ops.GroupedLinear(groups, ffn, h, **kw))
-
-
-def _inputs(sizes, rows, h=256):
-    gen = torch.Generator(device=CUDA).manual_seed(1)
-    x = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn(rows, h, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    return x, torch.tensor(sizes, device=CUDA), probs, dy
 
 
 SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the persistent kernel
@@ -436,21 +399,21 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     against the epilogue off, the fused forward with the unfused backward and the unfused
     ops: output and every gradient bit for bit."""
     _skip_unless_sm90()
-    x, split, probs, dy = _inputs(SIZES, ROWS)
+    x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    off = run_block(_block(scaled=scaled), x, split, probs, dy)[0]
+    off = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     launches = _take_gluon(monkeypatch)
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-    block = _block(scaled=scaled)
+    block = fc1_block(scaled=scaled)
     runs = [run_block(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FastGroupedMLPBackward"
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()
     assert len(launches) == 3
     monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
-    fwd_only = run_block(_block(scaled=scaled), x, split, probs, dy)[0]
+    fwd_only = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
-    unfused = run_block(_block(scaled=scaled), x, split, probs, dy)[0]
+    unfused = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     for got in [r[0] for r in runs] + [fwd_only, unfused]:
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, off))
 
@@ -459,8 +422,8 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     _skip_unless_sm90()
     _take_gluon(monkeypatch)
-    x, split, probs, dy = _inputs(SIZES, ROWS)
-    assert_graph_and_compile_match_eager(_block(), x, split, probs, dy, [10, 90, 0, 180],
+    x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
+    assert_graph_and_compile_match_eager(fc1_block(), x, split, probs, dy, [10, 90, 0, 180],
                                          "warp-specialized Gluon kernel, gluon_fc1_swiglu")
 
 
@@ -477,11 +440,11 @@ def test_block_at_a_rule_shape_takes_the_kernel_unpatched(monkeypatch):
     picks = torch.multinomial(popularity[torch.randperm(128, generator=gen)], 65536,
                               replacement=True, generator=gen)
     sizes = torch.bincount(picks, minlength=128).tolist()
-    x, split, probs, dy = _inputs(sizes, 65536, h=2048)
+    x, split, probs, dy = fc1_block_inputs(sizes, 65536, h=2048)
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    off = run_block(_block(128, 2048, 768), x, split, probs, dy)[0]
+    off = run_block(fc1_block(128, 2048, 768), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-    block = _block(128, 2048, 768)
+    block = fc1_block(128, 2048, 768)
     got = run_block(block, x, split, probs, dy)[0]
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, off))

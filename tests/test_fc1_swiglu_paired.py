@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from sm90_compile import compile_for_sm90
+from grouped_cuda_helpers import (
+    assert_replay_with_new_offsets_equal_to_eager,
+    fp64_tolerance,
+    grouped_operands,
+    per_expert_linear_fp64,
+    swiglu_fp64,
+)
+from sm90_compile import compile_for_sm90, for_nesting
+from test_grouped_gemm_large_triton import SIGNATURE  # the persistent kernel's arguments
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
-             "p_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32",
-             "K": "i32", "G": "i32", "P": "i32", "stride_wg": "i32", "stride_wn": "i32",
-             "stride_wk": "i32"}
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -50,19 +53,6 @@ def _compile(change: dict):
                             cfg["num_stages"])
 
 
-def _nesting(ttgir: str) -> int:
-    """Deepest nesting of ``scf.for`` loops (a brace count)."""
-    stack, deepest = [], 0
-    for line in ttgir.splitlines():
-        for ch in line:
-            if ch == "{":
-                stack.append("scf.for " in line)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
-
-
 def test_paired_compiles_for_sm90_as_the_plain_fprop():
     """The default (PAIRED, FLAT, TMA): one level of ``scf.for`` (the tile and k loops fused),
     one ``warp_group_dot`` on a 128 x 256 accumulator (the plain fprop's, not two 128 x 128
@@ -71,7 +61,7 @@ def test_paired_compiles_for_sm90_as_the_plain_fprop():
     memory within SM90's 227 KiB. Checked with Triton 3.6.0 (the H200's)."""
     kernel = _compile({})
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    assert _nesting(ttgir) == 1
+    assert for_nesting(ttgir) == 1
     assert ttgir.count("ttng.warp_group_dot ") == 1
     assert "tensor<128x256xf32, #mma>" in ttgir
     assert "rank = 4" in ttgir  # the (G, 2, F, K) view's shared layout
@@ -82,27 +72,10 @@ def test_paired_compiles_for_sm90_as_the_plain_fprop():
 
 
 # ---------------------------------------------------------------------------------- CUDA
-def _operands(sizes, m, n, k, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(sizes)
-    x = torch.randn(m, k, generator=gen, device=CUDA).to(dtype)
-    x[total:] = float("nan")  # padding rows: garbage that must not reach the outputs
-    w = (torch.randn(len(sizes), n, k, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
-    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
-    probs = torch.rand(m, generator=gen, device=CUDA)
-    return x, w, offs, probs
-
-
 def _reference(x, w, sizes, probs):
     """fp64 per-expert ``F.linear`` and SwiGLU (gate first, TE's convention)."""
-    h = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
-    start = 0
-    for g, rows in enumerate(sizes):
-        h[start:start + rows] = F.linear(x[start:start + rows].double(), w[g].double())
-        start += rows
-    f = w.shape[1] // 2
-    a = h[:, :f] * torch.sigmoid(h[:, :f]) * h[:, f:]
-    return h, (a if probs is None else a * probs.double()[:, None])
+    h = per_expert_linear_fp64(x, w, sizes)
+    return h, swiglu_fp64(h, probs)
 
 
 CASES = [
@@ -123,7 +96,7 @@ def test_against_reference_and_the_two_launches_bits(dtype, with_p):
     from te_ops.kernels import swiglu_triton as st
 
     for sizes, m, n, k in CASES:
-        x, w, offs, probs = _operands(sizes, m, n, k, dtype)
+        x, w, offs, probs = grouped_operands(sizes, m, n, k, dtype)
         p = probs if with_p else None
         h, a = L.large_fc1_swiglu(x, w, offs, p)
         total = sum(sizes)
@@ -133,7 +106,7 @@ def test_against_reference_and_the_two_launches_bits(dtype, with_p):
         assert not h[total:].any() and not a[total:].any()
         if total:
             want_h, want_a = _reference(x, w, sizes, p)
-            tol = (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, (k / 64) ** 0.5)
+            tol = fp64_tolerance(dtype, k)
             assert (h.double() - want_h).abs().max().item() <= tol
             assert (a.double() - want_a)[:total].abs().max().item() <= 2 * tol
 
@@ -146,7 +119,7 @@ def test_schedules_loads_and_the_old_kernel_give_the_same_bits(change):
     """The group walk, pointer loads, half-height tail tiles and stop 12's two-accumulator
     kernel (PAIRED=False) give the default's bits."""
     for sizes, m, n, k in CASES:
-        x, w, offs, probs = _operands(sizes, m, n, k, torch.bfloat16)
+        x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)
         want = L.large_fc1_swiglu(x, w, offs, probs)
         got = L.large_fc1_swiglu(x, w, offs, probs, config=change)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (sizes, change)
@@ -157,18 +130,9 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     """Captured in a CUDA graph, replayed with new split sizes (same rows, device offsets);
     ``torch.compile(fullgraph=True)`` of the op ``te_ops::grouped_fc1_swiglu_large`` (its
     fake kernel gives the shapes): bitwise the eager values."""
-    x, w, offs, probs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
+    x, w, offs, probs = grouped_operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
     want = L.large_fc1_swiglu(x, w, offs, probs)
-    static_offs = offs.clone()
-    L.large_fc1_swiglu(x, w, static_offs, probs)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = L.large_fc1_swiglu(x, w, static_offs, probs)
-    new = torch.tensor([10, 400, 90], device=CUDA).cumsum(0).to(torch.int32)
-    static_offs.copy_(new)
-    graph.replay()
-    eager = L.large_fc1_swiglu(x, w, new, probs)
-    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    assert_replay_with_new_offsets_equal_to_eager(L.large_fc1_swiglu, x, w, offs, probs)
     compiled = torch.compile(lambda *a: L.large_fc1_swiglu(*a), fullgraph=True)
     for p in (probs, None):
         got = compiled(x, w, offs, p)

@@ -52,20 +52,7 @@ def _run(blk, x, probs, dy, split):
 
 
 def _reference(blk, x, probs, dy):
-    fc1, _, fc2 = list(blk)
-    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
-    leaves.update({f"0.{n}": ref.leaf(p) for n, p in fc1.named_parameters()})
-    leaves.update({f"2.{n}": ref.leaf(p) for n, p in fc2.named_parameters()})
-
-    def params(lv, prefix, kind):
-        return [lv[f"{prefix}.{kind}{g}"] for g in range(E)] if f"{prefix}.{kind}0" in lv else None
-
-    def fn(lv):
-        return ref.grouped_mlp(lv["x"], SIZES, lv["probs"], params(lv, 0, "weight"),
-                               params(lv, 0, "bias"), params(lv, 2, "weight"),
-                               params(lv, 2, "bias"))
-
-    return ref.forward_backward(fn, leaves, dy)
+    return ref.block_forward_backward(blk, E, SIZES, x, probs, dy)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -81,9 +81,11 @@ CASES = {
 }
 
 
-def make_block(case: Case, dtype: torch.dtype) -> te_ops.Sequential:
+def make_block(case: Case, dtype: torch.dtype, recompute: bool = False) -> te_ops.Sequential:
+    """fc1 -> (Scaled)SwiGLU -> fc2 of ``case`` in ``dtype``; ``recompute``: the activation's
+    ``recompute_input`` (``tests/test_fc1_recompute.py``)."""
     act = (te_ops.ScaledSwiGLU if case.scaled else te_ops.SwiGLU)(
-        glu_interleave_size=case.interleave)
+        glu_interleave_size=case.interleave, recompute_input=recompute)
     return te_ops.Sequential(
         te_ops.GroupedLinear(case.groups, case.hidden, 2 * case.ffn, bias=case.bias1,
                              scale_bias=case.scale_bias1, dtype=dtype),

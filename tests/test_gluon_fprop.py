@@ -21,9 +21,10 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from block_replay import count_launches
-from test_grouped_gemm_large_triton import CASES, _tol  # the persistent kernel's cases
+from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_linear_fp64
+from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
+from test_grouped_gemm_large_triton import CASES  # the persistent kernel's cases
 
 from te_ops.kernels import grouped_gemm_gluon as GG
 from te_ops.kernels import grouped_gemm_large_triton as L
@@ -83,24 +84,11 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "
 
 
 def _compile_sm90(dgrad: bool, split: bool = False, extra: dict | None = None):
-    pytest.importorskip("triton")
-    if GG.gluon is None:
-        pytest.skip("no triton.experimental.gluon in this Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    skip_without_gluon(GG)
     cfg = GG._resolve({**({"SPLIT": True, "num_warps": 4} if split else {}), **(extra or {})})
     const = {"W_KN": dgrad, "GBLOCK": 8, **cfg}
-    src = GluonASTSource(GG._gluon_kernel, {**SIGNATURE, **{k: "constexpr" for k in const}},
-                         constexprs=const)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["num_warps"], "maxnreg": GG.MAXNREG})
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower() and "insufficient registers" not in str(exc).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {str(exc)[:200]}")
-        raise
+    return compile_gluon_for_sm90(GG._gluon_kernel, SIGNATURE, const, cfg["num_warps"],
+                                  GG.MAXNREG)
 
 
 @pytest.mark.parametrize("dgrad, split", [(False, False), (True, False), (False, True),
@@ -160,23 +148,9 @@ def test_half_output_buffer_fits_a_fourth_stage(dgrad):
 
 
 # ---------------------------------------------------------------------------------- CUDA
-def _reference(x, w, sizes):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
-    start = 0
-    for g, n in enumerate(sizes):
-        out[start:start + n] = F.linear(x[start:start + n].double(), w[g].double())
-        start += n
-    return out
-
-
 def _operands(sizes, m, n, k, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(sizes)
-    x = torch.randn(m, k, generator=gen, device=CUDA).to(dtype)
-    x[total:] = float("nan")  # padding rows: garbage the kernel must not read into outputs
-    w = (torch.randn(len(sizes), n, k, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
-    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
-    return x, w, offs
+    """``(x, w, offs)`` of :func:`grouped_operands` (NaN padding rows of x)."""
+    return grouped_operands(sizes, m, n, k, dtype, seed)[:3]
 
 
 def _skip_unless_sm90():
@@ -200,16 +174,16 @@ def test_fprop_and_dgrad_against_fp64_reference(config, dtype, sizes, m, n, k):
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
     if total:
-        err = (y.double() - _reference(x, w, sizes)).abs().max().item()
-        assert err <= _tol(dtype, k), err
+        err = (y.double() - per_expert_linear_fp64(x, w, sizes)).abs().max().item()
+        assert err <= fp64_tolerance(dtype, k), err
     dy = torch.randn(m, n, device=CUDA).to(dtype)
     dy[total:] = float("nan")
     dx = GG.gluon_dgrad(dy, w, offs, config)
     assert dx.shape == (m, k) and not dx[total:].any()
     if total:
-        ref = _reference(dy, w.transpose(1, 2), sizes)
+        ref = per_expert_linear_fp64(dy, w.transpose(1, 2), sizes)
         err = (dx.double() - ref).abs().max().item()
-        assert err <= _tol(dtype, n), err
+        assert err <= fp64_tolerance(dtype, n), err
 
 
 @pytest.mark.cuda

@@ -95,32 +95,32 @@ def test_meta_forward_only(monkeypatch, fusion):
     assert y.shape == (T, H) and y.device.type == "meta"
 
 
+def _assert_meta_call_raises(match: str) -> None:
+    """The block on the meta device (no values) called under the test's variables: one of
+    ``META_ERRORS`` with ``match`` (a path that reads the split sizes on the host)."""
+    block = make_block(device="meta")
+    x, sizes, probs = inputs("meta")
+    with pytest.raises(META_ERRORS, match=match):
+        block(x, sizes, probs, sizes)
+
+
 @FUSION
 def test_meta_graph_safe_forbidden_fails(monkeypatch, fusion):
     """TE_OPS_GRAPH_SAFE=0 takes the per-group loop, which copies split sizes to the host."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     monkeypatch.setenv("TE_OPS_GRAPH_SAFE", "0")
-    block = make_block(device="meta")
-    x, sizes, probs = inputs("meta")
-    with pytest.raises(META_ERRORS, match="meta device have no values to copy to the host"):
-        block(x, sizes, probs, sizes)
+    _assert_meta_call_raises("meta device have no values to copy to the host")
 
 
 def test_meta_loop_backend_fails(monkeypatch):
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
-    block = make_block(device="meta")
-    x, sizes, probs = inputs("meta")
-    with pytest.raises(META_ERRORS, match="meta device have no values to copy to the host"):
-        block(x, sizes, probs, sizes)
+    _assert_meta_call_raises("meta device have no values to copy to the host")
 
 
 def test_meta_eager_split_size_check_fails(monkeypatch):
     """TE_OPS_CHECK_SPLIT_SIZES=1 trades graph safety for a readable error: it reads the sizes."""
     monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
-    block = make_block(device="meta")
-    x, sizes, probs = inputs("meta")
-    with pytest.raises(META_ERRORS, match="meta tensor"):
-        block(x, sizes, probs, sizes)
+    _assert_meta_call_raises("meta tensor")
 
 
 def test_meta_host_list_is_refused_when_graph_safe_forced(monkeypatch):

@@ -137,17 +137,11 @@ def test_random_split_sizes_property(monkeypatch, sizes, padding, kind, backend)
     y = lin(x, split_arg(sizes, kind, "cpu"), probs)
     dy = torch.randn_like(y)
     y.backward(dy)
-    leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs)}
-    leaves.update({n: ref.leaf(p) for n, p in lin.named_parameters()})
-    out, grads = ref.forward_backward(
-        lambda t: ref.grouped_linear(t["x"], [t[f"weight{g}"] for g in range(groups)],
-                                     [t[f"bias{g}"] for g in range(groups)], sizes, t["probs"]),
-        leaves, dy)
-    assert_close(y, out, torch.float32, "output")
-    assert_close(x.grad, grads["x"], torch.float32, "grad of input")
-    assert_close(probs.grad, grads["probs"], torch.float32, "grad of probs")
-    for n, p in lin.named_parameters():
-        assert_close(p.grad, grads[n], torch.float32, f"grad of {n}")
+    ref.assert_module_matches_reference(
+        lin, lambda t: ref.grouped_linear(t["x"], [t[f"weight{g}"] for g in range(groups)],
+                                          [t[f"bias{g}"] for g in range(groups)], sizes,
+                                          t["probs"]),
+        x, probs, y, dy, torch.float32)
 
 
 # --------------------------------------------------------------------------- dispatch

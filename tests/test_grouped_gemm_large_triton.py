@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from sm90_compile import compile_for_sm90
+from grouped_cuda_helpers import (
+    assert_replay_with_new_offsets_equal_to_eager,
+    fp64_tolerance,
+    grouped_operands,
+    per_expert_linear_fp64,
+    swiglu_fp64,
+)
+from sm90_compile import compile_for_sm90, for_nesting
 
 from te_ops.kernels import grouped_gemm_large_triton as L
 
@@ -97,20 +103,6 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
              "stride_wk": "i32"}
 
 
-def _for_nesting(ttgir: str) -> int:
-    """Deepest nesting of ``scf.for`` loops in a TTGIR listing (independent of the
-    benchmark's copy: a brace count)."""
-    stack, deepest = [], 0
-    for line in ttgir.splitlines():
-        for ch in line:
-            if ch == "{":
-                stack.append("scf.for " in line)
-            elif ch == "}" and stack:
-                stack.pop()
-        deepest = max(deepest, sum(stack))
-    return deepest
-
-
 @pytest.mark.parametrize("swiglu, flat, tma, dgrad, tail", [
     (False, False, True, False, False), (True, True, True, False, False),
     (True, False, False, False, False), (False, False, True, True, False),
@@ -135,7 +127,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     assert "wgmma.mma_async" in ptx
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert kernel.metadata.shared <= 227 * 1024
-    assert _for_nesting(ttgir) == (1 if flat else 2)
+    assert for_nesting(ttgir) == (1 if flat else 2)
     if tail and not flat:
         assert ttgir.count("scf.for ") == 3  # group loop, full-tile and half-tile k-loops
     if tail and not (flat and swiglu):  # the flat PAIRED fc1's half-tile loop pipelines its
@@ -168,39 +160,6 @@ def test_flat_with_too_many_groups_takes_the_group_walk():
 
 
 # ---------------------------------------------------------------------------------- CUDA
-def _reference(x, w, sizes):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
-    start = 0
-    for g, n in enumerate(sizes):
-        out[start:start + n] = F.linear(x[start:start + n].double(), w[g].double())
-        start += n
-    return out
-
-
-def _swiglu_ref(h, probs):
-    f = h.shape[1] // 2
-    gate, up = h[:, :f], h[:, f:]
-    a = gate * torch.sigmoid(gate) * up
-    return a if probs is None else a * probs.double()[:, None]
-
-
-def _operands(sizes, m, n, k, dtype, seed=0, transposed=False):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(sizes)
-    x = torch.randn(m, k, generator=gen, device=CUDA).to(dtype)
-    x[total:] = float("nan")
-    shape = (len(sizes), k, n) if transposed else (len(sizes), n, k)
-    w = (torch.randn(*shape, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
-    w = w.transpose(1, 2) if transposed else w
-    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
-    probs = torch.rand(m, generator=gen, device=CUDA)
-    return x, w, offs, probs
-
-
-def _tol(dtype, k):
-    return (2e-2 if dtype == torch.bfloat16 else 3e-3) * max(1.0, (k / 64) ** 0.5)
-
-
 CASES = [
     ([300, 0, 17, 129], 460, 384, 256),      # empty group, 14 padding rows, skew
     ([1000, 3, 0, 0, 250], 1300, 200, 136),  # dims off the tiles
@@ -217,13 +176,13 @@ LOADS = [(True, False), (False, False), (True, True)]  # (USE_TMA, FLAT)
 @pytest.mark.parametrize("tma, flat", LOADS)
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
 def test_fprop_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
-    x, w, offs, _ = _operands(sizes, m, n, k, dtype)
+    x, w, offs, _ = grouped_operands(sizes, m, n, k, dtype)
     y = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
-    err = (y.double() - _reference(x, w, sizes)).abs().max().item() if total else 0.0
-    assert err <= _tol(dtype, k), err
+    err = (y.double() - per_expert_linear_fp64(x, w, sizes)).abs().max().item() if total else 0.0
+    assert err <= fp64_tolerance(dtype, k), err
 
 
 @pytest.mark.cuda
@@ -233,7 +192,7 @@ def test_fprop_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
 def test_dgrad_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
     """dx_g = dy_g @ W_g, W (G, N, K): dy (m, n) -> dx (m, k); NaN padding rows of dy give
     zeros."""
-    x, w, offs, _ = _operands(sizes, m, n, k, dtype)
+    x, w, offs, _ = grouped_operands(sizes, m, n, k, dtype)
     gen = torch.Generator(device="cuda").manual_seed(1)
     dy = torch.randn(m, n, generator=gen, device=CUDA).to(dtype)
     total = sum(sizes)
@@ -241,9 +200,9 @@ def test_dgrad_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
     dx = L.large_dgrad(dy, w, offs, config={"USE_TMA": tma, "FLAT": flat})
     assert dx.shape == (m, k) and dx.dtype == dtype
     assert not dx[total:].any()
-    err = ((dx.double() - _reference(dy, w.transpose(1, 2), sizes)).abs().max().item()
+    err = ((dx.double() - per_expert_linear_fp64(dy, w.transpose(1, 2), sizes)).abs().max().item()
            if total else 0.0)
-    assert err <= _tol(dtype, n), err
+    assert err <= fp64_tolerance(dtype, n), err
 
 
 @pytest.mark.cuda
@@ -255,22 +214,22 @@ def test_fc1_swiglu_against_reference_and_swiglu_bits(dtype, tma, flat, with_p, 
                                                       k):
     from te_ops.kernels import swiglu_triton as st
 
-    x, w, offs, probs = _operands(sizes, m, n, k, dtype)
+    x, w, offs, probs = grouped_operands(sizes, m, n, k, dtype)
     p = probs if with_p else None
     h, a = L.large_fc1_swiglu(x, w, offs, p, config={"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert not h[total:].any() and not a[total:].any()
     assert torch.equal(a, st._forward(h, p, st._fwd_kernel))
     if total:
-        want = _reference(x, w, sizes)
-        assert (h.double() - want).abs().max().item() <= _tol(dtype, k)
-        err = (a.double() - _swiglu_ref(want, p)).abs()[:total].max().item()
-        assert err <= 2 * _tol(dtype, k), err
+        want = per_expert_linear_fp64(x, w, sizes)
+        assert (h.double() - want).abs().max().item() <= fp64_tolerance(dtype, k)
+        err = (a.double() - swiglu_fp64(want, p)).abs()[:total].max().item()
+        assert err <= 2 * fp64_tolerance(dtype, k), err
 
 
 @pytest.mark.cuda
 def test_non_contiguous_weights_take_pointer_loads():
-    x, w, offs, _ = _operands([100, 60], 170, 256, 128, torch.bfloat16, transposed=True)
+    x, w, offs, _ = grouped_operands([100, 60], 170, 256, 128, torch.bfloat16, transposed=True)
     assert L.tma_unsupported_reason(x, w) is not None
     y = L.large_fprop(x, w, offs)
     assert torch.equal(y, L.large_fprop(x, w.contiguous(), offs, config={"USE_TMA": False}))
@@ -280,20 +239,11 @@ def test_non_contiguous_weights_take_pointer_loads():
 def test_graph_replay_and_compile_bitwise_equal_to_eager():
     """Captured in a CUDA graph and replayed with new split sizes (same total rows, device
     offsets), and under torch.compile(fullgraph=True): bitwise the eager values."""
-    x, w, offs, probs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
+    x, w, offs, probs = grouped_operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
     want = L.large_fc1_swiglu(x, w, offs, probs)
     flat = L.large_fc1_swiglu(x, w, offs, probs, config={"FLAT": True})
     assert torch.equal(flat[0], want[0]) and torch.equal(flat[1], want[1])  # same k-steps
-    static_offs = offs.clone()
-    L.large_fc1_swiglu(x, w, static_offs, probs)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = L.large_fc1_swiglu(x, w, static_offs, probs)
-    new = torch.tensor([10, 400, 90], device=CUDA).cumsum(0).to(torch.int32)
-    static_offs.copy_(new)
-    graph.replay()
-    eager = L.large_fc1_swiglu(x, w, new, probs)
-    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    assert_replay_with_new_offsets_equal_to_eager(L.large_fc1_swiglu, x, w, offs, probs)
     compiled = torch.compile(lambda *a: L.large_fc1_swiglu(*a), fullgraph=True)
     got = compiled(x, w, offs, probs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -320,29 +270,29 @@ def test_flat_and_tail_bitwise_equal_to_the_group_walk(kind, change):
     reference's values."""
     tma = change.get("USE_TMA", True)
     for sizes, m, n, k in CASES + TAIL_CASES:
-        x, w, offs, probs = _operands(sizes, m, n, k, torch.bfloat16)
+        x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)
         total = sum(sizes)
         if kind == "dgrad":
             x = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
             x[total:] = float("nan")
             got = L.large_dgrad(x, w, offs, config=change)
             want = L.large_dgrad(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
-            ref = _reference(x, w.transpose(1, 2), sizes)
+            ref = per_expert_linear_fp64(x, w.transpose(1, 2), sizes)
         elif kind == "fprop":
             got = L.large_fprop(x, w, offs, config=change)
             want = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
-            ref = _reference(x, w, sizes)
+            ref = per_expert_linear_fp64(x, w, sizes)
         else:
             got, a = L.large_fc1_swiglu(x, w, offs, probs, config=change)
             want, a_want = L.large_fc1_swiglu(x, w, offs, probs,
                                               config={"USE_TMA": tma, "FLAT": False})
             assert torch.equal(a, a_want) and not a[total:].any(), (sizes, change)
-            ref = _reference(x, w, sizes)
+            ref = per_expert_linear_fp64(x, w, sizes)
         assert torch.equal(got, want), (sizes, change)
         assert not got[total:].any(), (sizes, change)
         if total:
             red = n if kind == "dgrad" else k
-            assert (got.double() - ref).abs().max().item() <= _tol(torch.bfloat16, red)
+            assert (got.double() - ref).abs().max().item() <= fp64_tolerance(torch.bfloat16, red)
 
 
 @pytest.mark.cuda
@@ -354,7 +304,7 @@ def test_bitwise_equal_to_grouped_mm(change):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
     sizes = [300, 0, 17, 195, 64, 600]
-    x, w, offs, _ = _operands(sizes, sum(sizes), 512, 256, torch.bfloat16)
+    x, w, offs, _ = grouped_operands(sizes, sum(sizes), 512, 256, torch.bfloat16)
     assert torch.equal(L.large_fprop(x, w, offs, config=change),
                        torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
     dy = torch.randn(sum(sizes), 512, device=CUDA).to(torch.bfloat16)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_helpers import usage_error
 from block_replay import summarize_record
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -22,13 +23,6 @@ import large_gemm_triton as bench  # noqa: E402
 from te_ops.kernels import grouped_gemm_large_triton as lg  # noqa: E402
 from te_ops.kernels import grouped_wgrad_large_triton as lw  # noqa: E402
 from te_ops.kernels import swiglu_triton as st  # noqa: E402
-
-
-def _usage_error(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        bench.main(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -43,14 +37,14 @@ def _usage_error(capsys, argv: list[str]) -> str:
     (["--config-override", "[1]"], ["--config-override must be a JSON object", "'[1]'"]),
 ])
 def test_bad_arguments(capsys, argv, words):
-    err = _usage_error(capsys, argv)
+    err = usage_error(capsys, bench.main, argv)
     for word in words:
         assert word in err
 
 
 def test_measuring_without_cuda_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "measuring needs CUDA" in _usage_error(capsys, [])
+    assert "measuring needs CUDA" in usage_error(capsys, bench.main, [])
 
 
 def test_sweep_configs_are_launch_configs():

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import large_gemm_configs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
@@ -15,14 +16,8 @@ import large_gemm_triton as bench  # noqa: E402
 
 
 def _run_main(monkeypatch, argv):
-    """``bench.main`` with CUDA faked; records (gemm, cfg, fused_cfg) of each comparison."""
-    seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "machine_info", lambda device: {})
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "compare", lambda shape, gemm, args, cfg, fused_cfg: (
-        seen.append((gemm, cfg, fused_cfg)), {"bench": "x"})[1])
-    assert bench.main(argv) == 0
+    """``bench.main`` with CUDA faked: {gemm: (cfg, fused_cfg)} of each comparison."""
+    seen = large_gemm_configs(monkeypatch, bench, argv)
     return {gemm: (cfg, fused) for gemm, cfg, fused in seen}
 
 

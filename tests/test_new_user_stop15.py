@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import usage_error
 
 import te_ops
 from te_ops.kernels import dgrad_dswiglu_triton as D
@@ -18,13 +19,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import host_ab  # noqa: E402
 import large_gemm_triton as bench  # noqa: E402
-
-
-def _usage_error(capsys, fn, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        fn(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["auto", "1"])
@@ -67,7 +61,7 @@ def test_large_gemm_bad_launch_configs_are_usage_errors(capsys, monkeypatch, fla
     from the checks or a failure deep in Triton; a bad ``--fused-variants`` config names
     ``--fused-variants``, not ``--fused-config``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
-    err = _usage_error(capsys, bench.main, ["--gemms", "fc1,fc2_dswiglu", flag, config])
+    err = usage_error(capsys, bench.main, ["--gemms", "fc1,fc2_dswiglu", flag, config])
     for word in words:
         assert word in err, err
 
@@ -102,7 +96,7 @@ def test_host_ab_variant_env_reads_values_as_te_ops_does(given, value):
 
 
 def test_host_ab_variant_env_bad_value_names_variable_expected_and_got(capsys):
-    err = _usage_error(capsys, host_ab.main,
+    err = usage_error(capsys, host_ab.main,
                        ["--variant-env", "TE_OPS_FC2_DSWIGLU_EPILOGUE=yes"])
     assert "TE_OPS_FC2_DSWIGLU_EPILOGUE must be one of ['auto', '0', '1'], got 'yes'" in err
 
@@ -129,7 +123,7 @@ def test_fc1_epilogue_bench_bad_arguments(capsys, argv, words):
     naming the flag before the CUDA check (not a ``ValueError`` traceback, nor accepted)."""
     import fc1_epilogue
 
-    err = _usage_error(capsys, fc1_epilogue.main, argv)
+    err = usage_error(capsys, fc1_epilogue.main, argv)
     for word in words:
         assert word in err, err
 
@@ -139,7 +133,7 @@ def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, fl
     """``--sweep`` times the sweep's fastest config in place of ``--config-override`` /
     ``--fused-config``: given together, the override would be dropped silently."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
-    err = _usage_error(capsys, bench.main, ["--sweep", flag, '{"FLAT": false}'])
+    err = usage_error(capsys, bench.main, ["--sweep", flag, '{"FLAT": false}'])
     assert f"{flag} has no effect with --sweep" in err and '{"FLAT": false}' in err, err
 
 
@@ -157,7 +151,7 @@ def test_large_gemm_kernel_flags_without_their_gemm_are_usage_errors(capsys, mon
     ``--fused-config`` / ``--fused-variants`` only under fc1: without that GEMM the flag did
     nothing, silently."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
-    err = _usage_error(capsys, bench.main, argv)
+    err = usage_error(capsys, bench.main, argv)
     for word in words:
         assert word in err, err
 

@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import large_gemm_configs
 from interpret import interpreter_marks, run_interpreted
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -57,15 +58,8 @@ def test_good_config_on_degenerate_shapes_still_gives_zeros():
 
 
 def _run_main(monkeypatch, argv):
-    """``bench.main`` with CUDA faked and ``compare`` recording the config of each GEMM."""
-    seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "machine_info", lambda device: {})
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "compare", lambda shape, gemm, args, cfg, fused_cfg: (
-        seen.append((gemm, cfg)), {"bench": "x"})[1])
-    assert bench.main(argv) == 0
-    return dict(seen)
+    """``bench.main`` with CUDA faked: {gemm: cfg} of each comparison."""
+    return {gemm: cfg for gemm, cfg, _ in large_gemm_configs(monkeypatch, bench, argv)}
 
 
 def test_config_override_changes_fprop_dgrad_not_wgrad(monkeypatch, capsys):

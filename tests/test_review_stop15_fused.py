@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from block_replay import fwd_bwd_step
 from reference import grouped_mlp, leaf
 
 import te_ops
@@ -34,13 +35,25 @@ def _inputs():
     return x, probs, sizes
 
 
-def _run(block, x, probs, split):
-    for t in (x, probs, *block.parameters()):
-        t.grad = None
-    out = block(x, split, probs, split)
-    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
-    out.backward(torch.ones_like(out))
-    return out.detach(), fast
+def _warmed(monkeypatch, fast_step: str):
+    """``TE_OPS_FAST_STEP=fast_step``, the block and its inputs after two steps (the fast path
+    recorded, its stacked weight view remembered): ``(block, x, probs, split)``."""
+    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
+    block = _block()
+    x, probs, split = _inputs()
+    for _ in range(2):
+        fwd_bwd_step(block, x, probs, split)
+    return block, x, probs, split
+
+
+def _check_step_against_reference(block, x, probs, split, ws, fast_step: str) -> None:
+    """One more step: the fast path taken iff ``fast_step == "1"``, the output within 1e-5 of
+    the fp64 reference with fc1's weights ``ws`` (as the test left them) and fc2's."""
+    out, _, fast = fwd_bwd_step(block, x, probs, split)
+    assert fast == (fast_step == "1")
+    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
+                           [leaf(w) for w in block[2].weights()], None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fast_step", ["1", "0"])
@@ -51,20 +64,11 @@ def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(
     and the dtype but not the strides: the stacked (G, N, K) view remembered by data pointers
     (``_LayerWeights.stacked`` on the fast path, ``stack_weights``' memo on the general path)
     must not be reused, or the moved weight is read as its old layout (silently wrong)."""
-    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
-    block = _block()
-    x, probs, split = _inputs()
-    for _ in range(2):
-        _run(block, x, probs, split)
+    block, x, probs, split = _warmed(monkeypatch, fast_step)
     ws = block[0].weights()
     for g in which:
         ws[g].data = ws[g].data.t()
-    out, fast = _run(block, x, probs, split)
-    assert fast == (fast_step == "1")
-    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
-                           [leaf(w) for w in block[2].weights()], None)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-
+    _check_step_against_reference(block, x, probs, split, ws, fast_step)
 
 
 @pytest.mark.parametrize("fast_step", ["1", "0"])
@@ -77,11 +81,7 @@ def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
     spans the G weights, so the (G, N, K) view cannot be taken (``as_strided`` raised
     "out of bounds for storage") and the weights must be stacked as a copy, with the
     reference's values."""
-    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
-    block = _block()
-    x, probs, split = _inputs()
-    for _ in range(2):
-        _run(block, x, probs, split)
+    block, x, probs, split = _warmed(monkeypatch, fast_step)
     ws = block[0].weights()
     ptrs = [w.data_ptr() for w in ws]
     numel = ws[0].numel()
@@ -91,11 +91,7 @@ def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
         w.data = t
     assert [w.data_ptr() for w in ws] == ptrs
     assert ws[0].untyped_storage().nbytes() == numel * ws[0].element_size()
-    out, fast = _run(block, x, probs, split)
-    assert fast == (fast_step == "1")
-    expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
-                           [leaf(w) for w in block[2].weights()], None)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    _check_step_against_reference(block, x, probs, split, ws, fast_step)
 
 
 def test_compiled_autograd_traces_the_version_check_without_a_graph_break():
@@ -116,7 +112,7 @@ def test_compiled_autograd_traces_the_version_check_without_a_graph_break():
     fc2.weight5 = torch.nn.Parameter(fc2.weight5.detach().clone())  # a counter of its own
     block.float()  # packed next to the others again
     x, probs, split = _inputs()
-    _run(block, x, probs, split)
+    fwd_bwd_step(block, x, probs, split)
     compiler = torch.compile(backend=CompileCounter())
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
     for _ in range(3):

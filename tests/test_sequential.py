@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from reference import assert_close, leaf, split_arg
+from reference import assert_close, split_arg
 
 import te_ops
 from te_ops.kernels.grouped_gemm import stack_weights
@@ -155,9 +155,6 @@ def test_plain_module_in_the_middle(device, middle):
     dy = torch.randn_like(y)
     y.backward(dy)
 
-    leaves = {"x": leaf(x), "probs": leaf(probs)}
-    leaves.update({n: leaf(p) for n, p in block.named_parameters()})
-
     def fn(t):
         h = ref.grouped_linear(t["x"], [t[f"0.weight{g}"] for g in range(G)],
                                [t[f"0.bias{g}"] for g in range(G)], SIZES)
@@ -169,13 +166,7 @@ def test_plain_module_in_the_middle(device, middle):
         return ref.grouped_linear(h, [t[f"3.weight{g}"] for g in range(G)],
                                   [t[f"3.bias{g}"] for g in range(G)], SIZES)
 
-    out, grads = ref.forward_backward(fn, leaves, dy)
-    dtype = torch.float32
-    assert_close(y, out, dtype, "output")
-    assert_close(x.grad, grads["x"], dtype, "grad of input")
-    assert_close(probs.grad, grads["probs"], dtype, "grad of probs")
-    for n, p in block.named_parameters():
-        assert_close(p.grad, grads[n], dtype, f"grad of {n}")
+    ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["list", "tensor"])
@@ -246,8 +237,6 @@ def test_to_float64_keeps_weights_adjacent(device, convert):
     y = block(x, ss, probs, ss)
     dy = torch.randn_like(y)
     y.backward(dy)
-    leaves = {"x": leaf(x), "probs": leaf(probs)}
-    leaves.update({n: leaf(p) for n, p in block.named_parameters()})
 
     def fn(t):
         return ref.grouped_mlp(t["x"], SIZES, t["probs"],
@@ -256,13 +245,8 @@ def test_to_float64_keeps_weights_adjacent(device, convert):
                                [t[f"2.weight{g}"] for g in range(G)],
                                [t[f"2.bias{g}"] for g in range(G)])
 
-    out, grads = ref.forward_backward(fn, leaves, dy)
     assert y.dtype == torch.float64
-    assert_close(y, out, torch.float64, "output")
-    assert_close(x.grad, grads["x"], torch.float64, "grad of input")
-    assert_close(probs.grad, grads["probs"], torch.float64, "grad of probs")
-    for n, p in block.named_parameters():
-        assert_close(p.grad, grads[n], torch.float64, f"grad of {n}")
+    ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float64)
 
 
 def test_standalone_grouped_linear_to_float64(device):
