@@ -532,7 +532,7 @@ class _FastGroupedMLP(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = _fast_backward(ctx, grad_output)
-        return _refuse_double_backward(grads) if create_graph else grads
+        return _refuse_double_backward(grads, ctx) if create_graph else grads
 
 
 def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:

@@ -33,6 +33,7 @@ import torch
 
 from . import env, fast_step
 from .call_scope import close_call_scope, open_call_scope
+from .double_backward import graph_anchors
 from .func_transforms import check_no_func_transform
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
@@ -524,19 +525,22 @@ DOUBLE_BACKWARD_ERROR = (
 )
 
 
-def _refuse_double_backward(grads: tuple) -> tuple:
+def _refuse_double_backward(grads: tuple, ctx: Any = None) -> tuple:
     """Gradients for a backward under ``create_graph=True``: the same values, but marked as
     requiring grad through a node that raises :data:`DOUBLE_BACKWARD_ERROR` when
     differentiated, so a second-order gradient is never silently zero (a detached first-order
-    gradient would make it so)."""
+    gradient would make it so). ``ctx`` (the backward's context) gives that node edges to the
+    forward's inputs (``te_ops.double_backward.graph_anchors``), so ``torch.autograd.grad``
+    with respect to them (``torch.autograd.functional.hessian``) raises too."""
     positions = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
     if not positions:
         return grads
     marked = [grads[i].detach().requires_grad_(grads[i].is_floating_point())
               for i in positions]
-    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked))
-    wrapped = err(*marked)
-    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    anchors = graph_anchors(ctx) if ctx is not None else []
+    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked) + len(anchors))
+    wrapped = err(*marked, *anchors)
+    wrapped = (wrapped if isinstance(wrapped, tuple) else (wrapped,))[:len(marked)]
     out = list(grads)
     for i, g in zip(positions, wrapped):
         out[i] = g
@@ -592,7 +596,7 @@ class _FuserFunction(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = _FuserFunction._backward(ctx, *grad_outputs)
-        return _refuse_double_backward(grads) if create_graph else grads
+        return _refuse_double_backward(grads, ctx) if create_graph else grads
 
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):

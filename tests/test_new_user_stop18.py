@@ -1,0 +1,95 @@
+"""Faults a new user found at stop 18 (README-driven use on CPU, bad and edge inputs).
+
+Each test names the kind of fault it guards against; values are compared with the float64
+per-expert reference of ``tests/reference.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import torch
+
+import te_ops
+from te_ops.fuser import DOUBLE_BACKWARD_ERROR
+
+E, H, FF = 2, 8, 8
+
+
+def _block(dtype: torch.dtype = torch.float64, bias: bool = False) -> te_ops.Sequential:
+    torch.manual_seed(0)
+    return te_ops.Sequential(
+        te_ops.GroupedLinear(E, H, 2 * FF, bias=bias, dtype=dtype),
+        te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(E, FF, H, bias=bias, dtype=dtype),
+    )
+
+
+# ---------------------------------------------- second-order gradients are refused, never zero
+# The refusing node had no graph edges to the forward's inputs, so torch.autograd.grad with
+# respect to an input found it unreachable: torch's "appears to not have been used in the
+# graph" error, and with allow_unused=True (torch.autograd.functional.hessian / hvp pass it)
+# None, which those functions turned into an all-zero Hessian with no error.
+
+def _split(kind: str):
+    return [3, 3] if kind == "list" else torch.tensor([3, 3])
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("kind", ["list", "tensor"])
+def test_functional_hessian_and_hvp_raise_instead_of_zeros(monkeypatch, fusion, kind):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _block()
+    probs = torch.rand(6, dtype=torch.float64)
+    split = _split(kind)
+
+    def f(x):
+        return blk(x, split, probs, split).square().sum()
+
+    x = torch.randn(6, H, dtype=torch.float64)
+    f(x.requires_grad_()).backward()  # a first call (the fast path records it)
+    for fn in (torch.autograd.functional.hessian,
+               lambda g, v: torch.autograd.functional.hvp(g, v, torch.ones_like(v))):
+        with pytest.raises(RuntimeError, match="create_graph=True") as err:
+            fn(f, x.detach())
+        assert DOUBLE_BACKWARD_ERROR in str(err.value)
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+@pytest.mark.parametrize("leaf", [True, False])
+def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fusion, leaf):
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    blk = _block()
+    probs = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
+    x = x0 if leaf else x0 * 2  # a non-leaf input (saved for fc1's wgrad)
+    y = blk(x, [3, 3], probs, [3, 3])
+    gx, gw = torch.autograd.grad(y.square().sum(), [x, blk[0].weight0], create_graph=True)
+    # The first-order values are still right.
+    w1 = [ref.leaf(w) for w in blk[0].weights()]
+    w2 = [ref.leaf(w) for w in blk[2].weights()]
+    x64 = ref.leaf(x)
+    y_ref = ref.grouped_mlp(x64, [3, 3], probs.detach(), w1, None, w2, None)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref.square().sum(), [x64, w1[0]])
+    ref.assert_close(gx, gx_ref, torch.float64, "dx")
+    ref.assert_close(gw, gw_ref, torch.float64, "dweight0")
+    for first in (gx, gw):
+        for wrt in (x, x0, blk[0].weight1, blk[2].weight0, probs):
+            with pytest.raises(RuntimeError, match="create_graph=True"):
+                torch.autograd.grad(first.sum(), wrt, retain_graph=True, allow_unused=True)
+
+
+def test_fast_path_grad_of_first_order_grad_raises():
+    """The fast path (te_ops/fast_step.py: float32, device split sizes, a repeated call)
+    refuses the same way."""
+    blk = _block(torch.float32)
+    probs = torch.rand(6, requires_grad=True)
+    x = torch.randn(6, H, requires_grad=True)
+    split = torch.tensor([3, 3])
+    blk(x, split, probs, split).sum().backward()
+    y = blk(x, split, probs, split)
+    assert type(y.grad_fn).__name__ == "_FastGroupedMLPBackward"
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    for wrt in (x, blk[0].weight0, blk[2].weight1):
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
