@@ -93,3 +93,36 @@ def test_fast_path_grad_of_first_order_grad_raises():
     for wrt in (x, blk[0].weight0, blk[2].weight1):
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
+
+
+# ------------------------------------------- misspelled variable names are caught in any case
+# A name that was not exactly "TE_OPS_" + something (te_ops_fusion, TE_OPSFUSION) got no warning
+# at all, and TE_OPS_graph_safe got one without the closest name (compared case-sensitively);
+# each has no effect, so the user's setting was silently ignored.
+
+@pytest.mark.parametrize("name,closest", [
+    ("TE_OPS_graph_safe", "TE_OPS_GRAPH_SAFE"),
+    ("te_ops_fusion", "TE_OPS_FUSION"),
+    ("TE_OPSFUSION", "TE_OPS_FUSION"),
+    ("TeOps_Fast_Step", "TE_OPS_FAST_STEP"),
+    ("TE_OPS_FUSON", "TE_OPS_FUSION"),
+])
+def test_misspelled_variable_in_any_case_warns_with_closest_name(monkeypatch, name, closest):
+    from te_ops import env
+
+    monkeypatch.setattr(env, "_WARNED", set())
+    monkeypatch.setenv(name, "0")
+    lin = te_ops.GroupedLinear(1, 2, 2)
+    with pytest.warns(UserWarning, match=f"{name} is not a te_ops variable.*did you mean "
+                                         f"{closest}\\?"):
+        lin(torch.randn(2, 2), [2])
+
+
+@pytest.mark.parametrize("name", ["TRAIN_MOE_PROGRESS", "MY_TE_OPS_FUSION", "TEX_OPS"])
+def test_other_variables_get_no_warning(monkeypatch, recwarn, name):
+    from te_ops import env
+
+    monkeypatch.setattr(env, "_WARNED", set())
+    monkeypatch.setenv(name, "0")
+    te_ops.GroupedLinear(1, 2, 2)(torch.randn(2, 2), [2])
+    assert not [w for w in recwarn if "not a te_ops variable" in str(w.message)]
