@@ -126,3 +126,40 @@ def test_other_variables_get_no_warning(monkeypatch, recwarn, name):
     monkeypatch.setenv(name, "0")
     te_ops.GroupedLinear(1, 2, 2)(torch.randn(2, 2), [2])
     assert not [w for w in recwarn if "not a te_ops variable" in str(w.message)]
+
+
+# ------------------------------------ a refused container edit leaves the container unchanged
+# Sequential refused a nested block that takes extra inputs only after it had replaced its
+# module list: append / insert / item assignment raised, yet the module stayed in, so every
+# later call raised the same error (and len() and state_dict() had changed).
+
+def _nested_and_outer():
+    inner = te_ops.Sequential(te_ops.GroupedLinear(2, 4, 4))  # takes split sizes
+    outer = te_ops.Sequential(torch.nn.Identity(), te_ops.GroupedLinear(2, 4, 4))
+    return inner, outer
+
+
+@pytest.mark.parametrize("edit", ["append", "extend", "insert", "setitem"])
+def test_refused_module_leaves_the_container_as_it_was(edit):
+    inner, outer = _nested_and_outer()
+    keys = list(outer.state_dict())
+    x = torch.randn(3, 4)
+    before = outer(x, [1, 2])
+    do = {"append": lambda: outer.append(inner), "extend": lambda: outer.extend([inner]),
+          "insert": lambda: outer.insert(0, inner),
+          "setitem": lambda: outer.__setitem__(0, inner)}[edit]
+    with pytest.raises(ValueError, match="te_ops.Sequential taking 1 extra inputs"):
+        do()
+    assert [type(m) for m in outer] == [torch.nn.Identity, te_ops.GroupedLinear]
+    assert list(outer.state_dict()) == keys
+    assert torch.equal(outer(x, [1, 2]), before)
+
+
+@pytest.mark.parametrize("idx", ["0", 1.0, None])
+def test_non_integer_index_names_the_argument(idx):
+    _, outer = _nested_and_outer()
+    with pytest.raises(TypeError, match=r"idx must be an int or a slice, got"):
+        outer[idx]
+    with pytest.raises(TypeError, match=r"idx must be an int or a slice, got"):
+        outer[idx] = torch.nn.Identity()
+    assert outer[torch.tensor(1)] is outer[1]  # an integer 0-d tensor is an index
