@@ -163,3 +163,33 @@ def test_non_integer_index_names_the_argument(idx):
     with pytest.raises(TypeError, match=r"idx must be an int or a slice, got"):
         outer[idx] = torch.nn.Identity()
     assert outer[torch.tensor(1)] is outer[1]  # an integer 0-d tensor is an index
+
+
+# ------------------------------------------------- routing helpers name a non-tensor argument
+# te_ops.permute / unpermute raised AttributeError ("'list' object has no attribute 'shape'")
+# for an argument that is not a tensor, where the block's own ops raise TypeError naming it.
+
+@pytest.mark.parametrize("which", ["x", "top_k_index", "top_k_weights"])
+def test_permute_names_a_non_tensor_argument(which):
+    args = {"x": torch.randn(3, 4), "top_k_index": torch.tensor([[0, 1], [1, 0], [0, 0]]),
+            "top_k_weights": torch.rand(3, 2)}
+    args[which] = args[which].tolist()
+    expected = "a torch.Tensor or None" if which == "top_k_weights" else "a torch.Tensor"
+    with pytest.raises(TypeError, match=f"^{which} must be {expected}, got list"):
+        te_ops.permute(args["x"], args["top_k_index"], args["top_k_weights"], 2)
+
+
+def test_permute_without_weights_and_unpermute_round_trip():
+    x = torch.randn(3, 4)
+    routed = te_ops.permute(x, torch.tensor([[1], [0], [1]]), None, 2)
+    assert routed.probs is None and routed.split_sizes.tolist() == [1, 2]
+    torch.testing.assert_close(te_ops.unpermute(routed.x, routed.token_index, 3), x,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("which", ["y", "token_index"])
+def test_unpermute_names_a_non_tensor_argument(which):
+    args = {"y": torch.randn(2, 4), "token_index": torch.tensor([0, 1])}
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=f"^{which} must be a torch.Tensor, got list"):
+        te_ops.unpermute(args["y"], args["token_index"], 2)
