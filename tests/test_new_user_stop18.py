@@ -6,6 +6,8 @@ per-expert reference of ``tests/reference.py``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import reference as ref
 import torch
@@ -193,3 +195,54 @@ def test_unpermute_names_a_non_tensor_argument(which):
     args[which] = args[which].tolist()
     with pytest.raises(TypeError, match=f"^{which} must be a torch.Tensor, got list"):
         te_ops.unpermute(args["y"], args["token_index"], 2)
+
+
+# ------------------------------------------- the main job's flags fail as a parser error
+# --hf-model without transformers raised ModuleNotFoundError deep in the run, --lr -1
+# torch's "Invalid learning rate" traceback, --compile-backend with a typo torch's
+# InvalidBackend after the model was built, and --aux-coef -1 trained with a rewarded
+# imbalance without a word.
+
+@pytest.mark.parametrize("argv,match", [
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--aux-coef", "-0.5"], "--aux-coef must be >= 0"),
+    (["--compile", "--compile-backend", "inductr"], "--compile-backend must be a torch.compile "
+                                                     "backend.*got 'inductr'"),
+])
+def test_main_job_bad_flags_are_parser_errors(capsys, argv, match):
+    from te_ops.examples import train_moe
+
+    with pytest.raises(SystemExit) as exit_:
+        train_moe.parse_args(argv)
+    assert exit_.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("version,match", [
+    (None, "needs transformers>=5, which is not installed: pip install 'te_ops\\[hf\\]'"),
+    ("4.57.1", "needs transformers>=5, got 4.57.1"),
+])
+def test_hf_model_without_transformers_5_is_a_parser_error(monkeypatch, capsys, version,
+                                                            match):
+    from importlib import metadata
+
+    from te_ops.examples import train_moe
+
+    def fake_version(name):
+        if version is None:
+            raise metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(metadata, "version", fake_version)
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(["--hf-model", "mixtral"])
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_main_job_good_flags_still_parse():
+    from te_ops.examples import train_moe
+
+    args = train_moe.parse_args(["--aux-coef", "0", "--compile", "--compile-backend",
+                                 "aot_eager", "--lr", "1e-3"])
+    assert (args.aux_coef, args.compile_backend, args.lr) == (0.0, "aot_eager", 1e-3)
