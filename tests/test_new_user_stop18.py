@@ -246,3 +246,29 @@ def test_main_job_good_flags_still_parse():
     args = train_moe.parse_args(["--aux-coef", "0", "--compile", "--compile-backend",
                                  "aot_eager", "--lr", "1e-3"])
     assert (args.aux_coef, args.compile_backend, args.lr) == (0.0, "aot_eager", 1e-3)
+
+
+# ------------------------------------------------------- parameter dtype errors name the value
+# GroupedLinear(dtype="float32") said "dtype must be one of (torch.float32, ...), got float32"
+# (the string printed like the dtype it names); Bias(dtype=...) had no check at all (torch's
+# "zeros(): argument 'dtype' must be torch.dtype, not str", or "Only Tensors of floating point
+# ... can require gradients" for torch.int8).
+
+@pytest.mark.parametrize("make", [lambda **k: te_ops.GroupedLinear(2, 4, 4, **k),
+                                  lambda **k: te_ops.Bias(4, **k)], ids=["GroupedLinear", "Bias"])
+@pytest.mark.parametrize("dtype,got", [("float32", "got str 'float32'"),
+                                       (torch.int8, "got torch.int8"),
+                                       (torch.complex64, "got torch.complex64")])
+def test_parameter_dtype_errors_name_the_value(make, dtype, got):
+    with pytest.raises(ValueError, match=re.escape(f"dtype must be one of (torch.float32, "
+                                                   f"torch.bfloat16, torch.float16, "
+                                                   f"torch.float64), {got}")):
+        make(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float64])
+def test_bias_parameter_dtypes_still_build(dtype):
+    op = te_ops.Bias(4, dtype=dtype)
+    assert op.bias.dtype == (dtype or torch.get_default_dtype())
+    x = torch.randn(3, 4, dtype=op.bias.dtype)
+    torch.testing.assert_close(op(x), x + op.bias, rtol=0, atol=0)
