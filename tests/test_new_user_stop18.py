@@ -272,3 +272,41 @@ def test_bias_parameter_dtypes_still_build(dtype):
     assert op.bias.dtype == (dtype or torch.get_default_dtype())
     x = torch.randn(3, 4, dtype=op.bias.dtype)
     torch.testing.assert_close(op(x), x + op.bias, rtol=0, atol=0)
+
+
+# ------------------------------------------- bad split sizes in a CPU tensor name the values
+# The device check said only "split_sizes must be non-negative and sum to at most the input's
+# rows (10); set TE_OPS_CHECK_SPLIT_SIZES=1 ...", also on the CPU, where the values are in host
+# memory and naming them costs no sync. Now a SplitSizesError (ValueError and RuntimeError)
+# names them, in every path (fused, unfused, the fast path, a GroupedLinear alone).
+
+@pytest.mark.parametrize("sizes,match", [
+    ([3, 0, 4, 4], r"rows \(10\), got sum 11 \(sizes \[3, 0, 4, 4\]\)"),
+    ([3, -1, 5, 3], r"split_sizes\[1\] is -1 \(sizes \[3, -1, 5, 3\]\)"),
+    ([3.0, 0.0, 4.5, 2.0], r"split_sizes\[2\] is 4.5, not a whole number"),
+    ([3.0, 0.0, float("nan"), 2.0], r"split_sizes\[2\] is nan, not a whole number"),
+    ([2**62, 2**62, 0, 0], r"got sum 9223372036854775808"),  # wraps int64 in a cumsum
+])
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_bad_cpu_split_sizes_name_the_values(monkeypatch, sizes, match, fusion):
+    from te_ops.splits import SplitSizesError
+
+    monkeypatch.setenv("TE_OPS_FUSION", fusion)
+    torch.manual_seed(0)
+    blk = te_ops.Sequential(te_ops.GroupedLinear(4, H, 2 * FF, bias=False),
+                            te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(4, FF, H, bias=False))
+    x, probs = torch.randn(10, H, requires_grad=True), torch.rand(10)
+    good = torch.tensor([3, 0, 4, 3])
+    for _ in range(2):  # the second call takes the fast path (fused, tensor sizes)
+        first = blk(x, good, probs, good)
+        first.sum().backward()
+    bad = torch.tensor(sizes)
+    for call in (lambda: blk(x, bad, probs, bad),
+                 lambda: te_ops.GroupedLinear(4, H, H)(x, bad)):
+        with pytest.raises(SplitSizesError, match=match) as err:
+            call()
+        assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)
+        assert "split_sizes must be" in str(err.value)
+    again = blk(x, good, probs, good)  # nothing was left half-done
+    assert torch.equal(again, first)

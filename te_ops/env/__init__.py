@@ -182,7 +182,8 @@ ENV_VARS: dict[str, EnvVar] = {
             _BOOL,
             "1 replaces the device-side assert on device split sizes with an eager, "
             "host-syncing check (sign, sum) that raises a readable ValueError; the default "
-            "checks them on the device without a sync.",
+            "checks them on the device without a sync (CPU tensors, whose values need no "
+            "sync to read, get an error naming the values either way).",
         ),
     )
 }
