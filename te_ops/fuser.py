@@ -431,7 +431,9 @@ class OperationFuser:
         if input_grad:
             first = 0
         requires_grad = [i >= first for i in range(len(self.basic_ops))]
-        plan = self._plan_for(input_, groups, requires_grad, recipe)
+        # Remembered for explain() once the forward ran: a call that raises (bad input) must
+        # not leave its plan there beside the records of the last call that did run.
+        plan = self._plan_for(input_, groups, requires_grad, recipe, remember=False)
         extra_grad = [tuple(grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
                             for v in g) for g in groups]
 
@@ -441,6 +443,7 @@ class OperationFuser:
                 c.requires_grad = False
                 c.input_requires_grad = False
             out, extra_out = _forward_ops(plan, ctxs, input_, groups, recipe)
+            self._plan = plan
             return _pack_outputs(out, extra_out)
 
         # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
@@ -455,6 +458,7 @@ class OperationFuser:
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
+        self._plan = plan
         self.__dict__["_fast_step"] = fast_step.record(
             self, plan, input_, extra_inputs, groups, recipe, requires_grad, outputs[0])
         return outputs if sum(self.num_extra_outputs) else outputs[0]

@@ -310,3 +310,31 @@ def test_bad_cpu_split_sizes_name_the_values(monkeypatch, sizes, match, fusion):
         assert "split_sizes must be" in str(err.value)
     again = blk(x, good, probs, good)  # nothing was left half-done
     assert torch.equal(again, first)
+
+
+# --------------------------------------------- explain() after a call that raised
+# A call that raised on bad input (here: a float64 input to float32 weights) still became
+# "the last call" for explain(): its plan (input float64, every fusion off because of float64)
+# was shown beside the dispatch records of the previous call that did run, naming a wrong
+# reason for a call that never ran.
+
+@pytest.mark.parametrize("bad", ["dtype", "width", "splits"])
+def test_explain_after_a_failed_call_shows_the_last_call_that_ran(bad):
+    blk = _block(torch.float32, bias=True)
+    x, probs, split = torch.randn(6, H), torch.rand(6), torch.tensor([3, 3])
+    assert "planned without a call" in blk.explain()
+    args = {"dtype": (x.double(), split, probs, split),
+            "width": (torch.randn(6, H + 1), split, probs, split),
+            "splits": (x, torch.tensor([3, 4]), probs, torch.tensor([3, 4]))}[bad]
+    with pytest.raises((ValueError, RuntimeError)):
+        blk(*args)
+    assert "planned without a call" in blk.explain()  # nothing ran yet
+    blk(x, split, probs, split)
+    before = blk.explain()
+    assert "input float32 on cpu" in before and "ForwardGroupedMLP" in before
+    with pytest.raises((ValueError, RuntimeError)):
+        blk(*args)
+    assert blk.explain() == before
+    with torch.no_grad():  # a call that runs (another plan) is the last call again
+        blk(x, [3, 3], probs, [3, 3])
+    assert blk.explain() != before
