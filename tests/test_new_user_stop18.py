@@ -338,3 +338,14 @@ def test_explain_after_a_failed_call_shows_the_last_call_that_ran(bad):
     with torch.no_grad():  # a call that runs (another plan) is the last call again
         blk(x, [3, 3], probs, [3, 3])
     assert blk.explain() != before
+
+
+# ------------------------------------------------------------ use_te_ops names a non-module
+def test_use_te_ops_names_a_non_module_model():
+    pytest.importorskip("transformers")
+    from te_ops.integrations.transformers import use_te_ops
+
+    for bad in (None, "mistralai/Mixtral-8x7B-v0.1"):  # e.g. a checkpoint name, not a model
+        with pytest.raises(TypeError, match=f"model must be a torch.nn.Module .*got "
+                                            f"{type(bad).__name__}"):
+            use_te_ops(bad)
