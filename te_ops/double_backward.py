@@ -11,8 +11,11 @@ so it raises torch's misleading "appears to not have been used in the graph" and
 The anchors are tensors that carry those edges, found in backward at no cost to the forward:
 the leaves behind the node's input edges (parameters, leaf inputs: ``AccumulateGrad.variable``)
 and the saved tensors that require grad (a non-leaf input the forward saved, e.g. fc1's input
-for its wgrad). A non-leaf input the forward did not save (fc1 with frozen weights) stays
-unreachable: asking for a gradient with respect to it gets torch's "not used" error.
+for its wgrad). A non-leaf input the forward did not save (fc1 with frozen weights, or a
+non-contiguous view, of which a contiguous copy is saved) stays unreachable: a gradient with
+respect to it gets torch's "not used" error, or ``None`` with ``allow_unused=True``. Anchoring
+it would take a graph-connected stand-in made in every forward (host time on every step) or
+keeping the input alive until backward (memory), for a use te_ops does not support anyway.
 """
 
 from __future__ import annotations
