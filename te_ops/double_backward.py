@@ -29,7 +29,9 @@ __all__ = ["graph_anchors"]
 
 def graph_anchors(ctx: Any) -> list[torch.Tensor]:
     """Tensors whose autograd edges lead to the inputs of the node ``ctx`` (a custom
-    ``torch.autograd.Function``'s backward context, inside its ``backward``).
+    ``torch.autograd.Function``'s backward context, inside its ``backward``, before the
+    backward's own work: a backward that bumps a saved tensor's version in place makes the
+    saved tensors unpack no more).
 
     Returns
     -------
@@ -47,10 +49,6 @@ def graph_anchors(ctx: Any) -> list[torch.Tensor]:
 
     for node, _ in getattr(ctx, "next_functions", ()):
         add(getattr(node, "variable", None))  # AccumulateGrad's leaf
-    try:
-        saved = ctx.saved_tensors
-    except RuntimeError:  # already freed: the anchors above are what is left
-        saved = ()
-    for t in saved:
+    for t in ctx.saved_tensors:
         add(t)
     return anchors

@@ -529,19 +529,19 @@ DOUBLE_BACKWARD_ERROR = (
 )
 
 
-def _refuse_double_backward(grads: tuple, ctx: Any = None) -> tuple:
+def _refuse_double_backward(grads: tuple, anchors: Sequence[torch.Tensor] = ()) -> tuple:
     """Gradients for a backward under ``create_graph=True``: the same values, but marked as
     requiring grad through a node that raises :data:`DOUBLE_BACKWARD_ERROR` when
     differentiated, so a second-order gradient is never silently zero (a detached first-order
-    gradient would make it so). ``ctx`` (the backward's context) gives that node edges to the
-    forward's inputs (``te_ops.double_backward.graph_anchors``), so ``torch.autograd.grad``
-    with respect to them (``torch.autograd.functional.hessian``) raises too."""
+    gradient would make it so). ``anchors`` (``te_ops.double_backward.graph_anchors`` of the
+    backward's context, taken before the backward ran) give that node edges to the forward's
+    inputs, so ``torch.autograd.grad`` with respect to them
+    (``torch.autograd.functional.hessian``) raises too."""
     positions = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
     if not positions:
         return grads
     marked = [grads[i].detach().requires_grad_(grads[i].is_floating_point())
               for i in positions]
-    anchors = graph_anchors(ctx) if ctx is not None else []
     err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked) + len(anchors))
     wrapped = err(*marked, *anchors)
     wrapped = (wrapped if isinstance(wrapped, tuple) else (wrapped,))[:len(marked)]
@@ -598,9 +598,12 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         create_graph = torch.is_grad_enabled()
+        # Before the backward: it may bump a saved tensor's version (the fused backward's h),
+        # after which the saved tensors no longer unpack.
+        anchors = graph_anchors(ctx) if create_graph else ()
         with torch.no_grad():
             grads = _FuserFunction._backward(ctx, *grad_outputs)
-        return _refuse_double_backward(grads, ctx) if create_graph else grads
+        return _refuse_double_backward(grads, anchors) if create_graph else grads
 
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):

@@ -59,11 +59,15 @@ def test_functional_hessian_and_hvp_raise_instead_of_zeros(monkeypatch, fusion, 
 
 @pytest.mark.parametrize("fusion", ["0", "1"])
 @pytest.mark.parametrize("leaf", [True, False])
-def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fusion, leaf):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fusion, leaf,
+                                                                dtype):
+    # float32: the fused backward runs torch._grouped_mm and bumps h's version, after which
+    # the saved tensors (and so a non-leaf input's edge) no longer unpack
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
-    blk = _block()
-    probs = torch.rand(6, dtype=torch.float64, requires_grad=True)
-    x0 = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
+    blk = _block(dtype)
+    probs = torch.rand(6, dtype=dtype, requires_grad=True)
+    x0 = torch.randn(6, H, dtype=dtype, requires_grad=True)
     x = x0 if leaf else x0 * 2  # a non-leaf input (saved for fc1's wgrad)
     y = blk(x, [3, 3], probs, [3, 3])
     gx, gw = torch.autograd.grad(y.square().sum(), [x, blk[0].weight0], create_graph=True)
@@ -73,8 +77,8 @@ def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fus
     x64 = ref.leaf(x)
     y_ref = ref.grouped_mlp(x64, [3, 3], probs.detach(), w1, None, w2, None)
     gx_ref, gw_ref = torch.autograd.grad(y_ref.square().sum(), [x64, w1[0]])
-    ref.assert_close(gx, gx_ref, torch.float64, "dx")
-    ref.assert_close(gw, gw_ref, torch.float64, "dweight0")
+    ref.assert_close(gx, gx_ref, dtype, "dx")
+    ref.assert_close(gw, gw_ref, dtype, "dweight0")
     for first in (gx, gw):
         for wrt in (x, x0, blk[0].weight1, blk[2].weight0, probs):
             with pytest.raises(RuntimeError, match="create_graph=True"):
@@ -89,9 +93,14 @@ def test_fast_path_grad_of_first_order_grad_raises():
     x = torch.randn(6, H, requires_grad=True)
     split = torch.tensor([3, 3])
     blk(x, split, probs, split).sum().backward()
-    y = blk(x, split, probs, split)
-    assert type(y.grad_fn).__name__ == "_FastGroupedMLPBackward"
-    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    for x_in in (x, x * 2):  # a leaf, and a non-leaf input (reached through the saved x)
+        y = blk(x_in, split, probs, split)
+        assert type(y.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        (gx,) = torch.autograd.grad(y.sum(), x_in, create_graph=True)
+        for wrt in (x_in, x, blk[0].weight0, blk[2].weight1):
+            with pytest.raises(RuntimeError, match="create_graph=True"):
+                torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
+    (gx,) = torch.autograd.grad(blk(x, split, probs, split).sum(), x, create_graph=True)
     for wrt in (x, blk[0].weight0, blk[2].weight1):
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
