@@ -373,3 +373,16 @@ def test_double_backward_gap_is_as_documented():
     assert torch.autograd.grad(g.sum(), xt, allow_unused=True) == (None,)
     with pytest.raises(RuntimeError, match="create_graph=True"):  # through the weights
         torch.autograd.grad(g.sum(), blk[0].weight0, allow_unused=True)
+
+
+# ------------------------------------------------------------- print(block) shows the options
+# GroupedLinear's repr left out accumulate_into_main_grad and delay_wgrad_compute, which change
+# where the weight gradients go (main_grad / backward_dw() instead of .grad): a printed model
+# did not show why .grad stayed None.
+
+def test_repr_names_main_grad_and_delayed_wgrad_when_set():
+    plain = repr(te_ops.GroupedLinear(2, 4, 4))
+    assert "main_grad" not in plain and "delay" not in plain
+    text = repr(te_ops.GroupedLinear(2, 4, 4, accumulate_into_main_grad=True,
+                                     delay_wgrad_compute=True))
+    assert text.endswith("accumulate_into_main_grad=True, delay_wgrad_compute=True)")

@@ -525,7 +525,10 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.has_bias}, "
-                f"scale_bias={self.scale_bias}, single_grouped_weight={self.single_grouped_weight}")
+                f"scale_bias={self.scale_bias}, single_grouped_weight={self.single_grouped_weight}"
+                + "".join(f", {name}=True" for name in ("accumulate_into_main_grad",
+                                                        "delay_wgrad_compute")
+                          if getattr(self, name)))
 
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
