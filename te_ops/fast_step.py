@@ -527,12 +527,14 @@ class _FastGroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        from .double_backward import graph_anchors
         from .fuser import _refuse_double_backward
 
         create_graph = torch.is_grad_enabled()
+        anchors = graph_anchors(ctx) if create_graph else ()  # before h's version moves
         with torch.no_grad():
             grads = _fast_backward(ctx, grad_output)
-        return _refuse_double_backward(grads) if create_graph else grads
+        return _refuse_double_backward(grads, anchors) if create_graph else grads
 
 
 def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:

@@ -33,6 +33,7 @@ import torch
 
 from . import env, fast_step
 from .call_scope import close_call_scope, open_call_scope
+from .double_backward import graph_anchors
 from .func_transforms import check_no_func_transform
 from .op import BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
@@ -430,7 +431,9 @@ class OperationFuser:
         if input_grad:
             first = 0
         requires_grad = [i >= first for i in range(len(self.basic_ops))]
-        plan = self._plan_for(input_, groups, requires_grad, recipe)
+        # Remembered for explain() once the forward ran: a call that raises (bad input) must
+        # not leave its plan there beside the records of the last call that did run.
+        plan = self._plan_for(input_, groups, requires_grad, recipe, remember=False)
         extra_grad = [tuple(grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
                             for v in g) for g in groups]
 
@@ -440,6 +443,7 @@ class OperationFuser:
                 c.requires_grad = False
                 c.input_requires_grad = False
             out, extra_out = _forward_ops(plan, ctxs, input_, groups, recipe)
+            self._plan = plan
             return _pack_outputs(out, extra_out)
 
         # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
@@ -454,6 +458,7 @@ class OperationFuser:
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
+        self._plan = plan
         self.__dict__["_fast_step"] = fast_step.record(
             self, plan, input_, extra_inputs, groups, recipe, requires_grad, outputs[0])
         return outputs if sum(self.num_extra_outputs) else outputs[0]
@@ -524,19 +529,22 @@ DOUBLE_BACKWARD_ERROR = (
 )
 
 
-def _refuse_double_backward(grads: tuple) -> tuple:
+def _refuse_double_backward(grads: tuple, anchors: Sequence[torch.Tensor] = ()) -> tuple:
     """Gradients for a backward under ``create_graph=True``: the same values, but marked as
     requiring grad through a node that raises :data:`DOUBLE_BACKWARD_ERROR` when
     differentiated, so a second-order gradient is never silently zero (a detached first-order
-    gradient would make it so)."""
+    gradient would make it so). ``anchors`` (``te_ops.double_backward.graph_anchors`` of the
+    backward's context, taken before the backward ran) give that node edges to the forward's
+    inputs, so ``torch.autograd.grad`` with respect to them
+    (``torch.autograd.functional.hessian``) raises too."""
     positions = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
     if not positions:
         return grads
     marked = [grads[i].detach().requires_grad_(grads[i].is_floating_point())
               for i in positions]
-    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked))
-    wrapped = err(*marked)
-    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR, len(marked) + len(anchors))
+    wrapped = err(*marked, *anchors)
+    wrapped = (wrapped if isinstance(wrapped, tuple) else (wrapped,))[:len(marked)]
     out = list(grads)
     for i, g in zip(positions, wrapped):
         out[i] = g
@@ -590,9 +598,12 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         create_graph = torch.is_grad_enabled()
+        # Before the backward: it may bump a saved tensor's version (the fused backward's h),
+        # after which the saved tensors no longer unpack.
+        anchors = graph_anchors(ctx) if create_graph else ()
         with torch.no_grad():
             grads = _FuserFunction._backward(ctx, *grad_outputs)
-        return _refuse_double_backward(grads) if create_graph else grads
+        return _refuse_double_backward(grads, anchors) if create_graph else grads
 
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):

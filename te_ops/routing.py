@@ -46,8 +46,18 @@ class PermutedTokens(NamedTuple):
     token_index: torch.Tensor
 
 
+def _check_tensors(**named: object) -> None:
+    """``TypeError`` naming the first argument that is not a tensor (``None`` skipped only
+    for ``top_k_weights``, which may be ``None``)."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) and not (name == "top_k_weights" and t is None):
+            expected = "a torch.Tensor or None" if name == "top_k_weights" else "a torch.Tensor"
+            raise TypeError(f"{name} must be {expected}, got {type(t).__name__}")
+
+
 def _check(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
            num_experts: int) -> None:
+    _check_tensors(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if x.dim() != 2:
@@ -109,7 +119,8 @@ def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     Raises
     ------
     ValueError, TypeError
-        Shapes, dtypes or devices that do not fit; the message names the argument.
+        Shapes, dtypes or devices that do not fit, or an argument that is not a tensor; the
+        message names the argument.
     """
     _check(x, top_k_index, top_k_weights, num_experts)
     top_k = top_k_index.shape[1]
@@ -147,8 +158,9 @@ def unpermute(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> to
     ValueError
         ``y`` and ``token_index`` of different lengths or bad ``num_tokens``.
     TypeError
-        ``token_index`` not int64 / int32.
+        ``y`` or ``token_index`` not a tensor, or ``token_index`` not int64 / int32.
     """
+    _check_tensors(y=y, token_index=token_index)
     if y.dim() != 2 or token_index.dim() != 1 or y.shape[0] != token_index.shape[0]:
         raise ValueError(f"y must have shape (S, hidden) and token_index (S,), got "
                          f"y {tuple(y.shape)} and token_index {tuple(token_index.shape)}")

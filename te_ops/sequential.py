@@ -16,6 +16,7 @@ run for the ops inside a fuser.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -47,6 +48,17 @@ def _check_plain_module(index: int, module: torch.nn.Module) -> None:
             f"module {index} is a te_ops.Sequential taking {module.num_extra_inputs()} extra "
             "inputs; a nested container runs as a plain module with the main input only, so "
             "it cannot get them: unpack it (te_ops.Sequential(*inner, ...), or inner + outer)")
+
+
+def _index(idx: Any) -> int:
+    """``idx`` as an int (``operator.index``: ints, numpy and 0-d integer tensors), else a
+    ``TypeError`` naming it: modules are found by position, not by name (use ``getattr``)."""
+    try:
+        return operator.index(idx)
+    except TypeError:
+        raise TypeError(f"idx must be an int or a slice, got {type(idx).__name__} ({idx!r}); "
+                        "modules are indexed by position (by name: getattr(block, name))"
+                        ) from None
 
 
 class Sequential(torch.nn.Module):
@@ -92,8 +104,16 @@ class Sequential(torch.nn.Module):
             if not isinstance(m, torch.nn.Module):
                 raise TypeError(f"modules[{i}] must be a torch.nn.Module, got {type(m).__name__}")
         names = names if names is not None else [str(i) for i in range(len(modules))]
+        before = list(self._modules.items())
+        try:
+            self._set_modules(zip(names, modules))
+        except BaseException:  # a refused module (e.g. a nested block) leaves the old list
+            self._set_modules(before)
+            raise
+
+    def _set_modules(self, named: Iterable[tuple[str, torch.nn.Module]]) -> None:
         self._modules.clear()
-        for name, m in zip(names, modules):
+        for name, m in named:
             self.add_module(name, m)
         self.__dict__["_fuser_groups"] = None
         self._groups()  # built now, not inside a torch.compile trace (which would recompile)
@@ -108,12 +128,14 @@ class Sequential(torch.nn.Module):
         items = self._items()
         if isinstance(idx, slice):  # keeps the names, as torch.nn.Sequential
             return Sequential(OrderedDict(list(self._modules.items())[idx]))
+        idx = _index(idx)
         if not -len(items) <= idx < len(items):
             raise IndexError(f"idx must be in [{-len(items)}, {len(items)}), got {idx}")
         return items[idx]
 
     def __setitem__(self, idx: int, module: torch.nn.Module) -> None:
         items = self._items()
+        idx = _index(idx)
         if not -len(items) <= idx < len(items):
             raise IndexError(f"idx must be in [{-len(items)}, {len(items)}), got {idx}")
         items[idx] = module

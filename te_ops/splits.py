@@ -7,7 +7,9 @@ fixed-capacity buffer, as in expert-parallel or CUDA-graph use).
 
 Host lists are checked at once. Device tensors are checked without a host sync
 (``torch._assert_async``, a device-side assert) unless ``TE_OPS_CHECK_SPLIT_SIZES=1`` asks for an
-eager, host-syncing check with a readable error.
+eager, host-syncing check with a readable error. CPU tensors (outside a ``torch.compile`` trace)
+hold their values in host memory: reading them is no sync, so their error names the values
+(:class:`SplitSizesError`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch
 from . import env
 from .kernels.split_table import split_table
 
-__all__ = ["GroupedSplits", "make_splits", "check_split_sizes_type", "host_read_scope",
-           "open_host_read_scope", "close_host_read_scope"]
+__all__ = ["GroupedSplits", "SplitSizesError", "make_splits", "check_split_sizes_type",
+           "host_read_scope", "open_host_read_scope", "close_host_read_scope"]
 
 #: Host copies of device split sizes made during one fuser forward, by ``id`` of the caller's
 #: tensor (the tensor is kept alive by the call), so ops fed by one tensor read it once.
@@ -277,7 +279,9 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         ``num_rows`` (or, with ``TE_OPS_CHECK_SPLIT_SIZES=1``, a device tensor does).
     RuntimeError
         From the device-side assert when device split sizes are negative or sum past
-        ``num_rows`` (on CUDA this surfaces asynchronously, as a device assert).
+        ``num_rows`` (on CUDA this surfaces asynchronously, as a device assert); for a CPU
+        tensor a :class:`SplitSizesError` (a ``ValueError`` and a ``RuntimeError``) naming the
+        values.
     """
     check_split_sizes_type(split_sizes, num_groups, device, name)
     if isinstance(split_sizes, torch.Tensor):
@@ -291,6 +295,9 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
             if split_sizes.is_floating_point():
                 _check_whole(split_sizes.tolist(), name)
             _check_host(sizes.tolist(), num_rows, name)
+        elif _host_visible(split_sizes):
+            if not bool(valid):  # a CPU tensor's flag is in host memory: no sync
+                raise SplitSizesError(_cpu_check_message(name, split_sizes, num_rows))
         else:
             torch._assert_async(
                 valid, _device_check_message(name, split_sizes.is_floating_point(), num_rows))
@@ -318,6 +325,37 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         has_padding=has_padding,
         source=split_sizes if host_sizes is None else None,
     )
+
+
+class SplitSizesError(ValueError, RuntimeError):
+    """Device split sizes found invalid on the host (a CPU tensor, where reading the values is
+    no sync): a ``ValueError`` like the host-list checks' and a ``RuntimeError`` like the
+    device-side assert raises on other devices, so code that catches either still does."""
+
+
+def _host_visible(split_sizes: torch.Tensor) -> bool:
+    """Whether the values of device split sizes can be read without a sync: a CPU tensor
+    outside a ``torch.compile`` trace (whose fake tensors have no values)."""
+    from .kernels.compiled_ops import tracing  # (kernels import this module)
+
+    return split_sizes.device.type == "cpu" and not tracing()
+
+
+def _cpu_check_message(name: str, split_sizes: torch.Tensor, num_rows: int) -> str:
+    """The device check's message with the values named (for a CPU tensor: no sync); the
+    first offending entry, else the total."""
+    floating = split_sizes.is_floating_point()
+    values = split_sizes.tolist()
+    head = (f"{name} must be {'whole, ' if floating else ''}non-negative and sum to at most "
+            f"the input's rows ({num_rows})")
+    for i, v in enumerate(values):
+        if floating and (not math.isfinite(v) or v != int(v)):
+            return f"{head}; {name}[{i}] is {v}, not a whole number (sizes {values})"
+        if v < 0:
+            return f"{head}; {name}[{i}] is {v} (sizes {values})"
+    return (f"{head}, got sum {sum(int(v) for v in values)} (sizes {values}); on other "
+            "devices this check runs on the device and names no values unless "
+            "TE_OPS_CHECK_SPLIT_SIZES=1")
 
 
 def _device_check_message(name: str, floating: bool, num_rows: int) -> str:

@@ -26,7 +26,8 @@ class Bias(BasicOperation):
     Raises
     ------
     ValueError
-        ``size`` is not positive, or the input's last dim is not ``size``.
+        ``size`` is not positive, ``dtype`` is not float32, bfloat16, float16 or float64, or
+        the input's last dim is not ``size``.
     """
 
     def __init__(self, size: int, *, device: torch.device | str | None = None,
@@ -34,8 +35,11 @@ class Bias(BasicOperation):
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
+        from .grouped_linear import check_param_dtype
+
         self.size = size
-        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(size, device=device,
+                                                   dtype=check_param_dtype(dtype)))
 
     def extra_repr(self) -> str:
         return f"size={self.size}"

@@ -38,11 +38,28 @@ from ..splits import GroupedSplits, make_splits
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 from .checkpoint_layout import expert_count_errors
 
-__all__ = ["GroupedLinear", "GroupedLinearSaved", "check_probs", "convert_weight_layout"]
+__all__ = ["GroupedLinear", "GroupedLinearSaved", "check_param_dtype", "check_probs",
+           "convert_weight_layout"]
 
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def check_param_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` (``None``: torch's default dtype) if te_ops' ops take it for parameters.
+
+    Raises
+    ------
+    ValueError
+        Not one of float32, bfloat16, float16, float64; the message names a non-``torch.dtype``
+        value's type (``"float32"``, a string, prints like ``torch.float32``'s name).
+    """
+    dtype = dtype or torch.get_default_dtype()
+    if dtype not in _SUPPORTED_DTYPES:
+        got = dtype if isinstance(dtype, torch.dtype) else f"{type(dtype).__name__} {dtype!r}"
+        raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {got}")
+    return dtype
 
 
 def check_probs(probs: Any, num_rows: int, device: torch.device, name: str = "probs",
@@ -400,9 +417,7 @@ class GroupedLinear(BasicOperation):
         bias, scale_bias = bool(bias), bool(scale_bias)
         if scale_bias and not bias:
             raise ValueError("scale_bias=True needs bias=True, got bias=False")
-        dtype = dtype or torch.get_default_dtype()
-        if dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype}")
+        dtype = check_param_dtype(dtype)
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features
@@ -510,7 +525,10 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.has_bias}, "
-                f"scale_bias={self.scale_bias}, single_grouped_weight={self.single_grouped_weight}")
+                f"scale_bias={self.scale_bias}, single_grouped_weight={self.single_grouped_weight}"
+                + "".join(f", {name}=True" for name in ("accumulate_into_main_grad",
+                                                        "delay_wgrad_compute")
+                          if getattr(self, name)))
 
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and

@@ -184,7 +184,8 @@ ENV_VARS: dict[str, EnvVar] = {
             _BOOL,
             "1 replaces the device-side assert on device split sizes with an eager, "
             "host-syncing check (sign, sum) that raises a readable ValueError; the default "
-            "checks them on the device without a sync.",
+            "checks them on the device without a sync (CPU tensors, whose values need no "
+            "sync to read, get an error naming the values either way).",
         ),
     )
 }
@@ -283,8 +284,10 @@ _SEEN: dict[str, object] = {"names": None, "warned": None, "raw": None, "snapsho
 
 
 def warn_unknown() -> None:
-    """Warn once per name about each set ``TE_OPS_*`` variable that te_ops does not declare
-    (a misspelling has no effect otherwise), naming the closest declared one.
+    """Warn once per name about each set variable that looks like a te_ops one but that te_ops
+    does not declare (a misspelling has no effect otherwise), naming the closest declared one.
+    "Looks like": the name starts with ``TE_OPS`` in any case, with or without separators
+    (``TE_OPS_FUSON``, ``te_ops_fusion``, ``TE_OPSFUSION``).
 
     The names are scanned again only when the set of names in the environment changed since
     the last call (checked as one tuple comparison; the fuser calls this every step)."""
@@ -292,17 +295,30 @@ def warn_unknown() -> None:
     if names == _SEEN["names"] and _SEEN["warned"] is _WARNED:
         return
     for name in os.environ:
-        if not name.startswith("TE_OPS_") or name in ENV_VARS or name in _WARNED:
+        if name in ENV_VARS or name in _WARNED or not _normalized(name).startswith("TEOPS"):
             continue
         _WARNED.add(name)
-        close = difflib.get_close_matches(name, list(ENV_VARS), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
+        hint = _closest_hint(name)
         warnings.warn(
             f"environment variable {name} is not a te_ops variable and has no effect{hint} "
             f"(known: {', '.join(ENV_VARS)})",
             UserWarning, stacklevel=3,
         )
     _SEEN["names"], _SEEN["warned"] = names, _WARNED
+
+
+def _normalized(name: str) -> str:
+    """``name`` upper-cased with everything but letters and digits dropped, so that
+    ``te_ops_fusion``, ``TE_OPSFUSION`` and ``TE-OPS-FUSION`` all read ``TEOPSFUSION``."""
+    return "".join(c for c in name.upper() if c.isalnum())
+
+
+def _closest_hint(name: str) -> str:
+    """``"; did you mean X?"`` for the declared name closest to ``name`` (compared without
+    case and separators, as a variable name is easily mistyped), or ``""``."""
+    declared = {_normalized(n): n for n in ENV_VARS}
+    close = difflib.get_close_matches(_normalized(name), list(declared), n=1, cutoff=0.6)
+    return f"; did you mean {declared[close[0]]}?" if close else ""
 
 
 def snapshot() -> tuple[tuple[str, str], ...]:

@@ -256,7 +256,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
+    if not args.lr > 0:  # (also catches nan)
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if not args.aux_coef >= 0:
+        p.error(f"--aux-coef must be >= 0 (a negative weight rewards imbalance), got "
+                f"{args.aux_coef}")
+    if args.hf_model:
+        _check_transformers(p)
+    if args.compile:
+        _check_compile_backend(p, args.compile_backend)
     return args
+
+
+def _check_transformers(p: argparse.ArgumentParser) -> None:
+    """``--hf-model`` needs transformers >= 5 (the experts interface te_ops plugs into): a
+    parser error naming the install command where it is missing or older."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        p.error("--hf-model needs transformers>=5, which is not installed: "
+                "pip install 'te_ops[hf]'")
+    major = version.split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        p.error(f"--hf-model needs transformers>=5, got {version}: "
+                "pip install -U 'transformers>=5'")
+
+
+def _check_compile_backend(p: argparse.ArgumentParser, name: str) -> None:
+    """``--compile-backend`` must name a registered ``torch.compile`` backend."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        p.error(f"--compile-backend must be a torch.compile backend such as inductor or "
+                f"aot_eager (torch._dynamo.list_backends()), got {name!r}")
 
 
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling,

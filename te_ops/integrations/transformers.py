@@ -376,8 +376,11 @@ def use_te_ops(model: nn.Module) -> nn.Module:
 
     Returns the model. Raises ``ValueError`` naming the first experts module te_ops cannot run
     (and why) before switching anything, and ``ValueError`` when the model has no packed
-    experts module at all.
+    experts module at all; ``TypeError`` when ``model`` is not a ``torch.nn.Module``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
     register()
     found = [(n, m) for n, m in model.named_modules()
              if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
