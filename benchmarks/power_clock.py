@@ -89,6 +89,19 @@ class Sampler:
         self._thread.join()
 
 
+def nvml_index(cuda_index: int) -> int:
+    """NVML's index of CUDA device ``cuda_index`` under ``CUDA_VISIBLE_DEVICES`` (torch's
+    ``torch.cuda._get_nvml_device_index``, which ``torch.cuda.power_draw`` uses; without it,
+    only the identity when the variable is unset, else ValueError)."""
+    mapper = getattr(torch.cuda, "_get_nvml_device_index", None)
+    if mapper is not None:
+        return mapper(cuda_index)
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        return cuda_index
+    raise ValueError("cannot map CUDA device to its NVML index with CUDA_VISIBLE_DEVICES="
+                     f"{os.environ['CUDA_VISIBLE_DEVICES']!r} in this torch")
+
+
 def measure(peer_name: str, problem, steps: int, warmup: int, interval_s: float,
             pynvml, handle) -> dict:
     with warmed_peer(peer_name, problem, warmup) as step:
@@ -151,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     pynvml.nvmlInit()
     index = torch.cuda.current_device()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    # NVML numbers the physical GPUs; CUDA_VISIBLE_DEVICES renumbers CUDA's (a lane pinned to
+    # GPU 1 sees it as device 0): torch maps one to the other
+    handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(index))
     limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     print(f"# power limit {limit:.0f} W, GPU {torch.cuda.get_device_name(index)}")
     print(f"{'shape':26} {'peer':22} {'ms':>8} {'first':>7} {'MHz':>6} {'W':>6} "
