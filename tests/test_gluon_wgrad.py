@@ -319,6 +319,7 @@ def test_sm90_compile_takes_three_descriptor_slots(config):
     per-group loop, carried by no loop) and the output's, 128 bytes each (stop 18: 640 bytes
     before, with two loop seeds). Triton's launcher takes programs x this from the torch
     allocator; it is live at the step's memory peak when this wgrad is the last GEMM of the
-    backward (docs/benchmarks.md, "Peak memory at the KiB scale")."""
+    backward (docs/benchmarks.md, "Energy per step at the power cap; peak memory at the KiB
+    scale (stop 18)")."""
     kernel = _compile_sm90(config)
     assert kernel.metadata.global_scratch_size == 3 * 128
