@@ -35,13 +35,17 @@ PINGPONG = {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4}
 #: the subtiled epilogue with a 4th ring stage: 2 x (128 x 128) and 4 x (128 x 64) slices
 EPI2 = {"STAGES": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
 EPI4 = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
+#: tile order in bands of GROUP_N dW row tiles (3: bands that do not divide the row tiles)
+GN3 = {"GROUP_N": 3}
+GN8 = {"GROUP_N": 8}
 
 
 # ----------------------------------------------------------------------------------- CPU
 def test_config_keys_and_default():
     cfg = G.gluon_wgrad_config()
     assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMERS", "EPI_SPLIT",
-                        "EPI_BUFS", "LOADER_REGS", "CONSUMER_REGS", "num_warps", "maxnreg"}
+                        "EPI_BUFS", "LOADER_REGS", "CONSUMER_REGS", "GROUP_N", "num_warps",
+                        "maxnreg"}
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"], cfg["num_warps"]) == (
         128, 256, 1, 8)
     assert (cfg["STAGES"], cfg["EPI_SPLIT"], cfg["EPI_BUFS"]) == (3, 1, 1)  # whole-tile store
@@ -52,6 +56,8 @@ def test_config_keys_and_default():
     ({"EPI_SPLIT": 8}, "config EPI_SPLIT must be 1, 2 or 4, got 8"),
     ({"EPI_BUFS": 0}, "config EPI_BUFS must be 1 or 2, got 0"),
     ({"EPI_SPLIT": 4, "EPI_BUFS": 3}, "config EPI_BUFS must be 1 or 2, got 3"),
+    ({"GROUP_N": 0}, "config GROUP_N must be an int >= 1, got 0"),
+    ({"GROUP_N": 2.0}, "config GROUP_N must be an int >= 1, got 2.0"),
 ])
 def test_epilogue_config_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -188,7 +194,8 @@ def _compile_sm90(config: dict):
 
 @pytest.mark.parametrize("config, partitions, wgmma", [
     ({}, 1, "m64n256k16"), (PINGPONG, 2, "m64n128k16"), (EPI2, 1, "m64n256k16"),
-    (EPI4, 1, "m64n256k16")], ids=["default", "pingpong", "epi2_stages4", "epi4_stages4"])
+    (EPI4, 1, "m64n256k16"), ({"GROUP_N": 8}, 1, "m64n256k16")],
+    ids=["default", "pingpong", "epi2_stages4", "epi4_stages4", "group_n8"])
 def test_sm90_compile_has_warp_specialized_partitions(config, partitions, wgmma):
     kernel = _compile_sm90(config)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
@@ -263,8 +270,8 @@ CASES = {  # name: (rows M, N, K, group sizes)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, PINGPONG, EPI2, EPI4],
-                         ids=["default", "pingpong", "epi2", "epi4"])
+@pytest.mark.parametrize("config", [None, PINGPONG, EPI2, EPI4, GN3, GN8],
+                         ids=["default", "pingpong", "epi2", "epi4", "group_n3", "group_n8"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_against_fp64_reference_and_grouped_mm(case, config):
     _cuda_sm90()

@@ -227,7 +227,7 @@ def gluon_wgrad_config() -> dict[str, int]:
     runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, :func:`gluon_wgrad_preset`)."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
             "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
-            "num_warps": 8, "maxnreg": 168}
+            "GROUP_N": 1, "num_warps": 8, "maxnreg": 168}
 
 
 def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
@@ -266,9 +266,11 @@ def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
 if gluon is not None:
 
     @gluon.jit
-    def _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group):
+    def _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group, GROUP_N: gl.constexpr):
         """(group, first row, end row, n-tile, k-tile) of tile ``t``; rows clamped to
-        ``0 <= start <= end <= M``."""
+        ``0 <= start <= end <= M``. Inside a group the tiles go in bands of ``GROUP_N``
+        n-tiles (dW row tiles), the n-tile fastest inside a band (``GROUP_N == 1``: k-tile
+        fastest over the whole row of tiles)."""
         rank = t // per_group
         local = t - rank * per_group
         g = gl.load(order_ptr + rank).to(gl.int32)
@@ -276,12 +278,22 @@ if gluon is not None:
         start = gl.load(offs_ptr + gl.maximum(g - 1, 0)).to(gl.int64)
         start = gl.where(g == 0, 0, start)
         start = gl.minimum(gl.maximum(start, 0), end)
-        return g, start.to(gl.int32), end.to(gl.int32), local // tiles_k, local % tiles_k
+        if GROUP_N == 1:
+            pn = local // tiles_k
+            pk = local % tiles_k
+        else:
+            band = GROUP_N * tiles_k
+            first_n = (local // band) * GROUP_N
+            size_n = gl.minimum(per_group // tiles_k - first_n, GROUP_N)
+            inner = local % band
+            pn = first_n + inner % size_n
+            pk = inner // size_n
+        return g, start.to(gl.int32), end.to(gl.int32), pn, pk
 
     @gluon.jit
     def _loader(x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N, K,
                 G, P, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, GROUP_N: gl.constexpr):
         """Worker: TMA loads of every row step of this program's tiles into the ring.
 
         The tiles of one group run back to back (``order`` ranks whole groups), so the loop
@@ -304,7 +316,8 @@ if gluon is not None:
             for i in range(gl.minimum(s, STAGES)):
                 done = s - 1 - i
                 mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
-            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group,
+                                          GROUP_N)
             base = start.to(gl.int64)
             rows = gl.maximum(end - start, 1)
             x_desc = tma.make_tensor_descriptor(x_ptr + base * K, [rows, K], [K, 1],
@@ -313,7 +326,8 @@ if gluon is not None:
                                                  [BLOCK_M, BLOCK_N], dy_layout)
             rank = t // per_group
             while (t < total) & (t // per_group == rank):  # this group's tiles
-                g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+                g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group,
+                                          GROUP_N)
                 for kk in range(gl.cdiv(end - start, BLOCK_M)):
                     st = s % STAGES
                     mbarrier.wait(empty.index(st), ((s // STAGES) & 1) ^ 1)
@@ -376,7 +390,7 @@ if gluon is not None:
                   M, N, K, G, P, WHICH: gl.constexpr, CONSUMERS: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr,
-                  WARPS: gl.constexpr):
+                  WARPS: gl.constexpr, GROUP_N: gl.constexpr):
         """wgmma chains of tiles ``j % CONSUMERS == WHICH`` and their TMA-store epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -390,7 +404,8 @@ if gluon is not None:
         j = 0
         e = 0  # TMA stores issued by this consumer
         for t in range(gl.program_id(0), G * per_group, P):
-            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group)
+            g, start, end, pn, pk = _tile(t, offs_ptr, order_ptr, M, tiles_k, per_group,
+                                          GROUP_N)
             steps = gl.cdiv(end - start, BLOCK_M)
             if j % CONSUMERS == WHICH:
                 if CONSUMERS == 2:  # wait for the other consumer's mainloop (module docstring)
@@ -422,7 +437,8 @@ if gluon is not None:
                             BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMERS: gl.constexpr, EPI_SPLIT: gl.constexpr,
                             EPI_BUFS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, GROUP_N: gl.constexpr,
+                            num_warps: gl.constexpr):
         """out (G, N, K) = per group g: dy_g^T @ x_g; x (M, K), dy (M, N) contiguous; offs (G,)
         group ends; order (G,) groups in tile order; P programs."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
@@ -447,20 +463,20 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             EPI_SPLIT, EPI_BUFS, num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps, GROUP_N)),
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             EPI_SPLIT, EPI_BUFS, num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps, GROUP_N)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
-                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_N))],
                 [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (out_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, c_bufs, ready,
                              empty, turn, M, N, K, G, P, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             EPI_SPLIT, EPI_BUFS, num_warps)),
+                             EPI_SPLIT, EPI_BUFS, num_warps, GROUP_N)),
                 (_loader, (x_ptr, dy_ptr, offs_ptr, order_ptr, x_bufs, dy_bufs, ready, empty, M, N,
-                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES))],
+                           K, G, P, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_N))],
                 [1], [LOADER_REGS])
 
 
@@ -507,12 +523,15 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
 
 def check_config(config: dict | None) -> None:
     """ValueError where ``config`` (changes to :func:`gluon_wgrad_config`) has an ``EPI_SPLIT``
-    other than 1, 2, 4 or an ``EPI_BUFS`` other than 1, 2 (the epilogue's slices)."""
+    other than 1, 2, 4 or an ``EPI_BUFS`` other than 1, 2 (the epilogue's slices), or a
+    ``GROUP_N`` (the tile order's band of dW row tiles) that is not an int >= 1."""
     cfg = {**gluon_wgrad_config(), **(config or {})}
     if cfg["EPI_SPLIT"] not in (1, 2, 4):
         raise ValueError(f"config EPI_SPLIT must be 1, 2 or 4, got {cfg['EPI_SPLIT']!r}")
     if cfg["EPI_BUFS"] not in (1, 2):
         raise ValueError(f"config EPI_BUFS must be 1 or 2, got {cfg['EPI_BUFS']!r}")
+    if not isinstance(cfg["GROUP_N"], int) or cfg["GROUP_N"] < 1:
+        raise ValueError(f"config GROUP_N must be an int >= 1, got {cfg['GROUP_N']!r}")
 
 
 def _check(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
