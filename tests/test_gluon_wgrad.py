@@ -35,9 +35,10 @@ PINGPONG = {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4}
 #: the subtiled epilogue with a 4th ring stage: 2 x (128 x 128) and 4 x (128 x 64) slices
 EPI2 = {"STAGES": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
 EPI4 = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
-#: tile order in bands of GROUP_N dW row tiles (3: bands that do not divide the row tiles)
+#: tile order in bands of GROUP_N dW row tiles (the default 8; 3: bands that do not divide
+#: the row tiles; 1: a whole row of tiles at a time, the order before stop 19)
 GN3 = {"GROUP_N": 3}
-GN8 = {"GROUP_N": 8}
+GN1 = {"GROUP_N": 1}
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -49,6 +50,7 @@ def test_config_keys_and_default():
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"], cfg["num_warps"]) == (
         128, 256, 1, 8)
     assert (cfg["STAGES"], cfg["EPI_SPLIT"], cfg["EPI_BUFS"]) == (3, 1, 1)  # whole-tile store
+    assert cfg["GROUP_N"] == 8  # tile bands of 8 dW row tiles (stop 19)
 
 
 @pytest.mark.parametrize("config, match", [
@@ -194,8 +196,8 @@ def _compile_sm90(config: dict):
 
 @pytest.mark.parametrize("config, partitions, wgmma", [
     ({}, 1, "m64n256k16"), (PINGPONG, 2, "m64n128k16"), (EPI2, 1, "m64n256k16"),
-    (EPI4, 1, "m64n256k16"), ({"GROUP_N": 8}, 1, "m64n256k16")],
-    ids=["default", "pingpong", "epi2_stages4", "epi4_stages4", "group_n8"])
+    (EPI4, 1, "m64n256k16"), (GN1, 1, "m64n256k16")],
+    ids=["default", "pingpong", "epi2_stages4", "epi4_stages4", "group_n1"])
 def test_sm90_compile_has_warp_specialized_partitions(config, partitions, wgmma):
     kernel = _compile_sm90(config)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
@@ -270,8 +272,8 @@ CASES = {  # name: (rows M, N, K, group sizes)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, PINGPONG, EPI2, EPI4, GN3, GN8],
-                         ids=["default", "pingpong", "epi2", "epi4", "group_n3", "group_n8"])
+@pytest.mark.parametrize("config", [None, PINGPONG, EPI2, EPI4, GN3, GN1],
+                         ids=["default", "pingpong", "epi2", "epi4", "group_n3", "group_n1"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_against_fp64_reference_and_grouped_mm(case, config):
     _cuda_sm90()

@@ -33,7 +33,8 @@ the next group's rows nor NaN padding are read). The new descriptors overwrite t
 ones in global scratch, so the loader first waits for the copies still in flight. An empty
 group loads nothing and stores a
 zero tile. Tiles are taken in the order of ``order`` (groups by decreasing row count, from
-``grouped_wgrad_large_triton.group_order``), k-tile fastest, program ``p`` taking tiles
+``grouped_wgrad_large_triton.group_order``), inside a group in bands of ``GROUP_N`` dW row
+tiles (n-tile fastest in a band, then the k-tile), program ``p`` taking tiles
 ``p, p + P, ...``; a tile's row steps run in row order in one accumulator, the same k-steps
 as ``torch._grouped_mm``'s wgrad.
 
@@ -224,10 +225,18 @@ def gluon_wgrad_config() -> dict[str, int]:
     EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
     0.966-0.976x this default on the E8 / E32 wgrads (>= 1024 rows per group), so it is not the
     default, and 1.06-1.09x it at E128 (512 rows per group, two H200 runs), where the dispatch
-    runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, :func:`gluon_wgrad_preset`)."""
+    runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, :func:`gluon_wgrad_preset`).
+
+    ``GROUP_N`` 8 (stop 19): a group's tiles go in bands of 8 dW row tiles, row tile fastest,
+    instead of a whole row of tiles at a time (``GROUP_N=1``), so the programs running at once
+    share the x columns they read and a wave no longer streams all of x_g from HBM (ncu, E8
+    fc2 wgrad: 7.2 GB of DRAM reads against ``_grouped_mm``'s 2.2 GB). Measured in power-capped
+    blocks (``benchmarks/sustained_gemm.py``, H200): 1.15x the old order on E8's fc2 wgrad,
+    1.00-1.04x on the fc1 wgrads of E8 / E32 / E128, 0.99-1.00x on E32's and E128's fc2 wgrads;
+    outputs bitwise unchanged (the order of tiles changes no arithmetic)."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
             "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
-            "GROUP_N": 1, "num_warps": 8, "maxnreg": 168}
+            "GROUP_N": 8, "num_warps": 8, "maxnreg": 168}
 
 
 def gluon_unsupported_reason(x: torch.Tensor, dy: torch.Tensor,
