@@ -18,7 +18,8 @@ GEMMs (``large_gemm_triton`` operands: Zipf(1.2) split sizes, bf16):
   change that config (e.g. ``{"GROUP_N": 8}``);
 * ``fc1`` / ``fc2`` / ``fc1_dgrad`` / ``fc2_dgrad``: the Gluon fprop / dgrad
   (``grouped_gemm_gluon``) with the dispatched ``DISPATCH_CONFIG``; variants change it (e.g.
-  ``{"GROUP_M": 16}``);
+  ``{"GROUP_M": 16}``); also ``triton``, the persistent Triton kernel (``large_fprop`` /
+  ``large_dgrad``, its default config), which auto runs where ``GLUON_RULE`` does not;
 * ``fc1_swiglu``: the Gluon fc1 + SwiGLU (``fc1_swiglu_gluon``), its config; the peer is
   ``_grouped_mm`` plus the Triton SwiGLU forward.
 
@@ -79,11 +80,14 @@ def _calls(ops: dict[str, Any], gemm: str, variants: dict[str, dict]
             calls[name] = lambda c=change: fg.gluon_fc1_swiglu(x, w, offs, probs, c)
         return calls
     from te_ops.kernels import grouped_gemm_gluon as gg
+    from te_ops.kernels import grouped_gemm_large_triton as lg
 
     dgrad = gemm.endswith("dgrad")
     run = gg.gluon_dgrad if dgrad else gg.gluon_fprop
+    triton_run = lg.large_dgrad if dgrad else lg.large_fprop
     calls = {"grouped_mm": ((lambda: torch._grouped_mm(x, w, offs=offs)) if dgrad
-                            else (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)))}
+                            else (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))),
+             "triton": lambda: triton_run(x, w, offs, {})}
     for name, change in {"default": {}, **variants}.items():  # on the dispatched config
         calls[name] = lambda c={**gg.DISPATCH_CONFIG, **change}: run(x, w, offs, c)
     return calls
@@ -175,7 +179,8 @@ def summarize(path: str) -> str:
     lines = [f"{'shape':26s} {'gemm':11s} {'variant':12s} {'ms':>8s} {'MHz':>6s} {'W':>5s} "
              f"{'vs default':>10s} {'x _grouped_mm':>13s} {'equal':>5s}"]
     for r in read_records(path, BENCH):
-        names = ["grouped_mm", "default", *r["variants"]]
+        names = [n for n in ("grouped_mm", "triton") if f"{n}_ms" in r]
+        names += ["default", *r["variants"]]
         for n in names:
             eq = r.get(f"{n}_equal_default", "")
             lines.append(
@@ -213,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: expected JSON, got {args.variants!r} ({exc})")
     if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
         parser.error(f"--variants: expected a JSON object of objects, got {args.variants!r}")
-    if {"default", "grouped_mm"} & set(variants):
-        parser.error("--variants: 'default' and 'grouped_mm' are reserved names")
+    if {"default", "grouped_mm", "triton"} & set(variants):
+        parser.error("--variants: 'default', 'grouped_mm' and 'triton' are reserved names")
     if args.rounds < 1 or args.block_ms <= 0:
         parser.error(f"--rounds >= 1 and --block-ms > 0 expected, got {args.rounds} and "
                      f"{args.block_ms}")

@@ -89,6 +89,7 @@ try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itse
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -156,7 +157,7 @@ def gluon_config() -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
             "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
-            "C_HALF": False}
+            "C_HALF": False, "TMA_STORE": False}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -457,6 +458,9 @@ if gluon is not None:
                 it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase,
                                K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
                                ROWS, LAG)
+            # the buffer's generic-proxy stores before a TMA store (async proxy) reads them
+            # (``TMA_STORE``; one fence per tile otherwise unused)
+            fence_async_shared()
             gl.thread_barrier()  # every warp's rows are in the buffer
             mbarrier.arrive(c_ready)
             t += 1
@@ -488,13 +492,40 @@ if gluon is not None:
                 _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
 
     @gluon.jit
+    def _store_part(c_buf, y_desc, y_ptr, m0, end, n0, N, ROWS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, SKIP_TAIL: gl.constexpr,
+                    TMA_STORE: gl.constexpr, layout: gl.constexpr):
+        """``c_buf``'s ROWS rows to y's rows m0..: with ``TMA_STORE``, where all ROWS rows
+        lie before the group's ``end``, one TMA store (waited for before the caller frees
+        the buffer), else :func:`_store_buf`'s masked slices."""
+        if TMA_STORE:
+            if m0 + ROWS <= end:
+                tma.async_copy_shared_to_global(y_desc, [m0.to(gl.int32), n0.to(gl.int32)],
+                                                c_buf)
+                tma.store_wait(0)
+            else:
+                _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, SKIP_TAIL,
+                           layout)
+        else:
+            _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, SKIP_TAIL,
+                       layout)
+
+    @gluon.jit
     def _epilogue(c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P,
                   GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr,
-                  SKIP_TAIL: gl.constexpr, C_HALF: gl.constexpr):
+                  SKIP_TAIL: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr):
         """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y (``C_HALF``:
-        half 0's rows, then half 1's, each freeing the buffer for the other half)."""
+        half 0's rows, then half 1's, each freeing the buffer for the other half;
+        ``TMA_STORE``: parts that lie inside their group in one TMA store each)."""
         pid = gl.program_id(0)
+        C_ROWS: gl.constexpr = c_buf.shape[0]
+        if TMA_STORE:  # y as (M, N): a part inside its group is inside y
+            y_desc = tma.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
+                                                block_shape=[C_ROWS, BLOCK_N],
+                                                layout=c_buf.type.layout)
+        else:
+            y_desc = None
         tiles_n = gl.cdiv(N, BLOCK_N)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, EPI_WARPS)
@@ -511,17 +542,17 @@ if gluon is not None:
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
             if C_HALF:
                 mbarrier.wait(c_ready.index(0), t & 1)
-                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, HALF_M, BLOCK_N, SUB_M,
-                           SKIP_TAIL, layout)
+                _store_part(c_buf, y_desc, y_ptr, m0, end, pn * BLOCK_N, N, HALF_M, BLOCK_N,
+                            SUB_M, SKIP_TAIL, TMA_STORE, layout)
                 gl.thread_barrier()  # every epilogue warp has read c_buf
                 mbarrier.arrive(c_free.index(1))
                 mbarrier.wait(c_ready.index(1), t & 1)
-                _store_buf(c_buf, y_ptr, m0 + HALF_M, end, pn * BLOCK_N, N, 0, HALF_M,
-                           BLOCK_N, SUB_M, SKIP_TAIL, layout)
+                _store_part(c_buf, y_desc, y_ptr, m0 + HALF_M, end, pn * BLOCK_N, N, HALF_M,
+                            BLOCK_N, SUB_M, SKIP_TAIL, TMA_STORE, layout)
             else:
                 mbarrier.wait(c_ready.index(0), t & 1)
-                _store_buf(c_buf, y_ptr, m0, end, pn * BLOCK_N, N, 0, BLOCK_M, BLOCK_N, SUB_M,
-                           SKIP_TAIL, layout)
+                _store_part(c_buf, y_desc, y_ptr, m0, end, pn * BLOCK_N, N, BLOCK_M, BLOCK_N,
+                            SUB_M, SKIP_TAIL, TMA_STORE, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf
             mbarrier.arrive(c_free.index(0))
             t += 1
@@ -534,7 +565,8 @@ if gluon is not None:
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
-                      LAG: gl.constexpr, C_HALF: gl.constexpr, num_warps: gl.constexpr):
+                      LAG: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr,
+                      num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
         output tile and the barriers, then forks the partitions."""
@@ -606,7 +638,8 @@ if gluon is not None:
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
                                BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF)),
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF,
+                             TMA_STORE)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
@@ -618,7 +651,8 @@ if gluon is not None:
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
                                BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False)),
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False,
+                             TMA_STORE)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
