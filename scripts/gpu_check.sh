@@ -58,6 +58,12 @@
 #     peak        benchmarks/peak_memory_breakdown.py --small: what is live at one step's memory
 #                 peak (the torch peer vs te_ops fused, per-expert and single weight, E128 / E32 /
 #                 E64), every block under 1 MiB in bytes -> "$OUT/peak.log"
+#     ncu         benchmarks/ncu_step.sh: Nsight Compute counters (DRAM / L2 bytes, instructions,
+#                 clock) of every kernel of one step, the peer vs te_ops fused (single weight),
+#                 E32 and E8 -> "$OUT/ncu/"
+#     sustained   benchmarks/sustained_gemm.py: each te_ops GEMM kernel, the Triton kernel and
+#                 torch._grouped_mm in power-capped blocks of back-to-back calls, E32 and E8
+#                 -> "$OUT/sustained.jsonl" (where a kernel's energy shows as its time)
 #     main_job    the main job on CUDA at 600 steps, bf16 eager vs --cuda-graph (the loss
 #                 curves must agree bit for bit)
 #     main_job_seeds  scripts/main_job_seeds.py: bf16 vs FP8 (default, and with fast accumulation
@@ -90,7 +96,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak power} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak power ncu sustained} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -238,6 +244,10 @@ bench_lane() {
     step peak 90 "$PY" benchmarks/peak_memory_breakdown.py --small \
         --shapes E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768 \
         --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single
+    step ncu 150 bash benchmarks/ncu_step.sh "$OUT/ncu"
+    step sustained 150 "$PY" benchmarks/sustained_gemm.py --out "$OUT/sustained.jsonl" \
+        --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336 \
+        --gemms fc1,fc2,fc1_dgrad,fc2_dgrad,fc1_wgrad,fc2_wgrad --rounds 3 --block-ms 300
     step power 150 "$PY" benchmarks/power_clock.py --steps 150 --out "$OUT/power.jsonl" \
         --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768 \
         --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused

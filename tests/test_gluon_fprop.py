@@ -153,13 +153,15 @@ def test_tma_store_epilogue_compiles_for_sm90(dgrad, c_half):
     """``TMA_STORE``: the epilogue issues a TMA store (a 2-D bulk tensor copy from shared
     memory) beside its masked stores for the tail parts, and the consumers fence the proxy
     before handing the buffer over; no spills, within shared memory."""
-    extra = {**GG.DISPATCH_CONFIG, "TMA_STORE": True} if c_half else {"TMA_STORE": True}
+    assert GG.DISPATCH_CONFIG["TMA_STORE"] is True  # the dispatched config (stop 19)
+    extra = GG.DISPATCH_CONFIG if c_half else {"TMA_STORE": True}
     ptx = _compile_sm90(dgrad, extra=extra).asm["ptx"]
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
     assert "fence.proxy.async.shared::cta" in ptx
     assert "st.global" in ptx  # the masked path of tail parts and padding rows
     assert "st.local" not in ptx and "ld.local" not in ptx
-    plain = _compile_sm90(dgrad, extra={**GG.DISPATCH_CONFIG} if c_half else {}).asm["ptx"]
+    plain = _compile_sm90(dgrad, extra={**GG.DISPATCH_CONFIG, "TMA_STORE": False} if c_half
+                          else {}).asm["ptx"]
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in plain
 
 
@@ -369,9 +371,10 @@ TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                 "half_buffer_lag2": {**TAIL, "C_HALF": True, "STAGES": 4, "LAG": 2,
                                      "SKIP_TAIL": False},
                 "dispatch": GG.DISPATCH_CONFIG,  # the dispatched calls' config itself
-                # parts inside their group in one TMA store (128 and 64-row buffers)
+                # parts inside their group in one TMA store (128-row buffer), and the
+                # dispatched config with masked stores only (before stop 19)
                 "tma_store": {"TMA_STORE": True},
-                "dispatch_tma_store": {**GG.DISPATCH_CONFIG, "TMA_STORE": True}}
+                "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False}}
 
 
 def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:

@@ -39,6 +39,11 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   half keeps stale rows, which reach only accumulator rows that are never stored).
   ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
   (stop 17): not dispatched;
+* ``TMA_STORE``: the epilogue stores a buffered part (64 rows with ``C_HALF``, else 128)
+  that lies inside its group with one TMA store from the shared buffer (a device-side
+  descriptor of y as (M, N)) and waits for it before freeing the buffer; tail parts and the
+  padding rows keep the masked register stores. The consumers fence the proxy
+  (``fence_async_shared``) before handing the buffer over;
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
 
@@ -136,9 +141,12 @@ GLUON_RULE: dict[tuple[str, int, int], float] = {
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
 #: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
-#: interleaved; stop 17). Not ``SKIP_TAIL`` (0.95-1.02x, stop 17).
+#: interleaved; stop 17). ``TMA_STORE`` (stop 19): in power-capped blocks of back-to-back
+#: calls (``benchmarks/sustained_gemm.py``, one H200 run) 1.02-1.08x without it at E128,
+#: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal. Not ``SKIP_TAIL`` (0.95-1.02x
+#: interleaved, stop 17; 0.84-1.02x in power-capped blocks, stop 19).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
-                                          "STAGES": 4}
+                                          "STAGES": 4, "TMA_STORE": True}
 
 #: Registers per thread ptxas may use: 65536 / (12 warps x 32 threads), rounded down to 8.
 MAXNREG = 168

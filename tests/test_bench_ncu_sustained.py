@@ -1,0 +1,117 @@
+"""CPU checks of the stop-19 benchmark scripts: ``benchmarks/ncu_step.py`` (Nsight Compute CSV
+reading and the summary table) and ``benchmarks/sustained_gemm.py`` (argument errors, the
+summary of a recorded H200 run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ncu_step  # noqa: E402
+import sustained_gemm  # noqa: E402
+
+#: an ``ncu --csv --page raw`` file: a log line, the header, the units row, two kernels (one
+#: with thousands separators, units in K/M/G and usecond)
+CSV = '''==PROF== Connected to process 1
+"ID","Process ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum","lts__t_bytes.sum","sm__cycles_elapsed.avg.per_second","smsp__inst_executed.sum"
+"","","","Mbyte","Kbyte","usecond","Gbyte","Ghz","inst"
+"0","1","void cutlass::device_kernel<Foo<int>>(Params)","1,500.5","200","2,000.0","10.5","1.50","1,000,000"
+"1","1","_gluon_kernel","750","100","1000","5.25","1.60","500000"
+'''
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_read_csv_scales_units_to_base(tmp_path):
+    kernels = ncu_step.read_csv(_write(tmp_path, "k.csv", CSV))
+    assert [k["name"] for k in kernels] == ["void cutlass::device_kernel<Foo<int>>(Params)",
+                                            "_gluon_kernel"]
+    first = kernels[0]
+    assert first["dram__bytes_read.sum"] == pytest.approx(1500.5e6)
+    assert first["dram__bytes_write.sum"] == pytest.approx(200e3)
+    assert first["gpu__time_duration.sum"] == pytest.approx(2e6)  # ns
+    assert first["lts__t_bytes.sum"] == pytest.approx(10.5e9)
+    assert first["sm__cycles_elapsed.avg.per_second"] == pytest.approx(1.5e9)
+    assert first["smsp__inst_executed.sum"] == 1e6
+
+
+def test_summary_totals_and_ratio(tmp_path):
+    a = _write(tmp_path, "a.csv", CSV)
+    half = CSV.replace('"1,500.5"', '"750.25"')  # half the first kernel's DRAM reads
+    b = _write(tmp_path, "b.csv", half)
+    text = ncu_step.summarize([a, b])
+    assert "device_kernel" in text and "_gluon_kernel" in text
+    # totals of a: DRAM read 1500.5 + 750 MB, time 3000 us
+    assert "TOTAL" in text and "2250.5" in text and "3000.0" in text
+    ratio = (750.25 + 750) / (1500.5 + 750)
+    assert f"dram__bytes_read {ratio:.3f}" in text
+    assert "gpu__time_duration 1.000" in text
+
+
+def test_short_names():
+    assert ncu_step.short_name("void cutlass::device_kernel<A<B>>(P)") == "device_kernel"
+    assert ncu_step.short_name("_gluon_wgrad_kernel") == "_gluon_wgrad_kernel"
+
+
+def test_read_csv_without_header_names_the_file(tmp_path):
+    path = _write(tmp_path, "empty.csv", "==ERROR== no kernels were profiled\n")
+    with pytest.raises(ValueError, match=r"empty\.csv: no ncu CSV header"):
+        ncu_step.read_csv(path)
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([], "--shape and --peer are required"),
+    (["--shape", "E8_T16384_H4096_FF14336", "--peer", "x", "--warmup", "0"],
+     "--warmup: expected >= 1"),
+])
+def test_ncu_step_argument_errors(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        ncu_step.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_ncu_step_metrics_line(capsys):
+    assert ncu_step.main(["--metrics"]) == 0
+    assert capsys.readouterr().out.strip().split(",") == list(ncu_step.METRICS)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--gemms", "fc3"], "--gemms: expected names among"),
+    (["--shapes", "E1"], "--shapes: expected names among"),
+    (["--variants", "{bad"], "--variants: expected JSON"),
+    (["--variants", "[1]"], "--variants: expected a JSON object of objects"),
+    (["--variants", '{"triton": {}}'], "'triton' are reserved names"),
+    (["--rounds", "0"], "--rounds >= 1 and --block-ms > 0 expected, got 0"),
+])
+def test_sustained_argument_errors(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        sustained_gemm.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_sustained_needs_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        sustained_gemm.main([])
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_sustained_summary_of_a_recorded_run():
+    path = ROOT / "benchmarks" / "results" / "h200_sustained_wgrad_group_n_2026-12-01_stop19.jsonl"
+    text = sustained_gemm.summarize(str(path))
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["shape", "gemm", "variant", "ms"]
+    # 3 shapes x 2 wgrads x (grouped_mm, default, gn4, gn8, gn16)
+    assert len(lines) == 1 + 3 * 2 * 5
+    assert any("fc2_wgrad" in line and "gn8" in line and "True" in line for line in lines)
