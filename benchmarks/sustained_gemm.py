@@ -24,7 +24,10 @@ GEMMs (``large_gemm_triton`` operands: Zipf(1.2) split sizes, bf16):
   ``_grouped_mm`` plus the Triton SwiGLU forward.
 
 Every variant's output is first checked bit for bit against the default config's
-(``NAME_equal_default``): a tile order changes no arithmetic.
+(``NAME_equal_default``): a tile order changes no arithmetic. ``--wait-hint-ns N`` (an
+experiment, :func:`install_wait_hint`) patches a suspend-time hint into the mbarrier wait
+loops of every kernel compiled in the process (records: ``wait_hint_ns``, ``waits_patched``);
+compare two processes through their ``NAME_x_grouped_mm`` ratios.
 
 Usage (CUDA, SM90, one device call)::
 
@@ -39,7 +42,9 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
+import tempfile
 import sys
 from typing import Any, Callable
 
@@ -91,6 +96,38 @@ def _calls(ops: dict[str, Any], gemm: str, variants: dict[str, dict]
     for name, change in {"default": {}, **variants}.items():  # on the dispatched config
         calls[name] = lambda c={**gg.DISPATCH_CONFIG, **change}: run(x, w, offs, c)
     return calls
+
+
+#: A wait loop's ``mbarrier.try_wait.parity`` without a suspend-time hint (Triton 3.6's
+#: lowering of every mbarrier wait; CUTLASS passes 0x989680 = 10^7 ns).
+_TRY_WAIT = re.compile(r"(mbarrier\.try_wait\.parity\.shared(?:::cta)?\.b64\s+\w+,\s*"
+                       r"\[[^\]]+\],\s*[^;,]+);")
+
+
+def install_wait_hint(ns: int) -> dict[str, int]:
+    """An experiment (``--wait-hint-ns``): every kernel Triton compiles in this process gets
+    ``ns`` as the suspend-time hint of its mbarrier wait loops (PTX ISA: ``mbarrier.try_wait``'s
+    optional ``suspendTimeHint``, the longest a waiting thread stays suspended before it polls
+    again; the wait still ends when the phase completes), through Triton's
+    ``knobs.runtime.add_stages_inspection_hook`` on the PTX stage. Triton's cache key does not
+    see the hook, so the caller gives the process its own ``TRITON_CACHE_DIR``. Returns the
+    count of waits patched per kernel name (filled as kernels compile)."""
+    from triton import knobs
+
+    patched: dict[str, int] = {}
+
+    def hook(backend, stages, options, language, capability):
+        make_ptx = stages["ptx"]
+
+        def ptx(src, metadata):
+            text, count = _TRY_WAIT.subn(rf"\1, {ns};", make_ptx(src, metadata))
+            patched[str(metadata.get("name"))] = count
+            return text
+
+        stages["ptx"] = ptx
+
+    knobs.runtime.add_stages_inspection_hook = hook
+    return patched
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -200,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--block-ms", type=float, default=400.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wait-hint-ns", type=int, default=0,
+                        help="experiment: suspend-time hint (ns) patched into every mbarrier "
+                             "wait loop of the kernels Triton compiles here (own cache dir)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--summarize", default=None, metavar="FILE")
     args = parser.parse_args(argv)
@@ -220,16 +260,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: expected a JSON object of objects, got {args.variants!r}")
     if {"default", "grouped_mm", "triton"} & set(variants):
         parser.error("--variants: 'default', 'grouped_mm' and 'triton' are reserved names")
+    if args.wait_hint_ns < 0:
+        parser.error(f"--wait-hint-ns: expected >= 0, got {args.wait_hint_ns}")
     if args.rounds < 1 or args.block_ms <= 0:
         parser.error(f"--rounds >= 1 and --block-ms > 0 expected, got {args.rounds} and "
                      f"{args.block_ms}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (SM90): the kernels timed are Gluon kernels")
+    patched: dict[str, int] = {}
+    if args.wait_hint_ns:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="te_ops_wait_hint_")
+        patched = install_wait_hint(args.wait_hint_ns)
     out = JsonLines(args.out)
     out.write({"bench": f"{BENCH}_machine", **machine_info(torch.device("cuda"))})
     for shape in shapes:
         for gemm in gemms:
-            out.write(compare(shape, gemm, variants, args.rounds, args.block_ms, args.seed))
+            rec = compare(shape, gemm, variants, args.rounds, args.block_ms, args.seed)
+            rec["wait_hint_ns"] = args.wait_hint_ns
+            rec["waits_patched"] = dict(patched)
+            out.write(rec)
             torch.cuda.empty_cache()
     out.close()
     if args.out:

@@ -115,3 +115,19 @@ def test_sustained_summary_of_a_recorded_run():
     # 3 shapes x 2 wgrads x (grouped_mm, default, gn4, gn8, gn16)
     assert len(lines) == 1 + 3 * 2 * 5
     assert any("fc2_wgrad" in line and "gn8" in line and "True" in line for line in lines)
+
+
+def test_wait_hint_pattern_patches_hintless_waits_only():
+    """``--wait-hint-ns``'s PTX rewrite: Triton 3.6's wait loop (no hint) gets the hint, a
+    wait that already has one (CUTLASS-style) is left alone."""
+    text = ("mbarrier.try_wait.parity.shared.b64 complete, [%r899], %r60;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 P1, [%r1], %r2, 5;\n")
+    new, count = sustained_gemm._TRY_WAIT.subn(r"\1, 7;", text)
+    assert count == 1
+    assert "complete, [%r899], %r60, 7;" in new and "[%r1], %r2, 5;" in new
+
+
+def test_wait_hint_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        sustained_gemm.main(["--wait-hint-ns", "-1"])
+    assert "--wait-hint-ns: expected >= 0, got -1" in capsys.readouterr().err
