@@ -42,6 +42,15 @@ METRICS = (
 )
 _TOTALS = METRICS[:5]
 
+#: Factor to the base unit (bytes, ns, Hz, instructions) of each unit ncu writes in the units
+#: row: the long names of older releases and the short ones (``ns``, ``hz``) of the H200's.
+_SCALE = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
+          "ns": 1, "us": 1e3, "ms": 1e6, "s": 1e9,
+          "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+          "hz": 1, "khz": 1e3, "Khz": 1e3, "Mhz": 1e6, "MHz": 1e6, "Ghz": 1e9, "GHz": 1e9,
+          "cycle/nsecond": 1e9, "cycle/usecond": 1e6, "cycle/second": 1,
+          "inst": 1, "Kinst": 1e3, "Minst": 1e6, "Ginst": 1e9, "": 1}
+
 
 def run_step(shape: str, peer: str, warmup: int) -> None:
     """``warmup`` untimed steps, then one step between cudaProfilerStart / Stop."""
@@ -67,7 +76,9 @@ def _number(text: str) -> float:
 
 def read_csv(path: str) -> list[dict[str, float | str]]:
     """Kernels of an ``ncu --csv --page raw`` file: name plus the metrics in :data:`METRICS`.
-    Values are converted to base units (bytes, ns, Hz) using the units row."""
+    Values are converted to base units (bytes, ns, Hz) using the units row; a unit not in
+    :data:`_SCALE` raises (ValueError naming the file, metric and unit) rather than being
+    read as a base unit."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     start = text.find('"ID"')
@@ -75,29 +86,41 @@ def read_csv(path: str) -> list[dict[str, float | str]]:
         raise ValueError(f"{path}: no ncu CSV header (a line starting with \"ID\") found")
     rows = list(csv.reader(io.StringIO(text[start:])))
     header, units, body = rows[0], rows[1], rows[2:]
-    scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
-             "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
-             "hz": 1, "khz": 1e3, "Mhz": 1e6, "MHz": 1e6, "Ghz": 1e9, "GHz": 1e9,
-             "cycle/nsecond": 1e9, "cycle/usecond": 1e6, "cycle/second": 1}
+    if "Kernel Name" not in header:
+        raise ValueError(f"{path}: the ncu CSV header has no \"Kernel Name\" column")
+    columns = {m: header.index(m) for m in METRICS if m in header}
+    for m, i in columns.items():
+        if units[i] not in _SCALE:
+            raise ValueError(f"{path}: metric {m} in unit {units[i]!r}, expected one of "
+                             f"{sorted(_SCALE)}")
     kernels = []
     for row in body:
         if len(row) != len(header):
             continue
         rec: dict[str, float | str] = {"name": row[header.index("Kernel Name")]}
-        for m in METRICS:
-            if m in header:
-                i = header.index(m)
-                rec[m] = _number(row[i]) * scale.get(units[i], 1)
+        for m, i in columns.items():
+            rec[m] = _number(row[i]) * _SCALE[units[i]]
         kernels.append(rec)
     return kernels
 
 
 def short_name(name: str) -> str:
-    """Kernel name without template arguments and parameters, at most 48 characters."""
-    for cut in ("(", "<"):
-        if cut in name:
-            name = name.split(cut)[0]
-    return name.split("::")[-1][:48]
+    """Kernel name without return type, namespaces, template arguments and parameters, at
+    most 48 characters (``<unnamed>`` / ``(anonymous namespace)`` namespaces dropped too)."""
+    if name.startswith("void "):
+        name = name[len("void "):]
+    name = name.replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
+    kept, depth = [], 0
+    for ch in name:
+        if ch == "(" and depth == 0:
+            break  # the parameter list
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            kept.append(ch)
+    return "".join(kept).split("::")[-1].strip()[:48]
 
 
 def summarize(paths: list[str]) -> str:

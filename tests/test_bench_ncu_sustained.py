@@ -131,3 +131,49 @@ def test_wait_hint_argument_error(capsys):
     with pytest.raises(SystemExit):
         sustained_gemm.main(["--wait-hint-ns", "-1"])
     assert "--wait-hint-ns: expected >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, short", [
+    # the anonymous namespaces of PyTorch's kernels (the H200 CSVs of stop 19): the old
+    # cut at the first "<" left "" or "void"
+    ("void at::<unnamed>::CatArrayBatchedCopy_alignedK_contig<at::<unnamed>::OpaqueType<4>, "
+     "unsigned int, 1, 128, 1, 16>(T1 *, at::<unnamed>::CatArrInputTensorMetadata<T1>)",
+     "CatArrayBatchedCopy_alignedK_contig"),
+    ("void <unnamed>::elementwise_kernel_with_index<int, at::arange_cuda_out(const c10::Scalar "
+     "&)::[lambda() (instance 1)]>(int, T2, T3::type *)", "elementwise_kernel_with_index"),
+    ("void (anonymous namespace)::foo_kernel<float>(float *)", "foo_kernel"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>(T3)", "reduce_kernel"),
+])
+def test_short_names_of_anonymous_namespaces(name, short):
+    assert ncu_step.short_name(name) == short
+
+
+def test_short_names_of_the_recorded_csvs_are_never_empty():
+    for path in sorted((ROOT / "benchmarks" / "results").glob("h200_ncu_*_stop19.csv")):
+        names = [ncu_step.short_name(str(k["name"])) for k in ncu_step.read_csv(str(path))]
+        assert names and all(n and n != "void" for n in names), (path.name, names)
+
+
+def test_read_csv_short_units(tmp_path):
+    """The H200's ncu writes ``ns`` and ``hz`` (base units); ``us`` / ``ms`` scale."""
+    text = CSV.replace('"usecond"', '"us"').replace('"Ghz"', '"hz"').replace('"1.50"', '"1500"')
+    first = ncu_step.read_csv(_write(tmp_path, "s.csv", text))[0]
+    assert first["gpu__time_duration.sum"] == pytest.approx(2e6)
+    assert first["sm__cycles_elapsed.avg.per_second"] == pytest.approx(1500)
+    text = CSV.replace('"usecond"', '"ms"')
+    first = ncu_step.read_csv(_write(tmp_path, "m.csv", text))[0]
+    assert first["gpu__time_duration.sum"] == pytest.approx(2e9)
+
+
+def test_read_csv_unknown_unit_names_file_metric_and_unit(tmp_path):
+    """An unknown unit raises instead of being read as the base unit (a silent 10^3 off)."""
+    path = _write(tmp_path, "u.csv", CSV.replace('"Mbyte"', '"Mibyte"'))
+    with pytest.raises(ValueError, match=r"u\.csv: metric dram__bytes_read\.sum in unit "
+                                         r"'Mibyte', expected one of"):
+        ncu_step.read_csv(path)
+
+
+def test_read_csv_without_kernel_name_column_names_the_file(tmp_path):
+    path = _write(tmp_path, "n.csv", CSV.replace('"Kernel Name"', '"Name"'))
+    with pytest.raises(ValueError, match=r"n\.csv: the ncu CSV header has no \"Kernel Name\""):
+        ncu_step.read_csv(path)
