@@ -165,6 +165,23 @@ def test_tma_store_epilogue_compiles_for_sm90(dgrad, c_half):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in plain
 
 
+@pytest.mark.parametrize("dgrad, n_out, tma", [
+    (False, 128, True), (False, 100, False), (False, 8, True), (False, 4, False),
+    (True, 64, True)])
+def test_tma_store_only_where_output_rows_are_16_byte_aligned(dgrad, n_out, tma):
+    """A TMA descriptor of y (M, N) needs 16-byte row strides; fprop's N (out_features) is
+    not one of the strides ``tma_unsupported_reason`` checks (K = 64 keeps W's aligned for
+    N = 100), so the launch keeps the masked stores there (the same bits)."""
+    x = torch.zeros(10, n_out if dgrad else 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, n_out, 64, dtype=torch.bfloat16)
+    cfg = GG._resolve(GG.DISPATCH_CONFIG)
+    assert cfg["TMA_STORE"] is True
+    _, rest, kwargs = GG._launch_args(x, w, dgrad, cfg)
+    assert rest[1] == (64 if dgrad else n_out)
+    assert kwargs["TMA_STORE"] is tma
+    assert cfg["TMA_STORE"] is True  # the caller's config is left as it was
+
+
 # ---------------------------------------------------------------------------------- CUDA
 def _operands(sizes, m, n, k, dtype=torch.bfloat16, seed=0):
     """``(x, w, offs)`` of :func:`grouped_operands` (NaN padding rows of x)."""

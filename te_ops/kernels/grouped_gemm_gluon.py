@@ -43,7 +43,9 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   that lies inside its group with one TMA store from the shared buffer (a device-side
   descriptor of y as (M, N)) and waits for it before freeing the buffer; tail parts and the
   padding rows keep the masked register stores. The consumers fence the proxy
-  (``fence_async_shared``) before handing the buffer over;
+  (``fence_async_shared``) before handing the buffer over. Where y's rows are not a
+  multiple of 16 bytes (``N`` * element size; a TMA descriptor's stride must be) the launch
+  turns it off (:func:`_launch_args`);
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
 
@@ -674,6 +676,10 @@ def _launch_args(x: torch.Tensor, weights: torch.Tensor, dgrad: bool, cfg: dict
     stride_n, stride_k = ((weights.stride(2), weights.stride(1)) if dgrad
                           else (weights.stride(1), weights.stride(2)))
     rest = (m, n, k, groups, grid[0], weights.stride(0), stride_n, stride_k)
+    if cfg["TMA_STORE"] and n * x.element_size() % 16:
+        # a TMA descriptor of y (M, N) needs 16-byte row strides (fprop's N = out_features
+        # is not checked by tma_unsupported_reason): the masked stores, the same bits
+        cfg = {**cfg, "TMA_STORE": False}
     kwargs = dict(W_KN=dgrad, GBLOCK=max(next_power_of_2(groups), 1), maxnreg=MAXNREG, **cfg)
     return grid, rest, kwargs
 
