@@ -60,6 +60,7 @@ def test_config_keys_and_default():
     ({"EPI_SPLIT": 4, "EPI_BUFS": 3}, "config EPI_BUFS must be 1 or 2, got 3"),
     ({"GROUP_N": 0}, "config GROUP_N must be an int >= 1, got 0"),
     ({"GROUP_N": 2.0}, "config GROUP_N must be an int >= 1, got 2.0"),
+    ({"GROUP_N": True}, "config GROUP_N must be an int >= 1, got True"),
 ])
 def test_epilogue_config_errors(config, match):
     with pytest.raises(ValueError, match=match):
