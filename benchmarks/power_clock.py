@@ -44,6 +44,20 @@ _HW_THERMAL = 0x40        # HwThermalSlowdown
 _HW_POWER_BRAKE = 0x80    # HwPowerBrakeSlowdown
 
 
+def instant_power_w(pynvml, handle) -> float:
+    """Instantaneous board power in W (``NVML_FI_DEV_POWER_INSTANT``), NaN where the driver or
+    nvidia-ml-py lacks it (``nvmlDeviceGetPowerUsage`` is an average over about 1 s on
+    recent drivers: longer than one step). Also ``benchmarks/sustained_gemm.py``'s reading."""
+    fid = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", None)
+    if fid is None:
+        return float("nan")
+    try:
+        value = pynvml.nvmlDeviceGetFieldValues(handle, [fid])[0]
+    except pynvml.NVMLError:
+        return float("nan")
+    return value.value.uiVal / 1000.0 if value.nvmlReturn == 0 else float("nan")
+
+
 class Sampler:
     """A thread that reads NVML every ``interval_s`` seconds until :meth:`stop`."""
 
@@ -52,19 +66,6 @@ class Sampler:
         self.samples: list[tuple[float, int, float, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _instant_w(self) -> float:
-        """Instantaneous board power (``NVML_FI_DEV_POWER_INSTANT``), NaN where the driver or
-        nvidia-ml-py lacks it (``nvmlDeviceGetPowerUsage`` is an average over about 1 s on
-        recent drivers: longer than one step)."""
-        fid = getattr(self.nv, "NVML_FI_DEV_POWER_INSTANT", None)
-        if fid is None:
-            return float("nan")
-        try:
-            value = self.nv.nvmlDeviceGetFieldValues(self.handle, [fid])[0]
-        except self.nv.NVMLError:
-            return float("nan")
-        return value.value.uiVal / 1000.0 if value.nvmlReturn == 0 else float("nan")
 
     def _run(self) -> None:
         nv, h = self.nv, self.handle
@@ -77,7 +78,7 @@ class Sampler:
                 nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
                 reasons(h),
-                self._instant_w()))
+                instant_power_w(nv, h)))
             time.sleep(self.interval_s)
 
     def __enter__(self) -> Sampler:

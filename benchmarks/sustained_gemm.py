@@ -44,8 +44,8 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import sys
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import JsonLines, machine_info, read_records  # noqa: E402
 from large_gemm_triton import SHAPES, _operands  # noqa: E402
+from power_clock import instant_power_w, nvml_index  # noqa: E402
 
 BENCH = "sustained_gemm"
 GEMMS = ("fc1_swiglu", "fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "fc1_wgrad", "fc2_wgrad")
@@ -143,7 +144,7 @@ class _Nvml:
             import pynvml
 
             pynvml.nvmlInit()
-            index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+            index = nvml_index(torch.cuda.current_device())
             self.nv, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
         except Exception:  # noqa: BLE001 - any failure: no readings, not no benchmark
             self.nv = None
@@ -152,13 +153,7 @@ class _Nvml:
         if self.nv is None:
             return math.nan, math.nan
         mhz = float(self.nv.nvmlDeviceGetClockInfo(self.handle, self.nv.NVML_CLOCK_SM))
-        fid = getattr(self.nv, "NVML_FI_DEV_POWER_INSTANT", None)
-        watts = math.nan
-        if fid is not None:
-            value = self.nv.nvmlDeviceGetFieldValues(self.handle, [fid])[0]
-            if value.nvmlReturn == 0:
-                watts = value.value.uiVal / 1000.0
-        return mhz, watts
+        return mhz, instant_power_w(self.nv, self.handle)
 
 
 def _block(fn: Callable[[], Any], calls: int) -> float:

@@ -177,3 +177,30 @@ def test_read_csv_without_kernel_name_column_names_the_file(tmp_path):
     path = _write(tmp_path, "n.csv", CSV.replace('"Kernel Name"', '"Name"'))
     with pytest.raises(ValueError, match=r"n\.csv: the ncu CSV header has no \"Kernel Name\""):
         ncu_step.read_csv(path)
+
+
+def test_instant_power_reading_shared_with_power_clock():
+    """``sustained_gemm`` reads power with ``power_clock.instant_power_w``: W from the field's
+    mW, NaN without the field, on an NVML error or a failed field."""
+    from types import SimpleNamespace
+
+    import power_clock
+
+    assert sustained_gemm.instant_power_w is power_clock.instant_power_w
+
+    class Err(Exception):
+        pass
+
+    def fake(ret=0, raises=False, has_field=True):
+        def values(handle, fids):
+            if raises:
+                raise Err()
+            return [SimpleNamespace(nvmlReturn=ret, value=SimpleNamespace(uiVal=650500))]
+        nv = SimpleNamespace(NVMLError=Err, nvmlDeviceGetFieldValues=values)
+        if has_field:
+            nv.NVML_FI_DEV_POWER_INSTANT = 186
+        return nv
+
+    assert power_clock.instant_power_w(fake(), None) == 650.5
+    for nv in (fake(ret=3), fake(raises=True), fake(has_field=False)):
+        assert power_clock.instant_power_w(nv, None) != power_clock.instant_power_w(nv, None)
