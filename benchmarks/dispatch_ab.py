@@ -1,0 +1,225 @@
+"""Whole-step A/B of dispatch rules at the power cap: patched rule tables, back-to-back steps.
+
+Per-GEMM timings (``sustained_gemm.py``, ``large_gemm_triton.py``) rank kernels one at a time;
+a rule change is kept only when the whole fwd+bwd step gets faster in steady state, where the
+step's energy at the 700 W cap sets the clock. This script runs, in one process and on one
+GPU, rounds of: the torch peer, then te_ops (``--peer``, default ``te_ops_fused_single``)
+under each variant, each for ``--steps`` back-to-back steps (``power_clock.measure``: median
+step time by CUDA events, mean SM clock and board power through NVML). A variant patches the
+dispatch tables for its measurement only and restores them after:
+
+* ``-KIND/IN/OUT``: drop ``(KIND, IN, OUT)`` from ``grouped_gemm_gluon.GLUON_RULE`` (that
+  GEMM then runs in the persistent Triton kernel);
+* ``+KIND/IN/OUT@ROWS``: add it at ``ROWS`` average rows per group (padding included);
+* ``+fc1/IN/OUT@ROWS`` / ``-fc1/IN/OUT``: the same on ``fc1_swiglu_gluon.GLUON_FC1_RULE``
+  (fc1's fprop + SwiGLU in one Gluon launch);
+* ``NAME=VALUE``: an environment variable (e.g. ``TE_OPS_FC1_SWIGLU_EPILOGUE=1``).
+
+``--variants`` is ``label:patch;patch,label2:patch``; the label ``default`` (no patches) is
+always measured first in each round. Records (JSON lines, ``--out``): one per measurement
+(``power_clock``'s fields plus ``variant``, ``round``, ``patches``), and the summary prints per
+variant the median over rounds of the step time, ``vs_default`` (default's time / the
+variant's, > 1: the variant is faster) and ``x_peer`` (the peer's time / the variant's).
+
+Usage (CUDA, SM90)::
+
+    python benchmarks/dispatch_ab.py --shape E32_T32768_H7168_FF2048 \\
+        --variants 'fc1_triton:-fprop/7168/4096,fc1_gluon_swiglu:+fc1/7168/4096@1024' \\
+        --rounds 3 --steps 100 --out ab.jsonl
+    python benchmarks/dispatch_ab.py --summarize ab.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_override, free_memory  # noqa: E402
+from grouped_mlp import PEER_CLASSES, SHAPES, make_problem  # noqa: E402
+
+_KINDS = ("fprop", "dgrad", "fc1")
+
+
+def parse_patch(text: str) -> tuple[str, ...]:
+    """One patch of a variant as a tuple: ``("env", NAME, VALUE)``, ``("rule", sign, kind,
+    in, out, rows)`` (``rows`` ``None`` for a removal). Raises ``ValueError`` naming the patch
+    and the expected form."""
+    if "=" in text:
+        name, value = text.split("=", 1)
+        if not name:
+            raise ValueError(f"patch {text!r}: expected NAME=VALUE with a variable name")
+        return ("env", name, value)
+    form = "-KIND/IN/OUT or +KIND/IN/OUT@ROWS (KIND in fprop, dgrad, fc1)"
+    if text[:1] not in "+-" or not text[1:]:
+        raise ValueError(f"patch {text!r}: expected {form}")
+    sign, rest = text[0], text[1:]
+    rows = None
+    if sign == "+":
+        if "@" not in rest:
+            raise ValueError(f"patch {text!r}: an addition needs @ROWS; expected {form}")
+        rest, rows_text = rest.split("@", 1)
+        try:
+            rows = float(rows_text)
+        except ValueError:
+            raise ValueError(f"patch {text!r}: ROWS must be a number, got {rows_text!r}") from None
+    parts = rest.split("/")
+    if len(parts) != 3 or parts[0] not in _KINDS or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"patch {text!r}: expected {form}")
+    return ("rule", sign, parts[0], int(parts[1]), int(parts[2]), rows)
+
+
+def parse_variants(text: str) -> dict[str, list[tuple[str, ...]]]:
+    """``label:patch;patch,...`` -> {label: patches}, ``default`` first with none. Raises
+    ``ValueError`` for a missing label, a repeated label or a bad patch."""
+    variants: dict[str, list[tuple[str, ...]]] = {"default": []}
+    for item in filter(None, text.split(",")):
+        label, sep, patches = item.partition(":")
+        if not sep or not label:
+            raise ValueError(f"variant {item!r}: expected label:patch[;patch...]")
+        if label in variants:
+            raise ValueError(f"variant label {label!r} given twice (or 'default', which is "
+                             "always measured)")
+        variants[label] = [parse_patch(p) for p in patches.split(";") if p]
+    return variants
+
+
+@contextlib.contextmanager
+def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
+    """The dispatch tables and environment with ``patches`` applied; restored on exit. Raises
+    ``KeyError`` for a removal of an entry the table does not hold."""
+    from te_ops.kernels import fc1_swiglu_gluon as fg
+    from te_ops.kernels import grouped_gemm_gluon as gg
+
+    saved = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE))
+    env = {p[1]: p[2] for p in patches if p[0] == "env"}
+    try:
+        for p in patches:
+            if p[0] != "rule":
+                continue
+            _, sign, kind, n_in, n_out, rows = p
+            table, key = ((fg.GLUON_FC1_RULE, (n_in, n_out)) if kind == "fc1"
+                          else (gg.GLUON_RULE, (kind, n_in, n_out)))
+            if sign == "-":
+                if key not in table:
+                    raise KeyError(f"patch -{kind}/{n_in}/{n_out}: the table holds no {key}")
+                del table[key]
+            else:
+                table[key] = rows
+        with env_override(**env):
+            yield
+    finally:
+        gg.GLUON_RULE.clear()
+        gg.GLUON_RULE.update(saved[0])
+        fg.GLUON_FC1_RULE.clear()
+        fg.GLUON_FC1_RULE.update(saved[1])
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per (shape, variant): the median over rounds of ``ms_median``, ``vs_default`` and
+    ``x_peer`` (each round's ratio, then the median), the mean clock."""
+    rows = []
+    keys = sorted({(r["shape"], r["variant"]) for r in records}, key=lambda k: (k[0], k[1] != "peer",
+                                                                               k[1] != "default", k[1]))
+    for shape, variant in keys:
+        mine = [r for r in records if r["shape"] == shape and r["variant"] == variant]
+        by_round = {r["round"]: r for r in mine}
+        ratio_default, ratio_peer = [], []
+        for rnd, r in by_round.items():
+            for ref, out in (("default", ratio_default), ("peer", ratio_peer)):
+                other = [o for o in records if o["shape"] == shape and o["variant"] == ref
+                         and o["round"] == rnd]
+                if other:
+                    out.append(other[0]["ms_median"] / r["ms_median"])
+        rows.append({"shape": shape, "variant": variant, "rounds": len(mine),
+                     "ms": statistics.median(r["ms_median"] for r in mine),
+                     "ms_all": [round(r["ms_median"], 3) for r in mine],
+                     "mhz": statistics.fmean(r["sm_mhz_mean"] or 0 for r in mine),
+                     "vs_default": statistics.median(ratio_default) if ratio_default else None,
+                     "x_peer": statistics.median(ratio_peer) if ratio_peer else None})
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"{'shape':26} {'variant':20} {'ms':>8} {'MHz':>6} {'vs_default':>10} {'x_peer':>7}"
+          "  rounds (ms)")
+    for r in rows:
+        vd = f"{r['vs_default']:.3f}" if r["vs_default"] is not None else "-"
+        xp = f"{r['x_peer']:.3f}" if r["x_peer"] is not None else "-"
+        print(f"{r['shape']:26} {r['variant']:20} {r['ms']:8.3f} {r['mhz']:6.0f} {vd:>10} "
+              f"{xp:>7}  {r['ms_all']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="E32_T32768_H7168_FF2048")
+    parser.add_argument("--variants", default="")
+    parser.add_argument("--peer", default="te_ops_fused_single")
+    parser.add_argument("--reference", default="torch_grouped_mm",
+                        help="the peer measured first in each round (x_peer)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--interval-ms", type=float, default=20.0)
+    parser.add_argument("--rest-s", type=float, default=1.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--summarize", metavar="JSONL", default=None,
+                        help="print the summary of an earlier run's records and exit")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print_summary(summarize([json.loads(line) for line in f if line.strip()]))
+        return 0
+    if args.shape not in SHAPES:
+        parser.error(f"--shape: unknown {args.shape!r}; known: {sorted(SHAPES)}")
+    for flag, name in (("--peer", args.peer), ("--reference", args.reference)):
+        if name not in PEER_CLASSES:
+            parser.error(f"{flag}: unknown {name!r}; known: {sorted(PEER_CLASSES)}")
+    if args.rounds < 1 or args.steps < 2:
+        parser.error(f"--rounds must be >= 1 and --steps >= 2, got {args.rounds}, {args.steps}")
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as e:
+        parser.error(f"--variants: {e}")
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    import pynvml  # nvidia-ml-py
+    from power_clock import measure, nvml_index
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(torch.cuda.current_device()))
+    problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"),
+                           torch.bfloat16, 0)
+    records = []
+    plan = [("peer", args.reference, [])] + [(label, args.peer, p)
+                                             for label, p in variants.items()]
+    for rnd in range(args.rounds):
+        for label, peer, patches in plan:
+            time.sleep(args.rest_s)
+            with patched(patches):
+                r = measure(peer, problem, args.steps, args.warmup, args.interval_ms / 1000.0,
+                            pynvml, handle)
+            r.update(bench="dispatch_ab", variant=label, round=rnd,
+                     patches=[list(p) for p in patches])
+            records.append(r)
+            print(f"round {rnd} {label:20} {r['ms_median']:8.3f} ms "
+                  f"{r['sm_mhz_mean'] or 0:6.0f} MHz {r['power_w_mean']:6.0f} W", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+            free_memory()
+    print_summary(summarize(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``benchmarks/dispatch_ab.py``: patch parsing, the tables' restore, the summary (CPU; the
+measurement needs CUDA and NVML)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+dispatch_ab = pytest.importorskip("dispatch_ab")
+
+
+def test_parse_patches():
+    assert dispatch_ab.parse_patch("-fprop/7168/4096") == ("rule", "-", "fprop", 7168, 4096,
+                                                           None)
+    assert dispatch_ab.parse_patch("+fc1/7168/4096@1024") == ("rule", "+", "fc1", 7168, 4096,
+                                                              1024.0)
+    assert dispatch_ab.parse_patch("TE_OPS_FC1_SWIGLU_EPILOGUE=1") == (
+        "env", "TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    variants = dispatch_ab.parse_variants("a:-dgrad/1/2;X=3,b:+fprop/4/5@8")
+    assert list(variants) == ["default", "a", "b"]
+    assert variants["a"] == [("rule", "-", "dgrad", 1, 2, None), ("env", "X", "3")]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("fprop/1/2", "expected -KIND"),
+    ("+fprop/1/2", "needs @ROWS"),
+    ("+fprop/1/2@x", "ROWS must be a number, got 'x'"),
+    ("-wgrad/1/2", "expected -KIND"),
+    ("-fprop/1", "expected -KIND"),
+    ("=1", "NAME=VALUE"),
+])
+def test_bad_patch_named(text, match):
+    with pytest.raises(ValueError, match=match):
+        dispatch_ab.parse_patch(text)
+
+
+@pytest.mark.parametrize("text, match", [("nolabel", "expected label:patch"),
+                                         ("default:-fprop/1/2", "given twice"),
+                                         ("a:X=1,a:Y=2", "given twice")])
+def test_bad_variants_named(text, match):
+    with pytest.raises(ValueError, match=match):
+        dispatch_ab.parse_variants(text)
+
+
+def test_patched_restores_tables_and_env(monkeypatch):
+    from te_ops.kernels import fc1_swiglu_gluon as fg
+    from te_ops.kernels import grouped_gemm_gluon as gg
+    before = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE))
+    monkeypatch.delenv("TE_OPS_AB_PROBE", raising=False)
+    patches = dispatch_ab.parse_variants(
+        "v:-fprop/7168/4096;+dgrad/2048/7168@1024;+fc1/7168/4096@1024;TE_OPS_AB_PROBE=1")["v"]
+    with dispatch_ab.patched(patches):
+        assert ("fprop", 7168, 4096) not in gg.GLUON_RULE
+        assert gg.GLUON_RULE[("dgrad", 2048, 7168)] == 1024.0
+        assert fg.GLUON_FC1_RULE[(7168, 4096)] == 1024.0
+        assert os.environ["TE_OPS_AB_PROBE"] == "1"
+    assert (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE)) == before
+    assert "TE_OPS_AB_PROBE" not in os.environ
+    with pytest.raises(KeyError, match="holds no"):
+        with dispatch_ab.patched([("rule", "-", "fprop", 1, 2, None)]):
+            pass
+    assert (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE)) == before
+
+
+def test_summary_ratios_per_round():
+    recs = [{"shape": "S", "variant": v, "round": r, "ms_median": ms, "sm_mhz_mean": 1000}
+            for v, r, ms in [("peer", 0, 12.0), ("default", 0, 10.0), ("x", 0, 8.0),
+                             ("peer", 1, 11.0), ("default", 1, 11.0), ("x", 1, 10.0)]]
+    rows = {r["variant"]: r for r in dispatch_ab.summarize(recs)}
+    assert rows["x"]["vs_default"] == pytest.approx((10 / 8 + 11 / 10) / 2)
+    assert rows["x"]["x_peer"] == pytest.approx((12 / 8 + 11 / 10) / 2)
+    assert rows["default"]["vs_default"] == pytest.approx(1.0)
+    assert [r["variant"] for r in dispatch_ab.summarize(recs)] == ["peer", "default", "x"]
+
+
+def test_usage_errors(capsys):
+    for argv, match in [(["--shape", "E9"], "--shape: unknown"),
+                        (["--variants", "a"], "--variants: variant 'a'"),
+                        (["--peer", "nope"], "--peer: unknown"),
+                        (["--rounds", "0"], "--rounds must be >= 1")]:
+        with pytest.raises(SystemExit) as exc:
+            dispatch_ab.main(argv)
+        assert exc.value.code == 2
+        assert match in capsys.readouterr().err
