@@ -51,9 +51,9 @@ def test_patched_restores_tables_and_env(monkeypatch):
     before = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE))
     monkeypatch.delenv("TE_OPS_AB_PROBE", raising=False)
     patches = dispatch_ab.parse_variants(
-        "v:-fprop/7168/4096;+dgrad/2048/7168@1024;+fc1/7168/4096@1024;TE_OPS_AB_PROBE=1")["v"]
+        "v:-dgrad/7168/4096;+dgrad/2048/7168@1024;+fc1/7168/4096@1024;TE_OPS_AB_PROBE=1")["v"]
     with dispatch_ab.patched(patches):
-        assert ("fprop", 7168, 4096) not in gg.GLUON_RULE
+        assert ("dgrad", 7168, 4096) not in gg.GLUON_RULE
         assert gg.GLUON_RULE[("dgrad", 2048, 7168)] == 1024.0
         assert fg.GLUON_FC1_RULE[(7168, 4096)] == 1024.0
         assert os.environ["TE_OPS_AB_PROBE"] == "1"

@@ -269,7 +269,7 @@ def test_rule_names_the_measured_shapes_only(monkeypatch):
     assert GG.gluon_kinds(2048, 1536, 512.0, both) == both  # fc1: fprop since stop 17
     assert GG.gluon_kinds(4096, 28672, 2048.0, both) == both  # E8 fc1 (stop 17)
     assert GG.gluon_kinds(14336, 4096, 2048.0, both) == both  # E8 fc2
-    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == both  # E32 fc1
+    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == ("dgrad",)  # E32 fc1: fprop Triton
     assert GG.gluon_kinds(2048, 7168, 1024.0, both) == ("fprop",)  # E32 fc2: dgrad a tie
     assert GG.gluon_kinds(7168, 4096, 512.0, both) == ()  # E32 features, rows not measured
     assert GG.gluon_kinds(4096, 14336, 2048.0, both) == ()  # not a measured linear

@@ -125,7 +125,13 @@ GLUON_MAX_GROUPS = 1024
 #: output buffer and a 4-stage ring): the GEMMs faster than the Triton kernel in both of two
 #: runs: every fprop / dgrad of E8 T16384 H4096 FF14336 (2048 rows per group; 1.006-1.026x)
 #: and of E32 T32768 H7168 FF2048 (1024; 1.008-1.037x) but E32's fc2 dgrad (1.010x, then
-#: 0.997x: left in the Triton kernel), and E128's fc1 fprop (1.057x, 1.055x).
+#: 0.997x: left in the Triton kernel), and E128's fc1 fprop (1.057x, 1.055x). Stop 20: E32's
+#: fc1 fprop (7168 -> 4096) went back to the Triton kernel: those runs interleaved the calls
+#: (one clock for both: cycles), while at the 700 W cap the Triton kernel was 1.014-1.074x
+#: faster in four power-capped block runs (``benchmarks/sustained_gemm.py``, stop 19) and the
+#: whole step 1.014x faster without the entry (``benchmarks/dispatch_ab.py``, 3 rounds of
+#: 100 steps, median 14.445 against 14.631 ms; docs/benchmarks.md "Dispatch rules at the
+#: power cap (stop 20)"). E32's fc1 dgrad stays (1.002x without it: no direction).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
     ("dgrad", 768, 2048): 512.0,
@@ -135,8 +141,7 @@ GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("dgrad", 4096, 28672): 2048.0,
     ("fprop", 14336, 4096): 2048.0,  # E8 fc2
     ("dgrad", 14336, 4096): 2048.0,
-    ("fprop", 7168, 4096): 1024.0,  # E32 fc1
-    ("dgrad", 7168, 4096): 1024.0,
+    ("dgrad", 7168, 4096): 1024.0,  # E32 fc1 (its fprop: the Triton kernel, stop 20)
     ("fprop", 2048, 7168): 1024.0,  # E32 fc2 (its dgrad: 1.010x, 0.997x; not taken)
 }
 
