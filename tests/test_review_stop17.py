@@ -26,7 +26,8 @@ from te_ops.kernels import fc1_swiglu_gluon as FG
 from te_ops.kernels import grouped_gemm
 
 CUDA = torch.device("cuda")
-E8 = (4096, 28672)  # a GLUON_FC1_RULE shape at 2048 rows per group
+RULE = (2048, 1536)  # a GLUON_FC1_RULE shape (E128 T65536 fc1) at 512 rows per group
+ROWS = 512.0
 
 
 def _on(monkeypatch, capability: tuple[int, int]) -> None:
@@ -43,11 +44,11 @@ def _on(monkeypatch, capability: tuple[int, int]) -> None:
     ((10, 0), torch.bfloat16, False), ((8, 0), torch.bfloat16, False)])
 def test_rule_holds_where_measured_only(monkeypatch, capability, dtype, takes):
     _on(monkeypatch, capability)
-    assert FG.GLUON_FC1_RULE.get(E8) == 2048.0
-    assert FG.gluon_fc1_rule(*E8, 2048.0, CUDA, dtype) is takes
-    assert not FG.gluon_fc1_rule(*E8, 2048.0, torch.device("cpu"), torch.bfloat16)
-    assert not FG.gluon_fc1_rule(*E8, 2047.875, CUDA, dtype)  # a shape a few rows off
-    why = fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0, CUDA, features=E8,
+    assert FG.GLUON_FC1_RULE.get(RULE) == ROWS
+    assert FG.gluon_fc1_rule(*RULE, ROWS, CUDA, dtype) is takes
+    assert not FG.gluon_fc1_rule(*RULE, ROWS, torch.device("cpu"), torch.bfloat16)
+    assert not FG.gluon_fc1_rule(*RULE, ROWS - 0.125, CUDA, dtype)  # a shape a few rows off
+    why = fc1_epilogue_reason(LARGE, ACT, None, False, None, ROWS, CUDA, features=RULE,
                               dtype=dtype)
     assert (why is None) is takes
 
@@ -60,19 +61,19 @@ def test_forced_triton_off_the_measured_device_keeps_two_launches_under_auto(
     two launches (``LARGE_AUTO``) unless on SM90 in bfloat16; ``1`` runs
     ``large_fc1_swiglu`` and ``explain()`` says so."""
     _on(monkeypatch, capability)
-    args = (LARGE, ACT, None, False, None, 2048.0, CUDA)
-    why = fc1_epilogue_reason(*args, features=E8, dtype=dtype)
+    args = (LARGE, ACT, None, False, None, ROWS, CUDA)
+    why = fc1_epilogue_reason(*args, features=RULE, dtype=dtype)
     assert why is not None and "persistent many-rows Triton kernel" in why
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched", lambda *a: gluon.append(a) or ("g", "g"))
     monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu", lambda *a: large.append(a) or ("h", "a"))
-    fc1 = type("Fc1", (), {"has_bias": False, "out_features": E8[1]})()
+    fc1 = type("Fc1", (), {"has_bias": False, "out_features": RULE[1]})()
     act = _Act()
     with FakeTensorMode():
-        x = torch.empty(8 * 2048, E8[0], device=CUDA, dtype=dtype)
-        w = torch.empty(8, E8[1], E8[0], device=CUDA, dtype=dtype)
-        splits = type("S", (), {"num_rows": 8 * 2048, "num_groups": 8,
+        x = torch.empty(8 * 512, RULE[0], device=CUDA, dtype=dtype)
+        w = torch.empty(8, RULE[1], RULE[0], device=CUDA, dtype=dtype)
+        splits = type("S", (), {"num_rows": 8 * 512, "num_groups": 8,
                                 "offsets": torch.empty(8, device=CUDA, dtype=torch.int32)})()
         out = fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, None, None)
     assert out == ("h", "a", ACT) and len(large) == 1 and not gluon
@@ -81,9 +82,9 @@ def test_forced_triton_off_the_measured_device_keeps_two_launches_under_auto(
 
 
 def test_features_without_device_and_dtype_raise():
-    with pytest.raises(ValueError, match=r"features=\(4096, 28672\) needs the call's device "
+    with pytest.raises(ValueError, match=r"features=\(2048, 1536\) needs the call's device "
                                          r"and dtype .* got device=None, dtype=None"):
-        fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0, features=E8)
+        fc1_epilogue_reason(LARGE, ACT, None, False, None, ROWS, features=RULE)
 
 
 def test_explain_names_the_run_time_fallback(monkeypatch):

@@ -84,8 +84,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "at the measured rule (few-rows kernel at <= 8 rows per group, "
             "grouped_mlp_triton.MAX_ROWS_PER_GROUP: 1.02-1.08x the two launches on the H200; "
             "in the persistent kernel only at fc1_swiglu_gluon.GLUON_FC1_RULE's measured shapes, "
-            "E8 T16384 H4096 FF14336 and E128 T65536 H2048 FF768 on SM90 in bf16, as the "
-            "warp-specialized Gluon kernel: 1.03x and 1.09x there; elsewhere not, "
+            "E128 T65536 H2048 FF768 on SM90 in bf16, as the warp-specialized Gluon kernel: "
+            "1.09x there (E8 T16384 H4096 FF14336, 1.03x in interleaved calls, left the rule in "
+            "stop 20: 0.99x in whole steps at the 700 W cap); elsewhere not, "
             "fc1_epilogue.LARGE_AUTO: 0.97-0.99x), "
             "1 wherever it can run (the Gluon kernel at the rule's shapes), 0 never.",
         ),

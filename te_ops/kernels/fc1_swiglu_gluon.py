@@ -87,10 +87,14 @@ __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
 #: medians of 25 interleaved rounds; docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue (stop
 #: 17)"): E8 T16384 H4096 FF14336 1.034x (5.965 ms against 6.168 ms) and E128 T65536 H2048
 #: FF768 1.090x (0.735 against 0.802 ms). Not taken: E32 T32768 H7168 FF2048, 1.006x (3.149
-#: against 3.169 ms: parity, within the rounds' spread).
+#: against 3.169 ms: parity, within the rounds' spread). Stop 20 took E8 out: those rounds
+#: interleaved the calls (one clock for both), while at the 700 W cap the whole E8 step ran
+#: 1.011x faster with the two launches (the Gluon fprop + the Triton SwiGLU forward) in two
+#: runs (``benchmarks/dispatch_ab.py``: 3 rounds of 40 steps, 4 rounds of 60, every round
+#: faster; docs/benchmarks.md "Dispatch rules at the power cap (stop 20)"); E128's entry
+#: measured 1.000x there and stays.
 GLUON_FC1_RULE: dict[tuple[int, int], float] = {
-    (4096, 28672): 2048.0,
-    (2048, 1536): 512.0,
+    (2048, 1536): 512.0,  # E128 T65536 H2048 FF768's fc1
 }
 
 
