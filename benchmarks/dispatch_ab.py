@@ -15,6 +15,10 @@ dispatch tables for its measurement only and restores them after:
   (fc1's fprop + SwiGLU in one Gluon launch);
 * ``NAME=VALUE``: an environment variable (e.g. ``TE_OPS_FC1_SWIGLU_EPILOGUE=1``).
 
+``--align-splits N`` rounds every expert's token count to a multiple of ``N`` (the total kept,
+:func:`aligned_sizes`), so no GEMM tile straddles a group's end: run once with and once
+without it to see what the tail tiles' rows cost a peer at the cap.
+
 ``--variants`` is ``label:patch;patch,label2:patch``; the label ``default`` (no patches) is
 always measured first in each round. Records (JSON lines, ``--out``): one per measurement
 (``power_clock``'s fields plus ``variant``, ``round``, ``patches``), and the summary prints per
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -90,6 +95,30 @@ def parse_variants(text: str) -> dict[str, list[tuple[str, ...]]]:
                              "always measured)")
         variants[label] = [parse_patch(p) for p in patches.split(";") if p]
     return variants
+
+
+def aligned_sizes(sizes: list[int], align: int) -> list[int]:
+    """``sizes`` (tokens per expert) rounded to multiples of ``align`` with the same total:
+    each rounded down, then the rows left over handed out ``align`` at a time to the experts
+    that lost the most (ties: the lower index). Raises ``ValueError`` when ``align`` < 1 or
+    the total is not a multiple of ``align``."""
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    total = sum(sizes)
+    if total % align:
+        raise ValueError(f"the total of sizes ({total}) must be a multiple of align ({align})")
+    out = [s - s % align for s in sizes]
+    order = sorted(range(len(sizes)), key=lambda i: (-(sizes[i] % align), i))
+    for i in order[:(total - sum(out)) // align]:
+        out[i] += align
+    return out
+
+
+def with_sizes(problem, sizes: list[int]):
+    """``problem`` with other tokens per expert (same x, probs, dy)."""
+    split = torch.tensor(sizes, dtype=torch.int64, device=problem.device)
+    return dataclasses.replace(problem, sizes=list(sizes), split=split,
+                               offsets=torch.cumsum(split, 0).to(torch.int32))
 
 
 @contextlib.contextmanager
@@ -170,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--rest-s", type=float, default=1.0)
+    parser.add_argument("--align-splits", type=int, default=None, metavar="N",
+                        help="round every expert's tokens to a multiple of N (total kept)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--summarize", metavar="JSONL", default=None,
                         help="print the summary of an earlier run's records and exit")
@@ -189,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         variants = parse_variants(args.variants)
     except ValueError as e:
         parser.error(f"--variants: {e}")
+    if args.align_splits is not None:
+        tokens = SHAPES[args.shape][1]
+        if args.align_splits < 1 or tokens % args.align_splits:
+            parser.error(f"--align-splits must be >= 1 and divide the shape's {tokens} tokens, "
+                         f"got {args.align_splits}")
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
@@ -199,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(torch.cuda.current_device()))
     problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"),
                            torch.bfloat16, 0)
+    if args.align_splits is not None:
+        problem = with_sizes(problem, aligned_sizes(problem.sizes, args.align_splits))
     records = []
     plan = [("peer", args.reference, [])] + [(label, args.peer, p)
                                              for label, p in variants.items()]
@@ -209,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(peer, problem, args.steps, args.warmup, args.interval_ms / 1000.0,
                             pynvml, handle)
             r.update(bench="dispatch_ab", variant=label, round=rnd,
-                     patches=[list(p) for p in patches])
+                     patches=[list(p) for p in patches], align_splits=args.align_splits)
             records.append(r)
             print(f"round {rnd} {label:20} {r['ms_median']:8.3f} ms "
                   f"{r['sm_mhz_mean'] or 0:6.0f} MHz {r['power_w_mean']:6.0f} W", flush=True)

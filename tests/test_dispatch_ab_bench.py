@@ -85,3 +85,34 @@ def test_usage_errors(capsys):
             dispatch_ab.main(argv)
         assert exc.value.code == 2
         assert match in capsys.readouterr().err
+
+
+def test_aligned_sizes_keep_the_total():
+    sizes = [173, 10499, 0, 64, 1000, 20984]  # sums to 32720 + 48
+    sizes[-1] += 32768 - sum(sizes)
+    out = dispatch_ab.aligned_sizes(sizes, 128)
+    assert sum(out) == 32768 and all(s % 128 == 0 for s in out)
+    assert all(abs(a - b) < 128 for a, b in zip(out, sizes))
+    assert dispatch_ab.aligned_sizes([3, 5], 1) == [3, 5]
+    with pytest.raises(ValueError, match=r"total of sizes \(9\) must be a multiple of align"):
+        dispatch_ab.aligned_sizes([4, 5], 2)
+    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
+        dispatch_ab.aligned_sizes([4], 0)
+
+
+def test_with_sizes_rebuilds_split_and_offsets():
+    import torch
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from grouped_mlp import make_problem
+    p = make_problem("tiny", (4, 64, 8, 8), torch.device("cpu"), torch.float32, 0)
+    q = dispatch_ab.with_sizes(p, [16, 16, 0, 32])
+    assert q.sizes == [16, 16, 0, 32] and q.split.tolist() == [16, 16, 0, 32]
+    assert q.offsets.tolist() == [16, 32, 32, 64] and q.offsets.dtype == torch.int32
+    assert q.x is p.x
+
+
+def test_align_splits_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        dispatch_ab.main(["--align-splits", "100"])
+    assert "--align-splits must be >= 1 and divide the shape's 32768 tokens, got 100" in \
+        capsys.readouterr().err
