@@ -13,6 +13,10 @@ dispatch tables for its measurement only and restores them after:
 * ``+KIND/IN/OUT@ROWS``: add it at ``ROWS`` average rows per group (padding included);
 * ``+fc1/IN/OUT@ROWS`` / ``-fc1/IN/OUT``: the same on ``fc1_swiglu_gluon.GLUON_FC1_RULE``
   (fc1's fprop + SwiGLU in one Gluon launch);
+* ``gluon:KEY=JSON``: a key of ``grouped_gemm_gluon.DISPATCH_CONFIG`` (the dispatched Gluon
+  fprop / dgrad launch config, e.g. ``gluon:SKIP_TAIL=true``);
+* ``large:KEY=JSON``: a key of the persistent Triton fprop / dgrad kernel's default config
+  (``grouped_gemm_large_triton.large_config``, e.g. ``large:TAIL=true``);
 * ``NAME=VALUE``: an environment variable (e.g. ``TE_OPS_FC1_SWIGLU_EPILOGUE=1``).
 
 ``--align-splits N`` rounds every expert's token count to a multiple of ``N`` (the total kept,
@@ -55,9 +59,20 @@ _KINDS = ("fprop", "dgrad", "fc1")
 
 
 def parse_patch(text: str) -> tuple[str, ...]:
-    """One patch of a variant as a tuple: ``("env", NAME, VALUE)``, ``("rule", sign, kind,
-    in, out, rows)`` (``rows`` ``None`` for a removal). Raises ``ValueError`` naming the patch
-    and the expected form."""
+    """One patch of a variant as a tuple: ``("env", NAME, VALUE)``, ``("config", "gluon" |
+    "large", KEY, value)``, ``("rule", sign, kind, in, out, rows)`` (``rows`` ``None`` for a
+    removal). Raises ``ValueError`` naming the patch and the expected form."""
+    for prefix in ("gluon:", "large:"):
+        if text.startswith(prefix):
+            key, sep, raw = text[len(prefix):].partition("=")
+            if not sep or not key:
+                raise ValueError(f"patch {text!r}: expected {prefix}KEY=JSON")
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                raise ValueError(f"patch {text!r}: the value must be JSON (true, 4, ...), "
+                                 f"got {raw!r}") from None
+            return ("config", prefix[:-1], key, value)
     if "=" in text:
         name, value = text.split("=", 1)
         if not name:
@@ -123,14 +138,35 @@ def with_sizes(problem, sizes: list[int]):
 
 @contextlib.contextmanager
 def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
-    """The dispatch tables and environment with ``patches`` applied; restored on exit. Raises
-    ``KeyError`` for a removal of an entry the table does not hold."""
+    """The dispatch tables, launch configs and environment with ``patches`` applied; restored
+    on exit. Raises ``KeyError`` for a removal of an entry the table does not hold or a config
+    key the kernel does not have."""
     from te_ops.kernels import fc1_swiglu_gluon as fg
     from te_ops.kernels import grouped_gemm_gluon as gg
+    from te_ops.kernels import grouped_gemm_large_triton as lg
 
-    saved = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE))
+    saved = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE), dict(gg.DISPATCH_CONFIG))
     env = {p[1]: p[2] for p in patches if p[0] == "env"}
+    large_changes = {p[2]: p[3] for p in patches if p[:2] == ("config", "large")}
+    large_config = lg.large_config
     try:
+        for p in patches:
+            if p[:2] == ("config", "gluon"):
+                if p[2] not in gg.gluon_config():
+                    raise KeyError(f"patch gluon:{p[2]}: not a key of the Gluon config "
+                                   f"{sorted(gg.gluon_config())}")
+                gg.DISPATCH_CONFIG[p[2]] = p[3]
+        if large_changes:
+            unknown = sorted(set(large_changes) - set(large_config("fprop")))
+            if unknown:
+                raise KeyError(f"patch large:{unknown[0]}: not a key of the Triton config "
+                               f"{sorted(large_config('fprop'))}")
+
+            def patched_config(kind: str) -> dict:
+                return {**large_config(kind), **large_changes}
+
+            lg.large_config = patched_config
+            lg._DEFAULTS.clear()  # the resolved defaults are cached per (kind, groups)
         for p in patches:
             if p[0] != "rule":
                 continue
@@ -150,6 +186,11 @@ def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
         gg.GLUON_RULE.update(saved[0])
         fg.GLUON_FC1_RULE.clear()
         fg.GLUON_FC1_RULE.update(saved[1])
+        gg.DISPATCH_CONFIG.clear()
+        gg.DISPATCH_CONFIG.update(saved[2])
+        if lg.large_config is not large_config:
+            lg.large_config = large_config
+            lg._DEFAULTS.clear()
 
 
 def summarize(records: list[dict]) -> list[dict]:

@@ -116,3 +116,31 @@ def test_align_splits_usage_error(capsys):
         dispatch_ab.main(["--align-splits", "100"])
     assert "--align-splits must be >= 1 and divide the shape's 32768 tokens, got 100" in \
         capsys.readouterr().err
+
+
+def test_config_patches_apply_and_restore():
+    from te_ops.kernels import grouped_gemm_gluon as gg
+    from te_ops.kernels import grouped_gemm_large_triton as lg
+    assert dispatch_ab.parse_patch("large:TAIL=true") == ("config", "large", "TAIL", True)
+    assert dispatch_ab.parse_patch("gluon:GROUP_M=16") == ("config", "gluon", "GROUP_M", 16)
+    before = dict(gg.DISPATCH_CONFIG)
+    with dispatch_ab.patched([("config", "gluon", "SKIP_TAIL", True),
+                              ("config", "large", "TAIL", True)]):
+        assert gg.DISPATCH_CONFIG["SKIP_TAIL"] is True
+        assert lg._resolve("fprop", None, 8)["TAIL"] is True
+        assert lg._resolve("dgrad", None, 8)["TAIL"] is True
+    assert gg.DISPATCH_CONFIG == before
+    assert lg._resolve("fprop", None, 8)["TAIL"] is False
+    for bad in (("config", "gluon", "NOPE", 1), ("config", "large", "NOPE", 1)):
+        with pytest.raises(KeyError, match="not a key of the"):
+            with dispatch_ab.patched([bad]):
+                pass
+    assert gg.DISPATCH_CONFIG == before and lg._resolve("fprop", None, 8)["TAIL"] is False
+
+
+@pytest.mark.parametrize("text, match", [("large:TAIL", "expected large:KEY=JSON"),
+                                         ("gluon:=1", "expected gluon:KEY=JSON"),
+                                         ("large:TAIL=yes", "the value must be JSON")])
+def test_bad_config_patch_named(text, match):
+    with pytest.raises(ValueError, match=match):
+        dispatch_ab.parse_patch(text)
