@@ -32,7 +32,7 @@ variant's, > 1: the variant is faster) and ``x_peer`` (the peer's time / the var
 Usage (CUDA, SM90)::
 
     python benchmarks/dispatch_ab.py --shape E32_T32768_H7168_FF2048 \\
-        --variants 'fc1_triton:-fprop/7168/4096,fc1_gluon_swiglu:+fc1/7168/4096@1024' \\
+        --variants 'fc1_gluon:+fprop/7168/4096@1024,fc1_gluon_swiglu:+fc1/7168/4096@1024' \\
         --rounds 3 --steps 100 --out ab.jsonl
     python benchmarks/dispatch_ab.py --summarize ab.jsonl
 """
@@ -136,6 +136,33 @@ def with_sizes(problem, sizes: list[int]):
                                offsets=torch.cumsum(split, 0).to(torch.int32))
 
 
+def check_patches(variants: dict[str, list[tuple[str, ...]]],
+                  peer_env: dict[str, str | None] | None = None) -> None:
+    """Raise ``ValueError`` naming the variant and the patch where a removal names an entry
+    the tables do not hold now, or an environment patch sets a variable the te_ops peer's own
+    env sets (the peer's value would win inside the measurement): checked before any step
+    runs, so a bad patch does not stop a run after its first measurements."""
+    from te_ops.kernels import fc1_swiglu_gluon as fg
+    from te_ops.kernels import grouped_gemm_gluon as gg
+
+    for label, patches in variants.items():
+        for p in patches:
+            if p[0] == "env":
+                if peer_env and p[1] in peer_env:
+                    raise ValueError(f"variant {label!r}: {p[1]}={p[2]} would be overridden by "
+                                     f"the peer's own env ({p[1]}={peer_env[p[1]]})")
+                continue
+            if p[0] == "config":  # keys checked when applied (patched)
+                continue
+            _, sign, kind, n_in, n_out, _rows = p
+            table, key, name = ((fg.GLUON_FC1_RULE, (n_in, n_out), "GLUON_FC1_RULE")
+                                if kind == "fc1" else
+                                (gg.GLUON_RULE, (kind, n_in, n_out), "GLUON_RULE"))
+            if sign == "-" and key not in table:
+                raise ValueError(f"variant {label!r}: patch -{kind}/{n_in}/{n_out}: {name} "
+                                 f"holds no {key}")
+
+
 @contextlib.contextmanager
 def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
     """The dispatch tables, launch configs and environment with ``patches`` applied; restored
@@ -195,10 +222,19 @@ def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
 
 def summarize(records: list[dict]) -> list[dict]:
     """Per (shape, variant): the median over rounds of ``ms_median``, ``vs_default`` and
-    ``x_peer`` (each round's ratio, then the median), the mean clock."""
+    ``x_peer`` (each round's ratio, then the median), the mean clock (``None`` where NVML gave
+    none). Raises ``ValueError`` for two records of one (shape, variant, round): runs appended
+    to one file, whose rounds would pair across runs."""
+    seen = set()
+    for r in records:
+        k = (r["shape"], r["variant"], r["round"])
+        if k in seen:
+            raise ValueError(f"two records of shape {k[0]}, variant {k[1]!r}, round {k[2]} "
+                             "(--out appends: give each run its own file)")
+        seen.add(k)
     rows = []
-    keys = sorted({(r["shape"], r["variant"]) for r in records}, key=lambda k: (k[0], k[1] != "peer",
-                                                                               k[1] != "default", k[1]))
+    keys = sorted({(r["shape"], r["variant"]) for r in records},
+                  key=lambda k: (k[0], k[1] != "peer", k[1] != "default", k[1]))
     for shape, variant in keys:
         mine = [r for r in records if r["shape"] == shape and r["variant"] == variant]
         by_round = {r["round"]: r for r in mine}
@@ -209,10 +245,11 @@ def summarize(records: list[dict]) -> list[dict]:
                          and o["round"] == rnd]
                 if other:
                     out.append(other[0]["ms_median"] / r["ms_median"])
+        mhz = [r["sm_mhz_mean"] for r in mine if r["sm_mhz_mean"] is not None]
         rows.append({"shape": shape, "variant": variant, "rounds": len(mine),
                      "ms": statistics.median(r["ms_median"] for r in mine),
                      "ms_all": [round(r["ms_median"], 3) for r in mine],
-                     "mhz": statistics.fmean(r["sm_mhz_mean"] or 0 for r in mine),
+                     "mhz": statistics.fmean(mhz) if mhz else None,
                      "vs_default": statistics.median(ratio_default) if ratio_default else None,
                      "x_peer": statistics.median(ratio_peer) if ratio_peer else None})
     return rows
@@ -224,7 +261,8 @@ def print_summary(rows: list[dict]) -> None:
     for r in rows:
         vd = f"{r['vs_default']:.3f}" if r["vs_default"] is not None else "-"
         xp = f"{r['x_peer']:.3f}" if r["x_peer"] is not None else "-"
-        print(f"{r['shape']:26} {r['variant']:20} {r['ms']:8.3f} {r['mhz']:6.0f} {vd:>10} "
+        mhz = f"{r['mhz']:.0f}" if r["mhz"] is not None else "-"
+        print(f"{r['shape']:26} {r['variant']:20} {r['ms']:8.3f} {mhz:>6} {vd:>10} "
               f"{xp:>7}  {r['ms_all']}")
 
 
@@ -248,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.summarize:
         with open(args.summarize) as f:
-            print_summary(summarize([json.loads(line) for line in f if line.strip()]))
+            records = [json.loads(line) for line in f if line.strip()]
+        try:
+            rows = summarize(records)
+        except ValueError as e:
+            parser.error(f"--summarize {args.summarize}: {e}")
+        print_summary(rows)
         return 0
     if args.shape not in SHAPES:
         parser.error(f"--shape: unknown {args.shape!r}; known: {sorted(SHAPES)}")
@@ -257,8 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}: unknown {name!r}; known: {sorted(PEER_CLASSES)}")
     if args.rounds < 1 or args.steps < 2:
         parser.error(f"--rounds must be >= 1 and --steps >= 2, got {args.rounds}, {args.steps}")
+    if args.warmup < 0 or args.interval_ms <= 0 or args.rest_s < 0:
+        parser.error(f"--warmup and --rest-s must be >= 0 and --interval-ms > 0, got "
+                     f"{args.warmup}, {args.rest_s}, {args.interval_ms}")
     try:
         variants = parse_variants(args.variants)
+        check_patches(variants, PEER_CLASSES[args.peer].env)
     except ValueError as e:
         parser.error(f"--variants: {e}")
     if args.align_splits is not None:

@@ -59,9 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fractions = [float(f) for f in args.zero_fractions.split(",") if f]
     except ValueError:
-        parser.error(f"--zero-fractions: numbers in [0, 1], got {args.zero_fractions!r}")
+        parser.error(f"--zero-fractions: comma-separated numbers in (0, 1], got "
+                     f"{args.zero_fractions!r}")
     if any(not 0.0 < f <= 1.0 for f in fractions):
         parser.error(f"--zero-fractions: each in (0, 1], got {fractions}")
+    if args.rounds < 1 or min(args.m, args.n, args.k) < 1:
+        parser.error(f"--rounds, --m, --n and --k must be >= 1, got {args.rounds}, {args.m}, "
+                     f"{args.n}, {args.k}")
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2

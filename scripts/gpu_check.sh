@@ -251,7 +251,9 @@ bench_lane() {
     step sustained 150 "$PY" benchmarks/sustained_gemm.py --out "$OUT/sustained.jsonl" \
         --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336 \
         --gemms fc1,fc2,fc1_dgrad,fc2_dgrad,fc1_wgrad,fc2_wgrad --rounds 3 --block-ms 300
-    step dispatch_ab 200 bash -c "'$PY' benchmarks/dispatch_ab.py --shape E32_T32768_H7168_FF2048 \
+    # (--out appends, and dispatch_ab.py --summarize refuses a file holding two runs)
+    step dispatch_ab 200 bash -c "rm -f '$OUT/dispatch_ab_e32.jsonl' '$OUT/dispatch_ab_e8.jsonl' \
+        && '$PY' benchmarks/dispatch_ab.py --shape E32_T32768_H7168_FF2048 \
         --variants 'fc1_fprop_gluon:+fprop/7168/4096@1024' --rounds 3 --steps 100 \
         --out '$OUT/dispatch_ab_e32.jsonl' && '$PY' benchmarks/dispatch_ab.py \
         --shape E8_T16384_H4096_FF14336 --variants 'fc1_swiglu_gluon:+fc1/4096/28672@2048' \

@@ -144,3 +144,64 @@ def test_config_patches_apply_and_restore():
 def test_bad_config_patch_named(text, match):
     with pytest.raises(ValueError, match=match):
         dispatch_ab.parse_patch(text)
+
+
+def test_check_patches_before_any_step():
+    """A removal of an entry the tables no longer hold (the docstring's old example,
+    -fprop/7168/4096, after stop 20) and an env patch the peer's own env would override are
+    refused before CUDA is touched, naming the variant."""
+    ok = dispatch_ab.parse_variants(
+        "a:+fprop/7168/4096@1024;-dgrad/7168/4096,b:+fc1/4096/28672@2048")
+    dispatch_ab.check_patches(ok, {"TE_OPS_FUSION": "1"})
+    with pytest.raises(ValueError, match=r"variant 'gone': patch -fprop/7168/4096: GLUON_RULE "
+                                         r"holds no \('fprop', 7168, 4096\)"):
+        dispatch_ab.check_patches(dispatch_ab.parse_variants("gone:-fprop/7168/4096"))
+    with pytest.raises(ValueError, match=r"patch -fc1/4096/28672: GLUON_FC1_RULE holds no"):
+        dispatch_ab.check_patches(dispatch_ab.parse_variants("e8:-fc1/4096/28672"))
+    with pytest.raises(ValueError, match="variant 'f': TE_OPS_FUSION=0 would be overridden"):
+        dispatch_ab.check_patches(dispatch_ab.parse_variants("f:TE_OPS_FUSION=0"),
+                                  {"TE_OPS_FUSION": "1"})
+
+
+def test_main_refuses_a_stale_removal(capsys):
+    with pytest.raises(SystemExit) as exc:
+        dispatch_ab.main(["--variants", "x:-fprop/7168/4096"])
+    assert exc.value.code == 2
+    assert "--variants: variant 'x': patch -fprop/7168/4096: GLUON_RULE holds no" in \
+        capsys.readouterr().err
+
+
+def test_summary_refuses_appended_runs(tmp_path, capsys):
+    recs = [{"shape": "S", "variant": "default", "round": 0, "ms_median": ms,
+             "sm_mhz_mean": None} for ms in (10.0, 11.0)]
+    with pytest.raises(ValueError, match="two records of shape S, variant 'default', round 0"):
+        dispatch_ab.summarize(recs)
+    one = dispatch_ab.summarize(recs[:1])
+    assert one[0]["mhz"] is None
+    dispatch_ab.print_summary(one)  # no clock: printed as "-"
+    assert "10.000      -" in capsys.readouterr().out
+    import json
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(SystemExit):
+        dispatch_ab.main(["--summarize", str(path)])
+    assert "--summarize" in capsys.readouterr().err
+
+
+def test_summary_of_the_stop20_e8_final_check():
+    """The numbers docs/benchmarks.md quotes for the final check's E8 row: the median of the
+    per-round ratios (0.990), not the ratio of the medians (0.992)."""
+    import json
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                        "h200_final_dispatch_ab_e8_2026-12-01_stop20.jsonl")
+    with open(path) as f:
+        rows = {r["variant"]: r for r in dispatch_ab.summarize([json.loads(x) for x in f])}
+    v = rows["fc1_swiglu_gluon"]
+    assert round(v["ms"], 3) == 27.670 and round(v["vs_default"], 3) == 0.990
+    assert round(v["x_peer"], 3) == 1.160 and round(rows["default"]["x_peer"], 3) == 1.172
+
+
+def test_usage_errors_of_the_timing_knobs(capsys):
+    with pytest.raises(SystemExit):
+        dispatch_ab.main(["--interval-ms", "0"])
+    assert "--interval-ms > 0" in capsys.readouterr().err
