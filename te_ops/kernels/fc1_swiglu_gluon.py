@@ -89,8 +89,8 @@ __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
 #: FF768 1.090x (0.735 against 0.802 ms). Not taken: E32 T32768 H7168 FF2048, 1.006x (3.149
 #: against 3.169 ms: parity, within the rounds' spread). Stop 20 took E8 out: those rounds
 #: interleaved the calls (one clock for both), while at the 700 W cap the whole E8 step ran
-#: 1.011x faster with the two launches (the Gluon fprop + the Triton SwiGLU forward) in two
-#: runs (``benchmarks/dispatch_ab.py``: 3 rounds of 40 steps, 4 rounds of 60, every round
+#: 1.009-1.011x faster with the two launches (the Gluon fprop + the Triton SwiGLU forward)
+#: in four processes (``benchmarks/dispatch_ab.py``: 3 or 4 rounds of 40-60 steps, every round
 #: faster; docs/benchmarks.md "Dispatch rules at the power cap (stop 20)"); E128's entry
 #: measured 1.000x there and stays.
 GLUON_FC1_RULE: dict[tuple[int, int], float] = {
