@@ -131,7 +131,7 @@ GLUON_MAX_GROUPS = 1024
 #: faster in four power-capped block runs (``benchmarks/sustained_gemm.py``, stop 19) and the
 #: whole step 1.014x faster without the entry (``benchmarks/dispatch_ab.py``, 3 rounds of
 #: 100 steps, median 14.445 against 14.631 ms; three later processes 1.010x, 0.996x, 1.003x:
-#: +0.8 % on average, at the edge of the spread; docs/benchmarks.md "Dispatch rules at the
+#: +0.6 % on average, at the edge of the spread; docs/benchmarks.md "Dispatch rules at the
 #: power cap (stop 20)"). E32's fc1 dgrad stays (1.002x without it: no direction).
 GLUON_RULE: dict[tuple[str, int, int], float] = {
     ("fprop", 768, 2048): 512.0,
