@@ -31,6 +31,9 @@ def test_parse_patches():
     ("-wgrad/1/2", "expected -KIND"),
     ("-fprop/1", "expected -KIND"),
     ("=1", "NAME=VALUE"),
+    ("large:TAIL", "expected large:KEY=JSON"),
+    ("gluon:=1", "expected gluon:KEY=JSON"),
+    ("large:TAIL=yes", "the value must be JSON"),
 ])
 def test_bad_patch_named(text, match):
     with pytest.raises(ValueError, match=match):
@@ -136,14 +139,6 @@ def test_config_patches_apply_and_restore():
             with dispatch_ab.patched([bad]):
                 pass
     assert gg.DISPATCH_CONFIG == before and lg._resolve("fprop", None, 8)["TAIL"] is False
-
-
-@pytest.mark.parametrize("text, match", [("large:TAIL", "expected large:KEY=JSON"),
-                                         ("gluon:=1", "expected gluon:KEY=JSON"),
-                                         ("large:TAIL=yes", "the value must be JSON")])
-def test_bad_config_patch_named(text, match):
-    with pytest.raises(ValueError, match=match):
-        dispatch_ab.parse_patch(text)
 
 
 def test_check_patches_before_any_step():
