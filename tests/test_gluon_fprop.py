@@ -148,6 +148,24 @@ def test_half_output_buffer_fits_a_fourth_stage(dgrad):
 
 
 @pytest.mark.parametrize("dgrad", [False, True])
+def test_zero_tail_compiles_for_sm90(dgrad):
+    """``ZERO_TAIL`` on the dispatched config: compiles within shared memory; the producer
+    makes a second device-side descriptor (one more tensormap creation in the PTX than
+    without it) and waits on the ready barriers before making it."""
+    cfg = {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True}
+    kernel = _compile_sm90(dgrad, extra=cfg)
+    plain = _compile_sm90(dgrad, extra=GG.DISPATCH_CONFIG)
+    assert kernel.metadata.shared <= GG.SHARED_LIMIT + 2048
+    made = kernel.asm["ptx"].count("tensormap.replace")
+    assert made > plain.asm["ptx"].count("tensormap.replace") > 0
+
+
+def test_zero_tail_with_half_load_raises():
+    with pytest.raises(ValueError, match="ZERO_TAIL=True .* and HALF_LOAD=True"):
+        GG._resolve({**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "HALF_LOAD": True})
+
+
+@pytest.mark.parametrize("dgrad", [False, True])
 @pytest.mark.parametrize("c_half", [False, True])
 def test_tma_store_epilogue_compiles_for_sm90(dgrad, c_half):
     """``TMA_STORE``: the epilogue issues a TMA store (a 2-D bulk tensor copy from shared
@@ -391,7 +409,10 @@ TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                 # parts inside their group in one TMA store (128-row buffer), and the
                 # dispatched config with masked stores only (before stop 19)
                 "tma_store": {"TMA_STORE": True},
-                "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False}}
+                "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False},
+                # tail tiles' rows past the group's end as TMA zero fill (stop 20)
+                "zero_tail": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True},
+                "zero_tail_skip": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "SKIP_TAIL": True}}
 
 
 def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:

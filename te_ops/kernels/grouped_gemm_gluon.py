@@ -48,6 +48,12 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   turns it off (:func:`_launch_args`);
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
+* ``ZERO_TAIL`` (stop 20, not measured on a GPU yet, not dispatched): the producer loads a
+  tail tile's x rows (the group's last row tile) through a device-side descriptor whose row
+  count ends at the group's end, so the rows past it arrive as TMA's zero fill instead of
+  the next group's rows (as CUTLASS's per-group descriptors do). Stored rows are unchanged;
+  the aim is the tensor cores' energy at the 700 W cap (docs/benchmarks.md "What the tail
+  tiles cost"). Not with ``HALF_LOAD``.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
@@ -168,12 +174,12 @@ def gluon_config() -> dict[str, int]:
     65536). 12 warps in all, so ptxas compiles every partition under :data:`MAXNREG` (it
     allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
     and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all). Off by
-    default: ``SPLIT``, ``C_HALF``, ``SKIP_TAIL``, ``HALF_LOAD``; ``LAG`` 1 (module
-    docstring)."""
+    default: ``SPLIT``, ``C_HALF``, ``SKIP_TAIL``, ``HALF_LOAD``, ``TMA_STORE``, ``ZERO_TAIL``;
+    ``LAG`` 1 (module docstring)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
             "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
-            "C_HALF": False, "TMA_STORE": False}
+            "C_HALF": False, "TMA_STORE": False, "ZERO_TAIL": False}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -198,6 +204,10 @@ def _resolve(config: dict | None) -> dict:
     if cfg["C_HALF"] and not cfg["SPLIT"]:
         raise ValueError("config C_HALF=True (a 64-row output buffer the two consumer "
                          "partitions fill in turn) needs SPLIT=True, got SPLIT=False")
+    if cfg["ZERO_TAIL"] and cfg["HALF_LOAD"]:
+        raise ValueError("config ZERO_TAIL=True (tail tiles' x rows past the group's end "
+                         "zero-filled) and HALF_LOAD=True (half-height x blocks for short "
+                         "tiles) load tail tiles differently; got both True")
     if not 1 <= cfg["LAG"] < cfg["STAGES"]:
         raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
                          f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
@@ -306,14 +316,14 @@ if gluon is not None:
         epilogue kernels, ``fc1_swiglu_gluon`` and ``dgrad_dswiglu_gluon``, call)."""
         _load_tiles(x_desc, x_desc, w_desc, a_bufs, b_bufs, None, ready, empty, offs_ptr, M,
                     N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                    False, False)
+                    False, False, None, False)
 
     @gluon.jit
     def _load_tiles(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
                     M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
-                    HALF_LOAD: gl.constexpr):
+                    HALF_LOAD: gl.constexpr, x_ptr, ZERO_TAIL: gl.constexpr):
         """TMA loads of every k-step of the program's tiles into the ring, in tile order.
         ``SKIP_TAIL``: with a tile's first k-step it writes the tile's row count (rows of
         the group in it, 1..BLOCK_M) into ``rows_buf`` at that slot, before the arrival
@@ -322,14 +332,18 @@ if gluon is not None:
         first half loads only that half of x's rows (``xh_desc``, BLOCK_M / 2-row blocks)
         into the slot's first half; the second half keeps stale data, which reaches only
         accumulator rows past the group's end (a wgmma row depends on its A row only),
-        never stored."""
+        never stored. ``ZERO_TAIL``: a tile whose rows end inside it (the group's last row
+        tile) loads x through a descriptor made for it on the device whose row count ends at
+        the group's end, so TMA fills the rows past it with zeros instead of reading the next
+        group's rows (a zero row costs the tensor cores less energy, docs/benchmarks.md "GEMM
+        time at the cap depends on the data"; the stored rows are the same bits). The
+        descriptor takes one 128-byte global-scratch slot per program; before it is rewritten
+        the loads in flight (the last ``min(it, STAGES)`` ring steps, which may still read the
+        previous one) are waited for, as in ``grouped_wgrad_gluon._loader``."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
         n_tiles = gl.max(ends, 0)
-        nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
-        short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
-        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         it = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
@@ -337,30 +351,62 @@ if gluon is not None:
             rows = gl.minimum(end - m0, BLOCK_M).to(gl.int32)
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
-            for k0 in range(0, K, BLOCK_K):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                if SKIP_TAIL:
-                    if k0 == 0:
-                        rows_buf.index(s).store(gl.full([1], rows, gl.int32, flag_layout))
-                        gl.thread_barrier()  # the warp's store before the releasing arrive
-                if HALF_LOAD:
-                    if short:
-                        mbarrier.expect(bar, short_bytes)
-                        tma.async_copy_global_to_shared(
-                            xh_desc, [m0, k0], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
-                    else:
-                        mbarrier.expect(bar, nbytes)
-                        tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+            if ZERO_TAIL:
+                if rows < BLOCK_M:  # the group's last row tile: rows past `end` as zeros
+                    for i in range(gl.minimum(it, STAGES)):  # copies that may read the
+                        done = it - 1 - i                     # previous tail descriptor
+                        mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
+                    tail_desc = tma.make_tensor_descriptor(
+                        x_ptr, shape=[end.to(gl.int32), K], strides=[K, 1],
+                        block_shape=[BLOCK_M, BLOCK_K], layout=a_bufs.type.layout)
+                    it = _load_steps(tail_desc, tail_desc, w_desc, a_bufs, b_bufs, rows_buf,
+                                     ready, empty, it, g, m0, n0, rows, short, K, W_KN,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SKIP_TAIL, False)
+                else:
+                    it = _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                                     empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, STAGES, SKIP_TAIL, HALF_LOAD)
+            else:
+                it = _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                                 empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, STAGES, SKIP_TAIL, HALF_LOAD)
+
+    @gluon.jit
+    def _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, it, g,
+                    m0, n0, rows, short, K, W_KN: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr):
+        """One tile's k-steps of :func:`_load_tiles` (ring iterations ``it``..): x's row
+        block through ``x_desc`` (``HALF_LOAD`` on a short tile: half of it through
+        ``xh_desc``) and W's tile; returns the next ring iteration."""
+        nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
+        short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
+        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        for k0 in range(0, K, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            if SKIP_TAIL:
+                if k0 == 0:
+                    rows_buf.index(s).store(gl.full([1], rows, gl.int32, flag_layout))
+                    gl.thread_barrier()  # the warp's store before the releasing arrive
+            if HALF_LOAD:
+                if short:
+                    mbarrier.expect(bar, short_bytes)
+                    tma.async_copy_global_to_shared(
+                        xh_desc, [m0, k0], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
                 else:
                     mbarrier.expect(bar, nbytes)
                     tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
-                if W_KN:
-                    tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
-                else:
-                    tma.async_copy_global_to_shared(w_desc, [g, n0, k0], bar, b_bufs.index(s))
-                it += 1
+            else:
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+            if W_KN:
+                tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [g, n0, k0], bar, b_bufs.index(s))
+            it += 1
+        return it
 
     @gluon.jit
     def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase, K, it,
@@ -582,7 +628,7 @@ if gluon is not None:
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
                       LAG: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      ZERO_TAIL: gl.constexpr, num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
         output tile and the barriers, then forks the partitions."""
@@ -652,7 +698,8 @@ if gluon is not None:
                               num_warps, 1, ROWS, SKIP_TAIL, LAG, C_HALF)),
                 (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD)),
+                               BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD, x_ptr,
+                               ZERO_TAIL)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
                              BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF,
                              TMA_STORE)),
@@ -665,7 +712,7 @@ if gluon is not None:
                               False)),
                 (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD)),
+                               BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD, x_ptr, ZERO_TAIL)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
                              BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False,
                              TMA_STORE)),
