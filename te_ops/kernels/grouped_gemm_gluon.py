@@ -48,12 +48,14 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   turns it off (:func:`_launch_args`);
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
-* ``ZERO_TAIL`` (stop 20, not measured on a GPU yet, not dispatched): the producer loads a
-  tail tile's x rows (the group's last row tile) through a device-side descriptor whose row
-  count ends at the group's end, so the rows past it arrive as TMA's zero fill instead of
-  the next group's rows (as CUTLASS's per-group descriptors do). Stored rows are unchanged;
-  the aim is the tensor cores' energy at the 700 W cap (docs/benchmarks.md "What the tail
-  tiles cost"). Not with ``HALF_LOAD``.
+* ``ZERO_TAIL`` (stop 21, not dispatched): the producer loads a tail tile's x rows (the
+  group's last row tile) through a device-side descriptor whose row count ends at the
+  group's end, so the rows past it arrive as TMA's zero fill instead of the next group's
+  rows (as CUTLASS's per-group descriptors do). Stored rows are bitwise unchanged (CUDA tail
+  tests). The aim was the tensor cores' energy at the 700 W cap; whole steps at the cap
+  (``benchmarks/dispatch_ab.py``, H200, 3 rounds) measured 1.002x at E8 and 1.002-1.003x at
+  E32, within the spread (docs/benchmarks.md "What the tail tiles cost"). Not with
+  ``HALF_LOAD``.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
