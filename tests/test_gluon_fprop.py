@@ -151,13 +151,15 @@ def test_half_output_buffer_fits_a_fourth_stage(dgrad):
 def test_zero_tail_compiles_for_sm90(dgrad):
     """``ZERO_TAIL`` on the dispatched config: compiles within shared memory; the producer
     makes a second device-side descriptor (one more tensormap creation in the PTX than
-    without it) and waits on the ready barriers before making it."""
+    without it) and waits on the ready barriers before making it (more parity waits)."""
     cfg = {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True}
     kernel = _compile_sm90(dgrad, extra=cfg)
     plain = _compile_sm90(dgrad, extra=GG.DISPATCH_CONFIG)
     assert kernel.metadata.shared <= GG.SHARED_LIMIT + 2048
     made = kernel.asm["ptx"].count("tensormap.replace")
     assert made > plain.asm["ptx"].count("tensormap.replace") > 0
+    waits = kernel.asm["ptx"].count("mbarrier.try_wait.parity")
+    assert waits > plain.asm["ptx"].count("mbarrier.try_wait.parity")
 
 
 def test_zero_tail_with_half_load_raises():
@@ -410,7 +412,7 @@ TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                 # dispatched config with masked stores only (before stop 19)
                 "tma_store": {"TMA_STORE": True},
                 "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False},
-                # tail tiles' rows past the group's end as TMA zero fill (stop 20)
+                # tail tiles' rows past the group's end as TMA zero fill (stop 21)
                 "zero_tail": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True},
                 "zero_tail_skip": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "SKIP_TAIL": True}}
 
@@ -447,5 +449,31 @@ def test_tail_skip_bitwise_equal_to_grouped_mm(name, n, k):
     _poisoned_empty(m * k, dy.dtype)
     dx = GG.gluon_dgrad(dy, w, offs, config)
     assert torch.equal(dx[:total], torch._grouped_mm(dy[:total], w, offs=offs))
+    assert torch.equal(dx, L.large_dgrad(dy, w, offs))
+    assert not dx[total:].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("name", ["zero_tail", "zero_tail_skip"])
+def test_zero_tail_rewrites_its_descriptor_bitwise(monkeypatch, name, programs):
+    """``ZERO_TAIL`` with few programs, so each takes many tail tiles in turn and rewrites
+    its descriptor slot while earlier copies may be in flight (the wait before the rewrite):
+    32 groups with tails of 1-127 rows and empty groups, several k-steps; fprop and dgrad
+    bitwise equal to the Triton kernel, padding rows zero."""
+    _skip_unless_sm90()
+    monkeypatch.setattr(GG, "grid_size", lambda *args: programs)
+    sizes = [1, 65, 3, 127, 0, 200, 63, 129] * 4
+    total = sum(sizes)
+    m, n, k = total + 37, 384, 320
+    x, w, offs = _operands(sizes, m, n, k, seed=5)
+    _poisoned_empty(m * n, x.dtype)
+    y = GG.gluon_fprop(x, w, offs, TAIL_CONFIGS[name])
+    assert torch.equal(y, L.large_fprop(x, w, offs))
+    assert not y[total:].any()
+    dy = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
+    dy[total:] = float("nan")
+    _poisoned_empty(m * k, dy.dtype)
+    dx = GG.gluon_dgrad(dy, w, offs, TAIL_CONFIGS[name])
     assert torch.equal(dx, L.large_dgrad(dy, w, offs))
     assert not dx[total:].any()

@@ -54,7 +54,7 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   rows (as CUTLASS's per-group descriptors do). Stored rows are bitwise unchanged (CUDA tail
   tests). The aim was the tensor cores' energy at the 700 W cap; whole steps at the cap
   (``benchmarks/dispatch_ab.py``, H200, 3 rounds) measured 1.002x at E8 and 1.002-1.003x at
-  E32, within the spread (docs/benchmarks.md "What the tail tiles cost"). Not with
+  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows (stop 21)"). Not with
   ``HALF_LOAD``.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
