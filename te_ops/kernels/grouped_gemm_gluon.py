@@ -353,21 +353,16 @@ if gluon is not None:
             rows = gl.minimum(end - m0, BLOCK_M).to(gl.int32)
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
-            if ZERO_TAIL:
-                if rows < BLOCK_M:  # the group's last row tile: rows past `end` as zeros
-                    for i in range(gl.minimum(it, STAGES)):  # copies that may read the
-                        done = it - 1 - i                     # previous tail descriptor
-                        mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
-                    tail_desc = tma.make_tensor_descriptor(
-                        x_ptr, shape=[end.to(gl.int32), K], strides=[K, 1],
-                        block_shape=[BLOCK_M, BLOCK_K], layout=a_bufs.type.layout)
-                    it = _load_steps(tail_desc, tail_desc, w_desc, a_bufs, b_bufs, rows_buf,
-                                     ready, empty, it, g, m0, n0, rows, short, K, W_KN,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SKIP_TAIL, False)
-                else:
-                    it = _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
-                                     empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, STAGES, SKIP_TAIL, HALF_LOAD)
+            if ZERO_TAIL and rows < BLOCK_M:  # the group's last row tile: zeros past `end`
+                for i in range(gl.minimum(it, STAGES)):  # copies that may read the
+                    done = it - 1 - i                     # previous tail descriptor
+                    mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
+                tail_desc = tma.make_tensor_descriptor(
+                    x_ptr, shape=[end.to(gl.int32), K], strides=[K, 1],
+                    block_shape=[BLOCK_M, BLOCK_K], layout=a_bufs.type.layout)
+                it = _load_steps(tail_desc, tail_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
+                                 empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, STAGES, SKIP_TAIL, False)
             else:
                 it = _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
                                  empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M, BLOCK_N,
