@@ -1,7 +1,7 @@
-"""te_ops under ``torch.compile``: the whole op list as one graph call, and the gate.
+"""te_ops under ``torch.compile``: the gate, and the facts the traced call reads.
 
 While Dynamo traces ``OperationFuser.__call__`` (``torch.compiler.is_compiling()``), the call
-goes to :func:`compiled_call`:
+goes to the fuser's compiled branch (``te_ops.fuser.compiled_call``), which uses this module:
 
 * The gate (:func:`compile_unsupported_reason`, computed from facts Dynamo traces and guards)
   names why a call cannot be traced whole; then te_ops calls
@@ -18,26 +18,26 @@ goes to :func:`compiled_call`:
 Guards: Dynamo guards the call's tensors (dtype, device, shape, ``requires_grad``), grad
 mode, the split-size kind (tensor / host list; host ints become SymInts after the first
 change), the values of every ``TE_OPS_*`` variable (read through ``os.environ``'s dict in the
-traced frame, see :func:`_env_value`), the recipe's class and fields, and the ops' identity.
+traced frame, see :func:`env_value`), the recipe's class and fields, and the ops' identity.
 A change retraces.
 See docs/torch_compile.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
 from typing import Any
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module
 
-from . import env
+from .op import BasicOperation, FusibleOperation
 from .quantization.autocast import ACTIVE as ACTIVE_RECIPES
+from .quantization.recipe import Recipe
 
-__all__ = ["compile_unsupported_reason", "compiled_call", "EAGER_WARNING", "warn_eager_once"]
+__all__ = ["compile_unsupported_reason", "call_reasons", "env_value", "active_recipe",
+           "recipe_key", "recipe_from_key", "EAGER_WARNING", "warn_eager_once"]
 
 #: The one-time warning when a te_ops block runs eagerly inside a compiled region.
 EAGER_WARNING = "te_ops: {where} runs eagerly under torch.compile (graph break): {reason}"
@@ -46,21 +46,23 @@ _WARNED: set[str] = set()
 
 
 def _basic_ops(module: Any) -> list:
-    from .fuser import OperationFuser
-    from .op import FusibleOperation
-    from .sequential import Sequential
-
-    if isinstance(module, Sequential):
-        return [op for f in module.fusers() for op in f.basic_ops]
-    if isinstance(module, (OperationFuser, FusibleOperation)):
+    """The basic ops of a te_ops operation, an ``OperationFuser`` (a ``basic_ops`` list) or a
+    ``te_ops.Sequential`` (its ``fusers()``); both sit above this module."""
+    if isinstance(module, FusibleOperation):
         return list(module.basic_ops)
+    fusers = getattr(type(module), "fusers", None)
+    if callable(fusers):
+        return [op for f in module.fusers() for op in f.basic_ops]
+    ops = getattr(module, "basic_ops", None)
+    if isinstance(ops, list) and all(isinstance(op, BasicOperation) for op in ops):
+        return list(ops)
     raise TypeError(
         "module: expected a te_ops.Sequential, OperationFuser or te_ops operation, got "
         f"{type(module).__name__}"
     )
 
 
-def _call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
+def call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
                   recipe: Any = None) -> list[str]:
     """Why one call cannot be traced whole, from facts Dynamo can trace and guard (types, op
     attributes, an environment variable, a plain list): the gate runs in the traced frame."""
@@ -73,7 +75,7 @@ def _call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
         if getattr(op, "delay_wgrad_compute", False):
             reasons.append(f"{type(op).__name__}(delay_wgrad_compute=True) keeps backward "
                            "state in Python for a later backward_dw() call")
-    active = recipe if recipe is not None else _active_recipe()
+    active = recipe if recipe is not None else active_recipe()
     if active is not None:
         for f in dataclasses.fields(active):
             value = getattr(active, f.name)
@@ -82,14 +84,14 @@ def _call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
                                f"{type(value).__name__}, not a constant the trace can guard")
     if not isinstance(input_, torch.Tensor):
         reasons.append(f"the input is a {type(input_).__name__}, not a tensor")
-    if (_env_value("TE_OPS_CHECK_SPLIT_SIZES") == "1"
+    if (env_value("TE_OPS_CHECK_SPLIT_SIZES") == "1"
             and any(isinstance(v, torch.Tensor) for v in extra_inputs)):
         reasons.append("TE_OPS_CHECK_SPLIT_SIZES=1 reads device split sizes on the host "
                        "(a data-dependent check the trace cannot make)")
     return reasons
 
 
-def _env_value(name: str) -> str | None:
+def env_value(name: str) -> str | None:
     """``name``'s value, read so that Dynamo guards it: through ``os.environ``'s underlying
     dict (torch 2.13's Dynamo does not guard ``os.environ.get``, but guards a dict lookup),
     so a changed ``TE_OPS_*`` value retraces."""
@@ -100,13 +102,13 @@ def _env_value(name: str) -> str | None:
     return None if value is None else value.decode()
 
 
-def _active_recipe() -> Any:
+def active_recipe() -> Any:
     """The innermost enabled ``te_ops.autocast`` recipe, read from the plain list Dynamo can
     trace and guard (the ContextVar behind ``current_recipe()`` is not traceable)."""
     return ACTIVE_RECIPES[-1] if ACTIVE_RECIPES else None
 
 
-def _recipe_key(recipe: Any) -> tuple | None:
+def recipe_key(recipe: Any) -> tuple | None:
     """The recipe as graph constants: (module, class name, ((field, value), ...)). Reading
     the fields in the traced frame makes Dynamo guard their values, so an equal new recipe
     object reuses the graph and a different one retraces."""
@@ -117,11 +119,9 @@ def _recipe_key(recipe: Any) -> tuple | None:
             tuple((f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)))
 
 
-def _recipe_from_key(key: tuple | None) -> Any:
+def recipe_from_key(key: tuple | None) -> Any:
     if key is None:
         return None
-    from .quantization.recipe import Recipe
-
     module, qualname, fields = key
     todo = [Recipe]
     while todo:
@@ -155,7 +155,7 @@ def compile_unsupported_reason(module: Any, *inputs: Any) -> str | None:
         ``module`` is not a te_ops module.
     """
     input_ = inputs[0] if inputs else None
-    reasons = _call_reasons(_basic_ops(module), input_, tuple(inputs[1:]))
+    reasons = call_reasons(_basic_ops(module), input_, tuple(inputs[1:]))
     return "; ".join(reasons) if reasons else None
 
 
@@ -167,68 +167,3 @@ def warn_eager_once(where: str, reason: str) -> None:
     _WARNED.add(key)
     warnings.warn(EAGER_WARNING.format(where=where, reason=reason), RuntimeWarning,
                   stacklevel=3)
-
-
-def compiled_call(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
-    """``OperationFuser.__call__`` while ``torch.compile`` traces it.
-
-    Traceable call: the whole op list enters the graph as one call of an ``allow_in_graph``
-    function (:func:`_run_block`); AOTAutograd runs te_ops' Python (planning, fused and unfused
-    ops, the one autograd function) on fake tensors at trace time and records only torch ops
-    and te_ops' custom ops. Otherwise: an explicit graph break carrying the gate's reason, and
-    the call runs eagerly (warned once).
-    """
-    reason = _trace_reason(fuser, input_, extra_inputs, recipe)
-    if reason is not None:
-        torch._dynamo.graph_break(msg=f"te_ops: {reason}")
-        return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
-    params = [p for op in fuser.basic_ops for p in op._parameters.values()]
-    env_values = tuple(_env_value(name) for name in env.ENV_VARS)
-    key = tuple(id(op) for op in fuser.basic_ops)
-    recipe_key = _recipe_key(recipe if recipe is not None else _active_recipe())
-    return _run_block(input_, key, recipe_key, len(params), env_values, *params,
-                      *extra_inputs)
-
-
-def _fuser_for(key: tuple[int, ...]) -> Any:
-    """The fuser of the traced call's basic ops (kept on the first op, so it lives as long as
-    the ops; its plans are separate from the eager fuser's)."""
-    from .fuser import OperationFuser
-    from .op import LIVE_BASIC_OPS
-
-    ops = [LIVE_BASIC_OPS.get(i) for i in key]
-    if any(op is None for op in ops):
-        raise RuntimeError("te_ops: a traced block's basic op no longer exists")
-    cache = ops[0].__dict__.setdefault("_compile_fusers", {})
-    fuser = cache.get(key)
-    if fuser is None:
-        fuser = cache[key] = OperationFuser(ops)
-    return fuser
-
-
-@torch._dynamo.allow_in_graph
-def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
-    """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
-    the basic ops named by ``key`` (their ids) run through a fuser, with their parameters
-    replaced by the graph's parameter inputs."""
-    del env_values  # a graph constant: a changed TE_OPS_* value retraces (guarded)
-    fuser = _fuser_for(key)
-    params, extra = rest[:num_params], rest[num_params:]
-    it = iter(params)
-    with contextlib.ExitStack() as stack:
-        for op in fuser.basic_ops:
-            swap = {n: next(it) for n in op._parameters}
-            stack.enter_context(_reparametrize_module(op, swap))
-        return fuser._run(input_, *extra, recipe=_recipe_from_key(recipe_key))
-
-
-def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:
-    reasons = _call_reasons(fuser.basic_ops, input_, extra_inputs, recipe)
-    return "; ".join(reasons) if reasons else None
-
-
-@torch._dynamo.disable
-def _run_eagerly(fuser: Any, reason: str, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
-    names = "/".join(type(op).__name__ for op in fuser.basic_ops)
-    warn_eager_once(f"the op list {names}", reason)
-    return fuser(input_, *extra_inputs, recipe=recipe)

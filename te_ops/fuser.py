@@ -23,6 +23,7 @@ change.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,12 +31,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 
-from . import env, fast_step
+from . import env
 from .call_scope import close_call_scope, open_call_scope
+from .compile import (
+    active_recipe,
+    call_reasons,
+    env_value,
+    recipe_from_key,
+    recipe_key,
+    warn_eager_once,
+)
 from .double_backward import graph_anchors
 from .func_transforms import check_no_func_transform
-from .op import BasicOperation, FusibleOperation, OperationContext
+from .op import LIVE_BASIC_OPS, BasicOperation, FusibleOperation, OperationContext
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
 from .splits import close_host_read_scope, open_host_read_scope
@@ -399,15 +409,11 @@ class OperationFuser:
         return cached[1], cached[2]
 
     def __call__(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
-        if torch.compiler.is_compiling():  # traced by torch.compile: te_ops/compile.py
-            from .compile import compiled_call
-
+        """Run the ops on ``input_`` (two branches: traced by ``torch.compile``, the whole op
+        list as one graph call, :func:`compiled_call`; else eager, one
+        :class:`_FuserFunction` call, with or without grad)."""
+        if torch.compiler.is_compiling():
             return compiled_call(self, input_, extra_inputs, recipe)
-        fast = self.__dict__.get("_fast_step")  # te_ops/fast_step.py
-        if fast is not None and recipe is None:
-            out = fast.run(input_, extra_inputs)
-            if out is not None:
-                return out
         return self._run(input_, *extra_inputs, recipe=recipe)
 
     def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
@@ -437,15 +443,6 @@ class OperationFuser:
         extra_grad = [tuple(grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
                             for v in g) for g in groups]
 
-        if not any(requires_grad):
-            ctxs = [OperationContext() for _ in self.basic_ops]
-            for c in ctxs:
-                c.requires_grad = False
-                c.input_requires_grad = False
-            out, extra_out = _forward_ops(plan, ctxs, input_, groups, recipe)
-            self._plan = plan
-            return _pack_outputs(out, extra_out)
-
         # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
         # unwrapping: one generator step per parameter, 128+ with per-expert weights); it
         # matters only under functorch transforms, so the C apply is called directly without.
@@ -459,9 +456,70 @@ class OperationFuser:
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
         self._plan = plan
-        self.__dict__["_fast_step"] = fast_step.record(
-            self, plan, input_, extra_inputs, groups, recipe, requires_grad, outputs[0])
         return outputs if sum(self.num_extra_outputs) else outputs[0]
+
+
+# ------------------------------------------------------------------ compiled branch
+def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
+    """``OperationFuser.__call__`` while ``torch.compile`` traces it.
+
+    Traceable call: the whole op list enters the graph as one call of an ``allow_in_graph``
+    function (:func:`_run_block`); AOTAutograd runs te_ops' Python (planning, fused and unfused
+    ops, the one autograd function) on fake tensors at trace time and records only torch ops
+    and te_ops' custom ops. Otherwise: an explicit graph break carrying the gate's reason, and
+    the call runs eagerly (warned once).
+    """
+    reason = _trace_reason(fuser, input_, extra_inputs, recipe)
+    if reason is not None:
+        torch._dynamo.graph_break(msg=f"te_ops: {reason}")
+        return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
+    params = [p for op in fuser.basic_ops for p in op._parameters.values()]
+    env_values = tuple(env_value(name) for name in env.ENV_VARS)
+    key = tuple(id(op) for op in fuser.basic_ops)
+    recipe_key = recipe_key(recipe if recipe is not None else active_recipe())
+    return _run_block(input_, key, recipe_key, len(params), env_values, *params,
+                      *extra_inputs)
+
+
+def _fuser_for(key: tuple[int, ...]) -> Any:
+    """The fuser of the traced call's basic ops (kept on the first op, so it lives as long as
+    the ops; its plans are separate from the eager fuser's)."""
+    ops = [LIVE_BASIC_OPS.get(i) for i in key]
+    if any(op is None for op in ops):
+        raise RuntimeError("te_ops: a traced block's basic op no longer exists")
+    cache = ops[0].__dict__.setdefault("_compile_fusers", {})
+    fuser = cache.get(key)
+    if fuser is None:
+        fuser = cache[key] = OperationFuser(ops)
+    return fuser
+
+
+@torch._dynamo.allow_in_graph
+def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
+    """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
+    the basic ops named by ``key`` (their ids) run through a fuser, with their parameters
+    replaced by the graph's parameter inputs."""
+    del env_values  # a graph constant: a changed TE_OPS_* value retraces (guarded)
+    fuser = _fuser_for(key)
+    params, extra = rest[:num_params], rest[num_params:]
+    it = iter(params)
+    with contextlib.ExitStack() as stack:
+        for op in fuser.basic_ops:
+            swap = {n: next(it) for n in op._parameters}
+            stack.enter_context(_reparametrize_module(op, swap))
+        return fuser._run(input_, *extra, recipe=recipe_from_key(recipe_key))
+
+
+def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:
+    reasons = call_reasons(fuser.basic_ops, input_, extra_inputs, recipe)
+    return "; ".join(reasons) if reasons else None
+
+
+@torch._dynamo.disable
+def _run_eagerly(fuser: Any, reason: str, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
+    names = "/".join(type(op).__name__ for op in fuser.basic_ops)
+    warn_eager_once(f"the op list {names}", reason)
+    return fuser(input_, *extra_inputs, recipe=recipe)
 
 
 def _check_autocast(input_: torch.Tensor) -> None:
@@ -485,10 +543,6 @@ def _check_autocast(input_: torch.Tensor) -> None:
             f"dtype instead: cast its parameters and input (e.g. block.to({dtype}) and "
             f"x.to({dtype})), or call it inside torch.autocast({device_type!r}, enabled=False)"
         )
-
-
-def _pack_outputs(out: torch.Tensor, extra_out: list[torch.Tensor]) -> Any:
-    return (out, *extra_out) if extra_out else out
 
 
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,

@@ -270,7 +270,7 @@ def make_splits(split_sizes, num_groups: int, num_rows: int, device: torch.devic
         The input's device.
     table : callable
         :func:`~te_ops.kernels.split_table.split_table` or a stand-in with its signature and
-        values (``te_ops.fast_step`` passes a ``BoundSplitTable``).
+        values.
 
     Raises
     ------

@@ -160,26 +160,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "within run-to-run noise, the memory is not). Same bytes either way.",
         ),
         EnvVar(
-            "TE_OPS_FAST_STEP",
-            "1",
-            _BOOL,
-            "1 repeats an eager training call of a fused grouped MLP fuser (GroupedLinear -> "
-            "(Scaled)SwiGLU -> GroupedLinear, no bias, recipe, main_grad / delayed wgrad or "
-            "recompute_input, device split sizes) whose inputs, parameters and settings "
-            "match the previous call's through a straight-line path (same kernels, same bits, "
-            "less host work; te_ops/fast_step.py); 0 runs every call through the general "
-            "fuser path.",
-        ),
-        EnvVar(
-            "TE_OPS_TRITON_DIRECT_LAUNCH",
-            "1",
-            _BOOL,
-            "1 launches te_ops' Triton kernels in eager mode from a cache of the compiled "
-            "kernels (per argument dtypes / alignment / values, grid and options) after the "
-            "first normal launch, skipping JITFunction.run's per-call binding "
-            "(te_ops/kernels/triton_launch.py); 0 launches through JITFunction.run every time.",
-        ),
-        EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",
             "0",
             _BOOL,

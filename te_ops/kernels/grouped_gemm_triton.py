@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
+from .triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -41,8 +41,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 __all__ = ["MAX_ROWS_PER_GROUP", "triton_kinds", "unsupported_reason", "triton_fprop",
-           "triton_dgrad", "triton_wgrad", "rows_config", "wgrad_config", "BoundRows",
-           "BoundWgrad"]
+           "triton_dgrad", "triton_wgrad", "rows_config", "wgrad_config"]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
 
@@ -346,87 +345,6 @@ def triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if tracing() and config is None:
         return torch.ops.te_ops.grouped_wgrad_rows(x, dy, offsets)
     return _wgrad_launch(x.contiguous(), dy.contiguous(), offsets, config, _wgrad_kernel)
-
-
-class BoundRows:
-    """:func:`triton_fprop` (``kind="fprop"``) or :func:`triton_dgrad` for the repeated eager
-    calls of one call site (``te_ops.fast_step``), without their argument checks: the caller
-    has proven the operands' shapes, dtypes and device equal call to call (its key holds
-    them, and a call with that key passed the checks on the general path). The
-    config, grid, output shape and scalar arguments are worked out once (on the first call,
-    and again when the weights' strides change), and the kernel launches through a
-    :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel, config and
-    bits as the eager :func:`triton_fprop` / :func:`triton_dgrad`.
-
-    Shapes: ``a`` (M, R), ``weights`` (G, N, K), ``offsets`` (G,) -> (M, N) for fprop,
-    (M, K) for dgrad.
-    """
-
-    def __init__(self, kind: str, batch: LaunchBatch) -> None:
-        self.kind = kind
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
-                 ) -> torch.Tensor:
-        plan = self.plan
-        if plan is None or weights.stride() != plan[0]:
-            plan = self.plan = self._plan(a, weights, offsets)
-        a = a.contiguous()
-        out = torch.empty(plan[1], dtype=plan[2], device=plan[3])
-        if plan[4] is not None:
-            plan[4](a, weights, out, offsets)
-        return out
-
-    def _plan(self, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tuple:
-        """(weight strides, output shape, dtype, device, bound launch or None when empty):
-        what :func:`_rows_launch` computes for these operands."""
-        m, r = a.shape
-        groups = offsets.shape[0]
-        if self.kind == "fprop":
-            j, strides = w.shape[1], (w.stride(0), w.stride(2), w.stride(1))
-        else:
-            j, strides = w.shape[2], (w.stride(0), w.stride(1), w.stride(2))
-        bound = None
-        if m and j:
-            cfg, grid = _rows_grid(self.kind, m, j, groups, None)
-            bound = BoundLaunch(_rows_kernel, grid, (m, j, r, groups, *strides), cfg,
-                                self.batch)
-        return w.stride(), (m, j), a.dtype, a.device, bound
-
-
-class BoundWgrad:
-    """:func:`triton_wgrad` for the repeated eager calls of one call site (as
-    :class:`BoundRows`).
-
-    Shapes: ``x`` (M, K), ``dy`` (M, N), ``offsets`` (G,) -> (G, N, K).
-    """
-
-    def __init__(self, batch: LaunchBatch) -> None:
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
-                 ) -> torch.Tensor:
-        plan = self.plan
-        if plan is None:
-            plan = self.plan = self._plan(x, dy, offsets)
-        x = x.contiguous()
-        dy = dy.contiguous()
-        out = torch.empty(plan[0], dtype=plan[1], device=plan[2])
-        if plan[3] is not None:
-            plan[3](x, dy, out, offsets)
-        return out
-
-    def _plan(self, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> tuple:
-        m, k = x.shape
-        n = dy.shape[1]
-        groups = offsets.shape[0]
-        bound = None
-        if groups and n and k:
-            cfg, grid = _wgrad_grid(m, n, k, groups, None)
-            bound = BoundLaunch(_wgrad_kernel, grid, (m, n, k, groups), cfg, self.batch)
-        return (groups, n, k), x.dtype, x.device, bound
 
 
 if triton is not None:

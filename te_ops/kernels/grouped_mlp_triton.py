@@ -36,7 +36,7 @@ import torch
 from .compiled_ops import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, rows_config
 from .grouped_gemm_triton import unsupported_reason as gemm_unsupported_reason
-from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
+from .triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu", "BoundFc1Swiglu",
+__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu",
            "fc1_swiglu_config"]
 
 #: ``TE_OPS_FC1_SWIGLU_EPILOGUE=auto`` takes the fused launch (where fc1's fprop already runs
@@ -143,8 +143,7 @@ if triton is not None:
 
 def _grid(m: int, ffn: int, groups: int, config: dict[str, int] | None
           ) -> tuple[dict[str, int], tuple[int, int, int]]:
-    """Launch parameters and grid of ``_fc1_swiglu_kernel`` (the eager launch and
-    :class:`BoundFc1Swiglu` share them, so both run the same tiles)."""
+    """Launch parameters and grid of ``_fc1_swiglu_kernel``."""
     cfg = dict(config or fc1_swiglu_config(m / groups, ffn, groups, m))
     cfg.setdefault("SPLIT", 1)
     return cfg, (groups + 1, cdiv(ffn, cfg["BLOCK_J"]), cfg["SPLIT"])
@@ -167,49 +166,6 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
            weights.stride(0), weights.stride(1), weights.stride(2), HAS_P=probs is not None,
            **cfg)
     return h, a
-
-
-class BoundFc1Swiglu:
-    """:func:`fc1_swiglu` for the repeated eager calls of one call site (``te_ops.fast_step``,
-    as ``grouped_gemm_triton.BoundRows``: no argument checks, which the caller's key
-    proves): config, grid, output shapes and scalar arguments are worked out once (again
-    when the weights' strides or the probs' presence change), and the kernel launches
-    through a :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel,
-    config and bits as the eager :func:`fc1_swiglu`.
-
-    Shapes: x (M, K) contiguous, weights (G, 2F, K), offsets (G,), probs (M,) contiguous or
-    ``None`` -> (h (M, 2F), a (M, F)).
-    """
-
-    def __init__(self, batch: LaunchBatch) -> None:
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                 probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self.plan
-        if plan is None or weights.stride() != plan[0] or (probs is None) != plan[1]:
-            plan = self.plan = self._plan(x, weights, offsets, probs)
-        h = torch.empty(plan[2], dtype=plan[4], device=plan[5])
-        a = torch.empty(plan[3], dtype=plan[4], device=plan[5])
-        if plan[6] is not None:
-            plan[6](x, weights, h, a, x if probs is None else probs, offsets)
-        return h, a
-
-    def _plan(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-              probs: torch.Tensor | None) -> tuple:
-        """What :func:`_launch` computes for these operands: (weight strides, probs absent,
-        h shape, a shape, dtype, device, bound launch or None when empty)."""
-        m, k = x.shape
-        groups, two_f = w.shape[0], w.shape[1]
-        ffn = two_f // 2
-        bound = None
-        if m and ffn:
-            cfg, grid = _grid(m, ffn, groups, None)
-            bound = BoundLaunch(_fc1_swiglu_kernel, grid,
-                                (m, ffn, k, groups, w.stride(0), w.stride(1), w.stride(2)),
-                                {"HAS_P": probs is not None, **cfg}, self.batch)
-        return (w.stride(), probs is None, (m, two_f), (m, ffn), x.dtype, x.device, bound)
 
 
 def fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .compiled_ops import tracing
-from .triton_launch import BoundLaunch, LaunchBatch, launch, next_power_of_2
+from .triton_launch import launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 __all__ = ["SplitTable", "split_table", "split_table_torch", "split_table_backend",
-           "MAX_TRITON_GROUPS", "BoundSplitTable"]
+           "MAX_TRITON_GROUPS"]
 
 #: Most groups the one-program kernel takes (its block holds every size); more take torch ops.
 MAX_TRITON_GROUPS = 8192
@@ -113,45 +113,6 @@ def split_table(split_sizes: torch.Tensor, num_rows: int, check: bool = True) ->
         return SplitTable(table[:groups + 1], table[1:groups + 1], sizes, offsets,
                           table[2 * groups + 1])
     return split_table_torch(split_sizes, num_rows, check)
-
-
-class BoundSplitTable:
-    """:func:`split_table` for the repeated calls of one call site (``te_ops.fast_step``)
-    whose split sizes' shape, dtype and device the caller has proven equal call to call: on
-    the Triton path the launch is bound once (a
-    :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``; redone when the row
-    count or the sizes' stride changes); the torch path is :func:`split_table` itself. Same
-    values as :func:`split_table`."""
-
-    def __init__(self, batch: LaunchBatch) -> None:
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, split_sizes: torch.Tensor, num_rows: int, check: bool = True
-                 ) -> SplitTable:
-        plan = self.plan
-        if plan is None or plan[0] != (num_rows, split_sizes.stride(0)):
-            if tracing() or split_table_backend(split_sizes) != "triton":
-                return split_table(split_sizes, num_rows, check)
-            plan = self.plan = self._plan(split_sizes, num_rows)
-        groups = plan[1]
-        dev = split_sizes.device
-        table = torch.empty(2 * groups + 2, dtype=torch.int64, device=dev)
-        offsets = torch.empty(groups, dtype=torch.int32, device=dev)
-        plan[2](split_sizes, table, offsets)
-        sizes = split_sizes if plan[3] else table[groups + 1:2 * groups + 1]
-        return SplitTable(table[:groups + 1], table[1:groups + 1], sizes, offsets,
-                          table[2 * groups + 1])
-
-    def _plan(self, split_sizes: torch.Tensor, num_rows: int) -> tuple:
-        """What the Triton path's ``_launch`` passes, for these split sizes."""
-        groups = split_sizes.shape[0]
-        block = max(16, next_power_of_2(groups))
-        bound = BoundLaunch(_split_table_kernel, (1,), (groups, split_sizes.stride(0), num_rows),
-                            {"BLOCK_G": block, "FLOAT": _float_kind(split_sizes.dtype),
-                             "num_warps": 1 if block <= 256 else 4}, self.batch)
-        return ((num_rows, split_sizes.stride(0)), groups, bound,
-                split_sizes.dtype is torch.int64)
 
 
 def split_table_torch(split_sizes: torch.Tensor, num_rows: int, check: bool = True

@@ -23,7 +23,7 @@ import torch
 
 from .. import env
 from .compiled_ops import tracing
-from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch, next_power_of_2
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 __all__ = ["ActivationChoice", "select_backend", "unsupported_reason", "use_triton",
-           "swiglu_forward", "swiglu_backward", "BoundForward", "BoundBackward"]
+           "swiglu_forward", "swiglu_backward"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -216,71 +216,6 @@ def _backward(x, grad_output, probs, write_output, grad_into_input, kernel):
            out if out is not None else x, F, HAS_P=probs is not None, WRITE_OUT=write_output,
            BLOCK=_block(F))
     return dx, dp, out
-
-
-class BoundForward:
-    """:func:`swiglu_forward` for the repeated eager calls of one call site (``te_ops.fast_step``)
-    whose input shape, dtype and device and whether ``probs`` is given the caller has proven
-    equal call to call: grid, block and output shape worked out once, the kernel launched
-    through a :class:`~te_ops.kernels.triton_launch.BoundLaunch` of ``batch``. Same kernel and
-    bits as the eager :func:`swiglu_forward`. Shapes: x (..., 2F), probs (...) -> (..., F)."""
-
-    def __init__(self, batch: LaunchBatch) -> None:
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        plan = self.plan
-        if plan is None:
-            plan = self.plan = self._plan(x, probs)
-        out = torch.empty(plan[0], dtype=plan[1], device=plan[2])
-        if plan[3] is not None:
-            plan[3](x, probs.contiguous() if probs is not None else x, out)
-        return out
-
-    def _plan(self, x: torch.Tensor, probs: torch.Tensor | None) -> tuple:
-        F = x.shape[-1] // 2
-        rows = x.numel() // max(x.shape[-1], 1)
-        bound = None
-        if rows and F:
-            block = _block(F)
-            bound = BoundLaunch(_fwd_kernel, (rows, cdiv(F, block)), (F,),
-                                {"HAS_P": probs is not None, "BLOCK": block}, self.batch)
-        return (*x.shape[:-1], F), x.dtype, x.device, bound
-
-
-class BoundBackward:
-    """:func:`backward_eager` with ``write_output=True, grad_into_input=True`` for the
-    repeated calls of one call site (as :class:`BoundForward`): returns ``(grad_x over x,
-    grad_probs | None, output)``. Shapes: x (..., 2F), grad_output (..., F), probs (...)."""
-
-    def __init__(self, batch: LaunchBatch) -> None:
-        self.batch = batch
-        self.plan: tuple | None = None
-
-    def __call__(self, x: torch.Tensor, grad_output: torch.Tensor,
-                 probs: torch.Tensor | None) -> tuple:
-        plan = self.plan
-        if plan is None:
-            plan = self.plan = self._plan(x, probs)
-        if plan[3] is None:  # nothing to launch: the eager path's zero-size handling
-            return backward_eager(x, grad_output, probs, True, True)
-        dy = grad_output.contiguous()
-        dp = torch.empty_like(probs) if probs is not None else None
-        out = torch.empty(plan[0], dtype=plan[1], device=plan[2])
-        p = probs.contiguous() if probs is not None else x
-        plan[3](x, dy, p, x, dp if dp is not None else x, out)
-        return x, dp, out
-
-    def _plan(self, x: torch.Tensor, probs: torch.Tensor | None) -> tuple:
-        F = x.shape[-1] // 2
-        rows = x.numel() // max(x.shape[-1], 1)
-        bound = None
-        if rows and F:
-            bound = BoundLaunch(_bwd_kernel, (rows,), (F,),
-                                {"HAS_P": probs is not None, "WRITE_OUT": True,
-                                 "BLOCK": _block(F)}, self.batch)
-        return (*x.shape[:-1], F), x.dtype, x.device, bound
 
 
 if triton is not None:
