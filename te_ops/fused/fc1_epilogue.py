@@ -4,8 +4,7 @@ Two kernels compute fc1's output ``h`` and the (Scaled)SwiGLU output ``a`` in on
 launch, each bit for bit what fc1's Triton fprop of the same rows followed by the Triton SwiGLU
 kernel produce: ``kernels/grouped_mlp_triton.py`` (few rows per group) and
 ``grouped_gemm_large_triton.large_fc1_swiglu`` (the persistent many-rows kernel, ``PAIRED``: h
-is the persistent fprop's). The forward (``ForwardGroupedMLP`` and the fast path
-``te_ops.fast_step``) takes one when :func:`fc1_epilogue_reason` returns ``None``:
+is the persistent fprop's). The forward (``ForwardGroupedMLP``) takes one when :func:`fc1_epilogue_reason` returns ``None``:
 
 * ``TE_OPS_FC1_SWIGLU_EPILOGUE`` is not ``0``;
 * no recipe (fc1's fprop would read quantized operands) and no bias on fc1 (the bias is added
@@ -204,8 +203,7 @@ def large_fused_launch(x2d: torch.Tensor, weights: torch.Tensor, offsets: torch.
     """``(h, a)`` of the fused launch where fc1's fprop runs in the persistent kernel: the
     Gluon kernel at :func:`uses_gluon_fc1`'s shapes (``gluon_fc1_dispatched``: the persistent
     Triton kernel's fused launch, same bits, where its operands rule it out at run time),
-    else ``large_fc1_swiglu``. The general path and ``te_ops.fast_step`` both call this, so
-    they run the same kernel. Shapes as :func:`fc1_swiglu_forward`."""
+    else ``large_fc1_swiglu``. Shapes as :func:`fc1_swiglu_forward`."""
     if _gluon_shape(x2d, weights):
         return fc1_swiglu_gluon.gluon_fc1_dispatched(x2d, weights, offsets, probs)
     return large_fc1_swiglu(x2d, weights, offsets, probs)

@@ -6,7 +6,7 @@ epilogue.
 the probs gradient; dh and a bit for bit what fc2's persistent Triton dgrad followed by the
 Triton SwiGLU backward produce (so dx, dW1 and dW2 downstream are the two launches' too), the
 probs gradient within fp32 summation order of it (a deterministic two-step sum). The backward
-(``BackwardGroupedMLP`` and the fast path ``te_ops.fast_step``) takes it when
+(``BackwardGroupedMLP``) takes it when
 :func:`fc2_dgrad_epilogue_reason` returns ``None``:
 
 * ``TE_OPS_FC2_DSWIGLU_EPILOGUE`` is not ``0``;
