@@ -13,11 +13,8 @@ before and after (what ``grouped_mlp.py`` reports), ``host_ms`` the median time 
 ``cpu_ms`` this thread's CPU time until then, ``x_peer`` = ``ms`` / the peer's ``ms``
 (``cpu_x_peer`` likewise; ``--stub-gemm`` on the CPU makes the step host work only).
 ``bitwise`` says whether the output and every gradient (input, probs, parameters) of the new
-tree equal the baseline's exactly (first calls: the general path). ``--general`` adds this
-tree with ``TE_OPS_FAST_STEP=0`` set around each of its steps (``new_<mode>_general``), to
-time the fast path of repeated calls against the general path in one process;
-``--variant-env NAME=VALUE`` likewise adds this tree with any te_ops variable set
-(``new_<mode>_<NAME>=<VALUE>``, e.g. ``TE_OPS_TRITON_DIRECT_LAUNCH=0``).
+tree equal the baseline's exactly (first calls). ``--variant-env NAME=VALUE`` adds this tree with any te_ops variable set
+(``new_<mode>_<NAME>=<VALUE>``, e.g. ``TE_OPS_FUSION=0``).
 ``--floor`` adds, per mode, ``floor_<mode>``: a bare ``torch.autograd.Function`` with the
 block's weight Parameters as inputs (per-expert: 2 x E, laid out as GroupedLinear lays them
 out; single: 2) and the fused step's gradient hand-off (one empty (E, out, in) buffer per
@@ -31,7 +28,7 @@ Usage::
 
     python benchmarks/host_ab.py --make-baseline /path/to/other/tree/te_ops /tmp/base
     PYTHONPATH=.:/tmp/base python benchmarks/host_ab.py --shapes E64_T256_H2048_FF768 \\
-        --iters 50 --warmup 10 [--profile] [--general] [--out FILE]
+        --iters 50 --warmup 10 [--profile] [--out FILE]
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def make_baseline(src: str, dest: str) -> None:
 
 class TeOpsBlock:
     """The fused te_ops grouped MLP of a given package, with the problem's weights; ``env``:
-    environment variables set around each of its steps (e.g. ``TE_OPS_FAST_STEP=0``)."""
+    environment variables set around each of its steps (e.g. ``TE_OPS_FUSION=0``)."""
 
     def __init__(self, pkg, problem, single: bool, env: dict[str, str] | None = None) -> None:
         p = problem
@@ -266,9 +263,6 @@ def main(argv: list[str] | None = None) -> int:
                              "intra-op thread: the step is host work only")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads (CPU; 1: cpu_ms is the whole step's work)")
-    parser.add_argument("--general", action="store_true",
-                        help="also time this tree with TE_OPS_FAST_STEP=0 (variants "
-                             "new_<mode>_general: the general fuser path on every call)")
     parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
                         help="also time this tree with the te_ops variable NAME set to VALUE "
                              "around each of its steps (variant new_<mode>_<NAME>=<VALUE>); "
@@ -330,9 +324,6 @@ def main(argv: list[str] | None = None) -> int:
                     single = mode == "single"
                     variants[f"base_{mode}"] = TeOpsBlock(base, problem, single)
                     variants[f"new_{mode}"] = TeOpsBlock(te_ops, problem, single)
-                    if args.general:
-                        variants[f"new_{mode}_general"] = TeOpsBlock(
-                            te_ops, problem, single, {"TE_OPS_FAST_STEP": "0"})
                     for name, value in variant_envs:
                         variants[f"new_{mode}_{name}={value}"] = TeOpsBlock(
                             te_ops, problem, single, {name: value})

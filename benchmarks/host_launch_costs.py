@@ -7,10 +7,7 @@ sizes (cub's scan) and an exact alternative, ``torch.empty`` with keyword device
 ``Tensor.new_empty``, te_ops' padding-row Triton kernel launched from Python, one
 ``torch._grouped_mm`` and one in-place elementwise op for scale; and the persistent many-rows
 Triton kernels' entry points (``large_fprop`` / ``large_dgrad`` / ``large_wgrad``) against the
-``torch._grouped_mm`` calls they replace, and the fast path's bound call sites of those kernels
-(``*_bound``: ``grouped_gemm_large_bound``, one ``LaunchBatch.begin`` per batch of calls, as
-the fast path makes one per forward / backward; ``launch_batch_begin`` is that call alone).
-JSON lines, median microseconds per call.
+``torch._grouped_mm`` calls they replace. JSON lines, median microseconds per call.
 
 Usage::
 
@@ -46,28 +43,6 @@ def host_us(fn, calls: int, device: torch.device, batch: int = 20) -> float:
     return statistics.median(per_call)
 
 
-def _bound_calls(device: torch.device, x: torch.Tensor, wt: torch.Tensor, dy: torch.Tensor,
-                 offs: torch.Tensor) -> dict:
-    """The fast path's bound sites of the persistent kernels (bound by a first call here)."""
-    from te_ops.kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
-    from te_ops.kernels.triton_launch import LaunchBatch
-
-    batch = LaunchBatch()
-    fprop, dgrad, wgrad = BoundLarge("fprop", batch), BoundLarge("dgrad", batch), \
-        BoundLargeWgrad(batch)
-    for _ in range(2):  # the first call binds, the second checks the direct launch runs
-        batch.begin(device)
-        fprop(x, wt, offs)
-        dgrad(dy, wt, offs)
-        wgrad(x, dy, offs)
-    if not batch.ready:
-        raise RuntimeError("the bound sites did not bind (direct launches off here?)")
-    return {"launch_batch_begin": lambda: batch.begin(device),
-            "large_fprop_bound": lambda: fprop(x, wt, offs),
-            "large_dgrad_bound": lambda: dgrad(dy, wt, offs),
-            "large_wgrad_bound": lambda: wgrad(x, dy, offs)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=64)
@@ -98,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     # The persistent many-rows kernels' eager entry points (argument checks, config, TMA gate,
     # grid, launch), against the torch._grouped_mm calls they replace: their host cost per
-    # call, which te_ops' fast path pays for every fprop / dgrad (and, at 64-256 rows per
+    # call, which te_ops pays for every fprop / dgrad (and, at 64-256 rows per
     # group, wgrad) of a step (docs/benchmarks.md, the goal table's 64-256-rows paragraph).
     from te_ops.kernels import grouped_gemm_large_triton as large
     from te_ops.kernels import grouped_wgrad_large_triton as large_w
@@ -114,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             "large_wgrad": lambda: large_w.large_wgrad(x, dy, offs),
             "grouped_mm_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
         })
-        calls.update(_bound_calls(x.device, x, wt, dy, offs))  # with its index (cuda:0)
     out = JsonLines(args.out)
     out.write({"bench": "host_launch_costs_run", **machine_info(device), "groups": g})
     try:

@@ -44,7 +44,6 @@ from common import JsonLines, env_override, machine_info  # noqa: E402
 from grouped_mlp import HOST_SHAPES, PEER_CLASSES, QUICK_SHAPES, make_problem  # noqa: E402
 
 import te_ops.basic.swiglu  # noqa: E402
-import te_ops.fast_step  # noqa: E402
 import te_ops.fused.grouped_mlp  # noqa: E402
 import te_ops.kernels.grouped_gemm  # noqa: E402
 import te_ops.splits  # noqa: E402
@@ -90,8 +89,8 @@ def device_like() -> None:
     gg.zero_padding_rows_ = _as_launch("zero_rows", gg.zero_padding_rows_)
     fwd = _as_launch("swiglu_fwd", te_ops.basic.swiglu.swiglu_forward)
     bwd = _as_launch("swiglu_bwd", te_ops.basic.swiglu.swiglu_backward)
-    # fused, unfused and fast-path callers
-    for module in (te_ops.fused.grouped_mlp, te_ops.basic.swiglu, te_ops.fast_step):
+    # fused and unfused callers
+    for module in (te_ops.fused.grouped_mlp, te_ops.basic.swiglu):
         module.swiglu_forward, module.swiglu_backward = fwd, bwd
 
 

@@ -49,8 +49,8 @@
 #                 device time is below the peer's and the host decides the step -> "$OUT/gaps_mid.jsonl"
 #     host_costs  benchmarks/host_launch_costs.py: host us per call of the small device calls and
 #                 of the persistent kernels' entry points vs torch._grouped_mm -> "$OUT/host_costs.jsonl"
-#     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py --general: E64 and E128 eager,
-#                 a baseline te_ops copy vs this tree, fast path on and off, one process
+#     host_ab     (with HOST_AB_BASE set) benchmarks/host_ab.py: E64 and E128 eager,
+#                 a baseline te_ops copy vs this tree, one process
 #     memory      benchmarks/memory_report.py on CUDA (saved bytes, op counts, fused vs not)
 #     power       benchmarks/power_clock.py: SM clock, board power, power-cap share and energy per
 #                 step of 150 back-to-back steps, the peer vs te_ops fused, three large shapes
@@ -234,11 +234,11 @@ bench_lane() {
         --peers torch_grouped_mm,te_ops_fused,te_ops_fused_single --out "$OUT/gaps_mid.jsonl"
     step host_costs 40 "$PY" benchmarks/host_launch_costs.py --out "$OUT/host_costs.jsonl"
     # Host-overhead A/B in one process against a baseline copy of te_ops (made with
-    # `benchmarks/host_ab.py --make-baseline OLD/te_ops DIR`; HOST_AB_BASE=DIR), with this
-    # tree's general path (TE_OPS_FAST_STEP=0) as a third variant. Skipped without HOST_AB_BASE.
+    # `benchmarks/host_ab.py --make-baseline OLD/te_ops DIR`; HOST_AB_BASE=DIR). Skipped
+    # without HOST_AB_BASE.
     if [ -n "${HOST_AB_BASE:-}" ]; then
         step host_ab 120 env PYTHONPATH="$PYTHONPATH:$HOST_AB_BASE" "$PY" benchmarks/host_ab.py \
-            --general --rounds 3 --iters 30 --warmup 5 \
+            --rounds 3 --iters 30 --warmup 5 \
             --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 --out "$OUT/host_ab.jsonl"
     fi
     step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \

@@ -41,18 +41,18 @@ def block_args(block, x: torch.Tensor, probs: torch.Tensor, split: torch.Tensor)
 
 def fwd_bwd_step(block, x: torch.Tensor, probs: torch.Tensor, split: torch.Tensor,
                  dy: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, list[torch.Tensor | None], bool]:
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None], str]:
     """One fwd+bwd of ``block`` on the caller's leaves ``x`` and ``probs`` (their ``.grad`` and
     the parameters' are cleared first), with output gradient ``dy`` (ones by default): the
     detached output, clones of the gradients of ``x``, ``probs`` and every parameter (None
-    where there is none), and whether the fast path ran (``_FastGroupedMLPBackward``)."""
+    where there is none), and the output's grad_fn class name."""
     for t in (x, probs, *block.parameters()):
         t.grad = None
     out = block(*block_args(block, x, probs, split))
-    fast = type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
+    node = type(out.grad_fn).__name__
     out.backward(torch.ones_like(out) if dy is None else dy)
     grads = [t.grad for t in (x, probs, *block.parameters())]
-    return out.detach(), [None if g is None else g.clone() for g in grads], fast
+    return out.detach(), [None if g is None else g.clone() for g in grads], node
 
 
 def run_block_params_first(block, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor,

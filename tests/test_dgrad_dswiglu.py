@@ -10,7 +10,7 @@ interpreter run of the kernel is in ``tests/test_dgrad_dswiglu_interpret.py``. C
 against an fp64 per-expert reference (dy ~ N(0, 1), weights at init scale, h ~ N(0, 1), padding
 rows over NaN garbage) and bitwise against the two launches it replaces (dh, a; dprobs within
 a tolerance: another fp32 summation order), bf16 and fp16, with and without probs; the block
-with the epilogue on vs off (general path, fast path, unfused forward + fused backward): y, dx,
+with the epilogue on vs off (repeated calls, unfused forward + fused backward): y, dx,
 dW1, dW2 bitwise, probs.grad within tolerance; CUDA graph replay and
 ``torch.compile(fullgraph=True)`` bitwise equal to eager.
 """
@@ -296,10 +296,10 @@ def _large_dgrad_env(monkeypatch):
 
 def check_block_epilogue_equal_to_off(monkeypatch, scaled, kernel, explained):
     """The block with ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` and ``TE_OPS_FC2_DSWIGLU_KERNEL=kernel``
-    (general path, then fast path, three steps) against the epilogue off: y, dx, dW1, dW2 bit
+    (three steps) against the epilogue off: y, dx, dW1, dW2 bit
     for bit, probs.grad within bf16 rounding (``_same``); ``explain()`` holds ``explained``.
     Returns ``((x, split, probs, dy), off, got)``: the inputs, the epilogue-off values and the
-    last fast-path step's values."""
+    last step's values."""
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
     x, split, probs, dy = _inputs()
     off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
@@ -307,7 +307,7 @@ def check_block_epilogue_equal_to_off(monkeypatch, scaled, kernel, explained):
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_KERNEL", kernel)
     block = _block(scaled=scaled)
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
-    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert runs[-1][1] == "_FuserFunctionBackward"
     assert explained in block.explain()
     for got, _ in runs:
         _same(got, off, scaled)
@@ -328,13 +328,12 @@ def check_block_graph_replay_and_compile(monkeypatch, kernel, explained):
 @pytest.mark.cuda
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
 def test_block_with_epilogue_equal_to_two_launches(monkeypatch, scaled):
-    """Epilogue on (general path, then fast path; unfused forward + fused backward) vs off:
+    """Epilogue on (three steps; unfused forward + fused backward) vs off:
     outputs, dx, dW1, dW2 bit for bit, probs.grad within tolerance; explain() names it."""
     _large_dgrad_env(monkeypatch)
     # the Gluon kernel: its own tests
     (x, split, probs, dy), off, got = check_block_epilogue_equal_to_off(
         monkeypatch, scaled, "triton", "fc2 dgrad dSwiGLU epilogue: one Triton launch")
-    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "0")  # fc2's input saved
     _same(_run(_block(scaled=scaled), x, split, probs, dy)[0], off, scaled)
     # the reference: fp64 per-expert loop

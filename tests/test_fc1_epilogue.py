@@ -2,11 +2,11 @@
 and where the fused grouped MLP takes it (``fused/fc1_epilogue.py``).
 
 CPU (CI): the rule and its reasons, the env toggle, ``explain()`` naming why it is not used,
-the argument errors, the fast path's binding. The interpreter run of the kernel is in
+the argument errors. The interpreter run of the kernel is in
 ``tests/test_fc1_epilogue_interpret.py``. CUDA: the kernel against a per-expert fp64 reference
 (inputs ~N(0, 1), weights at init scale, padding rows over NaN garbage), bitwise against the two
 launches it replaces (h and a), the block with the epilogue bitwise equal to the block without
-it (fused and fast paths, every gradient), CUDA graph replay bitwise equal to eager and
+it (fused, repeated calls, every gradient), CUDA graph replay bitwise equal to eager and
 ``torch.compile(fullgraph=True)`` of the block bitwise equal to eager.
 """
 
@@ -105,34 +105,6 @@ def test_argument_errors_name_the_argument():
         gm.fc1_swiglu(x, w, offs)
 
 
-def test_fast_path_binds_the_fused_launch(monkeypatch):
-    """With the epilogue recorded, the fast path's forward calls one bound site of the fused
-    kernel (not fc1's fprop and the activation); without it, the two calls."""
-    from te_ops import fast_step
-    from te_ops.kernels.triton_launch import LaunchBatch
-
-    calls = []
-
-    class Site:
-        def __init__(self, batch):
-            self.batch = batch
-
-        def __call__(self, x, w, off, p):
-            calls.append(("fused", self.batch, p))
-            return "h", "a"
-
-    monkeypatch.setattr(fast_step, "BoundFc1Swiglu", Site)
-    batch = LaunchBatch()
-    fused = fast_step._fc1_activation_call(None, None, True, batch)
-    splits = type("S", (), {"offsets": torch.tensor([1])})()
-    assert fused(torch.zeros(2, 2), None, splits, torch.ones(2)) == ("h", "a")
-    assert calls[0][:2] == ("fused", batch) and torch.equal(calls[0][2], torch.ones(2))
-    two = fast_step._fc1_activation_call(lambda x, w, s: x + 1, lambda h, p: h * p, False,
-                                         batch)
-    h, a = two(torch.zeros(2), None, None, torch.full((2,), 3.0))
-    assert torch.equal(h, torch.ones(2)) and torch.equal(a, torch.full((2,), 3.0))
-
-
 # --------------------------------------------------------------------------- CUDA: the kernel
 def _problem(sizes, rows, ffn, k, dtype=torch.bfloat16, seed=0):
     gen = torch.Generator(device=CUDA).manual_seed(seed)
@@ -206,7 +178,7 @@ def _inputs(sizes, rows, h=128):
 @pytest.mark.cuda
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
 def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
-    """Epilogue on (general path, then fast path) vs off, and vs the unfused ops: outputs and
+    """Epilogue on (three calls) vs off, and vs the unfused ops: outputs and
     every gradient equal bit for bit; explain() names the decision."""
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     if torch.cuda.get_device_capability()[0] != 9:
@@ -215,11 +187,10 @@ def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
     x, split, probs, dy = _inputs(sizes, 32)
     block = _block(scaled=scaled)
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
-    assert [r[1] for r in runs][-1] == "_FastGroupedMLPBackward"
+    assert [r[1] for r in runs][-1] == "_FuserFunctionBackward"
     assert "fc1 SwiGLU epilogue: one Triton launch" in block.explain()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
     off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     fwd_only = _run(_block(scaled=scaled), x, split, probs, dy)[0]  # fused fwd, unfused bwd

@@ -3,9 +3,8 @@ many-rows kernel (``large_fc1_swiglu``, ``fused/fc1_epilogue.py``).
 
 CPU (CI): the rule (auto refuses, ``LARGE_AUTO`` says why; ``1`` takes it; the neighbouring
 reasons still come first), the general path's routing to ``large_fc1_swiglu`` and its
-``explain()`` line, the fast path's call. CUDA: the block (>= 32 rows per group, bf16 on SM90:
-fprop and dgrad in the persistent kernels) with the epilogue on (``1``; general path, then
-the fast path) bitwise equal to the epilogue off, to the fused forward with the unfused
+``explain()`` line. CUDA: the block (>= 32 rows per group, bf16 on SM90:
+fprop and dgrad in the persistent kernels) with the epilogue on (``1``; repeated calls) bitwise equal to the epilogue off, to the fused forward with the unfused
 backward and to the unfused ops (outputs and every gradient); CUDA graph replay and
 ``torch.compile(fullgraph=True)`` of that block bitwise equal to eager.
 """
@@ -84,24 +83,6 @@ def test_general_path_launches_the_persistent_kernel(monkeypatch):
     assert len(calls) == 1
 
 
-def test_fast_path_calls_the_persistent_kernel(monkeypatch):
-    """The fast path with the epilogue recorded and fc1's fprop in the persistent kernel:
-    ``large_fc1_swiglu`` (not the few-rows kernel's bound site)."""
-    from te_ops import fast_step
-    from te_ops.kernels.triton_launch import LaunchBatch
-
-    calls = []
-    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
-                        lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
-    monkeypatch.setattr(fast_step, "BoundFc1Swiglu",
-                        lambda batch: pytest.fail("the few-rows kernel was bound"))
-    fused = fast_step._fc1_activation_call(None, None, True, LaunchBatch(), large=True)
-    splits = type("S", (), {"offsets": torch.tensor([1])})()
-    x, p, w = torch.zeros(2, 2), torch.ones(2), torch.zeros(1, 4, 2)
-    assert fused(x, w, splits, p) == ("h", "a")
-    assert calls[0][0] is x and calls[0][1] is w and calls[0][2] is splits.offsets
-
-
 # ---------------------------------------------------------------------------- CUDA: the block
 _run = run_block  # [y, x.grad, probs.grad, *parameter grads], grad_fn name
 
@@ -118,7 +99,7 @@ def _needs_persistent_fprop():
 
 @pytest.mark.cuda
 def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkeypatch):
-    """``1``: general path, then the fast path; against ``0``, the fused forward with the
+    """``1`` (three calls); against ``0``, the fused forward with the
     unfused backward and the unfused ops: outputs and every gradient bit for bit."""
     _needs_persistent_fprop()
     x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
@@ -129,11 +110,10 @@ def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkey
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     block = fc1_block()
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
-    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert runs[-1][1] == "_FuserFunctionBackward"
     assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
     off = _run(fc1_block(), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
     fwd_only = _run(fc1_block(), x, split, probs, dy)[0]

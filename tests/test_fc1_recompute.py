@@ -6,7 +6,7 @@
 * Where the option cannot be honoured (unfused forward, the fused gate refusing, a recipe, fc1
   frozen, no GroupedLinear before the activation) h is saved, ``explain()`` names the reason and
   a warning is given once per op and reason.
-* The fast path declines it, ``torch.compile(fullgraph=True)`` and the meta-device proof run
+* ``torch.compile(fullgraph=True)`` and the meta-device proof run
   it, the weights' in-place check still raises, main_grad / delayed wgrad stay right.
 """
 
@@ -20,7 +20,6 @@ import test_fused_grouped_mlp as base
 import torch
 
 import te_ops
-from te_ops.fast_step import fast_step_reason
 from te_ops.fused import BackwardGroupedMLP, ForwardGroupedMLP
 from te_ops.fused.fc1_recompute import NO_INPUT_REASON, RECIPE_REASON, UNFUSED_REASON
 
@@ -250,24 +249,6 @@ def test_explain_before_any_call_says_where_it_is_honoured():
 
 
 # ---------------------------------------------------------------------------- integration
-def test_fast_path_declines_and_results_stay_bitwise(monkeypatch):
-    case = replace(base.BASE, hidden=16, ffn=8, out=16, bias1=False, bias2=False, lead=(10,),
-                   sizes=(3, 0, 4))
-    torch.manual_seed(0)
-    master = base.make_block(case, torch.float32, False)
-    inp = base.make_inputs(case, torch.float32, "tensor")
-    on, off = twin(master, case, torch.float32, True), twin(master, case, torch.float32, False)
-    for _ in range(3):
-        got, want = base.run(on, case, inp), base.run(off, case, inp)
-        base.assert_bitwise(got, want, "fast path: option on vs off")
-    fuser_on, fuser_off = on.fusers()[0], off.fusers()[0]
-    assert fuser_off.__dict__.get("_fast_step") is not None  # the control takes the fast path
-    assert fuser_on.__dict__.get("_fast_step") is None
-    groups = fuser_on._split_extra_inputs(base.extra_args(case, inp, inp.probs))
-    reason = fast_step_reason(fuser_on, fuser_on._plan, inp.x, groups, None, [True] * 3)
-    assert reason == "recompute_input (fc1 recompute)"
-
-
 @pytest.mark.parametrize("option", ["delay_wgrad_compute", "accumulate_into_main_grad"])
 def test_main_grad_and_delayed_wgrad(monkeypatch, option):
     torch.manual_seed(0)
@@ -349,7 +330,6 @@ def test_meta_forward_backward_reads_no_device_value(monkeypatch):
     assert x.grad is not None and x.grad.shape == x.shape
     assert all(p.grad is not None for p in blk.parameters())
     assert recompute_record(blk).startswith("fc1 recompute: on")
-
 
 
 # ---------------------------------------------------------------------------- benchmarks

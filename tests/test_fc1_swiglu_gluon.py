@@ -2,7 +2,7 @@
 (``kernels/fc1_swiglu_gluon.py``) and its dispatch (``fused/fc1_epilogue.py``).
 
 CPU (CI): the config and argument errors, the reason on CPU, the measured rule and the
-dispatch (general path, fast path, ``explain()``), the sm_90 ahead-of-time compile (skipped
+dispatch (the fused forward, ``explain()``), the sm_90 ahead-of-time compile (skipped
 without Gluon or an sm_90 ptxas: run with Triton 3.6 on the path): four partitions' register
 budgets, wgmma m64n256k16, one paired TMA load of 48 KiB per k-step, shared memory within
 227 KiB; the ``C_HALF`` + ``STAGES`` 4 config (not measured): 4 ring stages in 224-227 KiB,
@@ -13,7 +13,7 @@ to the two launches (``large_fprop`` / ``torch._grouped_mm``, then ``swiglu_forw
 NaN garbage in x's padding rows and in the recycled output memory, skewed and empty groups,
 with and without probs, bf16 and fp16, ``SPLIT`` and ``C_HALF`` + ``STAGES`` 4; CUDA-graph
 replay with new offsets and ``torch.compile(fullgraph=True)`` bitwise equal to eager; the
-block with the rule patched to take the kernel: fused (general and fast path), the fused
+block with the rule patched to take the kernel: fused (repeated calls), the fused
 forward with the unfused backward and the unfused ops bitwise equal to the epilogue off;
 graph capture and compile of that block bitwise equal to eager.
 """
@@ -188,21 +188,6 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
             ("h", "a", ACT)
         assert "large_fc1_swiglu; off GLUON_FC1_RULE" in act.records[-1][1]
     assert gluon == [x] and large == [x96]
-
-
-def test_fast_path_runs_the_same_kernel_as_the_general_path(monkeypatch):
-    from te_ops import fast_step
-    from te_ops.kernels.triton_launch import LaunchBatch
-
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
-    calls = []
-    monkeypatch.setattr(FG, "gluon_fc1_dispatched",
-                        lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
-    fused = fast_step._fc1_activation_call(None, None, True, LaunchBatch(), large=True)
-    splits = type("S", (), {"offsets": torch.tensor([1])})()
-    x, p, w = torch.zeros(2, 2), torch.ones(2), torch.zeros(1, 4, 2)
-    assert fused(x, w, splits, p) == ("h", "a")
-    assert calls[0][0] is x and calls[0][1] is w and calls[0][2] is splits.offsets
 
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
@@ -395,7 +380,7 @@ def _take_gluon(monkeypatch) -> list[int]:
 @pytest.mark.cuda
 @pytest.mark.parametrize("scaled", [True, False], ids=["ScaledSwiGLU", "SwiGLU"])
 def test_block_interchange_bitwise_equal(monkeypatch, scaled):
-    """Auto at a (patched) rule shape: the Gluon kernel (general path, then the fast path);
+    """Auto at a (patched) rule shape: the Gluon kernel (first and repeated calls);
     against the epilogue off, the fused forward with the unfused backward and the unfused
     ops: output and every gradient bit for bit."""
     _skip_unless_sm90()
@@ -406,10 +391,9 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
     block = fc1_block(scaled=scaled)
     runs = [run_block(block, x, split, probs, dy) for _ in range(3)]
-    assert runs[-1][1] == "_FastGroupedMLPBackward"
+    assert runs[-1][1] == "_FuserFunctionBackward"
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()
     assert len(launches) == 3
-    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
     fwd_only = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")

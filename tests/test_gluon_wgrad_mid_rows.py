@@ -6,10 +6,10 @@ the rule at >= 1024 and the kernel: ``tests/test_gluon_wgrad_dispatch.py``,
 CPU (CI): the rule's decisions at 511 / 512 / 1023 / 1024 rows per group, off SM90, for
 other dtypes than bfloat16, with ``TE_OPS_GLUON_WGRAD`` 0 / 1, with ``out_features`` not a
 multiple of ``BLOCK_N``; the config each takes (also from the choice cache); the reason and
-``explain()`` text; that ``grouped_wgrad`` (so also the fast path's wgrad call) launches the
+``explain()`` text; that ``grouped_wgrad`` launches the
 choice's config, and the op ``te_ops::grouped_wgrad_gluon`` under ``torch.compile`` carries
 it. CUDA (SM90): a block at 565 rows per group launches the 4-stage config for both wgrads
-(general and fast path), matches the fp64 per-expert reference and is bitwise the block with
+(first and repeated call), matches the fp64 per-expert reference and is bitwise the block with
 the kernel off (``torch._grouped_mm``'s wgrad); CUDA-graph replay and ``torch.compile
 (fullgraph=True)`` of the block equal eager bit for bit.
 """
@@ -27,7 +27,6 @@ from block_replay import (
 )
 
 import te_ops
-from te_ops import fast_step
 from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton
 from te_ops.kernels import grouped_wgrad_gluon as gw
 
@@ -185,20 +184,15 @@ def _recording_gluon_wgrad(monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["mid_rows", "default"])
-def test_grouped_wgrad_and_the_fast_path_launch_the_choices_config(monkeypatch, preset):
-    """``grouped_wgrad`` passes the choice's preset; the fast path's wgrad call for a choice
-    with the Gluon wgrad is that dispatching call (``_gemm_calls``, with and without a launch
-    batch), so it launches the same config, decided once with the recorded choice."""
+def test_grouped_wgrad_launches_the_choices_config(monkeypatch, preset):
+    """``grouped_wgrad`` passes the choice's preset to the Gluon wgrad."""
     seen = _recording_gluon_wgrad(monkeypatch)
     choice = grouped_gemm.BackendChoice("triton", "test", True, large_kinds=("fprop", "dgrad"),
                                         gluon_kinds=("wgrad",), gluon_wgrad_preset=preset)
     x, dy = torch.zeros(10, 16, dtype=torch.bfloat16), torch.zeros(10, 128, dtype=torch.bfloat16)
     splits = te_ops.splits.make_splits(torch.tensor([4, 6]), 2, 10, torch.device("cpu"))
     grouped_gemm.grouped_wgrad(x, dy, splits, choice)
-    for batch in (None, fast_step.LaunchBatch()):
-        wgrad = fast_step._gemm_calls(choice, batch)[2]
-        wgrad(x, dy, splits)
-    assert seen == [(None, preset)] * 3
+    assert seen == [(None, preset)]
 
 
 def test_preset_reaches_the_launch(monkeypatch):
@@ -314,7 +308,7 @@ def _record_presets(monkeypatch):
 def test_block_at_mid_rows_takes_the_4_stage_config(monkeypatch):
     """4 experts, 2260 of 2304 rows (576 per group on average, padding included; one empty
     group, 44 padding rows of NaN): auto runs both wgrads in the Gluon kernel with
-    MID_ROWS_CONFIG, on the general path and on the fast path (second call); the results
+    MID_ROWS_CONFIG, on the first and the second call; the results
     match the fp64 reference and are bitwise those with the kernel off (torch._grouped_mm's
     wgrad, the same fprop/dgrad kernels), fused and unfused."""
     _needs_gluon_sm90()
@@ -329,10 +323,10 @@ def test_block_at_mid_rows_takes_the_4_stage_config(monkeypatch):
     split = torch.tensor(sizes, device="cuda")
     block = _block()
     first, path1 = run_block(block, x, split, probs, dy)
-    assert seen == ["mid_rows", "mid_rows"] and path1 != "_FastGroupedMLPBackward"
+    assert seen == ["mid_rows", "mid_rows"] and path1 != "_FuserFunctionBackward"
     assert "launch config 'mid_rows'" in block.explain()
     again, path2 = run_block(block, x, split, probs, dy)
-    assert path2 == "_FastGroupedMLPBackward"  # the fast path, same config
+    assert path2 == "_FuserFunctionBackward"  # the repeated call, same config
     assert seen == ["mid_rows"] * 4
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     for fusion, mode in (("0", "auto"), ("1", "0")):

@@ -23,9 +23,9 @@ def test_missing_baseline_names_make_baseline(capsys):
 
 
 @pytest.mark.parametrize("item,message", [
-    ("TE_OPS_TRITON_DIRECT_LAUNCH", "expected NAME=VALUE with NAME a te_ops variable"),
+    ("TE_OPS_FUSION", "expected NAME=VALUE with NAME a te_ops variable"),
     ("TE_OPS_NO_SUCH=1", "expected NAME=VALUE with NAME a te_ops variable"),
-    ("TE_OPS_TRITON_DIRECT_LAUNCH=2", "TE_OPS_TRITON_DIRECT_LAUNCH must be one of ['0', '1']"),
+    ("TE_OPS_FUSION=2", "TE_OPS_FUSION must be one of ['0', '1']"),
 ])
 def test_bad_variant_env_is_named(capsys, item, message):
     with pytest.raises(SystemExit) as info:
@@ -42,13 +42,13 @@ def test_variant_env_adds_a_variant(tmp_path, monkeypatch):
     out = tmp_path / "ab.jsonl"
     assert host_ab.main(["--device", "cpu", "--shapes", "E64_T256_H64_FF32", "--modes", "single",
                          "--iters", "1", "--warmup", "0", "--variant-env",
-                         "TE_OPS_FAST_STEP=0", "--out", str(out)]) == 0
+                         "TE_OPS_FUSION=0", "--out", str(out)]) == 0
     import json
 
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     variants = {r["variant"] for r in rows if r["bench"] == "host_ab"}
     assert variants == {"torch_grouped_mm", "base_single", "new_single",
-                        "new_single_TE_OPS_FAST_STEP=0"}
+                        "new_single_TE_OPS_FUSION=0"}
 
 
 def test_threads_must_be_positive(capsys):

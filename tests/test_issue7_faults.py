@@ -374,7 +374,7 @@ def test_example_progress_variable_is_checked_by_the_example(monkeypatch):
     ("TE_OPS_graph_safe", "TE_OPS_GRAPH_SAFE"),
     ("te_ops_fusion", "TE_OPS_FUSION"),
     ("TE_OPSFUSION", "TE_OPS_FUSION"),
-    ("TeOps_Fast_Step", "TE_OPS_FAST_STEP"),
+    ("TeOps_Graph_Safe", "TE_OPS_GRAPH_SAFE"),
     ("TE_OPS_FUSON", "TE_OPS_FUSION"),
 ])
 def test_misspelled_variable_warns_with_closest_name(monkeypatch, name, closest):

@@ -52,7 +52,7 @@ def _recompute_records(blk: te_ops.Sequential) -> list[str]:
 
 @pytest.mark.parametrize("env", [{}, {"TE_OPS_FUSION": "0"}])
 def test_explain_drops_the_recompute_record_when_the_option_is_switched_off(monkeypatch, env):
-    """``recompute_input`` is a plain attribute (the fast path's key reads it per call): a
+    """``recompute_input`` is a plain attribute (read per call): a
     user who switches it off after a call gets h saved again, and explain() must not keep
     saying "fc1 recompute: on: h is not saved" (or "off ... not honoured") from the old call."""
     for name, value in env.items():
@@ -94,20 +94,17 @@ def _train_step(blk: te_ops.Sequential, x, probs, splits) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("clone", [_clone_by_pickle, _clone_by_torch_save, copy.deepcopy])
-@pytest.mark.parametrize("fast", ["1", "0"])
-def test_block_pickles_after_training_steps(monkeypatch, clone, fast):
-    """Whole-module ``pickle`` / ``torch.save`` of a block after a few training steps (the
-    fuser then holds the fast path's recorded call: bound launch sites with thread-local
-    state and closures) used to raise ``TypeError: cannot pickle '_thread._local' object``;
-    before any call it worked. The copy trains on, with the original's values."""
-    monkeypatch.setenv("TE_OPS_FAST_STEP", fast)
+def test_block_pickles_after_training_steps(clone):
+    """Whole-module ``pickle`` / ``torch.save`` / ``deepcopy`` of a block after a few training
+    steps (the fuser then holds its cached plans). The copy trains on, with the original's
+    values."""
     blk = _block(recompute=False)
     torch.manual_seed(2)
     x, probs, splits = torch.randn(ROWS, HIDDEN), torch.rand(ROWS), torch.tensor([4, 3, 5])
     for _ in range(2):
         _train_step(blk, x, probs, splits)
     twin = clone(blk)
-    for _ in range(2):  # the general path once, then (fast=1) the copy's own fast path
+    for _ in range(2):
         got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert twin[0].weight0 is not blk[0].weight0

@@ -49,7 +49,7 @@ def test_functional_hessian_and_hvp_raise_instead_of_zeros(monkeypatch, fusion, 
         return blk(x, split, probs, split).square().sum()
 
     x = torch.randn(6, H, dtype=torch.float64)
-    f(x.requires_grad_()).backward()  # a first call (the fast path records it)
+    f(x.requires_grad_()).backward()  # a first call (the plan is cached)
     for fn in (torch.autograd.functional.hessian,
                lambda g, v: torch.autograd.functional.hvp(g, v, torch.ones_like(v))):
         with pytest.raises(RuntimeError, match="create_graph=True") as err:
@@ -85,9 +85,9 @@ def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fus
                 torch.autograd.grad(first.sum(), wrt, retain_graph=True, allow_unused=True)
 
 
-def test_fast_path_grad_of_first_order_grad_raises():
-    """The fast path (te_ops/fast_step.py: float32, device split sizes, a repeated call)
-    refuses the same way."""
+def test_repeated_call_grad_of_first_order_grad_raises():
+    """A repeated call (float32, device split sizes, the cached plan) refuses the same
+    way."""
     blk = _block(torch.float32)
     probs = torch.rand(6, requires_grad=True)
     x = torch.randn(6, H, requires_grad=True)
@@ -95,7 +95,7 @@ def test_fast_path_grad_of_first_order_grad_raises():
     blk(x, split, probs, split).sum().backward()
     for x_in in (x, x * 2):  # a leaf, and a non-leaf input (reached through the saved x)
         y = blk(x_in, split, probs, split)
-        assert type(y.grad_fn).__name__ == "_FastGroupedMLPBackward"
+        assert type(y.grad_fn).__name__ == "_FuserFunctionBackward"
         (gx,) = torch.autograd.grad(y.sum(), x_in, create_graph=True)
         for wrt in (x_in, x, blk[0].weight0, blk[2].weight1):
             with pytest.raises(RuntimeError, match="create_graph=True"):
@@ -272,7 +272,7 @@ def test_bias_parameter_dtypes_still_build(dtype):
 # The device check said only "split_sizes must be non-negative and sum to at most the input's
 # rows (10); set TE_OPS_CHECK_SPLIT_SIZES=1 ...", also on the CPU, where the values are in host
 # memory and naming them costs no sync. Now a SplitSizesError (ValueError and RuntimeError)
-# names them, in every path (fused, unfused, the fast path, a GroupedLinear alone).
+# names them, in every path (fused, unfused, a repeated call, a GroupedLinear alone).
 
 @pytest.mark.parametrize("sizes,match", [
     ([3, 0, 4, 4], r"rows \(10\), got sum 11 \(sizes \[3, 0, 4, 4\]\)"),
@@ -292,7 +292,7 @@ def test_bad_cpu_split_sizes_name_the_values(monkeypatch, sizes, match, fusion):
                             te_ops.GroupedLinear(4, FF, H, bias=False))
     x, probs = torch.randn(10, H, requires_grad=True), torch.rand(10)
     good = torch.tensor([3, 0, 4, 3])
-    for _ in range(2):  # the second call takes the fast path (fused, tensor sizes)
+    for _ in range(2):  # the second call reuses the cached plan (fused, tensor sizes)
         first = blk(x, good, probs, good)
         first.sum().backward()
     bad = torch.tensor(sizes)

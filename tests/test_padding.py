@@ -138,7 +138,7 @@ def test_triton_op_in_cuda_graph():
 
 @pytest.mark.cuda
 def test_registered_op_eager_matches_direct_launch():
-    """``torch.ops.te_ops.zero_rows_past_total_`` (the registered op) and the eager direct launch
+    """``torch.ops.te_ops.zero_rows_past_total_`` (the registered op) and the eager launch
     give the same result."""
     _need_triton()
     out, offsets, expected = _case("cuda", torch.bfloat16, 127, 300, 33)

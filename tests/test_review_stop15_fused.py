@@ -1,6 +1,5 @@
-"""Review of stop 15's merged changes (leaf15: the fast path's per-expert weights; fc1x15: the
-PAIRED fc1 + SwiGLU persistent kernel and its ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` routing;
-dsw15: fc2 dgrad with the dSwiGLU epilogue): one test per defect found, against the
+"""The fused grouped MLP with per-expert weights whose data is re-pointed between calls, and
+the PAIRED fc1 + SwiGLU / fc2 dgrad + dSwiGLU persistent epilogues together: against the
 independent fp64 reference of ``tests/reference.py``.
 """
 
@@ -35,10 +34,9 @@ def _inputs():
     return x, probs, sizes
 
 
-def _warmed(monkeypatch, fast_step: str):
-    """``TE_OPS_FAST_STEP=fast_step``, the block and its inputs after two steps (the fast path
-    recorded, its stacked weight view remembered): ``(block, x, probs, split)``."""
-    monkeypatch.setenv("TE_OPS_FAST_STEP", fast_step)
+def _warmed():
+    """The block and its inputs after two steps (the stacked weight view remembered):
+    ``(block, x, probs, split)``."""
     block = _block()
     x, probs, split = _inputs()
     for _ in range(2):
@@ -46,34 +44,29 @@ def _warmed(monkeypatch, fast_step: str):
     return block, x, probs, split
 
 
-def _check_step_against_reference(block, x, probs, split, ws, fast_step: str) -> None:
-    """One more step: the fast path taken iff ``fast_step == "1"``, the output within 1e-5 of
-    the fp64 reference with fc1's weights ``ws`` (as the test left them) and fc2's."""
-    out, _, fast = fwd_bwd_step(block, x, probs, split)
-    assert fast == (fast_step == "1")
+def _check_step_against_reference(block, x, probs, split, ws) -> None:
+    """One more step: the output within 1e-5 of the fp64 reference with fc1's weights ``ws``
+    (as the test left them) and fc2's."""
+    out, _, node = fwd_bwd_step(block, x, probs, split)
+    assert node == "_FuserFunctionBackward"
     expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
                            [leaf(w) for w in block[2].weights()], None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fast_step", ["1", "0"])
 @pytest.mark.parametrize("which", [(5,), (0,), tuple(range(GROUPS))])
-def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(
-        monkeypatch, fast_step, which):
+def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(which):
     """``weight.data = weight.data.t()`` (a square weight) keeps the data pointer, the shape
     and the dtype but not the strides: the stacked (G, N, K) view remembered by data pointers
-    (``_LayerWeights.stacked`` on the fast path, ``stack_weights``' memo on the general path)
-    must not be reused, or the moved weight is read as its old layout (silently wrong)."""
-    block, x, probs, split = _warmed(monkeypatch, fast_step)
+    (``stack_weights``' memo) must not be reused, or the moved weight is read as its old layout (silently wrong)."""
+    block, x, probs, split = _warmed()
     ws = block[0].weights()
     for g in which:
         ws[g].data = ws[g].data.t()
-    _check_step_against_reference(block, x, probs, split, ws, fast_step)
+    _check_step_against_reference(block, x, probs, split, ws)
 
 
-@pytest.mark.parametrize("fast_step", ["1", "0"])
-def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
-        monkeypatch, fast_step):
+def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy():
     """Every weight re-pointed to a storage of its own whose data sits at the old slice's
     address (what the CUDA caching allocator can hand out when weights are re-allocated one
     by one after the packed buffer was freed; simulated here with ``torch.from_numpy`` of the
@@ -81,7 +74,7 @@ def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
     spans the G weights, so the (G, N, K) view cannot be taken (``as_strided`` raised
     "out of bounds for storage") and the weights must be stacked as a copy, with the
     reference's values."""
-    block, x, probs, split = _warmed(monkeypatch, fast_step)
+    block, x, probs, split = _warmed()
     ws = block[0].weights()
     ptrs = [w.data_ptr() for w in ws]
     numel = ws[0].numel()
@@ -91,45 +84,8 @@ def test_weights_reallocated_apart_at_the_old_addresses_are_stacked_as_a_copy(
         w.data = t
     assert [w.data_ptr() for w in ws] == ptrs
     assert ws[0].untyped_storage().nbytes() == numel * ws[0].element_size()
-    _check_step_against_reference(block, x, probs, split, ws, fast_step)
+    _check_step_against_reference(block, x, probs, split, ws)
 
-
-def test_compiled_autograd_traces_the_version_check_without_a_graph_break():
-    """Compiled autograd traces the fast path's backward, the per-weight version check
-    included (``_LayerWeights.check``): it must not break the graph (a Python branch on a
-    traced ``_version`` read through ``operator.attrgetter`` did: an error under
-    ``fullgraph``), must not raise over optimizer steps (the versions move every step), and
-    must still raise for an in-place change of a weight with a version counter of its own
-    between the forward and the backward."""
-    import torch._dynamo.compiled_autograd as compiled_autograd
-    from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    block = _block()
-    fc2 = block[2]
-    fc2.weight5 = torch.nn.Parameter(fc2.weight5.detach().clone())  # a counter of its own
-    block.float()  # packed next to the others again
-    x, probs, split = _inputs()
-    fwd_bwd_step(block, x, probs, split)
-    compiler = torch.compile(backend=CompileCounter())
-    opt = torch.optim.SGD(block.parameters(), lr=0.01)
-    for _ in range(3):
-        out = block(x, split, probs, split)
-        assert type(out.grad_fn).__name__ == "_FastGroupedMLPBackward"
-        with compiled_autograd._enable(compiler):
-            out.sum().backward()
-        opt.step()
-        opt.zero_grad()
-    breaks = [k for k in counters["graph_break"] if "attrgetter" in k or "_version" in k]
-    assert not breaks, breaks
-    out = block(x, split, probs, split)
-    with torch.no_grad():
-        fc2.weights()[5].add_(1.0)
-    with pytest.raises(RuntimeError), compiled_autograd._enable(compiler):
-        out.sum().backward()
-    torch._dynamo.reset()
 
 # ------------------------------------------------------------------------------------- CUDA
 CUDA = torch.device("cuda")
@@ -183,8 +139,8 @@ def _cuda_run(block, x, split, probs, dy):
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
 def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scaled, recompute):
     """``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` (PAIRED fc1 + SwiGLU) and
-    ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` (fc2 dgrad + dSwiGLU) together, general path then fast
-    path, and with ``recompute_input=True`` (the backward re-runs fc1's GEMM in the plain
+    ``TE_OPS_FC2_DSWIGLU_EPILOGUE=1`` (fc2 dgrad + dSwiGLU) together, over three calls, and
+    with ``recompute_input=True`` (the backward re-runs fc1's GEMM in the plain
     persistent fprop, so its h must be the PAIRED kernel's bit for bit): y, dx, dW1, dW2
     bitwise the two-launch pairs' (``0`` / ``0``), probs.grad within bf16 rounding."""
     _sm90()
@@ -200,7 +156,7 @@ def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scale
     assert "persistent many-rows kernel, large_fc1_swiglu" in notes
     assert re.search("fc2 dgrad dSwiGLU epilogue: one (Triton|warp-specialized Gluon) launch",
                      notes)
-    assert (runs[-1][1] == "_FastGroupedMLPBackward") == (not recompute)
+    assert all(name == "_FuserFunctionBackward" for _, name in runs)
     n = len(want) - (1 if scaled else 0)
     for got, _ in runs:
         assert all(torch.equal(a, b) for a, b in zip(got[:n], want[:n]))
@@ -211,11 +167,10 @@ def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scale
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("which", ["first", "all"])
-def test_fast_path_restrided_weights_on_the_persistent_kernels(monkeypatch, which):
+def test_restrided_weights_on_the_persistent_kernels(monkeypatch, which):
     """The CUDA side of the re-strided weight (``w.data = w.data.t()`` of square fc1 weights,
-    hidden = 2 ffn): the fast path's bound persistent-kernel sites decided their TMA layout
-    on k-contiguous weights, so a remembered (G, N, K) view with the transposed strides must
-    not reach them: outputs against the fp64 reference."""
+    hidden = 2 ffn) after warm calls: a remembered (G, N, K) view with the transposed strides
+    must not reach the persistent kernels: outputs against the fp64 reference."""
     _sm90()
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
     block = _cuda_block(hidden=256, ffn=128)
@@ -227,7 +182,7 @@ def test_fast_path_restrided_weights_on_the_persistent_kernels(monkeypatch, whic
         if which == "all" or g == 0:
             w.data = w.data.t()
     got, node = _cuda_run(block, x, split, probs, dy)
-    assert node == "_FastGroupedMLPBackward"
+    assert node == "_FuserFunctionBackward"
     expected = grouped_mlp(leaf(x), split, leaf(probs), [leaf(w) for w in ws], None,
                            [leaf(w) for w in block[2].weights()], None)
     torch.testing.assert_close(got[0].double(), expected, rtol=1.6e-2,

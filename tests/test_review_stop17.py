@@ -136,7 +136,6 @@ def test_block_on_a_misaligned_input_says_so_and_keeps_the_bits(monkeypatch):
     assert x.data_ptr() % 16
     split = torch.tensor([150, 0, 47, 103], device=CUDA)
     probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16)
-    monkeypatch.setenv("TE_OPS_FAST_STEP", "0")
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
     want = block()(x, split, probs, split)
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
