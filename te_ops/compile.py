@@ -1,13 +1,14 @@
 """te_ops under ``torch.compile``: the gate, and the facts the traced call reads.
 
 While Dynamo traces ``OperationFuser.__call__`` (``torch.compiler.is_compiling()``), the call
-goes to the fuser's compiled branch (``te_ops.fuser.compiled_call``), which uses this module:
+takes the fuser's compiled branch (``te_ops.fuser.compiled_call``, which sits above this
+module and uses it):
 
 * The gate (:func:`compile_unsupported_reason`, computed from facts Dynamo traces and guards)
   names why a call cannot be traced whole; then te_ops calls
   ``torch._dynamo.graph_break(msg=reason)`` (with ``fullgraph=True`` the error carries the
   reason) and runs the call eagerly with a one-time warning. Nothing falls back silently.
-* Otherwise the op list enters the graph as one call of :func:`_run_block`, an
+* Otherwise the op list enters the graph as one call of ``te_ops.fuser._run_block``, an
   ``allow_in_graph`` function. Dynamo records it as one node; AOTAutograd runs it on fake
   tensors at trace time: the fuser plans then (the plan is baked into the graph), the
   fused/unfused ops and the one ``torch.autograd.Function`` run as Python, and only torch ops

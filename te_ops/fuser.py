@@ -45,7 +45,13 @@ from .compile import (
 )
 from .double_backward import graph_anchors
 from .func_transforms import check_no_func_transform
-from .op import LIVE_BASIC_OPS, BasicOperation, FusibleOperation, OperationContext
+from .op import (
+    LIVE_BASIC_OPS,
+    BasicOperation,
+    FusibleOperation,
+    OperationContext,
+    set_fuser_class,
+)
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
 from .splits import close_host_read_scope, open_host_read_scope
@@ -459,6 +465,9 @@ class OperationFuser:
         return outputs if sum(self.num_extra_outputs) else outputs[0]
 
 
+set_fuser_class(OperationFuser)  # a lone op's forward runs through one
+
+
 # ------------------------------------------------------------------ compiled branch
 def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recipe: Any) -> Any:
     """``OperationFuser.__call__`` while ``torch.compile`` traces it.
@@ -476,8 +485,8 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
     params = [p for op in fuser.basic_ops for p in op._parameters.values()]
     env_values = tuple(env_value(name) for name in env.ENV_VARS)
     key = tuple(id(op) for op in fuser.basic_ops)
-    recipe_key = recipe_key(recipe if recipe is not None else active_recipe())
-    return _run_block(input_, key, recipe_key, len(params), env_values, *params,
+    recipe_constants = recipe_key(recipe if recipe is not None else active_recipe())
+    return _run_block(input_, key, recipe_constants, len(params), env_values, *params,
                       *extra_inputs)
 
 
@@ -495,7 +504,7 @@ def _fuser_for(key: tuple[int, ...]) -> Any:
 
 
 @torch._dynamo.allow_in_graph
-def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
+def _run_block(input_, key, recipe_constants, num_params, env_values, *rest):
     """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
     the basic ops named by ``key`` (their ids) run through a fuser, with their parameters
     replaced by the graph's parameter inputs."""
@@ -507,7 +516,7 @@ def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
         for op in fuser.basic_ops:
             swap = {n: next(it) for n in op._parameters}
             stack.enter_context(_reparametrize_module(op, swap))
-        return fuser._run(input_, *extra, recipe=recipe_from_key(recipe_key))
+        return fuser._run(input_, *extra, recipe=recipe_from_key(recipe_constants))
 
 
 def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:

@@ -32,7 +32,7 @@ import torch
 
 from . import env
 from .fuser import OperationFuser
-from .op import BasicOperation, FusibleOperation
+from .op import HOOKS_NOTE, BasicOperation, FusibleOperation, has_hooks
 from .signature import CallSignature
 
 if TYPE_CHECKING:
@@ -58,6 +58,12 @@ def _fuser_of_op(op: FusibleOperation) -> OperationFuser:
     return fuser if isinstance(fuser, OperationFuser) else OperationFuser([op])
 
 
+def _is_container(module: Any) -> bool:
+    """Whether ``module`` is a te_ops container (``te_ops.Sequential``, which sits above this
+    module and calls it: its ``_groups()`` are its fusers and plain modules in order)."""
+    return isinstance(module, torch.nn.Module) and callable(getattr(module, "_groups", None))
+
+
 def _layout(module: Any) -> tuple[list[_Step], list[OperationFuser]]:
     """The main chain's steps and the fusers that run them, in order.
 
@@ -66,9 +72,7 @@ def _layout(module: Any) -> tuple[list[_Step], list[OperationFuser]]:
     TypeError
         ``module`` is not a te_ops Sequential, OperationFuser or operation.
     """
-    from .sequential import Sequential
-
-    if isinstance(module, Sequential):
+    if _is_container(module):
         keyed: list[tuple[str, torch.nn.Module]] = []
         for i, item in module._modules.items():
             if isinstance(item, FusibleOperation):
@@ -362,8 +366,6 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     ValueError
         ``sample_inputs`` hold extra inputs but not as many as the ops take.
     """
-    from .sequential import HOOKS_NOTE, Sequential, has_hooks
-
     _, fusers = _layout(module)
     plans = _plans(fusers, sample_inputs)  # checks the sample inputs
     graph = build_graph(module, *sample_inputs[1:])
@@ -397,7 +399,7 @@ def explain(module: Any, *sample_inputs: Any) -> str:
     lines += ["", "fusions not applied:"]
     note_rows = []
     for k, plan in enumerate(plans):
-        if isinstance(module, Sequential) and len(fusers[k].basic_ops) == 1:
+        if _is_container(module) and len(fusers[k].basic_ops) == 1:
             op = fusers[k].basic_ops[0]
             if has_hooks(op):
                 note_rows.append([str(k), "-", f"{op.describe()} {HOOKS_NOTE}"])

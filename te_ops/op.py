@@ -14,12 +14,32 @@ fuser_forward split, one context per basic op, extra inputs and outputs per op).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["OperationContext", "FusibleOperation", "BasicOperation", "FusedOperation"]
+__all__ = ["OperationContext", "FusibleOperation", "BasicOperation", "FusedOperation",
+           "HOOKS_NOTE", "has_hooks", "set_fuser_class"]
+
+#: Why an op with hooks runs alone (shown by ``explain()``).
+HOOKS_NOTE = ("has module hooks: it runs alone, unfused, through its own __call__ so the "
+              "hooks run")
+
+#: The class that runs an op called on its own (``[fuser class]``): ``te_ops.fuser`` sits above
+#: this module and names its ``OperationFuser`` here when imported (``import te_ops`` does).
+_FUSER_CLASS: list[Callable[[list[Any]], Any]] = []
+
+
+def set_fuser_class(cls: Callable[[list[Any]], Any]) -> None:
+    """Name the class that runs a lone op (``te_ops.fuser.OperationFuser``, on its import)."""
+    _FUSER_CLASS[:] = [cls]
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward, forward-pre or backward hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 class OperationContext:
@@ -203,11 +223,9 @@ class BasicOperation(FusibleOperation):
         return [f"{k}: {v}" for k, v in self.__dict__.get("_dispatch_records", {}).items()]
 
     def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
-        from .fuser import OperationFuser
-
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
-            fuser = OperationFuser([self])
+            fuser = _FUSER_CLASS[0]([self])
             self.__dict__["_standalone_fuser"] = fuser
         return fuser(input_, *extra_inputs)
 

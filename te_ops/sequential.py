@@ -24,20 +24,12 @@ from typing import Any
 import torch
 
 from .fuser import OperationFuser
-from .op import BasicOperation, FusibleOperation
+from .ir import explain, to_dot
+from .op import BasicOperation, FusibleOperation, has_hooks
 from .signature import CallSignature
+from .training import backward_dw_all
 
-__all__ = ["Sequential", "has_hooks", "HOOKS_NOTE"]
-
-#: Why an op with hooks runs alone (shown by ``explain()``).
-HOOKS_NOTE = ("has module hooks: it runs alone, unfused, through its own __call__ so the "
-              "hooks run")
-
-
-def has_hooks(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has forward, forward-pre or backward hooks of its own."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+__all__ = ["Sequential"]
 
 
 def _check_plain_module(index: int, module: torch.nn.Module) -> None:
@@ -273,8 +265,6 @@ class Sequential(torch.nn.Module):
     def backward_dw(self) -> None:
         """Run the delayed weight-gradient computation (``delay_wgrad_compute=True``) of every
         op in this container once (see :func:`te_ops.training.backward_dw_all`)."""
-        from .training import backward_dw_all
-
         backward_dw_all(self._items())
 
     # ------------------------------------------------------------------ introspection
@@ -289,13 +279,9 @@ class Sequential(torch.nn.Module):
         for unknown inputs). With ``(input_, *extra_inputs)`` it plans for that call without
         running it. See :func:`te_ops.ir.explain`.
         """
-        from .ir import explain
-
         return explain(self, *sample_inputs)
 
     def to_dot(self, *sample_inputs: Any) -> str:
         """Graphviz DOT text of the op graph (see :func:`te_ops.ir.to_dot`); takes the same
         arguments as :meth:`explain`: optionally ``(input_, *extra_inputs)`` of a call."""
-        from .ir import to_dot
-
         return to_dot(self, *sample_inputs)

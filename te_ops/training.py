@@ -192,12 +192,29 @@ def _main_grad_targets(policy: WgradPolicy, weights: list[torch.Tensor], single:
     return targets, [not getattr(w, "overwrite_main_grad", False) for w in weights]
 
 
+def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
+    """Split a (G, ...) gradient the way the parameters are held (one tensor, or per group)."""
+    return [grad] if single else list(grad.unbind(0))
+
+
+def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
+                    probs: torch.Tensor | None) -> torch.Tensor:
+    """Per-group sum of ``dy`` rows (times ``probs`` when given): shape (G, N).
+
+    Computed as ``onehot(group)^T @ dy``: deterministic (no atomics), fp32 accumulation inside
+    the GEMM. Padding rows are zeroed first, so garbage there cannot leak into the sums.
+    """
+    onehot = splits.group_onehot(dy.dtype)
+    if probs is not None:
+        onehot = onehot * splits.zero_padding(probs).to(dy.dtype).unsqueeze(0)
+    return onehot @ splits.zero_padding(dy)
+
+
 def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | None]:
     """Weight grads of one job: into ``main_grad`` (returning ``None``s), or plain tensors."""
     weights = job.weights
     if not any(map(_REQUIRES_GRAD, weights)):
         return [None] * len(weights)
-    from .basic.grouped_linear import per_param  # (basic.grouped_linear imports this module)
     dy = job.dy_q if job.dy_q is not None else quantize_operand(
         job.recipe, "grad_output", job.dy, job.splits, columnwise=True)
     if policy.accumulate_into_main_grad:
@@ -217,7 +234,6 @@ def _weight_grads(policy: WgradPolicy, job: _WgradJob) -> list[torch.Tensor | No
 def _bias_grads(job: _WgradJob) -> list[torch.Tensor | None]:
     if not any(map(_REQUIRES_GRAD, job.biases)):
         return [None] * len(job.biases)
-    from .basic.grouped_linear import group_bias_grad, per_param
     grads = per_param(group_bias_grad(job.dy, job.splits, job.probs), job.single)
     if all(map(_REQUIRES_GRAD, job.biases)):
         return grads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..op import BasicOperation
+from .grouped_linear import check_param_dtype
 
 __all__ = ["Bias"]
 
@@ -35,8 +36,6 @@ class Bias(BasicOperation):
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
-        from .grouped_linear import check_param_dtype
-
         self.size = size
         self.bias = torch.nn.Parameter(torch.zeros(size, device=device,
                                                    dtype=check_param_dtype(dtype)))

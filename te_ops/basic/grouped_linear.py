@@ -125,11 +125,6 @@ def stacked(params: list[torch.Tensor], single: bool, prefix: str | None = None
     return params[0] if single else stack_weights(params, prefix)
 
 
-def per_param(grad: torch.Tensor, single: bool) -> list[torch.Tensor]:
-    """Split a (G, ...) gradient the way the parameters are held (one tensor, or per group)."""
-    return [grad] if single else list(grad.unbind(0))
-
-
 def bias_table(stacked_bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Shape (G + 1, N): the (G, N) biases and a zero row that padding rows gather."""
     zero = stacked_bias.new_zeros(1, stacked_bias.shape[1])
@@ -147,19 +142,6 @@ def add_group_bias(y: torch.Tensor, stacked_bias: torch.Tensor, splits: GroupedS
     if probs is not None:
         rows = rows * splits.zero_padding(probs).to(y.dtype).unsqueeze(-1)
     return y.add_(rows)
-
-
-def group_bias_grad(dy: torch.Tensor, splits: GroupedSplits,
-                    probs: torch.Tensor | None) -> torch.Tensor:
-    """Per-group sum of ``dy`` rows (times ``probs`` when given): shape (G, N).
-
-    Computed as ``onehot(group)^T @ dy``: deterministic (no atomics), fp32 accumulation inside
-    the GEMM. Padding rows are zeroed first, so garbage there cannot leak into the sums.
-    """
-    onehot = splits.group_onehot(dy.dtype)
-    if probs is not None:
-        onehot = onehot * splits.zero_padding(probs).to(dy.dtype).unsqueeze(0)
-    return onehot @ splits.zero_padding(dy)
 
 
 def convert_weight_layout(state_dict: dict, prefix: str, num_groups: int, single: bool) -> None:
