@@ -1,5 +1,9 @@
 """The operation fuser: runs a list of basic ops as one ``torch.autograd.Function``.
 
+One execution path per call: traced by ``torch.compile`` the whole op list is one graph call
+(:func:`compiled_call`); eager, every call (training or ``no_grad``, fused or unfused plan)
+is one :class:`_FuserFunction` call with the call's cached plan.
+
 Forward walks the *forward plan* (basic ops with runs replaced by forward-fused ops); backward
 walks the *backward plan* in reverse. The two plans are made independently, so a fused forward
 can be followed by the unfused backward and the reverse: every op reads and writes its own

@@ -1,5 +1,5 @@
-"""Review of stop 12's library changes (bound launches, the fc1 SwiGLU epilogue, the fc1
-recompute): CPU tests of the defects found, each failing before its fix.
+"""CPU tests of defects found in the fc1 SwiGLU epilogue and the fc1 recompute, each failing
+before its fix.
 """
 
 from __future__ import annotations
@@ -8,34 +8,6 @@ import pytest
 import torch
 
 import te_ops
-from te_ops.kernels import triton_launch
-
-
-def test_c_launch_leaves_a_gsan_instrumented_launcher_to_its_own_call():
-    """Triton 3.9's launcher appends three sanitizer arguments to the kernel's arguments when
-    the kernel was compiled with ``TRITON_INSTRUMENTATION_MODE=gsan`` (``gsan_enabled``); the
-    bound launch's direct C call would pass the kernel's arguments without them. Such a
-    launcher must be called as it is (``_c_launch`` returns ``None``)."""
-
-    class Generic:  # Triton 3.9.0's CudaLauncher.__call__ layout, sanitizer on
-        launch, launch_cooperative_grid, launch_pdl = "G", False, False
-        arg_annotations, kernel_signature = "ann", "sig"
-        global_scratch_size = profile_scratch_size = 0
-        gsan_enabled = True
-
-        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
-                     launch_metadata, launch_enter_hook, launch_exit_hook, *args):
-            kernel_args = args
-            if self.gsan_enabled:
-                kernel_args = (*args, 1, 2, 3)
-            self.launch(gridX, self.launch_cooperative_grid, self.launch_pdl,
-                        self.arg_annotations, self.kernel_signature, self.global_scratch_size,
-                        self.profile_scratch_size, kernel_args)
-
-    assert triton_launch._c_launch(Generic()) is None
-    plain = Generic()
-    plain.gsan_enabled = False
-    assert triton_launch._c_launch(plain) == ("generic", "G", False, False, "ann", "sig")
 
 
 def _fake_epilogue(fc1, act, x2d, weights, splits, backend1, probs, recipe):
