@@ -461,9 +461,13 @@ class OperationFuser:
             apply = _FuserFunction.apply
         else:
             apply = _APPLY
+        # The parameters and extra inputs are Function inputs only for their autograd edges
+        # (the ops read their own parameters, and the extra inputs from ``groups``): a call
+        # where nothing takes part in backward (no_grad, a frozen block) passes none of them.
+        edges = (*flat_params, *flat_extra) if any(requires_grad) else ()
         outputs = apply(
             input_, self, plan, recipe, requires_grad, input_grad, extra_grad,
-            tuple(map(len, params)), groups, *flat_params, *flat_extra,
+            tuple(map(len, params)), groups, *edges,
         )
         self._plan = plan
         return outputs if sum(self.num_extra_outputs) else outputs[0]
@@ -625,7 +629,8 @@ class _FuserFunction(torch.autograd.Function):
     def forward(ctx, input_, fuser, plan, recipe, requires_grad, input_grad, extra_grad,
                 param_counts, groups, *params_and_extra):
         # ``groups``: the extra inputs per basic op, as split by the caller (the same objects
-        # as the flat tail of ``params_and_extra``, which autograd sees as inputs).
+        # as the flat tail of ``params_and_extra``, which autograd sees as inputs; empty when
+        # nothing takes part in backward).
         op_ctxs = [OperationContext() for _ in fuser.basic_ops]
         for i, c in enumerate(op_ctxs):
             c.requires_grad = requires_grad[i]
