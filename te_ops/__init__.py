@@ -1,6 +1,7 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-from . import kernels  # noqa: I001 - first: te_ops.splits and kernels.grouped_gemm import each other
+# kernels first: te_ops.splits and kernels.grouped_gemm import each other
+from . import kernels  # noqa: I001
 from . import (  # importing fused registers the fusions
     env,
     fused,

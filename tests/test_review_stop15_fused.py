@@ -58,7 +58,8 @@ def _check_step_against_reference(block, x, probs, split, ws) -> None:
 def test_weight_restrided_at_the_same_address_is_not_read_through_a_stale_view(which):
     """``weight.data = weight.data.t()`` (a square weight) keeps the data pointer, the shape
     and the dtype but not the strides: the stacked (G, N, K) view remembered by data pointers
-    (``stack_weights``' memo) must not be reused, or the moved weight is read as its old layout (silently wrong)."""
+    (``stack_weights``' memo) must not be reused, or the moved weight is read as its old
+    layout (silently wrong)."""
     block, x, probs, split = _warmed()
     ws = block[0].weights()
     for g in which:

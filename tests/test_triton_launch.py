@@ -89,10 +89,10 @@ def _two_gpus() -> bool:
 @pytest.mark.cuda
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
 def test_tensors_on_another_device_launch_there_on_its_current_stream():
-    """With cuda:0 current, te_ops' Triton kernels (a block's first and repeated calls) given tensors on
-    cuda:1 launch on cuda:1 and on cuda:1's current stream: inputs written on a side stream
-    of cuda:1 behind a long sleep are read only after it (a launch on another stream would
-    read them before); results equal a run with cuda:1 current."""
+    """With cuda:0 current, te_ops' Triton kernels (a block's first and repeated calls) given
+    tensors on cuda:1 launch on cuda:1 and on cuda:1's current stream: inputs written on a side
+    stream of cuda:1 behind a long sleep are read only after it (a launch on another stream
+    would read them before); results equal a run with cuda:1 current."""
     pytest.importorskip("triton")
     import te_ops
     from te_ops.kernels import grouped_gemm_triton
