@@ -15,7 +15,7 @@ import te_ops
 from te_ops.kernels import dgrad_dswiglu_triton as D
 from te_ops.kernels import grouped_gemm_large_triton as L
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 
 import host_ab  # noqa: E402
 import large_gemm_triton as bench  # noqa: E402
