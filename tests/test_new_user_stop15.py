@@ -1,6 +1,5 @@
 """A new user's checks of the stop-15 features on CPU: the epilogue variables' ``explain()``
-text, the benchmark flags of the fused kernels' launch configs, and
-``--variant-env`` values read as te_ops reads the variables."""
+text and the benchmark flags of the fused kernels' launch configs."""
 
 from __future__ import annotations
 
