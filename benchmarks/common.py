@@ -32,7 +32,26 @@ __all__ = [
     "check_file",
     "check_device",
     "read_records",
+    "add_out_argument",
+    "out_path",
 ]
+
+
+def add_out_argument(parser: Any, bench: str) -> None:
+    """``--out DIR``: the folder a run writes its files to (default ``runs/<bench>`` under the
+    current directory); raw results are never tracked in the repository."""
+    parser.add_argument("--out", default=os.path.join("runs", bench), metavar="DIR",
+                        help=f"output folder (default: runs/{bench})")
+
+
+def out_path(folder: str, name: str) -> str:
+    """``folder/name``, the folder created when missing; an existing file of that name is
+    replaced (one run, one file)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        os.remove(path)
+    return path
 
 
 def check_list(parser: Any, flag: str, text: str, known: Any) -> list[str]:
