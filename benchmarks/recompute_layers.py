@@ -18,9 +18,10 @@ the integer split tensors, a few hundred bytes, left out).
 Usage::
 
     python benchmarks/recompute_layers.py [--shape E8_T16384_H4096_FF14336] [--layers 4]
-        [--out FILE]
+        [--out DIR]
 
-One JSON line per setting to stdout (and appended to ``--out``), a table to stderr.
+One JSON line per setting to stdout and to ``<--out>/recompute_layers.jsonl`` (default
+``runs/recompute_layers``), a table to stderr.
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, peak_memory_mib, summarize_times, time_steps  # noqa: E402
-from grouped_mlp import QUICK_SHAPES, SHAPES, skewed_sizes  # noqa: E402
+from common import (  # noqa: E402
+    add_out_argument,
+    machine_info,
+    out_path,
+    peak_memory_mib,
+    summarize_times,
+    time_steps,
+)
+from grouped_mlp import SHAPES, TINY_SHAPES, skewed_sizes  # noqa: E402
 
 import te_ops  # noqa: E402
 
@@ -86,7 +94,7 @@ def _memory_trace(forward, dy: torch.Tensor, before, device: torch.device, param
 
 
 def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> dict:
-    shape = {**SHAPES, **QUICK_SHAPES}[args.shape]
+    shape = {**SHAPES, **TINY_SHAPES}[args.shape]
     experts, tokens, hidden, _ = shape
     blocks = build(shape, args.layers, recompute, device)
     params = [p for b in blocks for p in b.parameters()]
@@ -143,26 +151,26 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="E8_T16384_H4096_FF14336",
-                        choices=[*SHAPES, *QUICK_SHAPES])
+                        choices=[*SHAPES, *TINY_SHAPES])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run "
                         "(no peak memory there)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    add_out_argument(parser, "recompute_layers")
     args = parser.parse_args(argv)
     if args.layers < 1 or args.iters < 1 or args.warmup < 0:
         parser.error(f"--layers and --iters must be >= 1, --warmup >= 0, got {args.layers}, "
                      f"{args.iters}, {args.warmup}")
     device = torch.device(args.device)
+    path = out_path(args.out, "recompute_layers.jsonl")
     rows = []
     for recompute in (False, True):
         row = {**machine_info(device), **measure(args, recompute, device)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"{'shape':<26} {'layers':>6} {'recompute':>9} {'ms':>9} {'peak MiB':>9} "
