@@ -2,11 +2,13 @@
 # GPU check of te_ops, run from the repository root on the GPU machine:
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
-#     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limit 9 minutes)
-#     STEPS="env bench bench_fp8 bench_variants profile profile_recipe memory peak recompute" \
-#         bash scripts/gpu_check.sh                            # the benchmarks (limits: 10 min)
+#     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limit 9 min)
+#     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 6 min)
+#     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
+#         bash scripts/gpu_check.sh                            # the rest (limits 7.2 min)
 #
-# One GPU and the device's 10-minute command limit: call it twice, once per line above.
+# On one GPU with a 10-minute limit per command: one call per line above (the limits are upper
+# bounds per step; a step that hits its limit is reported as TIMEOUT and the next one runs).
 #
 # Each step runs under `timeout` (its limit is the number after its name below) and is logged to
 # "$OUT/<step>.log" through `tee`, so the logs come back even when a step or the whole script is
@@ -113,27 +115,27 @@ test_lane() {
 
 bench_lane() {
     # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
-    step bench 200 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" --rounds 3 \
+    step bench 240 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" --rounds 3 \
         --iters 20 --warmup 3 --out "$OUT/bench" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
-    step bench_fp8 100 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" \
+    step bench_fp8 120 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" \
         --peers torch_grouped_mm,te_ops --recipe none,fp8,fp8fast --rounds 3 --iters 10 \
         --warmup 3 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
-    step bench_variants 120 "$PY" benchmarks/grouped_mlp.py \
+    step bench_variants 180 "$PY" benchmarks/grouped_mlp.py \
         --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 \
         --peers torch_grouped_mm,te_ops,te_ops_packed,te_ops_per_expert,te_ops_unfused,te_ops_graph,te_ops_compiled \
         --rounds 3 --iters 20 --warmup 3 --out "$OUT/bench_variants" ${BENCH_ARGS:-}
-    step profile 50 "$PY" benchmarks/profile_grouped_mlp.py --shapes "$GPU_SHAPES" \
+    step profile 60 "$PY" benchmarks/profile_grouped_mlp.py --shapes "$GPU_SHAPES" \
         --out "$OUT/profile"
-    step profile_recipe 30 "$PY" benchmarks/profile_recipe.py --shape E8_T16384_H4096_FF14336 \
+    step profile_recipe 40 "$PY" benchmarks/profile_recipe.py --shape E8_T16384_H4096_FF14336 \
         --recipe fp8 --out "$OUT/profile_recipe"
     step memory 30 "$PY" benchmarks/memory_report.py --device cuda --dtype bfloat16 --experts 8 \
         --tokens 16384 --hidden 1024 --ffn 2048 --out "$OUT/memory"
-    step peak 45 "$PY" benchmarks/peak_memory_breakdown.py --small \
+    step peak 60 "$PY" benchmarks/peak_memory_breakdown.py --small \
         --shapes E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768 \
         --peers torch_grouped_mm,te_ops --out "$OUT/peak"
-    step recompute 45 "$PY" benchmarks/recompute_layers.py --shape E8_T16384_H4096_FF14336 \
+    step recompute 60 "$PY" benchmarks/recompute_layers.py --shape E8_T16384_H4096_FF14336 \
         --layers 4 --out "$OUT/recompute"
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT/main_job"
     step main_job_seeds 160 "$PY" scripts/main_job_seeds.py --device cuda \
