@@ -3,9 +3,9 @@
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
 #     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limit 9 min)
-#     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 6 min)
+#     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 6.5 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
-#         bash scripts/gpu_check.sh                            # the rest (limits 7.2 min)
+#         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #
 # On one GPU with a 10-minute limit per command: one call per line above (the limits are upper
 # bounds per step; a step that hits its limit is reported as TIMEOUT and the next one runs).
