@@ -2,7 +2,7 @@
 # GPU check of te_ops, run from the repository root on the GPU machine:
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
-#     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limit 9 min)
+#     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limits 9.5 min)
 #     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 6.5 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)

@@ -24,7 +24,7 @@ time); the driver prints a table of every run's loss relative to ``none:base`` o
 step count, and the noise floor: the largest and mean absolute change of the ``none:*``
 perturbations; it exits with status 1 when a run failed (the run is named). Usage::
 
-    python benchmarks/main_job_noise.py --device cuda --runs none:base,none:ulp,fp8:base \\
+    python scripts/main_job_noise.py --device cuda --runs none:base,none:ulp,fp8:base \\
         --seeds 0,1,2 --steps 600,1200 --parallel 8 --out DIR
 """
 
