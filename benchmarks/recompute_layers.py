@@ -10,7 +10,7 @@ setting: the median step time (CUDA events, ``--iters`` steps after ``--warmup``
 allocated memory of one step minus the parameters (``peak_mib``), the memory allocated once
 every forward has run (``after_forward_mib``: what the blocks hold for backward, inputs and
 probs included, minus the parameters), per block the peak and the allocated memory at the end
-of its fused backward (``backward_mib``: [peak, allocated] pairs, last block first; the
+of its backward, when its input gradient is ready (``backward_mib``: [peak, allocated] pairs, last block first; the
 weight gradients of the blocks done so far count), and the floating-point bytes saved for
 backward per block (``saved_tensors_hooks``; parameters, probs and each block's input excluded;
 the integer split tensors, a few hundred bytes, left out).
@@ -51,45 +51,40 @@ def build(shape: tuple[int, int, int, int], layers: int, recompute: bool,
           device: torch.device) -> list[te_ops.Sequential]:
     experts, _, hidden, ffn = shape
     torch.manual_seed(0)
-    kw = {"bias": False, "single_grouped_weight": True, "device": device,
-          "dtype": torch.bfloat16}
+    kw = {"bias": False, "device": device, "dtype": torch.bfloat16}
     return [te_ops.Sequential(te_ops.GroupedLinear(experts, hidden, 2 * ffn, **kw),
                               te_ops.ScaledSwiGLU(recompute_input=recompute),
                               te_ops.GroupedLinear(experts, ffn, hidden, **kw))
             for _ in range(layers)]
 
 
-def _memory_trace(forward, dy: torch.Tensor, before, device: torch.device, param_bytes: int
+def _memory_trace(blocks: list[te_ops.Sequential], x: torch.Tensor, block_args: tuple,
+                  dy: torch.Tensor, before, device: torch.device, param_bytes: int
                   ) -> tuple[float | None, list[list[float]]]:
-    """Allocated MiB after all forwards, and per fused backward (in the order they run) the
-    peak since the previous one and the allocated MiB at its end; parameters subtracted."""
+    """Allocated MiB after all forwards, and per block backward (in the order they run) the
+    peak since the previous one and the allocated MiB when the block's input gradient is
+    ready (a tensor hook on each block's input); parameters subtracted."""
     if device.type != "cuda":
         return None, []
-    from te_ops.fused.grouped_mlp import BackwardGroupedMLP
-
     mib = 2**20
     per_block: list[list[float]] = []
-    original = BackwardGroupedMLP.fuser_backward
 
-    def traced(self, *a, **k):
-        out = original(self, *a, **k)
+    def record(grad: torch.Tensor) -> None:
         torch.cuda.synchronize(device)
         per_block.append([(torch.cuda.max_memory_allocated(device) - param_bytes) / mib,
                           (torch.cuda.memory_allocated(device) - param_bytes) / mib])
         torch.cuda.reset_peak_memory_stats(device)
-        return out
 
     before()
     torch.cuda.synchronize(device)
-    y = forward()
+    y = x
+    for b in blocks:
+        y.register_hook(record)
+        y = b(y, *block_args)
     torch.cuda.synchronize(device)
     after = (torch.cuda.memory_allocated(device) - param_bytes) / mib
     torch.cuda.reset_peak_memory_stats(device)
-    BackwardGroupedMLP.fuser_backward = traced
-    try:
-        y.backward(dy)
-    finally:
-        BackwardGroupedMLP.fuser_backward = original
+    y.backward(dy)
     return after, per_block
 
 
@@ -121,7 +116,8 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
     times = time_steps(step, device, warmup=args.warmup, iters=args.iters, before=before)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     peak = peak_memory_mib(step, device, param_bytes, before=before)
-    after_forward, per_block = _memory_trace(forward, dy, before, device, param_bytes)
+    after_forward, per_block = _memory_trace(blocks, x, (split, probs, split), dy, before,
+                                              device, param_bytes)
     saved: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in (*params, probs)}
 
