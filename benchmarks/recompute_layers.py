@@ -9,8 +9,8 @@ back (each block's output feeds the next, same routing), then one backward, and 
 setting: the median step time (CUDA events, ``--iters`` steps after ``--warmup``), the peak
 allocated memory of one step minus the parameters (``peak_mib``), the memory allocated once
 every forward has run (``after_forward_mib``: what the blocks hold for backward, inputs and
-probs included, minus the parameters), per block the peak and the allocated memory at the end
-of its backward, when its input gradient is ready (``backward_mib``: [peak, allocated] pairs, last block first; the
+probs included, minus the parameters), per block the peak and the allocated memory when its
+input gradient is ready (``backward_mib``: [peak, allocated] pairs, last block first; the
 weight gradients of the blocks done so far count), and the floating-point bytes saved for
 backward per block (``saved_tensors_hooks``; parameters, probs and each block's input excluded;
 the integer split tensors, a few hundred bytes, left out).
