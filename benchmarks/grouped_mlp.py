@@ -565,7 +565,8 @@ def summarize(path: str) -> str:
         if "ms_median" in r:
             groups.setdefault((r["shape"], r["peer"]), []).append(r)
         else:
-            notes.append(f"{r['shape']:<26} {r['peer']:<28} {(r.get('skipped') or r.get('error'))[:70]}")
+            note = r.get("skipped") or r.get("error") or ""
+            notes.append(f"{r['shape']:<26} {r['peer']:<28} {note[:70]}")
     header = (f"{'shape':<26} {'peer':<28} {'rounds':>6} {'ms':>9} {'TFLOP/s':>8} "
               f"{'peak MiB':>9} {'x eager':>8} {'x compiled':>10} {'x bf16':>7}")
     lines = [header, "-" * len(header)]

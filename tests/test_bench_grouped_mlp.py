@@ -10,7 +10,10 @@ import os
 import sys
 
 import pytest
+import torch
 from bench_helpers import usage_error
+
+import te_ops
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -111,11 +114,8 @@ def test_te_ops_peer_builds_the_library_default_layout():
     """``te_ops`` passes no layout flag: it measures what a user gets from the README."""
     args, shapes = bench.parse_args([*TINY])
     problem = bench.make_problem("E4_T256_H64_FF64", shapes["E4_T256_H64_FF64"],
-                                 __import__("torch").device("cpu"),
-                                 __import__("torch").float32, 0)
+                                 torch.device("cpu"), torch.float32, 0)
     default = bench.PEER_CLASSES["te_ops"](problem).block[0]
-    import te_ops
-
     assert default.single_grouped_weight == te_ops.GroupedLinear(2, 3, 4).single_grouped_weight
     packed = bench.PEER_CLASSES["te_ops_packed"](problem).block[0]
     per_expert = bench.PEER_CLASSES["te_ops_per_expert"](problem).block[0]
