@@ -16,10 +16,6 @@ from typing import Any, TextIO
 import torch
 
 __all__ = [
-    "profile_each_peer",
-    "check_trace_args",
-    "gpu_shapes",
-    "trace_events",
     "fwd_bwd_step",
     "env_override",
     "time_steps",
@@ -30,9 +26,27 @@ __all__ = [
     "check_list",
     "check_min",
     "check_file",
-    "check_device",
     "read_records",
+    "add_out_argument",
+    "out_path",
 ]
+
+
+def add_out_argument(parser: Any, bench: str) -> None:
+    """``--out DIR``: the folder a run writes its files to (default ``runs/<bench>`` under the
+    current directory); raw results are never tracked in the repository."""
+    parser.add_argument("--out", default=os.path.join("runs", bench), metavar="DIR",
+                        help=f"output folder (default: runs/{bench})")
+
+
+def out_path(folder: str, name: str) -> str:
+    """``folder/name``, the folder created when missing; an existing file of that name is
+    replaced (one run, one file)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        os.remove(path)
+    return path
 
 
 def check_list(parser: Any, flag: str, text: str, known: Any) -> list[str]:
@@ -58,38 +72,10 @@ def check_file(parser: Any, flag: str, path: str | None) -> None:
         parser.error(f"{flag}: expected an existing file, got {path!r}")
 
 
-def check_trace_args(parser: Any, args: Any) -> None:
-    """The flags the profile scripts share: ``--steps`` >= 1, ``--warmup`` >= 0, ``--summarize``
-    an existing file, ``--shapes`` / ``--peers`` names known to ``benchmarks/grouped_mlp.py``;
-    ``parser.error`` (exit 2) naming the flag otherwise."""
-    from grouped_mlp import PEER_CLASSES
-
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
-    check_file(parser, "--summarize", args.summarize)
-    check_list(parser, "--shapes", args.shapes, gpu_shapes())
-    check_list(parser, "--peers", args.peers, PEER_CLASSES)
 
 
-def gpu_shapes() -> dict[str, tuple[int, int, int, int]]:
-    """The GPU shapes the profile scripts take by name: ``grouped_mlp``'s issue-10 ``SHAPES``,
-    the decode ``HOST_SHAPES`` and the 64-256 rows-per-expert ``MID_SHAPES``."""
-    from grouped_mlp import HOST_SHAPES, MID_SHAPES, SHAPES
-
-    return {**SHAPES, **HOST_SHAPES, **MID_SHAPES}
 
 
-def check_device(parser: Any, flag: str, text: str | None) -> None:
-    """``parser.error`` naming ``flag`` when ``text`` is not a torch device string, or names
-    CUDA where none is available."""
-    if text is None:
-        return
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        parser.error(f"{flag}: expected a torch device such as cpu or cuda, got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"{flag} {text}: torch.cuda.is_available() is False")
 
 
 @contextlib.contextmanager
@@ -270,73 +256,3 @@ def recorded_run(path: str | None, summarize: Callable[[str], str]) -> Iterator[
     if path:
         print(summarize(path), file=sys.stderr)
 
-
-@contextlib.contextmanager
-def warmed_peer(peer_name: str, problem: Any, warmup: int) -> Iterator[Callable[[], None]]:
-    """The fwd+bwd step (:func:`fwd_bwd_step`) of one ``benchmarks/grouped_mlp.py`` peer on
-    ``problem``, run ``warmup`` times and synchronized, yielded inside the peer's env."""
-    from grouped_mlp import PEER_CLASSES
-
-    peer = PEER_CLASSES[peer_name](problem)
-    step = fwd_bwd_step(peer, problem)
-    with env_override(**peer.env):
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
-        yield step
-
-
-def trace_events(peer_name: str, problem: Any, *, warmup: int, steps: int,
-                 step_prefix: str | None = None) -> list[dict[str, Any]]:
-    """Chrome-trace events (torch.profiler, CPU + CUDA) of ``steps`` fwd+bwd steps of one
-    ``benchmarks/grouped_mlp.py`` peer after ``warmup`` untimed ones, run under the peer's env.
-
-    With ``step_prefix`` every step is a ``record_function("<prefix><i>")`` range followed by
-    ``torch.cuda.synchronize()`` (steps apart); without it the steps run back to back and
-    synchronize once at the end. The inputs' gradients are reset afterwards.
-    """
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with warmed_peer(peer_name, problem, warmup) as step:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(steps):
-                if step_prefix is None:
-                    step()
-                    continue
-                with record_function(f"{step_prefix}{i}"):
-                    step()
-                    torch.cuda.synchronize()
-            torch.cuda.synchronize()
-    problem.x.grad = problem.probs.grad = None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)["traceEvents"]
-
-
-def profile_each_peer(args: Any, bench: str,
-                      profile_peer: Callable[[str, Any, Any], dict[str, Any]]
-                      ) -> Iterator[dict[str, Any]]:
-    """For each of ``args.shapes`` x ``args.peers`` (comma-separated ``grouped_mlp`` names),
-    build the bf16 CUDA problem (``args.seed``) and yield ``{"bench", "shape", "peer"}`` with
-    ``profile_peer(peer, problem, args)``'s result, or ``"error"`` (type and first line) when
-    it raised: one failing peer does not stop the run. Memory is freed after each peer."""
-    from grouped_mlp import make_problem
-
-    device = torch.device("cuda")
-    shapes = gpu_shapes()
-    for name in args.shapes.split(","):
-        problem = make_problem(name, shapes[name], device, torch.bfloat16, args.seed)
-        for peer in args.peers.split(","):
-            record = {"bench": bench, "shape": name, "peer": peer}
-            try:
-                record.update(profile_peer(peer, problem, args))
-            except Exception as exc:  # noqa: BLE001 - one failing peer must not stop the run
-                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            yield record
-            free_memory()
-        del problem
-        free_memory()

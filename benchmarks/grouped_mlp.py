@@ -1,53 +1,54 @@
 """Speed and memory of an MoE expert MLP, fc1 -> ScaledSwiGLU -> fc2, forward + backward.
 
-Peers, run one after another in this process on the same problem (same weights, inputs,
-skewed routing):
+Peers (``--peers``), each run on the same problem (same weights, inputs, skewed routing):
 
 ``torch_grouped_mm``
-    plain PyTorch autograd through ``torch._grouped_mm`` with device offsets and a SwiGLU
-    written in torch ops; the baseline of ``ratio_vs_grouped_mm``.
+    the eager peer: plain PyTorch autograd through ``torch._grouped_mm`` with device offsets
+    and SwiGLU(h) * probs written in torch ops; the baseline of ``ratio_vs_eager``.
+``torch_grouped_mm_compiled``
+    the compiled peer: the same function through ``torch.compile(fullgraph=True)`` (default
+    mode, inductor); the baseline of ``ratio_vs_compiled``.
+``te_ops``
+    te_ops' default: ``te_ops.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` as a
+    user builds it (default parameter layout, default fusions), device split sizes.
+``te_ops_packed`` / ``te_ops_per_expert``
+    the same with ``single_grouped_weight=True`` (one (E, out, in) ``weight``) / ``False``
+    (``weight0..weight{E-1}``).
+``te_ops_unfused``
+    te_ops' default with ``TE_OPS_FUSION=0``.
+``te_ops_graph``
+    te_ops' default captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
+``te_ops_compiled``
+    te_ops' default through ``torch.compile(fullgraph=True)``.
+``te_ops_recompute``
+    te_ops' default with ``ScaledSwiGLU(recompute_input=True)`` (h not saved; fc1 re-run).
 ``torch_loop``
     plain PyTorch: one ``F.linear`` per expert with host split sizes.
-``te_ops_unfused`` / ``te_ops_fused``
-    ``te_ops.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` with device split sizes,
-    ``TE_OPS_FUSION=0`` / ``1``.
-``te_ops_fused_graph``
-    the fused block captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
-``te_ops_fused_recompute`` / ``te_ops_fused_single_recompute`` /
-``te_ops_fused_single_graph_noclone_recompute`` (not in the default list)
-    the same te_ops peers with ``ScaledSwiGLU(recompute_input=True)``: h is not saved, the
-    backward re-runs fc1's GEMM (one more GEMM; the FLOP count stays the one of the step).
-``te_ops_compiled`` / ``torch_grouped_mm_compiled``
-    ``te_ops_fused`` / ``torch_grouped_mm`` through ``torch.compile(fullgraph=True)`` (default
-    mode, inductor); the first warm-up step compiles (not timed; keep ``--warmup`` >= 2 so the
-    timed steps run the compiled forward and backward).
 
-``--recipe none,fp8,mxfp8`` runs every ``te_ops_*`` peer once per recipe: ``none`` in bf16 (the
-names above), ``fp8`` under ``te_ops.autocast(recipe=Float8CurrentScaling())`` (names get
-``+fp8``; ``fp8fast``: with ``fast_accumulate_backward=True``), ``mxfp8`` under
-``MXFP8BlockScaling`` (``+mxfp8``); such records also hold
-``ratio_vs_bf16``, the same peer's bf16 time over its time with the recipe.
+Default peers: the eager peer, the compiled peer and ``te_ops``. ``--recipe none,fp8,...`` runs
+every ``te_ops*`` peer once per recipe (``+fp8`` etc. appended to its name; such records also
+hold ``ratio_vs_bf16``).
 
-Each record (one JSON line, to stdout and appended to ``--out``) holds the median time of
-``--iters`` timed forward+backward steps after ``--warmup`` (CUDA events around each step;
-gradients are set to ``None`` before each step, untimed), TFLOP/s counted the same way for
-every peer (forward = 2·T·H·2FF + 2·T·FF·H, forward+backward = 3 × forward), the peak memory of
-one step minus the parameter bytes (``max_memory_allocated`` after a reset; inputs, gradients,
-activations, workspaces and a CUDA graph's pool count), the ratio of the
-``torch_grouped_mm`` time to the peer's time (> 1: faster than the baseline) and the largest
-output difference from the baseline (bf16 rounding and the fp32 SwiGLU of te_ops differ).
+Measurement: every peer of a shape is built once; then ``--rounds`` rounds (default 3), each
+timing every peer in turn (``--iters`` timed forward+backward steps after ``--warmup``
+untimed ones; CUDA events around each step on the GPU, the host clock on the CPU; gradients set
+to ``None`` before each step, untimed). Each record (one JSON line) holds one round of one peer:
+the median step time, TFLOP/s (forward = 2·T·H·2FF + 2·T·FF·H, forward+backward = 3 x
+forward), the step's own peak memory (CUDA: ``max_memory_allocated`` during the step minus what
+was allocated before it), the ratios to the same round's eager and compiled peers (> 1: faster)
+and the largest output difference from the eager peer. The summary reports, per shape and peer,
+the median over rounds. ``--interleaved`` instead times one step of each peer in turn
+(A, B, C, A, ...; host clock, no memory figures): for a shared, noisy host.
 
 Routing: each token goes to one expert drawn from a Zipf(1.2)-skewed popularity over a random
-permutation of the experts (fixed seed); tokens are already sorted by expert, probs ~ U(0, 1).
+permutation of the experts (fixed seed); tokens sorted by expert, probs ~ U(0, 1).
 
 Usage::
 
-    python benchmarks/grouped_mlp.py [--shapes E8_T16384_H4096_FF14336,...] [--out FILE]
-    python benchmarks/grouped_mlp.py --quick --device cpu        # tiny CPU smoke run
-    python benchmarks/grouped_mlp.py --device cpu --interleaved  # the CPU shape, fp32
-    python benchmarks/grouped_mlp.py --device cpu --interleaved --threads 1 \
-        --shapes E64_T256_H64_FF32                               # host overhead (E64 decode)
-    python benchmarks/grouped_mlp.py --summarize FILE            # table of a JSON-lines file
+    python benchmarks/grouped_mlp.py                     # the GPU shapes -> runs/grouped_mlp/
+    python benchmarks/grouped_mlp.py --device cpu --shapes tiny --out /tmp/x   # CPU smoke run
+    python benchmarks/grouped_mlp.py --shapes E64_T256_H2048_FF768 --peers te_ops,te_ops_graph
+    python benchmarks/grouped_mlp.py --summarize runs/grouped_mlp/grouped_mlp.jsonl
 """
 
 from __future__ import annotations
@@ -67,63 +68,74 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     JsonLines,
+    add_out_argument,
+    check_list,
     env_override,
     free_memory,
     machine_info,
-    peak_memory_mib,
-    recorded_run,
+    out_path,
     summarize_times,
     time_steps,
 )
 
 import te_ops  # noqa: E402
 
-SHAPES: dict[str, tuple[int, int, int, int]] = {
+Shape = tuple[int, int, int, int]  # experts, routed rows, hidden, ffn
+#: The GPU shapes (bf16): a Mixtral-like block, 128 small experts, 32 large ones, E64 decode.
+SHAPES: dict[str, Shape] = {
     "E8_T16384_H4096_FF14336": (8, 16384, 4096, 14336),
     "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
     "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
     "E64_T256_H2048_FF768": (64, 256, 2048, 768),
 }
-#: The CPU shape (run by default with ``--device cpu``): a Mixtral-like block scaled down,
-#: 2048 tokens routed top-2 (4096 rows), fp32.
-CPU_SHAPES: dict[str, tuple[int, int, int, int]] = {
+#: The CPU shape (default with ``--device cpu``; fp32): a Mixtral-like block scaled down.
+CPU_SHAPES: dict[str, Shape] = {
     "E8_T4096_H256_FF512": (8, 4096, 256, 512),
 }
-#: Host-bound shapes (``--shapes E64_T256_H64_FF32 --device cpu``): the E64 T256 decode
-#: shape's expert and token counts with tiny hidden sizes, so the step time is te_ops' and
-#: autograd's host work (Python, dispatch, one AccumulateGrad per parameter), not math.
-HOST_SHAPES: dict[str, tuple[int, int, int, int]] = {
+#: Host-bound shapes: the decode shape's expert and token counts with tiny hidden sizes, so the
+#: step time is host work (Python, dispatch, autograd), not math.
+HOST_SHAPES: dict[str, Shape] = {
     "E64_T256_H64_FF32": (64, 256, 64, 32),
-    # The CPU shape's expert and row counts with (almost) no math: its host work.
     "E8_T4096_H8_FF8": (8, 4096, 8, 8),
-    # 128 experts (the issue-10 shapes' count; 256 per-expert weight Parameters) with tiny
-    # hidden sizes: the per-parameter host work (autograd edges, AccumulateGrad, grad views).
     "E128_T1024_H64_FF32": (128, 1024, 64, 32),
 }
-#: Fewer rows per expert than the large shapes (``--shapes``, not run by default): where the
-#: persistent Triton kernels' rules apply below the issue-10 shapes (64-256 rows per expert:
-#: fprop / dgrad and wgrad in Triton; ``large_gemm_triton.py``'s ``MID_SHAPES``).
-MID_SHAPES: dict[str, tuple[int, int, int, int]] = {
+#: 64-256 rows per expert: the persistent Triton GEMMs' range.
+MID_SHAPES: dict[str, Shape] = {
     "E128_T8192_H2048_FF768": (128, 8192, 2048, 768),      # 64 rows per expert
     "E128_T16384_H2048_FF768": (128, 16384, 2048, 768),    # 128
     "E64_T16384_H7168_FF2048": (64, 16384, 7168, 2048),    # 256
 }
-QUICK_SHAPES: dict[str, tuple[int, int, int, int]] = {
+#: Tiny shapes: seconds on a CPU (argument handling and output format).
+TINY_SHAPES: dict[str, Shape] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
     "E16_T128_H32_FF48": (16, 128, 32, 48),
 }
-PEERS = ["torch_grouped_mm", "torch_loop", "te_ops_unfused", "te_ops_fused",
-         "te_ops_fused_graph", "te_ops_fused_single", "te_ops_fused_single_graph",
-         "te_ops_fused_single_graph_noclone", "te_ops_compiled", "torch_grouped_mm_compiled"]
-#: Peers run only when named in ``--peers`` (the opt-in fc1 recompute; the Gluon wgrad off;
-#: fc1's SwiGLU epilogue off).
-EXTRA_PEERS = ["te_ops_fused_recompute", "te_ops_fused_single_recompute",
-               "te_ops_fused_single_graph_noclone_recompute", "te_ops_fused_nogluon",
-               "te_ops_fused_single_nogluon", "te_ops_fused_single_nofc1epi"]
+#: Names ``--shapes`` takes for a whole set.
+SHAPE_SETS: dict[str, dict[str, Shape]] = {
+    "gpu": SHAPES, "cpu": CPU_SHAPES, "host": HOST_SHAPES, "mid": MID_SHAPES, "tiny": TINY_SHAPES,
+}
+KNOWN_SHAPES: dict[str, Shape] = {k: v for d in SHAPE_SETS.values() for k, v in d.items()}
+
 BASELINE = "torch_grouped_mm"
+COMPILED_BASELINE = "torch_grouped_mm_compiled"
+DEFAULT_PEERS = [BASELINE, COMPILED_BASELINE, "te_ops"]
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
            "mxfp8": te_ops.recipe.MXFP8BlockScaling()}
+
+
+def resolve_shapes(parser: argparse.ArgumentParser, text: str | None,
+                   device: torch.device) -> dict[str, Shape]:
+    """``--shapes``: comma-separated shape names or set names (``gpu``, ``cpu``, ``host``,
+    ``mid``, ``tiny``); default ``gpu`` on CUDA, ``cpu`` on the CPU. A name that is neither is
+    ``parser.error`` (exit 2) naming the flag, the bad name and the known ones."""
+    if text is None:
+        return dict(SHAPES if device.type == "cuda" else CPU_SHAPES)
+    names = check_list(parser, "--shapes", text, [*SHAPE_SETS, *KNOWN_SHAPES])
+    shapes: dict[str, Shape] = {}
+    for name in names:
+        shapes.update(SHAPE_SETS.get(name, {name: KNOWN_SHAPES.get(name)}))
+    return shapes
 
 
 # ------------------------------------------------------------------------------ the problem
@@ -213,7 +225,9 @@ class Peer:
 
 
 class TorchGroupedMM(Peer):
-    name = "torch_grouped_mm"
+    """The eager peer: ``torch._grouped_mm`` on packed (E, out, in) weights."""
+
+    name = BASELINE
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
@@ -228,6 +242,20 @@ class TorchGroupedMM(Peer):
         offs = self.problem.offsets
         h = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(torch_swiglu(h, probs), self.w2.transpose(-2, -1), offs=offs)
+
+
+class TorchGroupedMMCompiled(TorchGroupedMM):
+    """The compiled peer: :class:`TorchGroupedMM`'s forward (same SwiGLU * probs math) through
+    ``torch.compile(fullgraph=True)``; the first warm-up step compiles."""
+
+    name = COMPILED_BASELINE
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        self.compiled = torch.compile(super().forward, fullgraph=True)
+
+    def forward(self, x, probs):
+        return self.compiled(x, probs)
 
 
 class TorchLoop(Peer):
@@ -250,16 +278,16 @@ class TorchLoop(Peer):
 
 
 class TeOps(Peer):
-    name = "te_ops_fused"
-    env = {"TE_OPS_FUSION": "1"}
-    single = False  # GroupedLinear(single_grouped_weight=...)
+    """te_ops' default block, built as the README shows (public API only)."""
+
+    name = "te_ops"
+    layout: dict[str, bool] = {}  # GroupedLinear(single_grouped_weight=...) when set
     recompute = False  # ScaledSwiGLU(recompute_input=...)
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
         p = problem
-        kw = {"bias": False, "single_grouped_weight": self.single, "device": p.device,
-              "dtype": p.dtype}
+        kw = {"bias": False, "device": p.device, "dtype": p.dtype, **self.layout}
         with env_override(**self.env):
             self.block = te_ops.Sequential(
                 te_ops.GroupedLinear(p.experts, p.hidden, 2 * p.ffn, **kw),
@@ -270,8 +298,11 @@ class TeOps(Peer):
         with torch.no_grad():
             for fc, w in ((self.block[0], w1), (self.block[2], w2)):
                 params = fc.weights()
-                for e, param in enumerate(params):
-                    param.copy_(w if self.single else w[e])
+                if len(params) == 1:  # one packed (E, out, in) weight
+                    params[0].copy_(w.view_as(params[0]))
+                else:
+                    for e, param in enumerate(params):
+                        param.copy_(w[e])
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.block.parameters())
@@ -282,15 +313,31 @@ class TeOps(Peer):
             return self.block(x, split, probs, split)
 
 
+class TeOpsPacked(TeOps):
+    name = "te_ops_packed"
+    layout = {"single_grouped_weight": True}
+
+
+class TeOpsPerExpert(TeOps):
+    name = "te_ops_per_expert"
+    layout = {"single_grouped_weight": False}
+
+
 class TeOpsUnfused(TeOps):
     name = "te_ops_unfused"
     env = {"TE_OPS_FUSION": "0"}
 
 
-class TeOpsFusedGraph(TeOps):
-    name = "te_ops_fused_graph"
-    env = {"TE_OPS_FUSION": "1"}
-    clone_param_grads = True  # .grad is reset to None every iteration here, so False is safe
+class TeOpsRecompute(TeOps):
+    name = "te_ops_recompute"
+    recompute = True
+
+
+class TeOpsGraph(TeOps):
+    """te_ops' default block captured by ``te_ops.graphs.make_graphed_callable``
+    (``.grad`` is reset to ``None`` before every step here, so no gradient clone is needed)."""
+
+    name = "te_ops_graph"
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem)
@@ -299,66 +346,16 @@ class TeOpsFusedGraph(TeOps):
         p = problem
         with env_override(**self.env), self.autocast():
             self.graphed = make_graphed_callable(self.block, (p.x, p.split, p.probs, p.split),
-                                                 clone_param_grads=self.clone_param_grads)
+                                                 clone_param_grads=False)
 
     def forward(self, x, probs):
         split = self.problem.split
         return self.graphed(x, split, probs, split)
 
 
-class TeOpsFusedSingle(TeOps):
-    name = "te_ops_fused_single"
-    single = True
-
-
-class TeOpsFusedSingleGraph(TeOpsFusedGraph):
-    name = "te_ops_fused_single_graph"
-    single = True
-
-
-class TeOpsFusedSingleGraphNoClone(TeOpsFusedSingleGraph):
-    name = "te_ops_fused_single_graph_noclone"
-    clone_param_grads = False
-
-
-class TeOpsFusedRecompute(TeOps):
-    name = "te_ops_fused_recompute"
-    recompute = True
-
-
-class TeOpsFusedSingleRecompute(TeOpsFusedSingle):
-    name = "te_ops_fused_single_recompute"
-    recompute = True
-
-
-class TeOpsFusedNoGluon(TeOps):
-    """te_ops fused with the Gluon wgrad off (``TE_OPS_GLUON_WGRAD=0``): its A/B peer."""
-    name = "te_ops_fused_nogluon"
-    env = {"TE_OPS_FUSION": "1", "TE_OPS_GLUON_WGRAD": "0"}
-
-
-class TeOpsFusedSingleNoGluon(TeOpsFusedSingle):
-    name = "te_ops_fused_single_nogluon"
-    env = {"TE_OPS_FUSION": "1", "TE_OPS_GLUON_WGRAD": "0"}
-
-
-class TeOpsFusedSingleNoFc1Epilogue(TeOpsFusedSingle):
-    """te_ops fused (single weight) with fc1's SwiGLU epilogue off
-    (``TE_OPS_FC1_SWIGLU_EPILOGUE=0``: fc1's fprop then the SwiGLU pass): the A/B peer of the
-    Gluon fc1 + SwiGLU kernel."""
-    name = "te_ops_fused_single_nofc1epi"
-    env = {"TE_OPS_FUSION": "1", "TE_OPS_FC1_SWIGLU_EPILOGUE": "0"}
-
-
-class TeOpsFusedSingleGraphNoCloneRecompute(TeOpsFusedSingleGraphNoClone):
-    name = "te_ops_fused_single_graph_noclone_recompute"
-    recompute = True
-
-
 class TeOpsCompiled(TeOps):
-    """The fused te_ops block through ``torch.compile(fullgraph=True)`` (default mode); the
-    first warm-up call compiles. ``te_ops.autocast`` stays outside the compiled function
-    (Dynamo cannot trace its ContextVar; te_ops reads the recipe as a guarded constant)."""
+    """te_ops' default block through ``torch.compile(fullgraph=True)``; the first warm-up call
+    compiles. ``te_ops.autocast`` stays outside the compiled function."""
 
     name = "te_ops_compiled"
 
@@ -372,324 +369,295 @@ class TeOpsCompiled(TeOps):
             return self.compiled(x, split, probs, split)
 
 
-class TorchGroupedMMCompiled(TorchGroupedMM):
-    """The plain torch block (``torch._grouped_mm``) through ``torch.compile(fullgraph=True)``."""
-
-    name = "torch_grouped_mm_compiled"
-
-    def __init__(self, problem: Problem) -> None:
-        super().__init__(problem)
-        self.compiled = torch.compile(super().forward, fullgraph=True)
-
-    def forward(self, x, probs):
-        return self.compiled(x, probs)
-
-
 PEER_CLASSES: dict[str, type[Peer]] = {
-    cls.name: cls for cls in (TorchGroupedMM, TorchLoop, TeOpsUnfused, TeOps, TeOpsFusedGraph,
-                              TeOpsFusedSingle, TeOpsFusedSingleGraph,
-                              TeOpsFusedSingleGraphNoClone, TeOpsCompiled,
-                              TorchGroupedMMCompiled, TeOpsFusedRecompute,
-                              TeOpsFusedSingleRecompute, TeOpsFusedSingleGraphNoCloneRecompute,
-                              TeOpsFusedNoGluon, TeOpsFusedSingleNoGluon,
-                              TeOpsFusedSingleNoFc1Epilogue)
+    cls.name: cls for cls in (TorchGroupedMM, TorchGroupedMMCompiled, TeOps, TeOpsPacked,
+                              TeOpsPerExpert, TeOpsUnfused, TeOpsRecompute, TeOpsGraph,
+                              TeOpsCompiled, TorchLoop)
 }
 
 
 def skip_reason(peer: str, problem: Problem) -> str | None:
-    """Why a peer cannot run on this device (``None`` when it can)."""
-    if issubclass(PEER_CLASSES[peer], TeOpsFusedGraph) and problem.device.type != "cuda":
+    """Why a peer cannot run on this device and dtype (``None`` when it can)."""
+    if issubclass(PEER_CLASSES[peer], TeOpsGraph) and problem.device.type != "cuda":
         return "CUDA graphs need a CUDA device (running with --device cpu)"
-    if (peer == "torch_grouped_mm_compiled" and problem.device.type == "cpu"
+    if (peer == COMPILED_BASELINE and problem.device.type == "cpu"
             and problem.dtype != torch.bfloat16):
         return (f"torch._grouped_mm's fake kernel takes bfloat16 only on CPU ({problem.dtype} "
-                "fails to compile; te_ops_compiled has its own fake)")
+                "fails to compile)")
     if peer.startswith("torch_grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     return None
 
 
-# ------------------------------------------------------------------------------ measuring
-def measure(peer_name: str, problem: Problem, args: argparse.Namespace,
-            reference: dict[str, torch.Tensor], recipe: str = "none") -> dict:
-    """Build one peer, time it, measure its memory, compare its output; free it."""
-    cls = PEER_CLASSES[peer_name]
+def build_peer(name: str, recipe: str, problem: Problem) -> Peer:
+    """The peer ``name`` on ``problem``, under ``recipe`` (te_ops peers; ``none``: bf16/fp32)."""
+    cls = PEER_CLASSES[name]
     if recipe != "none":
         cls = type(cls.__name__ + "_" + recipe, (cls,),
-                   {"recipe": RECIPES[recipe], "name": f"{peer_name}+{recipe}"})
-    peer = cls(problem)
-    try:
-        return _measure_peer(peer, problem, args, reference)
-    finally:
-        problem.x.grad = None
-        problem.probs.grad = None
-        for p in peer.parameters():
-            p.grad = None
-        del peer
-        free_memory()
+                   {"recipe": RECIPES[recipe], "name": f"{name}+{recipe}"})
+    return cls(problem)
 
 
-def _measure_peer(peer: Peer, problem: Problem, args: argparse.Namespace,
-                  reference: dict[str, torch.Tensor]) -> dict:
-    params = peer.parameters()
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
+# ------------------------------------------------------------------------------ measuring
+def _zero_grads(peer: Peer, problem: Problem) -> None:
+    problem.x.grad = problem.probs.grad = None
+    for p in peer.parameters():
+        p.grad = None
+
+
+def step_peak_mib(step, problem: Problem, before) -> float | None:
+    """CUDA: the step's own peak (``max_memory_allocated`` during one step minus what was
+    allocated when it started), MiB; ``None`` on the CPU."""
+    if problem.device.type != "cuda":
+        return None
+    before()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - start) / 2**20
+
+
+def measure(peer: Peer, problem: Problem, args: argparse.Namespace) -> tuple[dict, torch.Tensor]:
+    """One round of one peer: timings, the step's own peak memory, and its output (host)."""
     x, probs, dy = problem.x, problem.probs, problem.dy
 
-    def zero_grads() -> None:
-        x.grad = None
-        probs.grad = None
-        for p in params:
-            p.grad = None
+    def before() -> None:
+        _zero_grads(peer, problem)
 
     def step() -> None:
         peer.forward(x, probs).backward(dy)
 
     with env_override(**peer.env):
         times = time_steps(step, problem.device, warmup=args.warmup, iters=args.iters,
-                           before=zero_grads)
-        peak = peak_memory_mib(step, problem.device, param_bytes, before=zero_grads)
+                           before=before)
+        peak = step_peak_mib(step, problem, before)
         with torch.no_grad():
-            # Kept on the host: a device copy of the baseline's output would stay allocated
-            # during the later peers' peak-memory step and count against them.
             out = peer.forward(x, probs).detach().cpu()
+    _zero_grads(peer, problem)
     stats = summarize_times(times)
-    record: dict = dict(stats)
-    record["tflops"] = problem.flops / (stats["ms_median"] * 1e-3) / 1e12
-    record["peak_mib"] = peak
-    record["param_mib"] = param_bytes / 2**20
-    if peer.name == BASELINE:
-        reference["out"] = out
-        reference["ms"] = stats["ms_median"]
-    if "out" in reference:
-        ref = reference["out"]
-        record["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
-        record["ref_max_abs"] = ref.float().abs().max().item()
-    if "ms" in reference:
-        record["ratio_vs_grouped_mm"] = reference["ms"] / stats["ms_median"]
-    base_name = peer.name.split("+")[0]
-    if peer.recipe is None:
-        reference[f"ms:{base_name}"] = stats["ms_median"]
-    elif f"ms:{base_name}" in reference:
-        record["ratio_vs_bf16"] = reference[f"ms:{base_name}"] / stats["ms_median"]
-    return record
+    return {**stats, "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
+            "peak_mib": peak}, out
 
 
-def measure_interleaved(order: list[str], problem: Problem, args: argparse.Namespace
+def add_ratios(records: list[dict]) -> None:
+    """``ratio_vs_eager`` / ``ratio_vs_compiled`` (the eager / compiled peer's median over the
+    record's, same round) and ``ratio_vs_bf16`` (a recipe record against its peer's bf16 one)."""
+    by_name = {r["peer"]: r for r in records if "ms_median" in r}
+    for r in records:
+        if "ms_median" not in r:
+            continue
+        for key, base in (("ratio_vs_eager", BASELINE), ("ratio_vs_compiled", COMPILED_BASELINE)):
+            if base in by_name:
+                r[key] = by_name[base]["ms_median"] / r["ms_median"]
+        bf16 = by_name.get(r["peer"].split("+")[0])
+        if "+" in r["peer"] and bf16 is not None:
+            r["ratio_vs_bf16"] = bf16["ms_median"] / r["ms_median"]
+
+
+def measure_interleaved(peers: dict[str, Peer], problem: Problem, args: argparse.Namespace
                         ) -> list[dict]:
-    """All peers built at once; timed one step each in turn (A, B, C, A, B, C, ...), so a
-    shared host's changing load hits every peer alike. Host clock (for the CPU); on the CPU
-    with one intra-op thread also this thread's CPU time (``cpu_ms_*``,
-    ``cpu_ratio_vs_grouped_mm``), which other jobs on a loaded host do not inflate."""
-    peers = [PEER_CLASSES[name](problem) for name in order]
+    """One step of each peer in turn (A, B, C, A, B, C, ...), host clock around each step
+    (synchronized on CUDA), so a shared host's changing load hits every peer alike."""
     x, probs, dy = problem.x, problem.probs, problem.dy
-    times: list[list[float]] = [[] for _ in peers]
-    # With one intra-op thread on the CPU every op (forward and the autograd engine's backward)
-    # runs on this thread, so its CPU time is the step's work without other jobs' share of a
-    # loaded host (cache and memory-bandwidth contention still count).
-    thread_clock = problem.device.type == "cpu" and torch.get_num_threads() == 1
-    cpu_times: list[list[float]] = [[] for _ in peers]
+    times: dict[str, list[float]] = {name: [] for name in peers}
     for i in range(args.warmup + args.iters):
-        for peer, ts, cs in zip(peers, times, cpu_times):
-            params = peer.parameters()
+        for name, peer in peers.items():
             with env_override(**peer.env):
-                x.grad = probs.grad = None
-                for p in params:
-                    p.grad = None
+                _zero_grads(peer, problem)
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0 = time.perf_counter()
                 peer.forward(x, probs).backward(dy)
                 if problem.device.type == "cuda":
                     torch.cuda.synchronize()
                 if i >= args.warmup:
-                    ts.append((time.perf_counter() - t0) * 1e3)
-                    cs.append((time.thread_time() - c0) * 1e3)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    for peer in peers.values():
+        _zero_grads(peer, problem)
     records = []
-    for name, ts, cs in zip(order, times, cpu_times):
+    for name, ts in times.items():
         stats = summarize_times(ts)
-        cpu = {}
-        if thread_clock:
-            cpu = {f"cpu_{k}": v for k, v in summarize_times(cs).items()}
-            cpu["cpu_ratio_vs_grouped_mm"] = (
-                summarize_times(cpu_times[0])["ms_median"] / cpu["cpu_ms_median"]
-                if order[0] == BASELINE else None)
-        records.append({"peer": name, "interleaved": True, **stats, **cpu,
-                        "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12,
-                        "ratio_vs_grouped_mm": (summarize_times(times[0])["ms_median"]
-                                                / stats["ms_median"])
-                        if order[0] == BASELINE else None})
-    x.grad = probs.grad = None
+        records.append({"peer": name, "round": 0, "interleaved": True, **stats,
+                        "tflops": problem.flops / (stats["ms_median"] * 1e-3) / 1e12})
     return records
 
 
-def run_shape(name: str, shape: tuple[int, int, int, int], peers: list[str],
-              args: argparse.Namespace, out: JsonLines, device: torch.device) -> None:
+def run_shape(name: str, shape: Shape, args: argparse.Namespace, out: JsonLines,
+              device: torch.device) -> None:
+    """Every (peer, recipe) of ``args`` on one shape: built once, measured ``args.rounds``
+    times in turn (or interleaved step by step); one record per round and peer."""
     dtype = getattr(torch, args.dtype)
     problem = make_problem(name, shape, device, dtype, args.seed)
-    base = {
-        "bench": "grouped_mlp",
-        "shape": name,
-        "E": shape[0], "T": shape[1], "H": shape[2], "FF": shape[3],
-        "dtype": {"bfloat16": "bf16", "float32": "fp32"}[args.dtype],
-        "device": device.type,
-        "routing": "zipf1.2",
-        "max_expert_tokens": max(problem.sizes),
-        "empty_experts": sum(1 for s in problem.sizes if s == 0),
-        "iters": args.iters,
-        "warmup": args.warmup,
-    }
-    reference: dict[str, torch.Tensor] = {}
-    order = [BASELINE] + [p for p in peers if p != BASELINE] if BASELINE in peers else peers
-    if args.interleaved:  # bf16/fp32 peers only (no --recipe)
-        for peer in order:  # a peer that cannot run is recorded with the reason, as below
-            reason = skip_reason(peer, problem)
-            if reason is not None:
-                out.write({**base, "peer": peer, "interleaved": True, "skipped": reason})
-                print(f"# skip {peer} on {name}: {reason}", file=sys.stderr, flush=True)
-        order = [p for p in order if skip_reason(p, problem) is None]
-        for record in measure_interleaved(order, problem, args):
-            out.write({**base, **record})
-        return
-    runs = [(round_, peer, r) for round_ in range(args.rounds) for peer in order
-            for r in args.recipe.split(",") if r == "none" or peer.startswith("te_ops")]
-    for round_, peer, recipe in runs:
-        label = peer if recipe == "none" else f"{peer}+{recipe}"
-        record = {**base, "peer": label, "recipe": recipe, "round": round_}
-        reason = skip_reason(peer, problem)
-        if reason is not None:
-            record["skipped"] = reason
-            print(f"# skip {label} on {name}: {reason}", file=sys.stderr, flush=True)
-        else:
+    base = {"bench": "grouped_mlp", "shape": name,
+            "E": shape[0], "T": shape[1], "H": shape[2], "FF": shape[3],
+            "dtype": {"bfloat16": "bf16", "float32": "fp32"}[args.dtype], "device": device.type,
+            "routing": "zipf1.2", "max_expert_tokens": max(problem.sizes),
+            "empty_experts": sum(1 for s in problem.sizes if s == 0),
+            "iters": args.iters, "warmup": args.warmup}
+    order = [p for p in (BASELINE, COMPILED_BASELINE) if p in args.peers]
+    order += [p for p in args.peers if p not in order]
+    peers: dict[str, Peer] = {}
+    for peer_name in order:
+        for recipe in args.recipes:
+            if recipe != "none" and not peer_name.startswith("te_ops"):
+                continue
+            label = peer_name if recipe == "none" else f"{peer_name}+{recipe}"
+            reason = skip_reason(peer_name, problem)
             try:
-                record.update(measure(peer, problem, args, reference, recipe))
+                if reason is None:
+                    peers[label] = build_peer(peer_name, recipe, problem)
             except Exception as exc:  # one peer failing must not stop the others
-                record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 traceback.print_exc(file=sys.stderr)
-                free_memory()
-        out.write(record)
+            if reason is not None:
+                out.write({**base, "peer": label, "skipped": reason})
+                print(f"# skip {label} on {name}: {reason}", file=sys.stderr, flush=True)
+    if args.interleaved:
+        rounds = [measure_interleaved(peers, problem, args)]
+    else:
+        rounds = []
+        for round_ in range(args.rounds):
+            records, reference = [], None
+            for label, peer in peers.items():
+                record = {"peer": label, "round": round_}
+                try:
+                    stats, output = measure(peer, problem, args)
+                    record.update(stats)
+                    if reference is None and label == BASELINE:
+                        reference = output.float()
+                    if reference is not None:
+                        record["max_abs_diff"] = (output.float() - reference).abs().max().item()
+                except Exception as exc:  # one peer failing must not stop the others
+                    record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    traceback.print_exc(file=sys.stderr)
+                records.append(record)
+            rounds.append(records)
+    for records in rounds:
+        add_ratios(records)
+        for record in records:
+            out.write({**base, **record})
+    peers.clear()
     del problem
+    torch._dynamo.reset()  # compiled peers of the next shape start from an empty cache
     free_memory()
 
 
 # ------------------------------------------------------------------------------- summary
-def _fmt(record: dict, key: str, spec: str) -> str:
-    value = record.get(key)
+def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def summarize(path: str) -> str:
-    """A fixed-width table of a JSON-lines file written by this script."""
-    rows = []
+    """Per shape and peer, the median over rounds of the step time, TFLOP/s, peak memory and
+    the ratios to the eager and the compiled peer (a JSON-lines file of this script)."""
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                rec = json.loads(line)
-                if rec.get("bench") == "grouped_mlp":
-                    rows.append(rec)
-    header = (f"{'shape':<26} {'peer':<26} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9} "
-              f"{'x grouped_mm':>12} {'x bf16':>7} {'max|diff|':>10}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        if "skipped" in r or "error" in r:
-            note = r.get("skipped") or r.get("error")
-            lines.append(f"{r['shape']:<26} {r['peer']:<26} {note[:60]}")
-            continue
-
-        lines.append(
-            f"{r['shape']:<26} {r['peer']:<26} {_fmt(r, 'ms_median', '9.3f'):>9} "
-            f"{_fmt(r, 'tflops', '8.1f'):>8} {_fmt(r, 'peak_mib', '9.0f'):>9} "
-            f"{_fmt(r, 'ratio_vs_grouped_mm', '12.2f'):>12} "
-            f"{_fmt(r, 'ratio_vs_bf16', '7.2f'):>7} "
-            f"{_fmt(r, 'max_abs_diff', '10.3g'):>10}"
-        )
-    return "\n".join(lines + _round_medians(rows))
-
-
-def _round_medians(rows: list[dict]) -> list[str]:
-    """With ``--rounds`` > 1: per shape and peer, the median over rounds of the step median
-    and of the per-round ratio to the baseline."""
+        rows = [json.loads(line) for line in f if line.startswith("{")]
+    rows = [r for r in rows if r.get("bench") == "grouped_mlp"]
     groups: dict[tuple[str, str], list[dict]] = {}
+    notes = []
     for r in rows:
         if "ms_median" in r:
             groups.setdefault((r["shape"], r["peer"]), []).append(r)
-    if all(len(g) < 2 for g in groups.values()):
-        return []
-    lines = ["", f"{'shape':<26} {'peer':<20} {'rounds':>6} {'median ms':>10} {'x grouped_mm':>12}"]
+        else:
+            note = r.get("skipped") or r.get("error") or ""
+            notes.append(f"{r['shape']:<26} {r['peer']:<28} {note[:70]}")
+    header = (f"{'shape':<26} {'peer':<28} {'rounds':>6} {'ms':>9} {'TFLOP/s':>8} "
+              f"{'peak MiB':>9} {'x eager':>8} {'x compiled':>10} {'x bf16':>7}")
+    lines = [header, "-" * len(header)]
     for (shape, peer), g in groups.items():
-        ratios = [r["ratio_vs_grouped_mm"] for r in g if "ratio_vs_grouped_mm" in r]
-        ratio = f"{statistics.median(ratios):12.3f}" if ratios else f"{'-':>12}"
-        lines.append(f"{shape:<26} {peer:<20} {len(g):>6} "
-                     f"{statistics.median(r['ms_median'] for r in g):10.3f} {ratio}")
-    return lines
+        def med(key: str) -> float | None:
+            return _median([r[key] for r in g if r.get(key) is not None])
+        lines.append(f"{shape:<26} {peer:<28} {len(g):>6} {_fmt(med('ms_median'), '9.3f'):>9} "
+                     f"{_fmt(med('tflops'), '8.1f'):>8} {_fmt(med('peak_mib'), '9.0f'):>9} "
+                     f"{_fmt(med('ratio_vs_eager'), '8.3f'):>8} "
+                     f"{_fmt(med('ratio_vs_compiled'), '10.3f'):>10} "
+                     f"{_fmt(med('ratio_vs_bf16'), '7.3f'):>7}")
+    return "\n".join(lines + notes)
 
 
 # ---------------------------------------------------------------------------------- main
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Shape]]:
+    """The command line (``parser.error``, exit 2, naming the flag on a bad value) and the
+    shapes it names."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None,
-                        help="comma-separated shape names (default: all of the chosen set): "
-                             + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *MID_SHAPES,
-                                          *QUICK_SHAPES]))
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated peers: " + ", ".join(PEERS + EXTRA_PEERS))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
-    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+                        help="comma-separated shape or set names; sets: " + ", ".join(SHAPE_SETS)
+                             + "; shapes: " + ", ".join(KNOWN_SHAPES))
+    parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                        help="comma-separated peers: " + ", ".join(PEER_CLASSES))
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                        help="cuda (default when present) or cpu")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="bfloat16 (default on cuda) or float32 (default on cpu)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every peer this many times, interleaved (peer A, B, .., "
-                             "A, B, ..): on a shared host compare the per-round medians")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds; each times every peer in turn (the summary: medians)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time one step of each peer in turn instead (host clock)")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per peer and round")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer and round")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (CPU intra-op threads; default: torch's)")
-    parser.add_argument("--interleaved", action="store_true",
-                        help="build every peer at once and time single steps in turn "
-                             "(A, B, C, A, ...): for a shared CPU host; no memory figures")
-    parser.add_argument("--iters", type=int, default=20, help="timed steps per peer")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per peer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipe", default="none",
-                        help="comma-separated recipes for the te_ops peers: "
-                             + ", ".join(RECIPES))
-    parser.add_argument("--out", default=None, help="also append JSON lines to this file")
+                        help="comma-separated recipes for the te_ops peers: " + ", ".join(RECIPES))
+    add_out_argument(parser, "grouped_mlp")
     parser.add_argument("--summarize", metavar="FILE", default=None,
-                        help="print a table of a JSON-lines file and exit")
+                        help="print the summary of a JSON-lines file of this script and exit")
     args = parser.parse_args(argv)
-    bad = [r for r in args.recipe.split(",") if r not in RECIPES]
-    if bad:
-        parser.error(f"--recipe must be a comma-separated subset of {list(RECIPES)}, got {bad}")
-    if args.interleaved and args.recipe != "none":
+    if args.summarize is not None:
+        if not os.path.isfile(args.summarize):
+            parser.error(f"--summarize: expected an existing file, got {args.summarize!r}")
+        return args, {}
+    args.peers = check_list(parser, "--peers", args.peers, PEER_CLASSES)
+    args.recipes = check_list(parser, "--recipe", args.recipe, RECIPES)
+    if args.interleaved and args.recipes != ["none"]:
         parser.error(f"--interleaved measures without a recipe, got --recipe {args.recipe}")
-    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
-        parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
-    return args
+    for flag, value, minimum in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                                 ("--rounds", args.rounds, 1)):
+        if value < minimum:
+            parser.error(f"{flag} must be >= {minimum}, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    shapes = resolve_shapes(parser, args.shapes, torch.device(args.device))
+    return args, shapes
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.summarize:
+    """Run the benchmark; writes ``<--out>/grouped_mlp.jsonl`` and ``<--out>/summary.txt``
+    and prints the summary. Returns 0, or 1 when a peer raised."""
+    args, shapes = parse_args(argv)
+    if args.summarize is not None:
         print(summarize(args.summarize))
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES, **QUICK_SHAPES}
-    default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
-    args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-    names = args.shapes.split(",") if args.shapes else list(default)
-    unknown = [n for n in names if n not in known]
-    peers = args.peers.split(",")
-    bad_peers = [p for p in peers if p not in PEER_CLASSES]
-    if unknown or bad_peers:
-        print(f"unknown shapes {unknown} / peers {bad_peers}; shapes: {list(known)}, "
-              f"peers: {PEERS + EXTRA_PEERS}", file=sys.stderr)
-        return 2
-    with recorded_run(args.out, summarize) as out:
-        out.write({"bench": "grouped_mlp_run", **machine_info(device), "device": device.type,
-                   "shapes": names, "peers": peers})
-        for name in names:
-            run_shape(name, known[name], peers, args, out, device)
-    return 0
+    path = out_path(args.out, "grouped_mlp.jsonl")
+    out = JsonLines(path)
+    try:
+        out.write({"bench": "grouped_mlp_run", **machine_info(device), "te_ops": te_ops.__version__,
+                   "device": device.type, "dtype": args.dtype, "shapes": list(shapes),
+                   "peers": args.peers, "recipes": args.recipes, "rounds": args.rounds,
+                   "interleaved": args.interleaved, "argv": sys.argv[1:] if argv is None else argv})
+        for name, shape in shapes.items():
+            run_shape(name, shape, args, out, device)
+    finally:
+        out.close()
+    table = summarize(path)
+    with open(os.path.join(args.out, "summary.txt"), "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    print(table)
+    with open(path, encoding="utf-8") as f:
+        failed = any('"error"' in line for line in f)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ Usage::
 The main job's expert block (defaults of ``te_ops.examples.train_moe``) is
 ``--experts 4 --tokens 4096 --hidden 128 --ffn 256 --no-bias`` (4096 = 16 x 128 tokens x top-2).
 
-Writes one JSON line per configuration to stdout (and to ``--out`` when given) and a table to
-stderr.
+Writes one JSON line per configuration to stdout and to ``<--out>/memory_report.jsonl``
+(default ``runs/memory_report``), and a table to stderr.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 from collections import Counter
 
 import torch
-from common import env_override
+from common import add_out_argument, env_override, out_path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ops
@@ -138,20 +138,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--out", default=None, help="also append JSON lines to this file")
+    add_out_argument(parser, "memory_report")
     args = parser.parse_args(argv)
     rows = [measure(args, fwd_fused, bwd_fused, recompute)
             for fwd_fused, bwd_fused, recompute in (
                 (False, False, False), (True, False, False), (False, True, False),
                 (True, True, False), (True, False, True), (True, True, True))]
+    path = out_path(args.out, "memory_report.jsonl")
     base = rows[0]["saved_bytes"]
     for row in rows:
         row["saved_vs_unfused"] = round(row["saved_bytes"] / base, 4) if base else None
         line = json.dumps(row)
         print(line)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
     print(f"{'forward':<45} {'backward':<45} {'recompute':>9} {'saved MiB':>9} {'x unfused':>9} "
           f"{'fwd ops':>8} {'bwd ops':>8}", file=sys.stderr)
     for r in rows:

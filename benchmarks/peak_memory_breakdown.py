@@ -10,7 +10,9 @@ peaks differ by KiB (split tables, kernel scratch, the peer's CUTLASS argument b
 Usage::
 
     python benchmarks/peak_memory_breakdown.py --shapes E32_T32768_H7168_FF2048 \
-        --peers torch_grouped_mm,te_ops_fused
+        --peers torch_grouped_mm,te_ops [--out DIR]
+
+The text goes to stdout and to ``<--out>/peak_memory.txt`` (default ``runs/peak_memory``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import env_override, free_memory, fwd_bwd_step  # noqa: E402
-from grouped_mlp import PEER_CLASSES, SHAPES, make_problem  # noqa: E402
+from common import (  # noqa: E402
+    add_out_argument,
+    check_list,
+    env_override,
+    free_memory,
+    fwd_bwd_step,
+    out_path,
+)
+from grouped_mlp import KNOWN_SHAPES, PEER_CLASSES, SHAPES, make_problem  # noqa: E402
 
 _MIB = 2**20
 
@@ -91,18 +100,25 @@ def breakdown(peer_name: str, problem, top: int, small_kib: bool = False) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--peers", default="torch_grouped_mm,te_ops_fused")
+    parser.add_argument("--peers", default="torch_grouped_mm,te_ops")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--small", action="store_true",
                         help="also list every block under 1 MiB live at the peak, in bytes")
+    add_out_argument(parser, "peak_memory")
     args = parser.parse_args(argv)
+    shapes = check_list(parser, "--shapes", args.shapes, KNOWN_SHAPES)
+    peers = check_list(parser, "--peers", args.peers, PEER_CLASSES)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    for name in args.shapes.split(","):
-        problem = make_problem(name, SHAPES[name], torch.device("cuda"), torch.bfloat16, 0)
-        for peer in args.peers.split(","):
-            print("\n".join(breakdown(peer, problem, args.top, args.small)), flush=True)
+    path = out_path(args.out, "peak_memory.txt")
+    for name in shapes:
+        problem = make_problem(name, KNOWN_SHAPES[name], torch.device("cuda"), torch.bfloat16, 0)
+        for peer in peers:
+            text = "\n".join(breakdown(peer, problem, args.top, args.small))
+            print(text, flush=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
             free_memory()
         del problem
         free_memory()

@@ -1,6 +1,6 @@
 """Where one forward+backward step of the grouped MLP spends its time (torch.profiler).
 
-For each shape and peer (``te_ops_fused`` and the plain ``torch._grouped_mm`` peer by default,
+For each shape and peer (``te_ops`` and the eager ``torch._grouped_mm`` peer by default,
 any peer of ``benchmarks/grouped_mlp.py`` allowed), after ``--warmup`` untimed steps, profiles
 ``--steps`` steps and reports per step:
 
@@ -14,18 +14,17 @@ any peer of ``benchmarks/grouped_mlp.py`` allowed), after ``--warmup`` untimed s
   torch.profiler), ms per step.
 
 Per-kernel times of two peers profiled one after the other are not comparable on a GPU at its
-power limit (the H200 here, on the large shapes): the clock depends on what ran before and on
-the idle gap between peers (docs/benchmarks.md, "Why te_ops' GEMMs timed slower than the
-peer's"); compare kernels with ``benchmarks/gemm_call_patterns.py`` (interleaved replays).
+power limit (the H200 on the large shapes): the clock depends on what ran before and on the
+idle gap between peers; compare whole steps with ``benchmarks/grouped_mlp.py`` (rounds).
 
 The problem is the one ``benchmarks/grouped_mlp.py`` builds (bf16, Zipf(1.2) routing, split
 sizes on the device that cover every row, so nothing is padding).
 
 Usage::
 
-    python benchmarks/profile_grouped_mlp.py [--shapes ...] [--peers ...] [--out FILE]
-    python benchmarks/profile_grouped_mlp.py --quick --device cpu
-    python benchmarks/profile_grouped_mlp.py --summarize FILE
+    python benchmarks/profile_grouped_mlp.py [--shapes ...] [--peers ...] [--out DIR]
+    python benchmarks/profile_grouped_mlp.py --device cpu --shapes tiny
+    python benchmarks/profile_grouped_mlp.py --summarize runs/profile_grouped_mlp/profile.jsonl
 """
 
 from __future__ import annotations
@@ -45,23 +44,24 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     JsonLines,
+    add_out_argument,
+    check_list,
     env_override,
     free_memory,
     fwd_bwd_step,
     machine_info,
+    out_path,
     read_records,
 )
 from grouped_mlp import (  # noqa: E402
-    CPU_SHAPES,
-    HOST_SHAPES,
-    MID_SHAPES,
+    KNOWN_SHAPES,
     PEER_CLASSES,
-    QUICK_SHAPES,
-    SHAPES,
+    SHAPE_SETS,
     make_problem,
+    resolve_shapes,
 )
 
-DEFAULT_PEERS = ["torch_grouped_mm", "te_ops_fused"]
+DEFAULT_PEERS = ["torch_grouped_mm", "te_ops"]
 
 
 def _device_us(evt) -> float:
@@ -182,13 +182,13 @@ def summarize(path: str, top: int = 8) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=None, help="comma-separated shape names: "
-                        + ", ".join([*SHAPES, *CPU_SHAPES, *HOST_SHAPES, *MID_SHAPES,
-                                     *QUICK_SHAPES]))
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape or set names (benchmarks/grouped_mlp.py's): "
+                             + ", ".join([*SHAPE_SETS, *KNOWN_SHAPES]))
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="comma-separated peers of benchmarks/grouped_mlp.py")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
-    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                        help="cuda (default when present) or cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
@@ -196,51 +196,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cprofile", action="store_true",
                         help="also list the Python functions with the most own time")
-    parser.add_argument("--out", default=None, help="also append JSON lines to this file")
+    add_out_argument(parser, "profile_grouped_mlp")
     parser.add_argument("--summarize", metavar="FILE", default=None)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    if args.summarize is not None and not os.path.isfile(args.summarize):
+        parser.error(f"--summarize: expected an existing file, got {args.summarize!r}")
+    args.peers = check_list(parser, "--peers", args.peers, PEER_CLASSES)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.shapes = resolve_shapes(parser, args.shapes, torch.device(args.device))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Profile every (shape, peer); writes ``<--out>/profile.jsonl`` and prints the tables."""
     args = parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    known = {**SHAPES, **CPU_SHAPES, **HOST_SHAPES, **MID_SHAPES, **QUICK_SHAPES}
-    default = QUICK_SHAPES if args.quick else (CPU_SHAPES if device.type == "cpu" else SHAPES)
-    names = args.shapes.split(",") if args.shapes else list(default)
-    peers = args.peers.split(",")
-    bad = [n for n in names if n not in known] + [p for p in peers if p not in PEER_CLASSES]
-    if bad:
-        print(f"unknown shapes/peers {bad}; shapes: {list(known)}, peers: {list(PEER_CLASSES)}",
-              file=sys.stderr)
-        return 2
-    out = JsonLines(args.out)
+    path = out_path(args.out, "profile.jsonl")
+    out = JsonLines(path)
     out.write({"bench": "profile_grouped_mlp_run", **machine_info(device), "device": device.type})
+    failed = False
     try:
-        for name in names:
-            problem = make_problem(name, known[name], device, dtype, args.seed)
-            for peer in peers:
+        for name, shape in args.shapes.items():
+            problem = make_problem(name, shape, device, dtype, args.seed)
+            for peer in args.peers:
                 record = {"bench": "profile_grouped_mlp", "shape": name, "peer": peer,
                           "dtype": args.dtype, "device": device.type, "steps": args.steps}
                 try:
                     record.update(profile_peer(peer, problem, args))
                 except Exception as exc:  # one peer failing must not stop the others
                     record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    failed = True
                 out.write(record)
                 free_memory()  # the peer (and its parameters) is gone once profile_peer returns
             del problem
             free_memory()
     finally:
         out.close()
-    if args.out:
-        print(summarize(args.out, args.top), file=sys.stderr)
-    return 0
+    print(summarize(path, args.top))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

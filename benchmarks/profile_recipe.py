@@ -2,10 +2,11 @@
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/profile_recipe.py --shape E8_T16384_H4096_FF14336 --recipe fp8
+    python benchmarks/profile_recipe.py --shape E8_T16384_H4096_FF14336 --recipe fp8 [--out DIR]
 
 Prints the top kernels by CUDA time for one forward + backward (after warm-up), the same block
-and routing as ``benchmarks/grouped_mlp.py``.
+and routing as ``benchmarks/grouped_mlp.py`` (te_ops' default block); the table also goes to
+``<--out>/profile_recipe.txt`` (default ``runs/profile_recipe``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fwd_bwd_step  # noqa: E402
+from common import add_out_argument, fwd_bwd_step, out_path  # noqa: E402
 from grouped_mlp import RECIPES, SHAPES, TeOps, make_problem  # noqa: E402
 
 
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", action="store_true",
                         help="also print every kernel launch in order (start, duration, idle "
                              "time before it) and the step's GPU idle time")
+    add_out_argument(parser, "profile_recipe")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
     problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"), torch.bfloat16,
                            0)
     peer_cls = type("Profiled", (TeOps,), {"recipe": RECIPES[args.recipe]})
@@ -42,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
-                                    max_name_column_width=70))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
+                                      max_name_column_width=70)
+    print(table)
+    with open(out_path(args.out, "profile_recipe.txt"), "w", encoding="utf-8") as f:
+        f.write(f"shape {args.shape} recipe {args.recipe}\n{table}\n")
     if args.calls:
         print_calls(prof)
     return 0

@@ -9,8 +9,8 @@ back (each block's output feeds the next, same routing), then one backward, and 
 setting: the median step time (CUDA events, ``--iters`` steps after ``--warmup``), the peak
 allocated memory of one step minus the parameters (``peak_mib``), the memory allocated once
 every forward has run (``after_forward_mib``: what the blocks hold for backward, inputs and
-probs included, minus the parameters), per block the peak and the allocated memory at the end
-of its fused backward (``backward_mib``: [peak, allocated] pairs, last block first; the
+probs included, minus the parameters), per block the peak and the allocated memory when its
+input gradient is ready (``backward_mib``: [peak, allocated] pairs, last block first; the
 weight gradients of the blocks done so far count), and the floating-point bytes saved for
 backward per block (``saved_tensors_hooks``; parameters, probs and each block's input excluded;
 the integer split tensors, a few hundred bytes, left out).
@@ -18,9 +18,10 @@ the integer split tensors, a few hundred bytes, left out).
 Usage::
 
     python benchmarks/recompute_layers.py [--shape E8_T16384_H4096_FF14336] [--layers 4]
-        [--out FILE]
+        [--out DIR]
 
-One JSON line per setting to stdout (and appended to ``--out``), a table to stderr.
+One JSON line per setting to stdout and to ``<--out>/recompute_layers.jsonl`` (default
+``runs/recompute_layers``), a table to stderr.
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, peak_memory_mib, summarize_times, time_steps  # noqa: E402
-from grouped_mlp import QUICK_SHAPES, SHAPES, skewed_sizes  # noqa: E402
+from common import (  # noqa: E402
+    add_out_argument,
+    machine_info,
+    out_path,
+    peak_memory_mib,
+    summarize_times,
+    time_steps,
+)
+from grouped_mlp import SHAPES, TINY_SHAPES, skewed_sizes  # noqa: E402
 
 import te_ops  # noqa: E402
 
@@ -43,50 +51,45 @@ def build(shape: tuple[int, int, int, int], layers: int, recompute: bool,
           device: torch.device) -> list[te_ops.Sequential]:
     experts, _, hidden, ffn = shape
     torch.manual_seed(0)
-    kw = {"bias": False, "single_grouped_weight": True, "device": device,
-          "dtype": torch.bfloat16}
+    kw = {"bias": False, "device": device, "dtype": torch.bfloat16}
     return [te_ops.Sequential(te_ops.GroupedLinear(experts, hidden, 2 * ffn, **kw),
                               te_ops.ScaledSwiGLU(recompute_input=recompute),
                               te_ops.GroupedLinear(experts, ffn, hidden, **kw))
             for _ in range(layers)]
 
 
-def _memory_trace(forward, dy: torch.Tensor, before, device: torch.device, param_bytes: int
+def _memory_trace(blocks: list[te_ops.Sequential], x: torch.Tensor, block_args: tuple,
+                  dy: torch.Tensor, before, device: torch.device, param_bytes: int
                   ) -> tuple[float | None, list[list[float]]]:
-    """Allocated MiB after all forwards, and per fused backward (in the order they run) the
-    peak since the previous one and the allocated MiB at its end; parameters subtracted."""
+    """Allocated MiB after all forwards, and per block backward (in the order they run) the
+    peak since the previous one and the allocated MiB when the block's input gradient is
+    ready (a tensor hook on each block's input); parameters subtracted."""
     if device.type != "cuda":
         return None, []
-    from te_ops.fused.grouped_mlp import BackwardGroupedMLP
-
     mib = 2**20
     per_block: list[list[float]] = []
-    original = BackwardGroupedMLP.fuser_backward
 
-    def traced(self, *a, **k):
-        out = original(self, *a, **k)
+    def record(grad: torch.Tensor) -> None:
         torch.cuda.synchronize(device)
         per_block.append([(torch.cuda.max_memory_allocated(device) - param_bytes) / mib,
                           (torch.cuda.memory_allocated(device) - param_bytes) / mib])
         torch.cuda.reset_peak_memory_stats(device)
-        return out
 
     before()
     torch.cuda.synchronize(device)
-    y = forward()
+    y = x
+    for b in blocks:
+        y.register_hook(record)
+        y = b(y, *block_args)
     torch.cuda.synchronize(device)
     after = (torch.cuda.memory_allocated(device) - param_bytes) / mib
     torch.cuda.reset_peak_memory_stats(device)
-    BackwardGroupedMLP.fuser_backward = traced
-    try:
-        y.backward(dy)
-    finally:
-        BackwardGroupedMLP.fuser_backward = original
+    y.backward(dy)
     return after, per_block
 
 
 def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> dict:
-    shape = {**SHAPES, **QUICK_SHAPES}[args.shape]
+    shape = {**SHAPES, **TINY_SHAPES}[args.shape]
     experts, tokens, hidden, _ = shape
     blocks = build(shape, args.layers, recompute, device)
     params = [p for b in blocks for p in b.parameters()]
@@ -113,7 +116,8 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
     times = time_steps(step, device, warmup=args.warmup, iters=args.iters, before=before)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     peak = peak_memory_mib(step, device, param_bytes, before=before)
-    after_forward, per_block = _memory_trace(forward, dy, before, device, param_bytes)
+    after_forward, per_block = _memory_trace(blocks, x, (split, probs, split), dy, before,
+                                              device, param_bytes)
     saved: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in (*params, probs)}
 
@@ -143,26 +147,26 @@ def measure(args: argparse.Namespace, recompute: bool, device: torch.device) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="E8_T16384_H4096_FF14336",
-                        choices=[*SHAPES, *QUICK_SHAPES])
+                        choices=[*SHAPES, *TINY_SHAPES])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run "
                         "(no peak memory there)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    add_out_argument(parser, "recompute_layers")
     args = parser.parse_args(argv)
     if args.layers < 1 or args.iters < 1 or args.warmup < 0:
         parser.error(f"--layers and --iters must be >= 1, --warmup >= 0, got {args.layers}, "
                      f"{args.iters}, {args.warmup}")
     device = torch.device(args.device)
+    path = out_path(args.out, "recompute_layers.jsonl")
     rows = []
     for recompute in (False, True):
         row = {**machine_info(device), **measure(args, recompute, device)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"{'shape':<26} {'layers':>6} {'recompute':>9} {'ms':>9} {'peak MiB':>9} "

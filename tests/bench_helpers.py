@@ -1,8 +1,6 @@
 """Shared checks of the benchmark command-line tests: a bad argument is argparse's usage
-error (exit 2) before any work starts (``test_bench_args.py``, ``test_new_user_stop15.py``,
-``test_large_gemm_bench.py``, ``test_fc1_swiglu_gluon.py``), and the launch configs
-``large_gemm_triton.py``'s flags hand to each comparison (``test_review_stop14_gemm.py``,
-``test_large_gemm_bench_fused_config.py``)."""
+error (exit 2) before any work starts, and the launch configs
+``experimental/gemm_kernel_ab/large_gemm_triton.py``'s flags hand to each comparison."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ def usage_error(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], 
 
 def large_gemm_configs(monkeypatch: pytest.MonkeyPatch, bench,
                        argv: list[str]) -> list[tuple[str, object, object]]:
-    """``benchmarks/large_gemm_triton.py``'s ``main(argv)`` (the module ``bench``) with CUDA
+    """``experimental/gemm_kernel_ab/large_gemm_triton.py``'s ``main(argv)`` (the module ``bench``) with CUDA
     faked and ``compare`` replaced by a recorder: ``(gemm, cfg, fused_cfg)`` of each
     comparison, in order (``main`` must return 0)."""
     import torch

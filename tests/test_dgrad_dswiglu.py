@@ -370,7 +370,7 @@ def patch_dswiglu_bench(monkeypatch):
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
     import large_gemm_triton as bench
 
     from te_ops.kernels import grouped_gemm_large_triton as lg

@@ -91,7 +91,7 @@ def test_bench_accepts_the_half_buffer_config(capsys, monkeypatch):
     import json
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
     import large_gemm_triton as bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

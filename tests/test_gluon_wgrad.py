@@ -27,7 +27,7 @@ import torch
 
 from te_ops.kernels import grouped_wgrad_gluon as G
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 import gluon_wgrad as bench  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -547,11 +547,11 @@ def test_every_graph_peer_is_skipped_on_cpu():
         del sys.modules[spec.name]
     problem = types.SimpleNamespace(device=torch.device("cpu"))
     graph_peers = [n for n in bench.PEER_CLASSES if "graph" in n]
-    assert "te_ops_fused_single_graph_noclone" in graph_peers
+    assert "te_ops_graph" in graph_peers
     for name in graph_peers:
         assert bench.skip_reason(name, problem) == ("CUDA graphs need a CUDA device (running "
                                                     "with --device cpu)"), name
-    assert bench.skip_reason("te_ops_fused", problem) is None
+    assert bench.skip_reason("te_ops", problem) is None
 
 
 def test_docs_cite_only_files_in_the_repository():

@@ -1,5 +1,5 @@
 """The main job's final-loss comparison: its default length, the noise-floor tools
-(``benchmarks/main_job_noise.py``) and the seeds script (``scripts/main_job_seeds.py``)."""
+(``scripts/main_job_noise.py``) and the seeds script (``scripts/main_job_seeds.py``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def load(rel: str):
     return module
 
 
-noise = load("benchmarks/main_job_noise.py")
+noise = load("scripts/main_job_noise.py")
 seeds = load("scripts/main_job_seeds.py")
 
 

@@ -1,6 +1,5 @@
 """A new user's checks of the stop-15 features on CPU: the epilogue variables' ``explain()``
-text, the benchmark flags of the fused kernels' launch configs, and ``host_ab.py``'s
-``--variant-env`` values read as te_ops reads the variables."""
+text and the benchmark flags of the fused kernels' launch configs."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ import te_ops
 from te_ops.kernels import dgrad_dswiglu_triton as D
 from te_ops.kernels import grouped_gemm_large_triton as L
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 
-import host_ab  # noqa: E402
 import large_gemm_triton as bench  # noqa: E402
 
 
@@ -84,21 +82,6 @@ def test_kernel_configs_keep_accepting_their_defaults_and_sweeps():
     assert D._resolve(dict(D.dswiglu_config()), 4) == D.dswiglu_config()
     for cfg in bench.SWEEP:
         L._resolve("fprop", cfg, 4)
-
-
-@pytest.mark.parametrize("given, value", [("AUTO", "auto"), (" 1 ", "1"), ("", "auto")])
-def test_host_ab_variant_env_reads_values_as_te_ops_does(given, value):
-    """``--variant-env``: values case-insensitive, spaces ignored, empty the default (the
-    README's rule for every te_ops variable); the variant is named by the value te_ops
-    reads."""
-    name = "TE_OPS_FC1_SWIGLU_EPILOGUE"
-    assert host_ab.variant_env(f"{name}={given}") == (name, value)
-
-
-def test_host_ab_variant_env_bad_value_names_variable_expected_and_got(capsys):
-    err = usage_error(capsys, host_ab.main,
-                       ["--variant-env", "TE_OPS_FC2_DSWIGLU_EPILOGUE=yes"])
-    assert "TE_OPS_FC2_DSWIGLU_EPILOGUE must be one of ['auto', '0', '1'], got 'yes'" in err
 
 
 def test_planned_explain_says_why_the_epilogues_are_not_used_on_cpu():

@@ -25,7 +25,7 @@ import torch
 from bench_helpers import large_gemm_configs
 from interpret import interpreter_marks, run_interpreted
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 
 import large_gemm_triton as bench  # noqa: E402
 

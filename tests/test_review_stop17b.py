@@ -76,7 +76,7 @@ def test_dswiglu_config_rejects_launches_over_shared_memory():
 
 
 def test_benchmark_rejects_a_dswiglu_config_over_shared_memory(capsys):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
     import large_gemm_triton as bench
 
     with pytest.raises(SystemExit):

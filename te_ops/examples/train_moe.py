@@ -173,7 +173,7 @@ class MoELanguageModel(nn.Module):
 #: The job's default length. At 600 steps the loss was still falling ~0.07 nats per 50 steps
 #: and a one-ulp change of one initial weight moved the final loss by up to 4 % (H200, bf16,
 #: seeds 0-2); at 2000 it ends on a plateau and the same change moves it by at most 0.64 %
-#: (docs/recipes.md, benchmarks/main_job_noise.py).
+#: (docs/recipes.md, scripts/main_job_noise.py).
 DEFAULT_STEPS = 2000
 #: --hf-model trains two models (te_ops and HF eager experts) and compares their curves: it
 #: keeps the shorter run it was measured with (docs/transformers.md).
