@@ -36,6 +36,7 @@ from .call_scope import close_call_scope, open_call_scope
 from .double_backward import graph_anchors
 from .func_transforms import check_no_func_transform
 from .op import BasicOperation, FusibleOperation, OperationContext
+from .activation_checkpoint import check_recomputation
 from .quantization.autocast import current_recipe
 from .signature import CallSignature, same_source
 from .splits import close_host_read_scope, open_host_read_scope
@@ -403,6 +404,8 @@ class OperationFuser:
             from .compile import compiled_call
 
             return compiled_call(self, input_, extra_inputs, recipe)
+        # a checkpoint's recomputation must run under its first forward's recipe
+        check_recomputation(self, current_recipe() if recipe is None else recipe)
         fast = self.__dict__.get("_fast_step")  # te_ops/fast_step.py
         if fast is not None and recipe is None:
             out = fast.run(input_, extra_inputs)

@@ -369,31 +369,6 @@ def test_te_ops_checkpoint_without_a_recipe_matches_torch_checkpoint():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="torch.utils.checkpoint restores torch's autocast and RNG "
-                   "state, not te_ops.autocast's recipe, so its reentrant recomputation runs in "
-                   "high precision and backward gets unquantized gradients with no error; use "
-                   "te_ops.checkpoint (docs/training_integration.md)")
-def test_plain_torch_reentrant_checkpoint_under_a_recipe_gives_the_recipe_grads():
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-    recipe = te_ops.recipe.Float8CurrentScaling()
-    block = _mlp()
-    x, probs, sizes = torch.randn(9, 32), torch.rand(9), [2, 3, 4]
-
-    def plain(b, x, s, p):
-        with te_ops.autocast(recipe=recipe):
-            return b(x, s, p, s)
-
-    def ckpt(b, x, s, p):
-        with te_ops.autocast(recipe=recipe):
-            return torch_checkpoint(b, x, s, p, s, use_reentrant=True)
-
-    expected = _grads(block, x, probs, sizes, plain)
-    got = _grads(block, x, probs, sizes, ckpt)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_recipe_fast_accumulate_backward_must_be_a_bool():
     # fast_accumulate_backward="no" was taken as True (a truthy string).
     with pytest.raises(TypeError, match=r"fast_accumulate_backward must be a bool, got str "
