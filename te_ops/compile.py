@@ -184,6 +184,8 @@ def compiled_call(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> 
         return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
     params = [p for op in fuser.basic_ops for p in op._parameters.values()]
     env_values = tuple(_env_value(name) for name in env.ENV_VARS)
+    for name in env.ENV_VARS:  # a bad TE_OPS_* value: te_ops' own error, raised eagerly
+        _check_env_eagerly(name, env_values)
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_key = _recipe_key(recipe if recipe is not None else _active_recipe())
     return _run_block(input_, key, recipe_key, len(params), env_values, *params,
@@ -225,6 +227,24 @@ def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
 def _trace_reason(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> str | None:
     reasons = _call_reasons(fuser.basic_ops, input_, extra_inputs, recipe)
     return "; ".join(reasons) if reasons else None
+
+
+def _check_env_eagerly(name: str, env_values: tuple) -> None:
+    """Raise ``env.read``'s ValueError (naming the variable) outside the trace where ``name``'s
+    value is not accepted: inside the traced call it would surface deep in a fake-tensor
+    error."""
+    var = env.ENV_VARS[name]
+    value = env_values[list(env.ENV_VARS).index(name)]
+    text = var.default if value is None or not value.strip() else value.strip().lower()
+    if text not in var.choices:
+        torch._dynamo.graph_break(msg=f"te_ops: environment variable {name} must be one of "
+                                      f"{list(var.choices)}, got {text!r}")
+        _read_env(name)
+
+
+@torch._dynamo.disable
+def _read_env(name: str) -> None:
+    env.read(name)
 
 
 @torch._dynamo.disable

@@ -85,3 +85,58 @@ def test_main_job_threads_default_and_metrics_environment(tmp_path, monkeypatch)
     assert env["threads"] == 1
     assert env["torch"] == torch.__version__
     assert env["python"].count(".") == 2 and env["cpu"] and env["cpu_capability"]
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def _compile_block():
+    torch.manual_seed(0)
+    return te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16), te_ops.ScaledSwiGLU(),
+                             te_ops.GroupedLinear(2, 8, 8))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
+def test_bad_env_value_under_compile_is_te_ops_error(fullgraph, monkeypatch):
+    torch._dynamo.reset()
+    blk, sizes = _compile_block(), [2, 4]
+    x, p = torch.randn(6, 8), torch.rand(6)
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "maybe")
+    want = (r"environment variable TE_OPS_FUSE_GROUPED_MLP_BACKWARD must be one of "
+            r"\['0', '1'\], got 'maybe'")
+    compiled = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
+                             fullgraph=fullgraph)
+    if fullgraph:  # te_ops' reason in the first lines of Dynamo's error
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(x)
+        assert str(info.value).find("te_ops: environment variable") < 200
+    else:  # te_ops' own exception
+        with pytest.raises(ValueError, match=want):
+            compiled(x)
+    monkeypatch.delenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD")
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(x), blk(x, sizes, p, sizes), rtol=0, atol=0)
+
+
+def test_autocast_inside_fullgraph_compile_names_te_ops_autocast():
+    torch._dynamo.reset()
+    blk, sizes = _compile_block(), [2, 4]
+    x, p = torch.randn(6, 8), torch.rand(6)
+    recipe = te_ops.recipe.Float8CurrentScaling()
+
+    def f(x):
+        with te_ops.autocast(recipe=recipe):
+            return blk(x, sizes, p, sizes)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match="te_ops.autocast inside a torch.compile'd function: enter "
+                             "te_ops.autocast outside the compiled function"):
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    # without fullgraph the autocast block runs eagerly, under its recipe
+    got = torch.compile(f, backend="eager")(x)
+    torch.testing.assert_close(got, f(x), rtol=0, atol=0)
+    # entered outside the compiled function: traced under the recipe
+    torch._dynamo.reset()
+    with te_ops.autocast(recipe=recipe):
+        outside = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
+                                fullgraph=True)(x)
+    torch.testing.assert_close(outside, f(x), rtol=0, atol=0)
