@@ -553,7 +553,9 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     if versions2 is not None:
         step.layer2.check(versions2)
     dy = rows_2d(grad_output, fc2.out_features)  # e.g. the expanded gradient of out.sum()
-    saved = ctx.saved_tensors
+    from .fuser import unpack_saved
+
+    saved = unpack_saved(ctx, getattr(ctx, "overwrote_input", False))
     x, h, probs, *split_tensors, w1, w2 = [
         t if v is None else t.as_strided(*v) for t, v in zip(saved, ctx.views)]
     splits = GroupedSplits.from_tensors(split_tensors, num_groups=fc1.num_groups,
@@ -578,6 +580,7 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         del dgrad2
     w2 = None
     torch.autograd.graph.increment_version(h)
+    ctx.overwrote_input = True  # a second backward's error says why (fuser.unpack_saved)
     del h
     grads2 = per_param(wgrad2_fn(act_out, dy, splits), single2)
     act_out = None

@@ -554,6 +554,23 @@ def _refuse_double_backward(grads: tuple, anchors: Sequence[torch.Tensor] = ()) 
     return tuple(out)
 
 
+def unpack_saved(ctx: Any, overwrote_input: bool) -> tuple:
+    """``ctx.saved_tensors``; where an earlier backward of this node wrote over a saved
+    activation (``overwrote_input``: the fused grouped-MLP backward puts dh over h), torch's
+    in-place error is re-raised naming te_ops' reason and the switch that avoids it."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if not overwrote_input or "modified by an inplace operation" not in str(exc):
+            raise
+        raise RuntimeError(
+            "te_ops: second backward through a retained graph (retain_graph=True) of a block "
+            "whose fused grouped-MLP backward already ran: it writes the activation's gradient "
+            "over the saved activation to save memory, so the graph cannot be backpropagated "
+            "again. Set TE_OPS_FUSE_GROUPED_MLP_BACKWARD=0 (unfused backward, keeps it) or run "
+            f"the forward again (torch: {exc})") from exc
+
+
 class _FuserFunction(torch.autograd.Function):
     """One autograd node for the whole op list."""
 
@@ -611,8 +628,9 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):
         fuser: OperationFuser = ctx.fuser
+        overwrote = any(getattr(c, "overwrote_input", False) for c in ctx.op_ctxs)
         saved = [t if v is None else t.as_strided(*v)
-                 for t, v in zip(ctx.saved_tensors, ctx.views)]
+                 for t, v in zip(unpack_saved(ctx, overwrote), ctx.views)]
         for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
             c.saved_tensors = saved[a:b]
         grad_extra_groups: list[tuple] = []

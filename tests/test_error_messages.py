@@ -140,3 +140,29 @@ def test_autocast_inside_fullgraph_compile_names_te_ops_autocast():
         outside = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
                                 fullgraph=True)(x)
     torch.testing.assert_close(outside, f(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------ retained graph
+@pytest.mark.parametrize("warm_calls", [0, 3], ids=["first_call", "fast_path"])
+def test_second_backward_after_fused_backward_names_the_switch(warm_calls):
+    blk, sizes = _compile_block(), [2, 4]
+    x, p = torch.randn(6, 8, requires_grad=True), torch.rand(6, requires_grad=True)
+    for _ in range(warm_calls):  # later calls may take te_ops/fast_step.py's path
+        blk(x, sizes, p, sizes).sum().backward()
+    y = blk(x, sizes, p, sizes)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"te_ops: second backward through a retained graph"
+                                           r".*TE_OPS_FUSE_GROUPED_MLP_BACKWARD=0"):
+        y.sum().backward()
+
+
+def test_second_backward_with_unfused_backward_works(monkeypatch):
+    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    blk, sizes = _compile_block(), [2, 4]
+    x = torch.randn(6, 8, requires_grad=True)
+    p = torch.rand(6)
+    y = blk(x, sizes, p, sizes)
+    y.sum().backward(retain_graph=True)
+    once = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * once, rtol=0, atol=0)
