@@ -61,10 +61,16 @@ def test_grouped_linear_flags_must_be_bools(flag):
         te_ops.GroupedLinear(2, 4, 4, **{flag: torch.zeros(3)})
 
 
-@pytest.mark.parametrize("bias", [None, 0, False])
-def test_falsy_bias_gives_a_bool_use_bias(bias):
-    lin = te_ops.GroupedLinear(2, 4, 4, bias=bias)
+def test_bias_false_gives_a_bool_use_bias():
+    lin = te_ops.GroupedLinear(2, 4, 4, bias=False)
     assert lin.use_bias is False and lin.has_bias is False and lin.bias0 is None
+
+
+@pytest.mark.parametrize("bias", [None, 0, 1, 2])
+def test_non_bool_bias_is_refused(bias):
+    # strict bools, as the recipes' flags: bias=2 was taken as True, None and 0 as False
+    with pytest.raises(TypeError, match=rf"bias must be a bool, got {type(bias).__name__}"):
+        te_ops.GroupedLinear(2, 4, 4, bias=bias)
 
 
 # --------------------------------------------------------------------------- fuses_as
