@@ -36,7 +36,7 @@ def run_job(argv: list[str], log: str, threads: int) -> float:
     os.environ["TRAIN_MOE_PROGRESS"] = "0"
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f, contextlib.redirect_stdout(f):
-        return train_moe.main(argv)["final_val_loss"]
+        return train_moe.main([*argv, "--threads", str(threads)])["final_val_loss"]
 
 
 def int_list(text: str, name: str, minimum: int | None = None) -> list[int]:
