@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from . import env
 from .op import BasicOperation, FusibleOperation
 from .quantization.autocast import ACTIVE as ACTIVE_RECIPES
 from .quantization.recipe import Recipe
@@ -168,3 +169,20 @@ def warn_eager_once(where: str, reason: str) -> None:
     _WARNED.add(key)
     warnings.warn(EAGER_WARNING.format(where=where, reason=reason), RuntimeWarning,
                   stacklevel=3)
+
+
+def check_env_eagerly(env_values: tuple) -> None:
+    """Raise ``env.read``'s ValueError (naming the variable) outside the trace where a
+    ``TE_OPS_*`` value in ``env_values`` (one per ``env.ENV_VARS`` entry, in order) is not
+    accepted: inside the traced call it would surface deep in a fake-tensor error."""
+    for (name, var), value in zip(env.ENV_VARS.items(), env_values):
+        text = var.default if value is None or not value.strip() else value.strip().lower()
+        if text not in var.choices:
+            torch._dynamo.graph_break(msg=f"te_ops: environment variable {name} must be one of "
+                                          f"{list(var.choices)}, got {text!r}")
+            _read_env(name)
+
+
+@torch._dynamo.disable
+def _read_env(name: str) -> None:
+    env.read(name)

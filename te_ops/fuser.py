@@ -39,9 +39,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import env
 from .call_scope import close_call_scope, open_call_scope
+from .activation_checkpoint import check_recomputation
 from .compile import (
     active_recipe,
     call_reasons,
+    check_env_eagerly,
     env_value,
     recipe_from_key,
     recipe_key,
@@ -424,6 +426,8 @@ class OperationFuser:
         :class:`_FuserFunction` call, with or without grad)."""
         if torch.compiler.is_compiling():
             return compiled_call(self, input_, extra_inputs, recipe)
+        # a checkpoint's recomputation must run under its first forward's recipe
+        check_recomputation(self, current_recipe() if recipe is None else recipe)
         return self._run(input_, *extra_inputs, recipe=recipe)
 
     def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
@@ -492,6 +496,7 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
         return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
     params = [p for op in fuser.basic_ops for p in op._parameters.values()]
     env_values = tuple(env_value(name) for name in env.ENV_VARS)
+    check_env_eagerly(env_values)  # a bad TE_OPS_* value: te_ops' own error, raised eagerly
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_constants = recipe_key(recipe if recipe is not None else active_recipe())
     return _run_block(input_, key, recipe_constants, len(params), env_values, *params,
@@ -622,6 +627,23 @@ def _refuse_double_backward(grads: tuple, anchors: Sequence[torch.Tensor] = ()) 
     return tuple(out)
 
 
+def unpack_saved(ctx: Any, overwrote_input: bool) -> tuple:
+    """``ctx.saved_tensors``; where an earlier backward of this node wrote over a saved
+    activation (``overwrote_input``: the fused grouped-MLP backward puts dh over h), torch's
+    in-place error is re-raised naming te_ops' reason and the switch that avoids it."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if not overwrote_input or "modified by an inplace operation" not in str(exc):
+            raise
+        raise RuntimeError(
+            "te_ops: second backward through a retained graph (retain_graph=True) of a block "
+            "whose fused grouped-MLP backward already ran: it writes the activation's gradient "
+            "over the saved activation to save memory, so the graph cannot be backpropagated "
+            "again. Set TE_OPS_FUSE_GROUPED_MLP_BACKWARD=0 (unfused backward, keeps it) or run "
+            f"the forward again (torch: {exc})") from exc
+
+
 class _FuserFunction(torch.autograd.Function):
     """One autograd node for the whole op list."""
 
@@ -680,8 +702,9 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_output, *grad_extra_outputs):
         fuser: OperationFuser = ctx.fuser
+        overwrote = any(getattr(c, "overwrote_input", False) for c in ctx.op_ctxs)
         saved = [t if v is None else t.as_strided(*v)
-                 for t, v in zip(ctx.saved_tensors, ctx.views)]
+                 for t, v in zip(unpack_saved(ctx, overwrote), ctx.views)]
         for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
             c.saved_tensors = saved[a:b]
         grad_extra_groups: list[tuple] = []

@@ -156,7 +156,9 @@ def unpermute(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> to
     Raises
     ------
     ValueError
-        ``y`` and ``token_index`` of different lengths or bad ``num_tokens``.
+        ``y`` and ``token_index`` of different lengths, bad ``num_tokens``, or (on the CPU)
+        ``num_tokens`` not above every ``token_index`` entry (on CUDA that is a device-side
+        assertion of ``index_add_``).
     TypeError
         ``y`` or ``token_index`` not a tensor, or ``token_index`` not int64 / int32.
     """
@@ -170,5 +172,12 @@ def unpermute(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> to
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) or (
             num_tokens < 0):
         raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if (token_index.device.type == "cpu" and token_index.numel()
+            and not torch.compiler.is_compiling()):  # on CUDA: index_add_'s device assertion
+        low, high = int(token_index.min()), int(token_index.max())  # (no sync on the CPU)
+        if low < 0 or high >= num_tokens:
+            raise ValueError(
+                f"num_tokens must be larger than every token_index entry (the tokens given to "
+                f"permute), got num_tokens={num_tokens} and token_index in [{low}, {high}]")
     out = y.new_zeros(num_tokens, y.shape[1])
     return out.index_add_(0, token_index, y)

@@ -59,6 +59,7 @@ __all__ = [
     "weight_and_bias_grads",
     "backward_dw",
     "backward_dw_all",
+    "reducing_wrapper",
     "main_grads_restored",
 ]
 
@@ -94,8 +95,48 @@ class WgradPolicy:
 
     def for_call(self, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> WgradPolicy:
         """A copy for one forward call holding that call's Parameter objects (the queue of
-        delayed jobs stays shared)."""
+        delayed jobs stays shared).
+
+        Raises
+        ------
+        RuntimeError
+            ``delay_wgrad_compute=True`` on parameters that a data-parallel wrapper reduces
+            during backward (:func:`reducing_wrapper`).
+        """
+        if self.delay_wgrad_compute:  # (called only by forwards that save for backward)
+            wrapper = reducing_wrapper([*weights, *biases])
+            if wrapper is not None:
+                raise RuntimeError(
+                    f"{self.owner}: delay_wgrad_compute=True under {wrapper}, which reduces "
+                    "gradients during backward; backward_dw() computes them after it, so each "
+                    "rank would keep its own unreduced gradient. Use delay_wgrad_compute=False "
+                    "with torch's data-parallel wrappers (or run every micro-batch under "
+                    "DistributedDataParallel.no_sync() and all-reduce the gradients yourself "
+                    "after backward_dw()); Megatron's DDP reduces main_grad after backward_dw() "
+                    "(docs/training_integration.md)")
         return replace(self, weights=list(weights), biases=list(biases))
+
+
+def reducing_wrapper(params: list[torch.Tensor]) -> str | None:
+    """The torch data-parallel wrapper that reduces gradients of ``params`` during backward,
+    or ``None``: ``DistributedDataParallel`` (inside its forward, gradient sync on, a
+    parameter of its module not ignored) or ``FullyShardedDataParallel`` (flattened
+    parameters). ``fully_shard`` (FSDP2) is caught in :func:`backward_dw` (its unsharded
+    parameters are freed after backward)."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return None
+    ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and ddp.require_backward_grad_sync:
+        reduced = ddp.__dict__.get("_te_ops_reduced_params")
+        if reduced is None:  # the parameters DDP's reducer owns (ignored ones excluded)
+            reduced = ddp.__dict__["_te_ops_reduced_params"] = {
+                id(p) for p in getattr(ddp, "_module_parameters", ddp.module.parameters())}
+        if any(id(p) in reduced for p in trainable):
+            return "torch.nn.parallel.DistributedDataParallel"
+    if any(getattr(p, "_fsdp_flattened", False) for p in trainable):
+        return "torch.distributed.fsdp.FullyShardedDataParallel"
+    return None
 
 
 @dataclass(eq=False)
@@ -293,6 +334,7 @@ def backward_dw(policy: WgradPolicy) -> None:
         while policy.pending:
             job = policy.pending.popleft()
             _check_versions(policy, job)
+            _check_storage(policy, job)
             for w, g in zip(job.weights, _weight_grads(policy, job)):
                 _add_to_grad(w, g)
             for b, g in zip(job.biases, _bias_grads(job)):
@@ -310,6 +352,20 @@ def _check_versions(policy: WgradPolicy, job: _WgradJob) -> None:
                 f"inplace operation: the {name} of {policy.owner} {tuple(t.shape)}, kept for "
                 f"backward_dw() (delay_wgrad_compute=True), is at version {t._version}; "
                 f"expected version {version} (call backward_dw() before changing it)")
+
+
+def _check_storage(policy: WgradPolicy, job: _WgradJob) -> None:
+    """Raise where a parameter a queued job writes has had its storage freed since the forward
+    (``torch.distributed.fsdp.fully_shard`` frees the unsharded parameters after backward, once
+    it has reduce-scattered their gradients: a gradient added now would be lost)."""
+    for p in (*job.weights, *job.biases):
+        if p.requires_grad and p.numel() and p.untyped_storage().size() == 0:
+            raise RuntimeError(
+                f"{policy.owner}: backward_dw() (delay_wgrad_compute=True) found the storage of a "
+                f"parameter {tuple(p.shape)} freed since the forward: "
+                "torch.distributed.fsdp.fully_shard resharded it after backward, having reduced "
+                "its gradient already, so the delayed gradient would be lost. Use "
+                "delay_wgrad_compute=False under fully_shard (docs/training_integration.md)")
 
 
 def backward_dw_all(modules: Any) -> None:

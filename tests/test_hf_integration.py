@@ -156,7 +156,7 @@ def test_state_dict_unchanged_and_pretrained_round_trip(family, tmp_path):
     assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == keys
     assert len(list(model.parameters())) == n_params
     for experts in experts_modules(model):  # zero-copy: the te_ops block holds HF's Parameters
-        block = experts.__dict__[te_hf._BLOCK_KEY]
+        block = te_hf.experts_block(experts)
         assert block[0].weight is experts.gate_up_proj and block[2].weight is experts.down_proj
 
     model.save_pretrained(tmp_path)

@@ -32,9 +32,11 @@ noise = load("scripts/main_job_noise.py")
 seeds = load("scripts/main_job_seeds.py")
 
 
-def test_default_steps_end_on_the_plateau_and_hf_keeps_its_own() -> None:
-    assert train_moe.DEFAULT_STEPS == 2000
-    assert train_moe.parse_args([]).steps == 2000
+def test_default_is_short_and_the_plateaued_run_is_a_preset() -> None:
+    assert train_moe.DEFAULT_STEPS == 600
+    assert train_moe.parse_args([]).steps == 600
+    assert train_moe.parse_args(["--preset", "recipe-compare"]).steps == 2000
+    assert train_moe.parse_args(["--preset", "recipe-compare", "--steps", "9"]).steps == 9
     assert train_moe.parse_args(["--hf-model", "mixtral"]).steps == train_moe.DEFAULT_HF_STEPS
     assert train_moe.parse_args(["--steps", "7"]).steps == 7
 

@@ -22,7 +22,8 @@ class Bias(BasicOperation):
 
     Shapes
     ------
-    input (..., size) -> output (..., size); parameter ``bias`` (size,).
+    input (..., size) -> output (..., size); parameter ``bias`` (size,). The bias gradient is
+    summed over the rows in float32, or float64 for float64 parameters or gradients.
 
     Raises
     ------
@@ -56,5 +57,9 @@ class Bias(BasicOperation):
     def op_backward(self, ctx, grad_output):
         grad_bias = None
         if self.bias.requires_grad:
-            grad_bias = grad_output.reshape(-1, self.size).float().sum(0).to(self.bias.dtype)
+            # Summed in at least float32 and at least the parameter's precision (float64 stays
+            # float64); float32 / bfloat16 / float16 parameters sum in float32.
+            acc = torch.promote_types(torch.promote_types(grad_output.dtype, self.bias.dtype),
+                                      torch.float32)
+            grad_bias = grad_output.reshape(-1, self.size).to(acc).sum(0).to(self.bias.dtype)
         return grad_output, [grad_bias]

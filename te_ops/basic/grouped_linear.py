@@ -394,7 +394,7 @@ class GroupedLinear(BasicOperation):
                            ("single_grouped_weight", single_grouped_weight),
                            ("accumulate_into_main_grad", accumulate_into_main_grad),
                            ("delay_wgrad_compute", delay_wgrad_compute)):
-            if flag is not None and not isinstance(flag, (bool, int)):
+            if not isinstance(flag, bool):  # bias=2 or "no" is not taken as True
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
         bias, scale_bias = bool(bias), bool(scale_bias)
         if scale_bias and not bias:

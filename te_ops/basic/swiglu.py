@@ -409,6 +409,15 @@ class SwiGLU(BasicOperation):
     ------
     input (..., 2F) -> output (..., F), same dtype (fp32 math inside).
 
+    Numerics
+    --------
+    ``SiLU(a) = a * sigmoid(a)`` in fp32 (fp64 for fp64 inputs), as ``torch.nn.functional.silu``.
+    Below ``a`` of about -88.72 (fp32; -709.78 in fp64) ``exp(-a)`` overflows, so ``SiLU(a)``
+    and its derivative are a signed zero, though the true value is still representable down
+    to about -103 (|SiLU(a)| < 2.7e-37 there): torch's CPU and CUDA ``silu`` and te_ops' Triton
+    kernel (``sigmoid = 1 / (1 + exp(-a))``, then ``a * sigmoid``) all return zero.
+    ``a = -inf`` gives NaN (``-inf * 0``) on every path, ``a = +inf`` gives ``inf * b``.
+
     Raises
     ------
     ValueError

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, start: float) -> dict[str, Any]:
         "fusions": fusions,
         "versions": {"te_ops": te_ops.__version__, "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
+        "environment": job.environment(),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,13 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:cut], tokens[cut:]
 
 
+@functools.lru_cache(maxsize=1)
+def corpus_sizes() -> tuple[int, int]:
+    """(train, validation) bytes of :func:`load_corpus`."""
+    train, val = load_corpus()
+    return train.numel(), val.numel()
+
+
 def unigram_cross_entropy(train: torch.Tensor, val: torch.Tensor) -> tuple[float, float]:
     """(entropy of the training bytes, cross-entropy of the validation bytes), in nats.
 
@@ -170,11 +177,14 @@ class MoELanguageModel(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- training
-#: The job's default length. At 600 steps the loss was still falling ~0.07 nats per 50 steps
-#: and a one-ulp change of one initial weight moved the final loss by up to 4 % (H200, bf16,
-#: seeds 0-2); at 2000 it ends on a plateau and the same change moves it by at most 0.64 %
-#: (docs/recipes.md, scripts/main_job_noise.py).
-DEFAULT_STEPS = 2000
+#: The job's default length: about two minutes on 2 idle CPU cores (one torch thread). The
+#: validation loss is still falling there (~0.07 nats per 50 steps) and a one-ulp change of one
+#: initial weight moved the final loss by up to 4 % (H200, bf16, seeds 0-2).
+DEFAULT_STEPS = 600
+#: ``--preset``: named configurations; an explicit flag overrides its value. ``recipe-compare``
+#: trains 2000 steps, where the loss ends on a plateau and the same one-ulp change moves it by
+#: at most 0.64 %, so recipes can be compared on it (docs/recipes.md).
+PRESETS: dict[str, dict[str, Any]] = {"default": {}, "recipe-compare": {"steps": 2000}}
 #: --hf-model trains two models (te_ops and HF eager experts) and compares their curves: it
 #: keeps the shorter run it was measured with (docs/transformers.md).
 DEFAULT_HF_STEPS = 600
@@ -183,10 +193,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m te_ops.examples.train_moe",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps (default {DEFAULT_STEPS}, where the validation loss "
-                        "ends on a plateau and moved by <1 %% under a one-ulp change of one "
-                        "initial weight; at 600 it moved by up to 4 %%: docs/recipes.md. "
-                        f"With --hf-model the default is {DEFAULT_HF_STEPS})")
+                   help=f"optimizer steps (default {DEFAULT_STEPS}, about two minutes on 2 idle "
+                        "CPU cores; --preset recipe-compare: 2000, where the validation loss "
+                        "ends on a plateau, docs/recipes.md. With --hf-model the default is "
+                        f"{DEFAULT_HF_STEPS})")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="recipe-compare: 2000 steps (the plateaued run recipes are compared "
+                        "on); flags given explicitly override the preset")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 with --device cpu, where one thread was "
+                        "faster than torch's default on a loaded 2-core machine and losses "
+                        "depend on the thread count; torch's default with --device cuda)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     p.add_argument("--layers", type=int, default=2, help="transformer layers")
@@ -235,7 +252,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "eager, bit-identical losses)")
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = DEFAULT_HF_STEPS if args.hf_model else DEFAULT_STEPS
+        args.steps = PRESETS[args.preset].get(
+            "steps", DEFAULT_HF_STEPS if args.hf_model else DEFAULT_STEPS)
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
     if args.compile and args.cuda_graph:
         p.error("--compile and --cuda-graph are exclusive (use torch.compile's "
                 "mode='reduce-overhead' for CUDA graphs of a compiled model)")
@@ -247,9 +267,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--recipe {args.recipe} does not apply to --hf-model (the HF comparison runs "
                 "in the parameters' precision)")
     for name in ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "experts",
-                 "top_k", "ffn", "eval_every", "eval_batches"):
-        if getattr(args, name) < 1:
+                 "top_k", "ffn", "eval_every", "eval_batches", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    longest = corpus_sizes()[1] - 2  # a window of seq_len + 1 bytes inside the validation split
+    if args.seq_len > longest:
+        p.error(f"--seq-len must be <= {longest} (the validation split has {longest + 2} "
+                f"bytes), got {args.seq_len}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads, got {args.heads}")
     if args.top_k > args.experts:
@@ -420,14 +444,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.cuda_graph and args.device != "cuda":
         raise SystemExit("--cuda-graph needs --device cuda")
-    with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
-        torch.manual_seed(args.seed)
-        if args.hf_model:
-            from .hf_moe import run as run_hf_model
+    threads = torch.get_num_threads()
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        with torch.random.fork_rng(devices=[]):  # leave the caller's CPU RNG as it was
+            torch.manual_seed(args.seed)
+            if args.hf_model:
+                from .hf_moe import run as run_hf_model
 
-            return run_hf_model(args, start)
-        metrics = train_and_report(args, start)
-    return metrics
+                return run_hf_model(args, start)
+            return train_and_report(args, start)
+    finally:  # leave the caller's thread count as it was
+        torch.set_num_threads(threads)
+
+
+def environment() -> dict[str, Any]:
+    """What the losses depend on besides the flags: the Python version (its bundled
+    documentation is the corpus), the torch version, the CPU threads and the CPU (its vector
+    unit picks the kernels' summation order), recorded in ``metrics.json``."""
+    import platform
+    import sys
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "python_implementation":
+            platform.python_implementation(), "torch": torch.__version__,
+            "te_ops": te_ops.__version__, "threads": torch.get_num_threads(),
+            "cpu": cpu, "machine": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "platform": sys.platform}
 
 
 def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
@@ -466,6 +517,7 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
         "wall_time_s": wall,
         "fusions": fusions,
         "versions": {"te_ops": te_ops.__version__, "torch": torch.__version__},
+        "environment": environment(),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

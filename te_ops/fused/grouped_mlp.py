@@ -272,6 +272,7 @@ class BackwardGroupedMLP(FusedOperation):
             h = None
             del dgrad2  # free before fc1's GEMMs
         dh, gprobs_act = act_result[0], act_result[1]
+        ctx_act.overwrote_input = True  # dh went over h: a second backward's error says so
         if need_out:
             act_out = act_result[2]
             s2.recompute_x = lambda: act_out

@@ -107,6 +107,17 @@ def _per_expert_layout(experts: Any) -> str | None:
     return None
 
 
+#: The packed experts modules' layout flags te_ops checks: flag -> (refused value, why).
+_PACKED_FLAGS = {
+    "has_gate": (False, "has no gate projection (up_proj only)"),
+    "has_bias": (True, "has expert biases (te_ops' HF path maps bias-free experts)"),
+    "is_transposed": (True, "stores transposed weights (E, in, out), not (E, out, in)"),
+    "is_concatenated": (False, "interleaves gate and up rows instead of gate rows first"),
+    "has_post_expert_norm": (True, "normalizes each expert's output"),
+    "_is_expert_parallel": (True, "is expert-parallel (sentinel routing)"),
+}
+
+
 def _packed_reason(module: nn.Module) -> str | None:
     name = type(module).__name__
     gate_fn = getattr(type(module), "_apply_gate", None)
@@ -114,14 +125,7 @@ def _packed_reason(module: nn.Module) -> str | None:
         return (f"{name} has its own gate function {gate_fn.__qualname__} (e.g. "
                 "GPT-OSS's clamped GLU: (clamp(up) + 1) * gate * sigmoid(alpha * gate)), which "
                 "te_ops' SwiGLU (SiLU(gate) * up) cannot express")
-    flags = {"has_gate": (False, "has no gate projection (up_proj only)"),
-             "has_bias": (True, "has expert biases (te_ops' HF path maps bias-free experts)"),
-             "is_transposed": (True, "stores transposed weights (E, in, out), not (E, out, in)"),
-             "is_concatenated": (False, "interleaves gate and up rows instead of gate rows "
-                                        "first"),
-             "has_post_expert_norm": (True, "normalizes each expert's output"),
-             "_is_expert_parallel": (True, "is expert-parallel (sentinel routing)")}
-    for flag, (bad, why) in flags.items():
+    for flag, (bad, why) in _PACKED_FLAGS.items():
         if getattr(module, flag, not bad) == bad:
             return f"{name} {why}"
     reason = _act_reason(module, name)
@@ -302,20 +306,47 @@ def to_hf_state_dict(block: Sequential, layout: str = "packed", prefix: str = ""
 
 
 # ------------------------------------------------------------------------------- HF interface
+def _state(module: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Everything :func:`unsupported_reason` and :func:`from_hf_experts` read from a packed
+    experts module: (objects compared by identity, values compared by ``==``)."""
+    cls = type(module)
+    act_fn = getattr(module, "act_fn", None)
+    w1, w2 = module.gate_up_proj, module.down_proj
+    objects = (cls, getattr(cls, "_apply_gate", None), act_fn, type(act_fn), w1, w2)
+    values = (tuple(getattr(module, flag, None) for flag in _PACKED_FLAGS),
+              w1.shape, w2.shape, w1.dtype, w2.dtype, w1.device, w2.device,
+              getattr(module, "num_experts", None))
+    return objects, values
+
+
+def _same_state(a: tuple[tuple[Any, ...], tuple[Any, ...]],
+                b: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+    return all(x is y for x, y in zip(a[0], b[0])) and a[1] == b[1]
+
+
 def experts_block(module: nn.Module) -> Sequential:
     """The te_ops block that runs this HF packed experts module, on its own Parameters.
 
     Built on first use and kept in the module's ``__dict__`` (not a submodule: ``state_dict``
-    and ``parameters()`` do not change); rebuilt when HF replaces ``gate_up_proj`` or
-    ``down_proj`` (e.g. ``from_pretrained`` loading into new Parameters). Raises ``ValueError``
-    with the reason when te_ops cannot run the module.
+    and ``parameters()`` do not change). Every call compares what the block was built from
+    (the class and its gate function, ``act_fn`` and its type, the layout flags,
+    ``num_experts``, the ``gate_up_proj`` / ``down_proj`` Parameter objects, their shapes,
+    dtypes and devices) with the module as it is now, and rebuilds (re-checking) on any
+    difference: ``from_pretrained`` loading into new Parameters, ``module.to(dtype)``, an
+    ``act_fn`` replaced after the first forward. Nothing cached is reused silently.
+
+    Raises
+    ------
+    ValueError
+        te_ops cannot run the module as it is now (the reason is given).
     """
-    block = module.__dict__.get(_BLOCK_KEY)
-    if (block is None or block[0].weight is not module.gate_up_proj
-            or block[2].weight is not module.down_proj):
-        block = from_hf_experts(module)
-        module.__dict__[_BLOCK_KEY] = block  # plain attribute: not in state_dict / parameters()
-    return block
+    cached = module.__dict__.get(_BLOCK_KEY)
+    state = _state(module)
+    if cached is None or not _same_state(cached[0], state):
+        module.__dict__.pop(_BLOCK_KEY, None)  # a refused module keeps no stale block
+        cached = (state, from_hf_experts(module))
+        module.__dict__[_BLOCK_KEY] = cached  # plain attribute: not in state_dict / parameters()
+    return cached[1]
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

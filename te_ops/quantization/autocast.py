@@ -50,6 +50,11 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Non
         got = "the abstract base Recipe" if type(recipe) is Recipe else type(recipe).__name__
         raise TypeError(f"recipe must be a te_ops.recipe.Recipe, got {got} (pass an "
                         "instance such as Float8CurrentScaling() or MXFP8BlockScaling())")
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the ContextVar below
+        torch._dynamo.graph_break(msg=(
+            "te_ops.autocast inside a torch.compile'd function: enter te_ops.autocast outside "
+            "the compiled function (te_ops calls inside read its recipe at trace time), or "
+            "compile without fullgraph=True to run the autocast block eagerly"))
     token = _RECIPE.set(recipe if enabled else None)
     ACTIVE.append(recipe if enabled else None)
     try:
