@@ -203,21 +203,35 @@ def assert_module_matches_reference(module: torch.nn.Module,
         assert_close(p.grad, grads[n], dtype, f"grad of {n}")
 
 
+def expert_params(leaves: dict[str, torch.Tensor], prefix: str, kind: str, groups: int
+                  ) -> list[torch.Tensor] | None:
+    """The per-expert ``kind`` ("weight" / "bias") tensors of one GroupedLinear among
+    ``leaves``, in either parameter layout: ``{prefix}{kind}`` (G, ...) unbound into G
+    tensors (packed, the default), or ``{prefix}{kind}0..`` (``single_grouped_weight=False``);
+    ``None`` when the layer has neither (no bias)."""
+    if prefix + kind in leaves:
+        packed = leaves[prefix + kind]
+        assert packed.shape[0] == groups, f"{prefix}{kind}: {tuple(packed.shape)}"
+        return list(packed.unbind(0))
+    if f"{prefix}{kind}0" in leaves:
+        return [leaves[f"{prefix}{kind}{g}"] for g in range(groups)]
+    return None
+
+
 def block_forward_backward(block: torch.nn.Module, groups: int, split_sizes: Sequence[int],
                            x: torch.Tensor, probs: torch.Tensor, grad_output: torch.Tensor
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`forward_backward` of :func:`grouped_mlp` with the weights (and biases, where
     fc1 / fc2 have them) of ``block`` (fc1, activation, fc2; ``groups`` experts): the fp64
     output and the gradients of ``"x"``, ``"probs"`` and each parameter, named as in
-    ``block.named_parameters()`` (``"0.weight3"``, ``"2.bias0"``, ...)."""
+    ``block.named_parameters()`` (``"0.weight"``, ``"2.bias"``; per-expert ``"0.weight3"``)."""
     fc1, _, fc2 = list(block)
     leaves = {"x": leaf(x), "probs": leaf(probs)}
     leaves.update({f"0.{n}": leaf(p) for n, p in fc1.named_parameters()})
     leaves.update({f"2.{n}": leaf(p) for n, p in fc2.named_parameters()})
 
     def params(lv, prefix, kind):
-        return ([lv[f"{prefix}.{kind}{g}"] for g in range(groups)]
-                if f"{prefix}.{kind}0" in lv else None)
+        return expert_params(lv, f"{prefix}.", kind, groups)
 
     def fn(lv):
         return grouped_mlp(lv["x"], split_sizes, lv["probs"], params(lv, 0, "weight"),

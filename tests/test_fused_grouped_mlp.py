@@ -388,13 +388,13 @@ def test_broken_pattern_runs_unfused(monkeypatch, middle, fragment):
     bias_vec = ref.leaf(blk[2].bias) if middle == "bias_after_act" else None
 
     def fn(lv):
-        hh = ref.grouped_linear(lv["x"], [lv[f"1.weight{i}"] for i in range(g)],
-                                [lv[f"1.bias{i}"] for i in range(g)], sizes)
+        hh = ref.grouped_linear(lv["x"], ref.expert_params(lv, "1.", "weight", g),
+                                ref.expert_params(lv, "1.", "bias", g), sizes)
         a = ref.swiglu(hh)
         if bias_vec is not None:
             a = ref.bias(a, bias_vec)
-        return ref.grouped_linear(a, [lv[f"2.weight{i}"] for i in range(g)],
-                                  [lv[f"2.bias{i}"] for i in range(g)], sizes)
+        return ref.grouped_linear(a, ref.expert_params(lv, "2.", "weight", g),
+                                  ref.expert_params(lv, "2.", "bias", g), sizes)
 
     y_ref, g_ref = ref.forward_backward(fn, leaves, dy)
     ref.assert_close(y, y_ref, torch.float32, "output")

@@ -138,8 +138,8 @@ def test_random_split_sizes_property(monkeypatch, sizes, padding, kind, backend)
     dy = torch.randn_like(y)
     y.backward(dy)
     ref.assert_module_matches_reference(
-        lin, lambda t: ref.grouped_linear(t["x"], [t[f"weight{g}"] for g in range(groups)],
-                                          [t[f"bias{g}"] for g in range(groups)], sizes,
+        lin, lambda t: ref.grouped_linear(t["x"], ref.expert_params(t, "", "weight", groups),
+                                          ref.expert_params(t, "", "bias", groups), sizes,
                                           t["probs"]),
         x, probs, y, dy, torch.float32)
 

@@ -156,15 +156,15 @@ def test_plain_module_in_the_middle(device, middle):
     y.backward(dy)
 
     def fn(t):
-        h = ref.grouped_linear(t["x"], [t[f"0.weight{g}"] for g in range(G)],
-                               [t[f"0.bias{g}"] for g in range(G)], SIZES)
+        h = ref.grouped_linear(t["x"], ref.expert_params(t, "0.", "weight", G),
+                               ref.expert_params(t, "0.", "bias", G), SIZES)
         if middle == "lambda":
             h = h * 2
         elif middle == "linear":
             h = torch.nn.functional.linear(h, t["1.weight"], t["1.bias"])
         h = ref.scaled_swiglu(h, t["probs"])
-        return ref.grouped_linear(h, [t[f"3.weight{g}"] for g in range(G)],
-                                  [t[f"3.bias{g}"] for g in range(G)], SIZES)
+        return ref.grouped_linear(h, ref.expert_params(t, "3.", "weight", G),
+                                  ref.expert_params(t, "3.", "bias", G), SIZES)
 
     ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float32)
 
@@ -240,10 +240,10 @@ def test_to_float64_keeps_weights_adjacent(device, convert):
 
     def fn(t):
         return ref.grouped_mlp(t["x"], SIZES, t["probs"],
-                               [t[f"0.weight{g}"] for g in range(G)],
-                               [t[f"0.bias{g}"] for g in range(G)],
-                               [t[f"2.weight{g}"] for g in range(G)],
-                               [t[f"2.bias{g}"] for g in range(G)])
+                               ref.expert_params(t, "0.", "weight", G),
+                               ref.expert_params(t, "0.", "bias", G),
+                               ref.expert_params(t, "2.", "weight", G),
+                               ref.expert_params(t, "2.", "bias", G))
 
     assert y.dtype == torch.float64
     ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float64)

@@ -194,9 +194,9 @@ def test_functional_call_with_autograd_grad_matches_the_reference():
     (dw,) = torch.autograd.grad(y, [params["2.weight2"]], grad_out)
     leaves = {k: ref.leaf(v) for k, v in params.items()}
     expected = ref.grouped_mlp(
-        ref.leaf(x), split, ref.leaf(probs), [leaves[f"0.weight{g}"] for g in range(E)],
-        [leaves[f"0.bias{g}"] for g in range(E)], [leaves[f"2.weight{g}"] for g in range(E)],
-        [leaves[f"2.bias{g}"] for g in range(E)])
+        ref.leaf(x), split, ref.leaf(probs), ref.expert_params(leaves, "0.", "weight", E),
+        ref.expert_params(leaves, "0.", "bias", E), ref.expert_params(leaves, "2.", "weight", E),
+        ref.expert_params(leaves, "2.", "bias", E))
     ref.assert_close(y, expected, torch.float32, "y")
     (dw_ref,) = torch.autograd.grad(expected, [leaves["2.weight2"]], grad_out.double())
     ref.assert_close(dw, dw_ref, torch.float32, "2.weight2 grad")

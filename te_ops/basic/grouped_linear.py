@@ -398,7 +398,7 @@ class GroupedLinear(BasicOperation):
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
-                 single_grouped_weight: bool = False,
+                 single_grouped_weight: bool = True,
                  accumulate_into_main_grad: bool = False,
                  delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
