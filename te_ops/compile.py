@@ -182,7 +182,7 @@ def compiled_call(fuser: Any, input_: Any, extra_inputs: tuple, recipe: Any) -> 
     if reason is not None:
         torch._dynamo.graph_break(msg=f"te_ops: {reason}")
         return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
-    params = [p for op in fuser.basic_ops for p in op._parameters.values()]
+    params = [p for op in fuser.basic_ops for _, p in _traced_params(op)]
     env_values = tuple(_env_value(name) for name in env.ENV_VARS)
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_key = _recipe_key(recipe if recipe is not None else _active_recipe())
@@ -206,6 +206,16 @@ def _fuser_for(key: tuple[int, ...]) -> Any:
     return fuser
 
 
+def _traced_params(op: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of the parameters a traced call takes as graph inputs: the op's own, or
+    for an op with ``torch.nn.utils.parametrize`` parametrizations every parameter under it
+    (``parametrizations.weight.original``, the parametrization's own), so the trace computes
+    the parametrized weight from graph inputs and differentiates through it."""
+    if "parametrizations" in op._modules:
+        return list(op.named_parameters())
+    return list(op._parameters.items())
+
+
 @torch._dynamo.allow_in_graph
 def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
     """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
@@ -217,7 +227,7 @@ def _run_block(input_, key, recipe_key, num_params, env_values, *rest):
     it = iter(params)
     with contextlib.ExitStack() as stack:
         for op in fuser.basic_ops:
-            swap = {n: next(it) for n in op._parameters}
+            swap = {n: next(it) for n, _ in _traced_params(op)}
             stack.enter_context(_reparametrize_module(op, swap))
         return fuser._run(input_, *extra, recipe=_recipe_from_key(recipe_key))
 

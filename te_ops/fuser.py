@@ -390,6 +390,12 @@ class OperationFuser:
                                         list[torch.nn.Parameter]]:
         """:meth:`_params` and the same parameters in one flat list (both cached; do not
         modify them)."""
+        if any("parametrizations" in op._modules for op in self.basic_ops):
+            # torch.nn.utils.parametrize: the computed tensors (new every call), so autograd
+            # differentiates through the parametrization (GroupedLinear.computed_parameters)
+            per_op = [op.computed_parameters() if "parametrizations" in op._modules
+                      else list(op.parameters()) for op in self.basic_ops]
+            return per_op, [p for ps in per_op for p in ps]
         key = tuple(tuple(map(id, op._parameters.values())) for op in self.basic_ops)
         cached = self.__dict__.get("_params_cache")
         if cached is None or cached[0] != key:
@@ -411,6 +417,14 @@ class OperationFuser:
         return self._run(input_, *extra_inputs, recipe=recipe)
 
     def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
+        if any("parametrizations" in op._modules for op in self.basic_ops):
+            # torch.nn.utils.parametrize: each parametrized weight is computed once for the
+            # call, the one tensor the autograd function takes and the ops read
+            with torch.nn.utils.parametrize.cached():
+                return self._run_call(input_, *extra_inputs, recipe=recipe)
+        return self._run_call(input_, *extra_inputs, recipe=recipe)
+
+    def _run_call(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         _check_autocast(input_)
@@ -459,7 +473,8 @@ class OperationFuser:
             tuple(map(len, params)), groups, *flat_params, *flat_extra,
         )
         self._plan = plan
-        self.__dict__["_fast_step"] = fast_step.record(
+        parametrized = any("parametrizations" in op._modules for op in self.basic_ops)
+        self.__dict__["_fast_step"] = None if parametrized else fast_step.record(
             self, plan, input_, extra_inputs, groups, recipe, requires_grad, outputs[0])
         return outputs if sum(self.num_extra_outputs) else outputs[0]
 

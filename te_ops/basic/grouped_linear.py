@@ -459,7 +459,7 @@ class GroupedLinear(BasicOperation):
         the bias math). Call ``torch.nn.init.zeros_`` on ``biases()`` for TE's start.
         """
         bound = 1.0 / math.sqrt(self.in_features)
-        weights, biases = self._param_lists()
+        weights, biases = self._stored_param_lists()
         with torch.no_grad():
             for w in stacked(weights, self.single_grouped_weight, "weight").unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -516,7 +516,7 @@ class GroupedLinear(BasicOperation):
         if self.single_grouped_weight:
             return
         with torch.no_grad():
-            for params in self._param_lists():
+            for params in self._stored_param_lists():
                 if params and stack_weights(params).data_ptr() != params[0].data_ptr():
                     buffer = torch.stack([p.data for p in params])
                     for g, p in enumerate(params):
@@ -530,22 +530,40 @@ class GroupedLinear(BasicOperation):
                                                         "delay_wgrad_compute")
                           if getattr(self, name)))
 
+    def _param_names(self) -> tuple[list[str], list[str]]:
+        """The weight and bias attribute names (``["weight"], ["bias"]`` or ``weight{g}`` /
+        ``bias{g}``; no bias names without bias)."""
+        if self.single_grouped_weight:
+            return ["weight"], (["bias"] if self.has_bias else [])
+        groups = range(self.num_groups)
+        return ([f"weight{g}" for g in groups],
+                [f"bias{g}" for g in groups] if self.has_bias else [])
+
+    def is_parametrized(self) -> bool:
+        """Whether a weight or bias is parametrized (``torch.nn.utils.parametrize``: the
+        attribute is then computed from ``parametrizations.<name>.original`` at every access;
+        te_ops computes it once per call and differentiates through it)."""
+        return "parametrizations" in self._modules
+
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
         # re-assignment swap entries, so the identities are the key). Within one fuser
         # forward call the dict cannot change, so the key is checked once per call
         # (te_ops/call_scope.py): with per-expert weights it is 2 x num_groups ids.
+        # Parametrized weights (torch.nn.utils.parametrize) are computed at every access
+        # (the fuser runs a call under parametrize.cached(): one value per call), never kept.
+        if self.is_parametrized():
+            self.__dict__.pop("_param_lists_cache", None)
+            return tuple([getattr(self, n) for n in ns] for ns in self._param_names())
         cached = self.__dict__.get("_param_lists_cache")
         call = current_call()
         if cached is not None and call is not None and cached[3] is call:
             return cached[1], cached[2]
         key = tuple(map(id, self._parameters.values()))
         if cached is None or cached[0] != key:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
+            names = self._param_names()
             weights = [self._parameters[n] for n in names[0]]
-            biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
+            biases = [self._parameters[n] for n in names[1]]
             cached = (key, weights, biases, call)
             if tracing():  # the trace's stand-ins of the parameters: never kept (they would
                 return weights, biases  # outlive it and break pickle / deepcopy of the op)
@@ -553,6 +571,25 @@ class GroupedLinear(BasicOperation):
             cached = (key, cached[1], cached[2], call)
         self.__dict__["_param_lists_cache"] = cached
         return cached[1], cached[2]
+
+    def _stored_param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The stored Parameters (a parametrized one's ``original``), for initialization and
+        packing; :meth:`_param_lists` gives the tensors the op computes with."""
+        if not self.is_parametrized():
+            return self._param_lists()
+        parametrizations = self._modules["parametrizations"]
+        return tuple([parametrizations[n].original if n in parametrizations
+                      else self._parameters[n] for n in names]
+                     for names in self._param_names())
+
+    def computed_parameters(self) -> list[torch.Tensor]:
+        """The tensors the op computes with, weights then biases (the order of the parameter
+        gradients :meth:`fuser_backward` returns): the Parameters themselves, or, for weights
+        parametrized with ``torch.nn.utils.parametrize``, their computed values (the fuser
+        passes these to its autograd function, so gradients flow through the
+        parametrization into its ``original`` and the parametrization's own parameters)."""
+        weights, biases = self._param_lists()
+        return [*weights, *biases]
 
     def weights(self) -> list[torch.Tensor]:
         """The weight Parameters: ``[weight0, ..., weight{G-1}]``, or ``[weight]`` (shape
@@ -807,11 +844,15 @@ class GroupedLinear(BasicOperation):
         if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
             return None
         policy = self.__dict__.get("_wgrad_policy")
+        if self.is_parametrized():
+            raise NotImplementedError(
+                f"{self.describe()}: accumulate_into_main_grad / delay_wgrad_compute need "
+                "the weights as Parameters; this layer has torch.nn.utils.parametrize "
+                "parametrizations (computed weights): turn those options off or remove the "
+                "parametrization")
         if policy is None:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
-            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            names = self._param_names()
+            policy = WgradPolicy(self.describe(), *names)
             self.__dict__["_wgrad_policy"] = policy
         policy.accumulate_into_main_grad = self.accumulate_into_main_grad
         policy.delay_wgrad_compute = self.delay_wgrad_compute
