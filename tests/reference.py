@@ -101,8 +101,13 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """``y_g = x_g W_g^T + b_g`` (``+ b_g * probs`` rows-wise when ``probs`` is given).
 
     Shapes: x (..., K) flattened to (M, K), weights[g] (N, K), biases[g] (N,), probs (M,)
-    -> (..., N). Rows past ``sum(split_sizes)`` are zero.
+    -> (..., N); or a GroupedLinear's packed ``weights()`` / ``biases()`` (one (G, N, K) /
+    (G, N) tensor). Rows past ``sum(split_sizes)`` are zero.
     """
+    if len(weights) == 1 and weights[0].dim() == 3:  # packed layout: [(G, N, K)]
+        weights = list(weights[0].unbind(0))
+    if biases is not None and len(biases) == 1 and biases[0].dim() == 2:
+        biases = list(biases[0].unbind(0))
     in_features = x.shape[-1]
     out_features = weights[0].shape[0]
     x2d = x.reshape(-1, in_features)

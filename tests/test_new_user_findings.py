@@ -64,7 +64,9 @@ def test_grouped_linear_flags_must_be_bools(flag):
 @pytest.mark.parametrize("bias", [None, 0, False])
 def test_falsy_bias_gives_a_bool_use_bias(bias):
     lin = te_ops.GroupedLinear(2, 4, 4, bias=bias)
-    assert lin.use_bias is False and lin.has_bias is False and lin.bias0 is None
+    assert lin.use_bias is False and lin.has_bias is False and lin.bias is None
+    per_expert = te_ops.GroupedLinear(2, 4, 4, bias=bias, single_grouped_weight=False)
+    assert per_expert.has_bias is False and per_expert.bias0 is None
 
 
 # --------------------------------------------------------------------------- fuses_as
@@ -83,7 +85,7 @@ def test_fuses_as_must_name_a_base_class():
 # --------------------------------------------------------------------------- state_dict
 def test_per_expert_checkpoint_of_wrong_shape_into_single_weight_names_the_key():
     # torch.stack raised "stack expects each tensor to be equal size" without a key name.
-    src = te_ops.GroupedLinear(2, 16, 64)
+    src = te_ops.GroupedLinear(2, 16, 64, single_grouped_weight=False)
     dst = te_ops.GroupedLinear(2, 16, 64, single_grouped_weight=True)
     sd = src.state_dict()
     sd["weight0"] = sd["weight0"][:1]
@@ -630,8 +632,7 @@ def test_nested_sequential_that_needs_extra_inputs_is_refused_with_the_fix():
     nested = te_ops.Sequential(te_ops.Sequential(te_ops.SwiGLU()), te_ops.Identity())
     torch.testing.assert_close(nested(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
     flat = te_ops.Sequential(*inner, te_ops.SwiGLU())
-    w = [inner[0].weight0, inner[0].weight1]
-    b = [inner[0].bias0, inner[0].bias1]
+    w, b = list(inner[0].weight), list(inner[0].bias)
     h = torch.cat([torch.nn.functional.linear(x[:2], w[0], b[0]),
                    torch.nn.functional.linear(x[2:], w[1], b[1])])
     torch.testing.assert_close(flat(x, [2, 4]), torch.nn.functional.silu(h[:, :4]) * h[:, 4:])

@@ -1,4 +1,6 @@
-"""GroupedLinear(single_grouped_weight=True): one (G, out, in) parameter, same math."""
+"""GroupedLinear's two parameter layouts: one packed (G, out, in) ``weight`` (the default,
+``single_grouped_weight=True``) and per-expert ``weight{g}`` (``single_grouped_weight=False``):
+same math, bit for bit, and checkpoints of either layout load into either."""
 
 from __future__ import annotations
 
@@ -40,7 +42,23 @@ def test_parameters_and_state_dict_names():
     lin = te_ops.GroupedLinear(E, H, F, single_grouped_weight=True)
     assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert lin.weight.shape == (E, F, H) and lin.bias.shape == (E, F)
-    assert "single weight" in lin.describe()
+    assert "per-expert" not in lin.describe()
+
+
+def test_packed_layout_is_the_default():
+    lin = te_ops.GroupedLinear(E, H, F)
+    assert lin.single_grouped_weight is True
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    assert list(lin.state_dict()) == ["weight", "bias"]
+    assert "single_grouped_weight=True" in repr(lin)
+
+
+def test_per_expert_layout_names():
+    lin = te_ops.GroupedLinear(E, H, F, single_grouped_weight=False)
+    assert [n for n, _ in lin.named_parameters()] == (
+        [f"weight{g}" for g in range(E)] + [f"bias{g}" for g in range(E)])
+    assert all(w.shape == (F, H) for w in lin.weights())
+    assert lin.describe().endswith(", per-expert weights)")
 
 
 @pytest.mark.parametrize("kind", ["list", "tensor"])

@@ -605,7 +605,7 @@ class GroupedLinear(BasicOperation):
 
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
-        extra += ", single weight" if self.single_grouped_weight else ""
+        extra += "" if self.single_grouped_weight else ", per-expert weights"
         extra += ", main_grad" if self.accumulate_into_main_grad else ""
         extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
