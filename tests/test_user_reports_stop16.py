@@ -339,7 +339,7 @@ def test_dense_checkpoint_into_per_expert_layer_is_not_called_a_stacked_one():
     """A dense layer's 2-D ``weight`` (upcycling a dense checkpoint, ``strict=False``) is not
     a stacked per-expert weight: no expert-count error, torch's missing / unexpected keys."""
     dense = torch.nn.Linear(H, FF)
-    layer = te_ops.GroupedLinear(E, H, FF)
+    layer = te_ops.GroupedLinear(E, H, FF, single_grouped_weight=False)
     result = layer.load_state_dict(dense.state_dict(), strict=False)
     assert sorted(result.unexpected_keys) == ["bias", "weight"]
     assert len(result.missing_keys) == 2 * E
