@@ -26,6 +26,7 @@ from ..kernels.grouped_gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
+    grouped_mm_operand_reason,
     select_backend,
     stack_weights,
 )
@@ -780,11 +781,29 @@ class GroupedLinear(BasicOperation):
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
                         quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
                                          rowwise=True))
+        self._record_operand_alignment(backend, operands)
         y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
         return y
+
+    def _record_operand_alignment(self, backend: BackendChoice, operands: tuple[Any, Any]
+                                  ) -> None:
+        """Record for ``explain()`` which of fprop's operands (x, the stacked weights) the
+        grouped GEMM copies because their strides or data pointer are not 16-byte aligned
+        (``kernels.grouped_gemm.grouped_mm_operands``; dgrad and wgrad copy theirs, the
+        output gradient included, the same way), or drop an earlier call's record."""
+        reasons = [] if backend.name == "loop" else [
+            r for name, t in zip(("input", "weight"), operands)
+            if isinstance(t, torch.Tensor) and (r := grouped_mm_operand_reason(name, t))]
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        if reasons:
+            self.record_dispatch("grouped GEMM operands", "; ".join(reasons) + ": copied to a "
+                                 "16-byte aligned tensor for each GEMM (a copy per call; a "
+                                 "contiguous parameter avoids it)")
+        else:
+            records.pop("grouped GEMM operands", None)
 
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
