@@ -350,15 +350,19 @@ class GroupedLinear(BasicOperation):
     in_features, out_features : int
         Per-group weight shape is (out_features, in_features).
     bias : bool
-        Add a per-group bias ``bias{g}`` of shape (out_features,).
+        Add a per-group bias: ``bias`` of shape (num_groups, out_features) (per-expert
+        layout: ``bias{g}`` of shape (out_features,)).
     scale_bias : bool
         Take a second extra input, per-row ``probs`` of shape (tokens,), and add
         ``bias * probs`` instead of ``bias`` (needs ``bias=True``).
     single_grouped_weight : bool
-        Hold all groups in one parameter ``weight`` of shape (num_groups, out_features,
-        in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
-        ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
-        per step with many experts (two parameters instead of 2 x num_groups).
+        ``True`` (default): all groups in one packed parameter ``weight`` of shape
+        (num_groups, out_features, in_features) (and ``bias`` (num_groups, out_features)),
+        the layout of HF transformers 5, torchtitan and Megatron's distributed checkpoints.
+        ``False``: per-expert ``weight{g}`` (out_features, in_features) / ``bias{g}``, as
+        TransformerEngine's option of that name. Same math bit for bit; packed is the default
+        because every per-expert Parameter is one more autograd leaf and host work per step
+        (2 parameters instead of 2 x num_groups; measured in README.md).
     accumulate_into_main_grad : bool
         Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
         ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
@@ -381,10 +385,13 @@ class GroupedLinear(BasicOperation):
     Shapes
     ------
     input (..., in_features) -> output (..., out_features); leading dims are flattened into
-    rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
-    ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
-    one to one; with ``bias=False`` the ``bias{g}`` attributes are ``None`` (as
-    ``torch.nn.Linear.bias``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
+    rows (tokens) in row-major order. With ``single_grouped_weight=False`` the parameters
+    ``weight{g}`` (out_features, in_features) and ``bias{g}`` (out_features,) are the names
+    TransformerEngine's ops use, so its checkpoints map one to one; with ``bias=False`` the
+    ``bias`` / ``bias{g}`` attributes are ``None`` (as ``torch.nn.Linear.bias``). Weights
+    parametrized with ``torch.nn.utils.parametrize`` (either layout) are computed once per
+    call and differentiated through (not with ``accumulate_into_main_grad`` /
+    ``delay_wgrad_compute``, which raise ``NotImplementedError``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
     weights, uniform biases; TransformerEngine zeros biases, see :meth:`reset_parameters`
     for why te_ops does not). ``load_state_dict`` also
     accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
