@@ -194,6 +194,8 @@ def grouped_mm_operand_reason(name: str, t: torch.Tensor) -> str | None:
     if t.dim() < 2 or t.numel() == 0:
         return None
     elem = t.element_size()
+    if t.is_contiguous() and t.size(-1) * elem % 16 == 0:  # the common case, checked fast
+        return _pointer_reason(name, t)
     (rows, cols), (rs, cs) = t.shape[-2:], t.stride()[-2:]
     if not ((cs == 1 and rs >= max(1, cols) and rs * elem % 16 == 0)
             or (rs == 1 and cs >= max(1, rows) and cs * elem % 16 == 0)):
@@ -201,9 +203,15 @@ def grouped_mm_operand_reason(name: str, t: torch.Tensor) -> str | None:
                 f"row- or column-major matrix with a 16-byte aligned leading stride")
     if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) * elem % 16:
         return f"{name}'s batch stride {t.stride(0)} x {elem} bytes is not 16-byte aligned"
-    if t.device.type != "meta" and not tracing() and t.data_ptr() % 16:
-        return f"{name}'s data pointer is {t.data_ptr() % 16} bytes past a 16-byte boundary"
-    return None
+    return _pointer_reason(name, t)
+
+
+def _pointer_reason(name: str, t: torch.Tensor) -> str | None:
+    try:
+        offset = t.data_ptr() % 16  # meta tensors: 0
+    except RuntimeError:  # fake tensors while tracing have no data pointer
+        return None
+    return f"{name}'s data pointer is {offset} bytes past a 16-byte boundary" if offset else None
 
 
 def grouped_mm_operands(*named: tuple[str, torch.Tensor]
