@@ -191,7 +191,7 @@ def test_block_helpers_on_cpu():
     sizes = [5, 0, 7]
     x, probs, dy = torch.randn(14, 16), torch.rand(14), torch.randn(14, 16)
     got, _ = run_block(block, x, torch.tensor(sizes), probs, dy)
-    assert len(got) == 3 + 6
+    assert len(got) == 3 + 2  # x, probs, split; two packed weights
     assert_block_matches_reference(block, x, probs, sizes, dy, got)
     bad = [t.clone() for t in got]
     bad[3][0, 0] += 1.0
@@ -208,7 +208,7 @@ def test_block_helpers_take_a_plain_swiglu_block_on_cpu():
     x, probs, dy = torch.randn(12, 16), torch.rand(12), torch.randn(12, 16)
     split = torch.tensor([5, 0, 7])
     got, _ = run_block(block, x, split, probs, dy)
-    assert got[2] is None and len(got) == 3 + 6
+    assert got[2] is None and len(got) == 3 + 2
     first, _ = run_block_params_first(block, x, split, probs, dy)
-    assert len(first) == 2 + 6
+    assert len(first) == 2 + 2
     assert all(torch.equal(a, b) for a, b in zip(first, got[:2] + got[3:]))

@@ -436,7 +436,7 @@ def test_high_precision_gemms_follow_the_recipe(keep):
     with te_ops.autocast(recipe=recipe):
         y = blk(x, torch.tensor(sizes))
     y.backward(dy)
-    w = torch.stack([getattr(blk, f"weight{g}").detach() for g in range(4)])  # (G, N, K)
+    w = blk.weight.detach()  # (G, N, K)
     splits = make_splits(sizes, 4, rows, torch.device("cpu"))
     xa, wa = _gemm_operands("fprop", "fprop" in keep, x, w, splits)
     ref.assert_close(y, ref.grouped_linear(xa, list(wa.unbind(0)), None, sizes),
@@ -447,7 +447,7 @@ def test_high_precision_gemms_follow_the_recipe(keep):
     xc, dyc = _gemm_operands("wgrad", "wgrad" in keep, x, dy, splits)
     starts = itertools.accumulate([0] + sizes[:-1])
     for g, (s, m) in enumerate(zip(starts, sizes)):
-        ref.assert_close(getattr(blk, f"weight{g}").grad, dyc[s:s + m].t() @ xc[s:s + m],
+        ref.assert_close(blk.weight.grad[g], dyc[s:s + m].t() @ xc[s:s + m],
                          torch.float32, f"wgrad {g}")
 
 
@@ -561,7 +561,7 @@ def test_weights_columnwise_saved_only_when_dgrad_is_needed():
         shapes = [tuple(t.shape) for t in y.grad_fn.saved_tensors
                   if t is not None and t.dtype == torch.float8_e4m3fn]
         assert ((2, 32, 16) in shapes) == (needs_dgrad and env_value == "1")
-    w = torch.stack([blk.weight0, blk.weight1]).detach()
+    w = blk.weight.detach()
     saved = [t for t in y.grad_fn.saved_tensors
              if t is not None and t.dtype == torch.float8_e4m3fn and t.dim() == 3][0]
     ref_q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)(w)

@@ -216,7 +216,7 @@ def test_main_grad_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"weight\.main_grad must have shape \(4, 16, 24\)"):
         run(block, *batch(0))
     del w.main_grad
-    with pytest.raises(AttributeError, match=r"GroupedLinear\(groups=4, 24->16, single weight, "
+    with pytest.raises(AttributeError, match=r"GroupedLinear\(groups=4, 24->16, "
                                              r"main_grad\): accumulate_into_main_grad=True "
                                              r"needs weight\.main_grad"):
         run(block, *batch(0))
@@ -304,8 +304,8 @@ def test_tied_weights_accumulate_both_contributions(delay, bias, main_grad):
     """Two GroupedLinear ops share their weights (and biases): both contributions add up."""
     torch.manual_seed(0)
     kw = {"bias": bias, "delay_wgrad_compute": delay, "accumulate_into_main_grad": main_grad}
-    fc_a = te_ops.GroupedLinear(E, H, H, **kw)
-    fc_b = te_ops.GroupedLinear(E, H, H, **kw)
+    fc_a = te_ops.GroupedLinear(E, H, H, single_grouped_weight=False, **kw)
+    fc_b = te_ops.GroupedLinear(E, H, H, single_grouped_weight=False, **kw)
     for g in range(E):
         fc_b.register_parameter(f"weight{g}", fc_a.get_parameter(f"weight{g}"))
         if bias:

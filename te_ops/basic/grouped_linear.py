@@ -26,6 +26,7 @@ from ..kernels.grouped_gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
+    grouped_mm_operand_reason,
     select_backend,
     stack_weights,
 )
@@ -331,15 +332,19 @@ class GroupedLinear(BasicOperation):
     in_features, out_features : int
         Per-group weight shape is (out_features, in_features).
     bias : bool
-        Add a per-group bias ``bias{g}`` of shape (out_features,).
+        Add a per-group bias: ``bias`` of shape (num_groups, out_features) (per-expert
+        layout: ``bias{g}`` of shape (out_features,)).
     scale_bias : bool
         Take a second extra input, per-row ``probs`` of shape (tokens,), and add
         ``bias * probs`` instead of ``bias`` (needs ``bias=True``).
     single_grouped_weight : bool
-        Hold all groups in one parameter ``weight`` of shape (num_groups, out_features,
-        in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
-        ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
-        per step with many experts (two parameters instead of 2 x num_groups).
+        ``True`` (default): all groups in one packed parameter ``weight`` of shape
+        (num_groups, out_features, in_features) (and ``bias`` (num_groups, out_features)),
+        the layout of HF transformers 5, torchtitan and Megatron's distributed checkpoints.
+        ``False``: per-expert ``weight{g}`` (out_features, in_features) / ``bias{g}``, as
+        TransformerEngine's option of that name. Same math bit for bit; packed is the default
+        because every per-expert Parameter is one more autograd leaf and host work per step
+        (2 parameters instead of 2 x num_groups; measured in README.md).
     accumulate_into_main_grad : bool
         Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
         ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
@@ -362,10 +367,13 @@ class GroupedLinear(BasicOperation):
     Shapes
     ------
     input (..., in_features) -> output (..., out_features); leading dims are flattened into
-    rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
-    ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
-    one to one; with ``bias=False`` the ``bias{g}`` attributes are ``None`` (as
-    ``torch.nn.Linear.bias``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
+    rows (tokens) in row-major order. With ``single_grouped_weight=False`` the parameters
+    ``weight{g}`` (out_features, in_features) and ``bias{g}`` (out_features,) are the names
+    TransformerEngine's ops use, so its checkpoints map one to one; with ``bias=False`` the
+    ``bias`` / ``bias{g}`` attributes are ``None`` (as ``torch.nn.Linear.bias``). Weights
+    parametrized with ``torch.nn.utils.parametrize`` (either layout) are computed once per
+    call and differentiated through (not with ``accumulate_into_main_grad`` /
+    ``delay_wgrad_compute``, which raise ``NotImplementedError``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
     weights, uniform biases; TransformerEngine zeros biases, see :meth:`reset_parameters`
     for why te_ops does not). ``load_state_dict`` also
     accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
@@ -380,7 +388,7 @@ class GroupedLinear(BasicOperation):
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
-                 single_grouped_weight: bool = False,
+                 single_grouped_weight: bool = True,
                  accumulate_into_main_grad: bool = False,
                  delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
@@ -441,7 +449,7 @@ class GroupedLinear(BasicOperation):
         the bias math). Call ``torch.nn.init.zeros_`` on ``biases()`` for TE's start.
         """
         bound = 1.0 / math.sqrt(self.in_features)
-        weights, biases = self._param_lists()
+        weights, biases = self._stored_param_lists()
         with torch.no_grad():
             for w in stacked(weights, self.single_grouped_weight, "weight").unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -498,7 +506,7 @@ class GroupedLinear(BasicOperation):
         if self.single_grouped_weight:
             return
         with torch.no_grad():
-            for params in self._param_lists():
+            for params in self._stored_param_lists():
                 if params and stack_weights(params).data_ptr() != params[0].data_ptr():
                     buffer = torch.stack([p.data for p in params])
                     for g, p in enumerate(params):
@@ -512,22 +520,40 @@ class GroupedLinear(BasicOperation):
                                                         "delay_wgrad_compute")
                           if getattr(self, name)))
 
+    def _param_names(self) -> tuple[list[str], list[str]]:
+        """The weight and bias attribute names (``["weight"], ["bias"]`` or ``weight{g}`` /
+        ``bias{g}``; no bias names without bias)."""
+        if self.single_grouped_weight:
+            return ["weight"], (["bias"] if self.has_bias else [])
+        groups = range(self.num_groups)
+        return ([f"weight{g}" for g in groups],
+                [f"bias{g}" for g in groups] if self.has_bias else [])
+
+    def is_parametrized(self) -> bool:
+        """Whether a weight or bias is parametrized (``torch.nn.utils.parametrize``: the
+        attribute is then computed from ``parametrizations.<name>.original`` at every access;
+        te_ops computes it once per call and differentiates through it)."""
+        return "parametrizations" in self._modules
+
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
         # re-assignment swap entries, so the identities are the key). Within one fuser
         # forward call the dict cannot change, so the key is checked once per call
         # (te_ops/call_scope.py): with per-expert weights it is 2 x num_groups ids.
+        # Parametrized weights (torch.nn.utils.parametrize) are computed at every access
+        # (the fuser runs a call under parametrize.cached(): one value per call), never kept.
+        if self.is_parametrized():
+            self.__dict__.pop("_param_lists_cache", None)
+            return tuple([getattr(self, n) for n in ns] for ns in self._param_names())
         cached = self.__dict__.get("_param_lists_cache")
         call = current_call()
         if cached is not None and call is not None and cached[3] is call:
             return cached[1], cached[2]
         key = tuple(map(id, self._parameters.values()))
         if cached is None or cached[0] != key:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
+            names = self._param_names()
             weights = [self._parameters[n] for n in names[0]]
-            biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
+            biases = [self._parameters[n] for n in names[1]]
             cached = (key, weights, biases, call)
             if tracing():  # the trace's stand-ins of the parameters: never kept (they would
                 return weights, biases  # outlive it and break pickle / deepcopy of the op)
@@ -535,6 +561,25 @@ class GroupedLinear(BasicOperation):
             cached = (key, cached[1], cached[2], call)
         self.__dict__["_param_lists_cache"] = cached
         return cached[1], cached[2]
+
+    def _stored_param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The stored Parameters (a parametrized one's ``original``), for initialization and
+        packing; :meth:`_param_lists` gives the tensors the op computes with."""
+        if not self.is_parametrized():
+            return self._param_lists()
+        parametrizations = self._modules["parametrizations"]
+        return tuple([parametrizations[n].original if n in parametrizations
+                      else self._parameters[n] for n in names]
+                     for names in self._param_names())
+
+    def computed_parameters(self) -> list[torch.Tensor]:
+        """The tensors the op computes with, weights then biases (the order of the parameter
+        gradients :meth:`fuser_backward` returns): the Parameters themselves, or, for weights
+        parametrized with ``torch.nn.utils.parametrize``, their computed values (the fuser
+        passes these to its autograd function, so gradients flow through the
+        parametrization into its ``original`` and the parametrization's own parameters)."""
+        weights, biases = self._param_lists()
+        return [*weights, *biases]
 
     def weights(self) -> list[torch.Tensor]:
         """The weight Parameters: ``[weight0, ..., weight{G-1}]``, or ``[weight]`` (shape
@@ -550,7 +595,7 @@ class GroupedLinear(BasicOperation):
 
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
-        extra += ", single weight" if self.single_grouped_weight else ""
+        extra += "" if self.single_grouped_weight else ", per-expert weights"
         extra += ", main_grad" if self.accumulate_into_main_grad else ""
         extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
@@ -725,11 +770,29 @@ class GroupedLinear(BasicOperation):
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
                         quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
                                          rowwise=True))
+        self._record_operand_alignment(backend, operands)
         y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
         return y
+
+    def _record_operand_alignment(self, backend: BackendChoice, operands: tuple[Any, Any]
+                                  ) -> None:
+        """Record for ``explain()`` which of fprop's operands (x, the stacked weights) the
+        grouped GEMM copies because their strides or data pointer are not 16-byte aligned
+        (``kernels.grouped_gemm.grouped_mm_operands``; dgrad and wgrad copy theirs, the
+        output gradient included, the same way), or drop an earlier call's record."""
+        reasons = [] if backend.name == "loop" else [
+            r for name, t in zip(("input", "weight"), operands)
+            if isinstance(t, torch.Tensor) and (r := grouped_mm_operand_reason(name, t))]
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        if reasons:
+            self.record_dispatch("grouped GEMM operands", "; ".join(reasons) + ": copied to a "
+                                 "16-byte aligned tensor for each GEMM (a copy per call; a "
+                                 "contiguous parameter avoids it)")
+        else:
+            records.pop("grouped GEMM operands", None)
 
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
@@ -789,11 +852,15 @@ class GroupedLinear(BasicOperation):
         if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
             return None
         policy = self.__dict__.get("_wgrad_policy")
+        if self.is_parametrized():
+            raise NotImplementedError(
+                f"{self.describe()}: accumulate_into_main_grad / delay_wgrad_compute need "
+                "the weights as Parameters; this layer has torch.nn.utils.parametrize "
+                "parametrizations (computed weights): turn those options off or remove the "
+                "parametrization")
         if policy is None:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
-            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            names = self._param_names()
+            policy = WgradPolicy(self.describe(), *names)
             self.__dict__["_wgrad_policy"] = policy
         policy.accumulate_into_main_grad = self.accumulate_into_main_grad
         policy.delay_wgrad_compute = self.delay_wgrad_compute

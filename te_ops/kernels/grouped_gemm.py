@@ -12,7 +12,11 @@ Backends
     ``torch._grouped_mm`` with device offsets: one call for all groups, no host sync
     (graph-safe). Needs a device/dtype the installed torch supports (found by a one-time probe
     per device and dtype, which records torch's own error as the reason) and 16-byte aligned
-    rows (``in_features`` and ``out_features`` times the element size divisible by 16).
+    rows (``in_features`` and ``out_features`` times the element size divisible by 16). An
+    operand of any of the three GEMMs whose own strides or data pointer are not aligned (a
+    view of a larger buffer; :func:`grouped_mm_operand_reason`) is copied to an aligned
+    tensor first, for every backend but ``loop`` (``explain()`` says so for the forward's
+    operands; the values, and so the results, are the aligned operand's).
 ``loop``
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
@@ -93,6 +97,8 @@ from .padding import zero_padding_rows_
 __all__ = [
     "BackendChoice",
     "grouped_mm_unsupported_reason",
+    "grouped_mm_operand_reason",
+    "grouped_mm_operands",
     "grouped_mm_host_sync_reason",
     "select_backend",
     "stack_weights",
@@ -172,6 +178,56 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_f
             return (f"{name}={dim} x {elem} bytes is not a multiple of 16 bytes "
                     "(torch._grouped_mm needs 16-byte aligned rows)")
     return _probe_grouped_mm(device, dtype)
+
+
+def grouped_mm_operand_reason(name: str, t: torch.Tensor) -> str | None:
+    """Why ``torch._grouped_mm`` cannot read the operand ``t`` as it is (``None`` when it can).
+
+    ``torch._grouped_mm`` takes a 2-D / 3-D operand whose last two dims are row- or
+    column-major (one unit stride, the other at least that dim's size) with the other stride
+    a multiple of 16 bytes; te_ops also asks a 3-D operand's batch stride and the data
+    pointer to be 16-byte aligned (what the CUDA kernels' TMA descriptors need). Views of a
+    larger buffer (``torch.split``, a checkpoint loader's slices, expanded gradients) can fail
+    that where ``in_features`` / ``out_features`` pass :func:`grouped_mm_unsupported_reason`.
+    The data pointer is not checked while tracing (fake tensors have none).
+    """
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    elem = t.element_size()
+    if t.is_contiguous() and t.size(-1) * elem % 16 == 0:  # the common case, checked fast
+        return _pointer_reason(name, t)
+    (rows, cols), (rs, cs) = t.shape[-2:], t.stride()[-2:]
+    if not ((cs == 1 and rs >= max(1, cols) and rs * elem % 16 == 0)
+            or (rs == 1 and cs >= max(1, rows) and cs * elem % 16 == 0)):
+        return (f"{name} has strides {tuple(t.stride())} for shape {tuple(t.shape)}: not a "
+                f"row- or column-major matrix with a 16-byte aligned leading stride")
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) * elem % 16:
+        return f"{name}'s batch stride {t.stride(0)} x {elem} bytes is not 16-byte aligned"
+    return _pointer_reason(name, t)
+
+
+def _pointer_reason(name: str, t: torch.Tensor) -> str | None:
+    try:
+        offset = t.data_ptr() % 16  # meta tensors: 0
+    except RuntimeError:  # fake tensors while tracing have no data pointer
+        return None
+    return f"{name}'s data pointer is {offset} bytes past a 16-byte boundary" if offset else None
+
+
+def grouped_mm_operands(*named: tuple[str, torch.Tensor]
+                        ) -> tuple[list[torch.Tensor], list[str]]:
+    """The operands as a grouped GEMM reads them: each one that
+    :func:`grouped_mm_operand_reason` rejects is copied to a new contiguous (so 16-byte
+    aligned) tensor, the others are returned as they are; and the reasons of the copied
+    ones. Same values, so the GEMM's result is the one it gives aligned operands."""
+    out, reasons = [], []
+    for name, t in named:
+        reason = grouped_mm_operand_reason(name, t)
+        if reason is not None:
+            t = t.clone(memory_format=torch.contiguous_format)
+            reasons.append(reason)
+        out.append(t)
+    return out, reasons
 
 
 def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -524,6 +580,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
+    if backend.name != "loop":  # misaligned views are copied (grouped_mm_operands)
+        (x, weights), _ = grouped_mm_operands(("x", x), ("weights", weights))
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
     if "fprop" in backend.large_kinds:
@@ -546,6 +604,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
+    if backend.name != "loop":
+        (dy, weights), _ = grouped_mm_operands(("dy", dy), ("weights", weights))
     if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
     if "dgrad" in backend.large_kinds:
@@ -568,6 +628,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
+    if backend.name != "loop":
+        (x, dy), _ = grouped_mm_operands(("x", x), ("dy", dy))
     if "wgrad" in backend.gluon_kinds:
         x, dy = x.contiguous(), dy.contiguous()
         if gluon_unsupported_reason(x, dy) is None:  # else (a misaligned base) _grouped_mm
