@@ -54,22 +54,21 @@ from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
 from .fused.fc1_epilogue import fc1_epilogue_reason, large_fused_launch
-from .fused.fc2_dgrad_epilogue import fc2_dgrad_epilogue_reason, run_dgrad_dswiglu
 from .kernels import swiglu_triton
-from .kernels.compiled_ops import tracing
-from .kernels.grouped_gemm import (
+from .gemm import (
     grouped_dgrad,
     grouped_fprop,
     grouped_wgrad,
     stack_weights,
     storage_spans,
 )
-from .kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
-from .kernels.grouped_gemm_triton import BoundRows, BoundWgrad
-from .kernels.grouped_mlp_triton import BoundFc1Swiglu
+from .gemm.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
+from .gemm.grouped_gemm_triton import BoundRows, BoundWgrad
+from .gemm.grouped_mlp_triton import BoundFc1Swiglu
 from .kernels.split_table import BoundSplitTable
 from .kernels.triton_launch import LaunchBatch
 from .quantization.autocast import current_recipe
+from .tracing import tracing
 from .shapes import rows_2d
 from .splits import GroupedSplits, make_splits
 
@@ -183,7 +182,7 @@ class FastStep:
     def __init__(self, fuser: Any, key: tuple, registry_version: int, env_snapshot: tuple,
                  weights1: list[torch.Tensor], weights2: list[torch.Tensor],
                  backend1: Any, backend_act: Any, backend2: Any,
-                 fc1_epilogue: bool = False, fc2_dswiglu: bool = False) -> None:
+                 fc1_epilogue: bool = False) -> None:
         from .fuser import _REGISTRY_VERSION
 
         self.registry = _REGISTRY_VERSION  # the fuser's counter (a list: read [0] per call)
@@ -210,10 +209,6 @@ class FastStep:
             backend_act, self.ops[1].glu_interleave_size, self.launches)
         self.fc1_act = _fc1_activation_call(self.fprop1, self.act_forward, fc1_epilogue,
                                             self.launches, "fprop" in backend1.large_kinds)
-        # fc2's dgrad with the activation backward in its epilogue (fused/fc2_dgrad_epilogue.py:
-        # the general path's decision for the recorded call; its dispatching call, an op
-        # under a trace).
-        self.fc2_dswiglu = fc2_dswiglu
         # The backward's calls while Dynamo traces it (compiled autograd): the dispatching
         # ones, whose Triton kinds are custom ops under a trace (the bound call sites would
         # trace into the direct launcher: a graph break, an error under fullgraph).
@@ -369,12 +364,8 @@ def record(fuser: Any, plan: Any, input_: torch.Tensor, extra_inputs: tuple, gro
                                    input_.shape[0] / max(fc1.num_groups, 1), input_.device,
                                    features=(fc1.in_features, fc1.out_features),
                                    dtype=input_.dtype) is None
-    dswiglu = fc2_dgrad_epilogue_reason(backend2, backend_act, recipe, False,
-                                        act.glu_interleave_size,
-                                        input_.shape[0] / max(fc1.num_groups, 1)) is None
     step = FastStep(fuser, (), _REGISTRY_VERSION[0], env.snapshot(), list(weights1),
-                    list(weights2), backend1, backend_act, backend2, fc1_epilogue=epilogue,
-                    fc2_dswiglu=dswiglu)
+                    list(weights2), backend1, backend_act, backend2, fc1_epilogue=epilogue)
     key = step.call_key(input_, extra_inputs)
     if key is None:
         return None
@@ -566,16 +557,12 @@ def _fast_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         w2 = ctx.w2_view
     elif w2 is None:
         w2 = stacked(list(params[n1:]), single2)
-    if step.fc2_dswiglu:  # one launch: fc2's dgrad and the activation backward, dh over h
-        dh, gprobs, act_out = run_dgrad_dswiglu(dy, w2, splits.offsets, h, probs,
-                                                grad_into_input=True)
-    else:
-        dgrad2 = dgrad2_fn(dy, w2, splits)
-        # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
-        # fused backward; h's version is bumped, so a retained graph's second backward
-        # raises).
-        dh, gprobs, act_out = act_fn(h, dgrad2, probs)
-        del dgrad2
+    dgrad2 = dgrad2_fn(dy, w2, splits)
+    # One activation-backward pass: dh over h, the activation output over dgrad2 (as the
+    # fused backward; h's version is bumped, so a retained graph's second backward
+    # raises).
+    dh, gprobs, act_out = act_fn(h, dgrad2, probs)
+    del dgrad2
     w2 = None
     torch.autograd.graph.increment_version(h)
     del h

@@ -336,7 +336,7 @@ class SplitSizesError(ValueError, RuntimeError):
 def _host_visible(split_sizes: torch.Tensor) -> bool:
     """Whether the values of device split sizes can be read without a sync: a CPU tensor
     outside a ``torch.compile`` trace (whose fake tensors have no values)."""
-    from .kernels.compiled_ops import tracing  # (kernels import this module)
+    from .tracing import tracing
 
     return split_sizes.device.type == "cpu" and not tracing()
 
@@ -376,7 +376,7 @@ def _cached_check_message(name: str, floating: bool, num_rows: int) -> str:
 def _cpu_has_padding(ends: torch.Tensor, num_rows: int) -> bool | None:
     """Whether the rows past the sizes' total exist, for a CPU tensor outside a trace (the
     total is in host memory: no sync); ``None`` (unknown) on other devices or when traced."""
-    from .kernels.compiled_ops import tracing  # (kernels import this module)
+    from .tracing import tracing
 
     if ends.device.type != "cpu" or tracing():
         return None

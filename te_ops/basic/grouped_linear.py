@@ -21,8 +21,7 @@ import torch
 from .. import env
 from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
-from ..kernels.compiled_ops import tracing
-from ..kernels.grouped_gemm import (
+from ..gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
@@ -35,6 +34,7 @@ from ..quantization.autocast import check_operand_dtype
 from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
+from ..tracing import tracing
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 from .checkpoint_layout import expert_count_errors
 
@@ -428,7 +428,7 @@ class GroupedLinear(BasicOperation):
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
-        # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
+        # as one (G, N, K) tensor without a copy (see gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
                                     dtype=dtype)
         bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tracing import tracing
+
 try:
     import triton
     import triton.language as tl
@@ -51,11 +53,6 @@ __all__ = ["unsupported_reason", "fp8_rows", "fp8_rows_column_amax", "fp8_column
            "fp8_both_grouped"]
 
 
-def tracing() -> bool:
-    """Whether a ``torch.compile`` trace is running (then the registered ops are called)."""
-    from ..kernels.compiled_ops import tracing as _tracing  # kernels imports this package
-
-    return _tracing()
 
 
 def unsupported_reason(x: torch.Tensor) -> str | None:

@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 
-from .compiled_ops import tracing
-from .triton_launch import capability, cdiv, launch, sm_count
+from ..tracing import tracing
+from ..kernels.triton_launch import capability, cdiv, launch, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
     import triton

@@ -59,8 +59,8 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_gluon as GG
-from .compiled_ops import tracing
-from .grouped_gemm import _measured_on
+from ..tracing import tracing
+from .dispatch import _measured_on
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
@@ -68,7 +68,7 @@ from .grouped_gemm_large_triton import (
     grid_size,
     large_fc1_swiglu,
 )
-from .triton_launch import next_power_of_2
+from ..kernels.triton_launch import next_power_of_2
 
 gluon = GG.gluon
 if gluon is not None:

@@ -29,7 +29,7 @@ import torch
 
 from . import grouped_gemm_large_triton as large
 from . import grouped_wgrad_large_triton as large_w
-from .triton_launch import BoundLaunch, LaunchBatch
+from ..kernels.triton_launch import BoundLaunch, LaunchBatch
 
 __all__ = ["BoundLarge", "BoundLargeWgrad"]
 

@@ -67,10 +67,10 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_large_triton import _plain_eager
 from .grouped_gemm_triton import unsupported_reason
-from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
+from ..kernels.triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton

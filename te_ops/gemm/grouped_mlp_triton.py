@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, rows_config
 from .grouped_gemm_triton import unsupported_reason as gemm_unsupported_reason
-from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
+from ..kernels.triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -90,7 +90,7 @@ def fc1_swiglu_config(rows_per_group: float, ffn: int, groups: int,
 
 if triton is not None:
     from .grouped_gemm_triton import _group_rows
-    from .swiglu_triton import _core
+    from ..kernels.swiglu_triton import _core
 
     @triton.jit
     def _fc1_swiglu_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, K, G,

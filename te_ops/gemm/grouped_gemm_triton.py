@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
-from .triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
+from ..tracing import tracing
+from ..kernels.triton_launch import BoundLaunch, LaunchBatch, cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
@@ -97,7 +97,7 @@ from .grouped_gemm_large_triton import (
     large_fprop,
     tma_unsupported_reason,
 )
-from .triton_launch import next_power_of_2
+from ..kernels.triton_launch import next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
     import triton

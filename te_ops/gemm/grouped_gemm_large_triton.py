@@ -89,9 +89,9 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
-from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
+from ..kernels.triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -318,7 +318,7 @@ def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 if triton is not None:
     from .grouped_gemm_triton import _group_rows
-    from .swiglu_triton import _core
+    from ..kernels.swiglu_triton import _core
 
     @triton.jit
     def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):

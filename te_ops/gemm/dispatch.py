@@ -59,7 +59,8 @@ import torch
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
-from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
+from ..tracing import tracing
+from .torch_ops import LOOP_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_loop_host
 from .grouped_gemm_gluon import GLUON_RULE, gluon_grouped_gemm
 from .grouped_gemm_gluon import gluon_kinds as gluon_gemm_kinds
 from .grouped_gemm_large_triton import (
@@ -88,7 +89,7 @@ from .grouped_wgrad_gluon import (
     gluon_wgrad_preset,
 )
 from .grouped_wgrad_large_triton import large_wgrad
-from .padding import zero_padding_rows_
+from ..kernels.padding import zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
@@ -593,39 +594,3 @@ def _loop(kind: str, a: torch.Tensor, b: torch.Tensor, splits: GroupedSplits) ->
             return grouped_mm_loop(a, b, splits.split_sizes, kind)
         return grouped_mm_loop_host(a, b, list(splits.host_sizes), kind)
     return LOOP_GEMMS[kind](a, b, splits.sizes_on_host())
-
-
-def loop_fprop(x: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x (M, K), weights (G, N, K), host sizes -> (M, N), one ``torch.mm`` per group."""
-    out = x.new_zeros(x.shape[0], weights.shape[1])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
-        start += m
-    return out
-
-
-def loop_dgrad(dy: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """dy (M, N), weights (G, N, K), host sizes -> (M, K)."""
-    out = dy.new_zeros(dy.shape[0], weights.shape[2])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
-        start += m
-    return out
-
-
-def loop_wgrad(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x (M, K), dy (M, N), host sizes -> (G, N, K)."""
-    out = x.new_zeros(len(sizes), dy.shape[1], x.shape[1])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(dy[start:start + m].t(), x[start:start + m], out=out[g])
-        start += m
-    return out
-
-
-LOOP_GEMMS = {"fprop": loop_fprop, "dgrad": loop_dgrad, "wgrad": loop_wgrad}

@@ -34,7 +34,7 @@ import torch
 
 from ..quantization.gemm import is_quantized
 from ..splits import GroupedSplits
-from .grouped_gemm import BackendChoice, grouped_mm_unsupported_reason, grouped_wgrad
+from .dispatch import BackendChoice, grouped_mm_unsupported_reason, grouped_wgrad
 
 __all__ = ["grouped_wgrad_into", "grouped_mm_out_dtype_reason"]
 
