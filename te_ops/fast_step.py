@@ -53,7 +53,8 @@ import torch
 from . import env
 from .basic.grouped_linear import GroupedLinear, per_param, stacked
 from .basic.swiglu import ScaledSwiGLU, SwiGLU, swiglu_backward, swiglu_forward
-from .fused.fc1_epilogue import fc1_epilogue_reason, large_fused_launch
+from .gemm import fc1_swiglu_reason as fc1_epilogue_reason
+from .gemm import large_fused_launch
 from .kernels import swiglu_triton
 from .gemm import (
     grouped_dgrad,

@@ -42,7 +42,7 @@ def _misaligned(*tensors: torch.Tensor) -> bool:
 
 
 class BoundLarge:
-    """:func:`~te_ops.kernels.grouped_gemm_large_triton.large_fprop` (``kind="fprop"``) or
+    """:func:`~te_ops.gemm.grouped_gemm_large_triton.large_fprop` (``kind="fprop"``) or
     ``large_dgrad`` for the repeated eager calls of one call site, without their argument
     checks (the caller's key proves them, see the module docstring).
 
@@ -99,7 +99,7 @@ class BoundLarge:
 
 
 class BoundLargeWgrad:
-    """:func:`~te_ops.kernels.grouped_wgrad_large_triton.large_wgrad` (without ``out``) for
+    """:func:`~te_ops.gemm.grouped_wgrad_large_triton.large_wgrad` (without ``out``) for
     the repeated eager calls of one call site (as :class:`BoundLarge`). The default config
     runs the flat schedule, whose group order is the kernel's own (no torch kernel per call).
 
