@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Rule", "RULES", "KINDS", "KERNELS", "choose", "at_most", "above", "between",
-           "around", "override", "rules_text", "MEASURED_ROWS", "MEASURED_IN", "MEASURED_OUT"]
+           "around", "override", "rules_text", "SECTIONS", "MEASURED_ROWS", "MEASURED_IN", "MEASURED_OUT"]
 
 INF = math.inf
 
@@ -44,6 +44,11 @@ KINDS = ("fprop", "dgrad", "wgrad", "fc1_swiglu")
 #: (``grouped_gemm_large_triton`` / ``grouped_wgrad_large_triton``), ``gluon`` (the
 #: warp-specialized ``grouped_gemm_gluon`` / ``grouped_wgrad_gluon`` / ``fc1_swiglu_gluon``).
 KERNELS = ("triton_rows", "triton_persistent", "gluon")
+
+#: The sections of docs/performance.md the rows cite (a row's ``why`` starts with its section's
+#: name): the measurements, with the commit, the command and the versions.
+SECTIONS = ("Few-rows Triton GEMMs", "Persistent Triton GEMMs", "Gluon fprop/dgrad",
+            "Gluon wgrad", "fc1 + SwiGLU epilogue")
 
 _BF16 = (torch.bfloat16,)
 _HALF = (torch.bfloat16, torch.float16)
