@@ -142,8 +142,8 @@ def check_patches(variants: dict[str, list[tuple[str, ...]]],
     the tables do not hold now, or an environment patch sets a variable the te_ops peer's own
     env sets (the peer's value would win inside the measurement): checked before any step
     runs, so a bad patch does not stop a run after its first measurements."""
-    from te_ops.kernels import fc1_swiglu_gluon as fg
-    from te_ops.kernels import grouped_gemm_gluon as gg
+    from te_ops.gemm import fc1_swiglu_gluon as fg
+    from te_ops.gemm import grouped_gemm_gluon as gg
 
     for label, patches in variants.items():
         for p in patches:
@@ -168,9 +168,9 @@ def patched(patches: list[tuple[str, ...]]) -> Iterator[None]:
     """The dispatch tables, launch configs and environment with ``patches`` applied; restored
     on exit. Raises ``KeyError`` for a removal of an entry the table does not hold or a config
     key the kernel does not have."""
-    from te_ops.kernels import fc1_swiglu_gluon as fg
-    from te_ops.kernels import grouped_gemm_gluon as gg
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import fc1_swiglu_gluon as fg
+    from te_ops.gemm import grouped_gemm_gluon as gg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
 
     saved = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE), dict(gg.DISPATCH_CONFIG))
     env = {p[1]: p[2] for p in patches if p[0] == "env"}

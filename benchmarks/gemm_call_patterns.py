@@ -78,7 +78,7 @@ from common import (  # noqa: E402
 )
 from grouped_mlp import PEER_CLASSES, QUICK_SHAPES, SHAPES, make_problem  # noqa: E402
 
-import te_ops.kernels.grouped_gemm as gg  # noqa: E402
+import te_ops.gemm.dispatch as gg  # noqa: E402
 
 COPY_OPS = ("copy_", "clone", "_to_copy", "contiguous")
 STEP_PEERS = ["torch_grouped_mm", "te_ops_fused", "te_ops_fused_single"]

@@ -49,7 +49,7 @@ def host_us(fn, calls: int, device: torch.device, batch: int = 20) -> float:
 def _bound_calls(device: torch.device, x: torch.Tensor, wt: torch.Tensor, dy: torch.Tensor,
                  offs: torch.Tensor) -> dict:
     """The fast path's bound sites of the persistent kernels (bound by a first call here)."""
-    from te_ops.kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
+    from te_ops.gemm.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
     from te_ops.kernels.triton_launch import LaunchBatch
 
     batch = LaunchBatch()
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     # grid, launch), against the torch._grouped_mm calls they replace: their host cost per
     # call, which te_ops' fast path pays for every fprop / dgrad (and, at 64-256 rows per
     # group, wgrad) of a step (docs/benchmarks.md, the goal table's 64-256-rows paragraph).
-    from te_ops.kernels import grouped_gemm_large_triton as large
-    from te_ops.kernels import grouped_wgrad_large_triton as large_w
+    from te_ops.gemm import grouped_gemm_large_triton as large
+    from te_ops.gemm import grouped_wgrad_large_triton as large_w
 
     if large.unsupported_reason(device, x.dtype) is None:
         wt = torch.randn(g, 1536, 2048, device=device, dtype=torch.bfloat16)  # (G, N, K)

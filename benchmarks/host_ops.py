@@ -46,7 +46,7 @@ from grouped_mlp import HOST_SHAPES, PEER_CLASSES, QUICK_SHAPES, make_problem  #
 import te_ops.basic.swiglu  # noqa: E402
 import te_ops.fast_step  # noqa: E402
 import te_ops.fused.grouped_mlp  # noqa: E402
-import te_ops.kernels.grouped_gemm  # noqa: E402
+import te_ops.gemm.dispatch  # noqa: E402
 import te_ops.splits  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def _as_launch(name: str, fn):
 def device_like() -> None:
     """Patch te_ops for ``--device-like`` counting (see the module docstring)."""
     te_ops.splits._cpu_has_padding = lambda ends, num_rows: None
-    gg = te_ops.kernels.grouped_gemm
+    gg = te_ops.gemm.dispatch
     gg.zero_padding_rows_ = _as_launch("zero_rows", gg.zero_padding_rows_)
     fwd = _as_launch("swiglu_fwd", te_ops.basic.swiglu.swiglu_forward)
     bwd = _as_launch("swiglu_bwd", te_ops.basic.swiglu.swiglu_backward)

@@ -31,7 +31,7 @@ from common import JsonLines, check_min, env_override, machine_info  # noqa: E40
 
 def _calls(groups: int = 64, rows: int = 256, hidden: int = 2048, ffn: int = 768) -> tuple:
     """The public calls by name, the bound ones by name, and the bound sites' batch."""
-    from te_ops.kernels import grouped_gemm_triton as gt
+    from te_ops.gemm import grouped_gemm_triton as gt
     from te_ops.kernels import swiglu_triton
     from te_ops.kernels.triton_launch import LaunchBatch
 

@@ -33,7 +33,7 @@ from common import (  # noqa: E402
 )
 
 import te_ops  # noqa: E402
-from te_ops.kernels.wgrad_into import grouped_mm_out_dtype_reason  # noqa: E402
+from te_ops.gemm.wgrad_into import grouped_mm_out_dtype_reason  # noqa: E402
 
 
 def build(args, device, main_grad: bool) -> te_ops.Sequential:

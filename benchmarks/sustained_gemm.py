@@ -66,7 +66,7 @@ def _calls(ops: dict[str, Any], gemm: str, variants: dict[str, dict]
     """``grouped_mm`` (the peer's call), ``default`` and each variant of te_ops' kernel."""
     x, offs = ops["x"], ops["offs"]
     if gemm.endswith("wgrad"):
-        from te_ops.kernels import grouped_wgrad_gluon as gw
+        from te_ops.gemm import grouped_wgrad_gluon as gw
 
         dy = ops["dy"]
         preset = gw.gluon_wgrad_preset(x.shape[0] / offs.numel())[0]  # the dispatch's
@@ -76,7 +76,7 @@ def _calls(ops: dict[str, Any], gemm: str, variants: dict[str, dict]
         return calls
     w = ops["w"]
     if gemm == "fc1_swiglu":
-        from te_ops.kernels import fc1_swiglu_gluon as fg
+        from te_ops.gemm import fc1_swiglu_gluon as fg
         from te_ops.kernels import swiglu_triton as st
 
         probs = ops["probs"]
@@ -85,8 +85,8 @@ def _calls(ops: dict[str, Any], gemm: str, variants: dict[str, dict]
         for name, change in {"default": {}, **variants}.items():
             calls[name] = lambda c=change: fg.gluon_fc1_swiglu(x, w, offs, probs, c)
         return calls
-    from te_ops.kernels import grouped_gemm_gluon as gg
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_gluon as gg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
 
     dgrad = gemm.endswith("dgrad")
     run = gg.gluon_dgrad if dgrad else gg.gluon_fprop

@@ -10,7 +10,7 @@ groups only, so at 1-2 rows per group this exceeds the HBM bandwidth; wgrad writ
 and the largest difference between the two backends' outputs.
 
 ``--sweep`` times launch configurations of the Triton kernels on one shape instead (used to
-pick :func:`te_ops.kernels.grouped_gemm_triton.rows_config` / ``wgrad_config``).
+pick :func:`te_ops.gemm.grouped_gemm_triton.rows_config` / ``wgrad_config``).
 ``--sweep-decode`` times a short list of variants (``SPLIT``, tiles, warps, stages) of the
 configuration the dispatch picks now for each of the six GEMMs of the E64 decode step (mean
 ``--rows`` rows per expert, 4 by default: T256), against that configuration, and records
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, machine_info  # noqa: E402
 from grouped_mlp import skewed_sizes  # noqa: E402
 
-from te_ops.kernels import grouped_gemm_triton as tg  # noqa: E402
+from te_ops.gemm import grouped_gemm_triton as tg  # noqa: E402
 
 SHAPES = {"E64_H2048_FF768": (64, 2048, 768), "E128_H2048_FF768": (128, 2048, 768)}
 ROWS = [1, 2, 4, 8, 16, 32, 64]

@@ -49,8 +49,8 @@ def test_bad_variants_named(text, match):
 
 
 def test_patched_restores_tables_and_env(monkeypatch):
-    from te_ops.kernels import fc1_swiglu_gluon as fg
-    from te_ops.kernels import grouped_gemm_gluon as gg
+    from te_ops.gemm import fc1_swiglu_gluon as fg
+    from te_ops.gemm import grouped_gemm_gluon as gg
     before = (dict(gg.GLUON_RULE), dict(fg.GLUON_FC1_RULE))
     monkeypatch.delenv("TE_OPS_AB_PROBE", raising=False)
     patches = dispatch_ab.parse_variants(
@@ -122,8 +122,8 @@ def test_align_splits_usage_error(capsys):
 
 
 def test_config_patches_apply_and_restore():
-    from te_ops.kernels import grouped_gemm_gluon as gg
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_gluon as gg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
     assert dispatch_ab.parse_patch("large:TAIL=true") == ("config", "large", "TAIL", True)
     assert dispatch_ab.parse_patch("gluon:GROUP_M=16") == ("config", "gluon", "GROUP_M", 16)
     before = dict(gg.DISPATCH_CONFIG)

@@ -450,7 +450,7 @@ def test_fast_path_binds_the_triton_kinds_to_bound_call_sites(monkeypatch):
     call), the others the dispatch with the recorded backend; the CUDA tests compare the
     bits."""
     from te_ops import fast_step
-    from te_ops.kernels.grouped_gemm import BackendChoice
+    from te_ops.gemm.dispatch import BackendChoice
     from te_ops.kernels.swiglu_triton import ActivationChoice
     from te_ops.kernels.triton_launch import LaunchBatch
 
@@ -488,7 +488,7 @@ def test_fast_backward_under_a_trace_uses_the_dispatching_calls(monkeypatch):
     entry points (which would trace into the direct Triton launcher); the gradients are
     unchanged."""
     from te_ops import fast_step
-    from te_ops.kernels.grouped_gemm import BackendChoice
+    from te_ops.gemm.dispatch import BackendChoice
     from te_ops.kernels.swiglu_triton import ActivationChoice
 
     # Without a launch batch, every Triton kind of the backend goes to the dispatch.
@@ -554,7 +554,7 @@ def test_a_per_group_weight_cast_alone_takes_the_general_path_and_its_error(monk
 
 def test_stacking_per_group_weights_of_mixed_dtype_names_the_weight():
     """The kind behind the fast path's fault: torch.stack promoted mixed dtypes silently."""
-    from te_ops.kernels.grouped_gemm import stack_weights
+    from te_ops.gemm.dispatch import stack_weights
 
     ws = [torch.zeros(3, 2) for _ in range(4)]
     ws[1] = ws[1].to(torch.float64)

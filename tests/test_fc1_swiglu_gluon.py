@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 import torch.nn.functional as F
 from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
@@ -39,10 +40,11 @@ from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import fc1_swiglu_gluon as FG
-from te_ops.kernels import grouped_gemm_gluon as GG
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import fc1_swiglu_gluon as FG
+from te_ops.gemm import grouped_gemm_gluon as GG
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 SPLIT = {"SPLIT": True, "num_warps": 4}
@@ -161,13 +163,13 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
                         lambda x, w, off, p: (gluon.append(x), ("gh", "ga"))[1])
-    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
+    monkeypatch.setattr(fc1_swiglu_mod, "large_fc1_swiglu",
                         lambda x, w, off, p: (large.append(x), ("h", "a"))[1])
     here = {"device": CUDA, "dtype": torch.bfloat16}
-    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8),
+    assert fc1_swiglu_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8),
                                **here) is None
-    assert "persistent" in fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0)
-    assert "a recipe" in fc1_epilogue_reason(LARGE, ACT, object(), False, None, 64.0,
+    assert "persistent" in fc1_swiglu_reason(LARGE, ACT, None, False, None, 64.0)
+    assert "a recipe" in fc1_swiglu_reason(LARGE, ACT, object(), False, None, 64.0,
                                              features=(4, 8), **here)
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
     with FakeTensorMode():  # operands on a (fake) CUDA device, as the general path has them
@@ -179,14 +181,14 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
             ("gh", "ga", ACT)
         assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in act.records[-1][1]
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+        with_rows(monkeypatch, first=NO_FC1_FUSED)
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        with_rows(monkeypatch, last=FC1_FUSED_ANY)
         x96 = torch.zeros(96, 4, device=CUDA)  # 48 rows per group: off the rule
         splits.num_rows = 96
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x96, w, splits, LARGE, p, None) == \
             ("h", "a", ACT)
-        assert "large_fc1_swiglu; off GLUON_FC1_RULE" in act.records[-1][1]
+        assert "large_fc1_swiglu; the fc1_swiglu row" in act.records[-1][1]
     assert gluon == [x] and large == [x96]
 
 
@@ -400,10 +402,10 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     ops: output and every gradient bit for bit."""
     _skip_unless_sm90()
     x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     launches = _take_gluon(monkeypatch)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    with_rows(monkeypatch)
     block = fc1_block(scaled=scaled)
     runs = [run_block(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FastGroupedMLPBackward"
@@ -441,9 +443,9 @@ def test_block_at_a_rule_shape_takes_the_kernel_unpatched(monkeypatch):
                               replacement=True, generator=gen)
     sizes = torch.bincount(picks, minlength=128).tolist()
     x, split, probs, dy = fc1_block_inputs(sizes, 65536, h=2048)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = run_block(fc1_block(128, 2048, 768), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    with_rows(monkeypatch)
     block = fc1_block(128, 2048, 768)
     got = run_block(block, x, split, probs, dy)[0]
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()

@@ -26,8 +26,8 @@ from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_li
 from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from test_grouped_gemm_large_triton import CASES  # the persistent kernel's cases
 
-from te_ops.kernels import grouped_gemm_gluon as GG
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_gluon as GG
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 
@@ -298,7 +298,7 @@ def test_rule_names_the_measured_shapes_only(monkeypatch):
 
 
 def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
     from te_ops.splits import make_splits
 
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
@@ -333,7 +333,7 @@ def test_op_under_compile_fullgraph_equals_eager(dgrad):
 def _force_gluon(monkeypatch) -> list[int]:
     """Auto takes the Gluon kernel for every fprop / dgrad it runs in the persistent kernel
     (the rule patched); returns a list that counts the Gluon launches."""
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "gluon_gemm_kinds",
                         lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
@@ -350,7 +350,7 @@ def test_block_with_gluon_dispatch_bitwise_equal_to_the_triton_kernel(monkeypatc
     _skip_unless_sm90()
     import test_large_gemm_dispatch as D
 
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
 
     sizes = [1500, 0, 700, 360]
     rows, hidden, ffn = 2600, 256, 384

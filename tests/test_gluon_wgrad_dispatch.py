@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_force import GLUON_WGRAD_ANY, with_rows
 from block_replay import (
     assert_block_matches_reference,
     assert_graph_and_compile_match_eager,
@@ -24,8 +25,8 @@ from block_replay import (
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm
-from te_ops.kernels import grouped_wgrad_gluon as gw
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_wgrad_gluon as gw
 from te_ops.splits import make_splits
 
 CUDA = torch.device("cuda")
@@ -156,7 +157,7 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     replayed with new split sizes, and compiled with fullgraph=True (the op
     ``te_ops::grouped_wgrad_gluon``): bitwise the eager values."""
     _needs_gluon_sm90()
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    with_rows(monkeypatch, first=GLUON_WGRAD_ANY)
     rows, hidden = 512, 256
     gen = torch.Generator(device=CUDA).manual_seed(3)
     x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)

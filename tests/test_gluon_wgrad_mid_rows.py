@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gemm_force import GLUON_WGRAD_ANY, NO_GLUON_WGRAD, with_rows
 from block_replay import (
     assert_block_matches_reference,
     assert_graph_and_compile_match_eager,
@@ -28,8 +29,9 @@ from block_replay import (
 
 import te_ops
 from te_ops import fast_step
-from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton
-from te_ops.kernels import grouped_wgrad_gluon as gw
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_gemm_large_triton
+from te_ops.gemm import grouped_wgrad_gluon as gw
 
 CUDA0 = torch.device("cuda", 0)
 MID = gw.MID_MIN_ROWS_PER_GROUP
@@ -146,12 +148,12 @@ def test_not_off_sm90_or_bf16(monkeypatch, with_gluon, capability, dtype, match)
 @pytest.mark.parametrize("rows", [MID, HIGH - 1])
 def test_env_0_and_out_features(monkeypatch, with_gluon, rows):
     _sm90(monkeypatch)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "0")
+    with_rows(monkeypatch, first=NO_GLUON_WGRAD)
     assert _choose(rows).gluon_kinds == ()
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")
+    with_rows(monkeypatch)
     choice = _choose(rows, out_features=BLOCK_N * 6 + 64)  # not a multiple of BLOCK_N
     assert choice.gluon_kinds == () and "Gluon wgrad" not in choice.reason
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    with_rows(monkeypatch, first=GLUON_WGRAD_ANY)
     choice = _choose(rows, out_features=BLOCK_N * 6 + 64)
     assert choice.gluon_kinds == ()
     assert "TE_OPS_GLUON_WGRAD=1 not taken: out_features (832) is not a multiple" in (
@@ -164,7 +166,7 @@ def test_env_1(monkeypatch, with_gluon, rows, preset):
     """``TE_OPS_GLUON_WGRAD=1``: the kernel at any row count; the 4-stage config in the
     rule's band only, the default config below it (documented choice)."""
     _sm90(monkeypatch)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    with_rows(monkeypatch, first=GLUON_WGRAD_ANY)
     choice = _choose(rows)
     assert "wgrad" in choice.gluon_kinds and choice.gluon_wgrad_preset == preset
     assert "TE_OPS_GLUON_WGRAD=1: auto at >= GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512" in (

@@ -1,4 +1,4 @@
-"""The Triton grouped GEMMs (``te_ops.kernels.grouped_gemm_triton``) and the ``triton`` backend.
+"""The Triton grouped GEMMs (``te_ops.gemm.grouped_gemm_triton``) and the ``triton`` backend.
 
 CPU (CI): the dispatch rule (auto never picks ``triton`` off CUDA SM90 bf16 with few rows per
 group, a forced ``triton`` that cannot run raises with the reason), ``explain()`` naming the
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm_triton as tg
-from te_ops.kernels.grouped_gemm import select_backend, triton_auto_reason
+from te_ops.gemm import grouped_gemm_triton as tg
+from te_ops.gemm.dispatch import select_backend, triton_auto_reason
 
 CUDA = torch.device("cuda")
 
@@ -277,8 +277,8 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
     Triton kinds and says why; fprop/dgrad outside ``triton_kinds`` run in torch._grouped_mm
     (checked against the fp64 reference), wgrad inside them goes to the Triton kernel (which
     then refuses the CPU tensor with its reason)."""
-    from te_ops.kernels import grouped_gemm
-    from te_ops.kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+    from te_ops.gemm import dispatch as grouped_gemm
+    from te_ops.gemm.dispatch import grouped_dgrad, grouped_fprop, grouped_wgrad
     from te_ops.splits import make_splits
 
     monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
@@ -302,7 +302,7 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
 def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
     """The row-count rule is read only for auto on CUDA (a traced row count is not guarded on
     CPU), and the choice cache key holds the Triton kinds."""
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
 
     calls = []
     monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append(rows) or ())
@@ -315,7 +315,7 @@ def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
 def test_unsupported_reason_names_the_device_and_dtype_first(monkeypatch):
     """Forced ``triton`` on the CPU said "triton is not installed" where triton was missing,
     which is not why it cannot run there; the device and dtype come first now."""
-    from te_ops.kernels import grouped_gemm_triton as gt
+    from te_ops.gemm import grouped_gemm_triton as gt
 
     monkeypatch.setattr(gt, "triton", None)
     assert gt.unsupported_reason(torch.device("cpu"), torch.bfloat16) == (

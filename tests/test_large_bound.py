@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from te_ops import fast_step
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_wgrad_large_triton as W
 from te_ops.kernels import triton_launch
-from te_ops.kernels.grouped_gemm import BackendChoice
-from te_ops.kernels.grouped_gemm_large_bound import BoundLarge
+from te_ops.gemm.dispatch import BackendChoice
+from te_ops.gemm.grouped_gemm_large_bound import BoundLarge
 from te_ops.kernels.triton_launch import LaunchBatch
 
 

@@ -79,8 +79,8 @@ def _steps(block, sizes: list[int], steps: int = 3) -> list:
 def test_fast_path_bound_persistent_kinds_bitwise_equal_general(monkeypatch, single,
                                                                 rows_per_group, backend,
                                                                 kinds):
-    from te_ops.kernels import grouped_gemm_large_triton as L
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_wgrad_large_triton as W
     from te_ops.kernels.triton_launch import direct_launcher
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -108,9 +108,9 @@ def test_fast_path_bound_persistent_kinds_bitwise_equal_general(monkeypatch, sin
 
 
 def test_bound_sites_equal_entry_points_and_fall_back_on_unaligned_pointers():
-    from te_ops.kernels import grouped_gemm_large_triton as L
-    from te_ops.kernels import grouped_wgrad_large_triton as W
-    from te_ops.kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
+    from te_ops.gemm import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_wgrad_large_triton as W
+    from te_ops.gemm.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
     from te_ops.kernels.triton_launch import LaunchBatch, direct_launcher
 
     sizes = _sizes(128)
@@ -150,7 +150,7 @@ def test_bound_sites_equal_entry_points_and_fall_back_on_unaligned_pointers():
 def test_flat_wgrad_in_kernel_order_bits_and_order():
     triton = pytest.importorskip("triton")
     tl = pytest.importorskip("triton.language")
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     @triton.jit
     def order_kernel(offs_ptr, out_ptr, M, G, G_POW2: tl.constexpr):

@@ -20,9 +20,9 @@ pytestmark = interpreter_marks("tests/test_large_bound_cuda.py")
 
 SCRIPT = r'''
 import torch
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_wgrad_large_triton as W
-from te_ops.kernels.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_wgrad_large_triton as W
+from te_ops.gemm.grouped_gemm_large_bound import BoundLarge, BoundLargeWgrad
 from te_ops.kernels.triton_launch import LaunchBatch
 
 gen = torch.Generator().manual_seed(0)

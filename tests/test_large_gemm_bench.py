@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import large_gemm_triton as bench  # noqa: E402
 
-from te_ops.kernels import grouped_gemm_large_triton as lg  # noqa: E402
-from te_ops.kernels import grouped_wgrad_large_triton as lw  # noqa: E402
+from te_ops.gemm import grouped_gemm_large_triton as lg  # noqa: E402
+from te_ops.gemm import grouped_wgrad_large_triton as lw  # noqa: E402
 from te_ops.kernels import swiglu_triton as st  # noqa: E402
 
 

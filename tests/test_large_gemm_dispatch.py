@@ -23,9 +23,9 @@ from block_replay import assert_block_matches_reference
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm
-from te_ops.kernels import grouped_gemm_large_triton as lg
-from te_ops.kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_gemm_large_triton as lg
+from te_ops.gemm.dispatch import grouped_dgrad, grouped_fprop, grouped_wgrad
 from te_ops.splits import make_splits
 
 CUDA = torch.device("cuda")
@@ -259,7 +259,7 @@ def test_both_rules_at_32_rows_give_one_choice_with_both_families(monkeypatch):
     fprop / dgrad (>= 32): one choice carries both, each kind in one family, and the reason
     names both rules; routing sends wgrad to the few-rows kernel and fprop / dgrad to the
     persistent one (each refuses the CPU tensor with its own reason)."""
-    from te_ops.kernels.grouped_gemm_triton import triton_kinds
+    from te_ops.gemm.grouped_gemm_triton import triton_kinds
 
     assert triton_kinds(32.0) == ("wgrad",) and lg.large_kinds(32.0) == ("fprop", "dgrad")
     monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)

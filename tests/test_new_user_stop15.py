@@ -13,7 +13,7 @@ from bench_helpers import usage_error
 
 import te_ops
 from te_ops.kernels import dgrad_dswiglu_triton as D
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 

@@ -36,7 +36,7 @@ from test_fused_grouped_mlp import (
 
 import te_ops
 from te_ops.fused.grouped_mlp import BackwardGroupedMLP, ForwardGroupedMLP
-from te_ops.kernels.grouped_gemm import (
+from te_ops.gemm.dispatch import (
     grouped_dgrad,
     grouped_fprop,
     grouped_wgrad,

@@ -19,12 +19,15 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
+from gemm_force import FC1_FUSED_ANY, with_rows
 
 import te_ops
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import grouped_gemm, wgrad_into
-from te_ops.kernels import grouped_gemm_large_triton as lg
-from te_ops.kernels.grouped_gemm import BackendChoice, loop_wgrad
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import wgrad_into
+from te_ops.gemm import grouped_gemm_large_triton as lg
+from te_ops.gemm import BackendChoice
+from te_ops.gemm.torch_ops import loop_wgrad
 from te_ops.splits import make_splits
 
 SIZES = [5, 0, 7, 6]
@@ -149,20 +152,20 @@ class _Act:
     name, reason = "triton", "test"
 
 
-def test_fc1_epilogue_reason_names_the_persistent_kernel(monkeypatch):
+def test_fc1_swiglu_reason_names_the_persistent_kernel(monkeypatch):
     """fc1's fprop in the persistent kernel (auto at >= 32 rows per group, or forced): auto
     does not take the epilogue (measured slower there, stop 15), and the reason says why (not
     "does not run in Triton"); ``1`` takes the persistent kernel's fused launch (same bits)."""
     for choice in (FORCED_LARGE, BackendChoice("triton", "auto", True,
                                                large_kinds=("fprop", "dgrad"))):
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-        why = fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0)
+        with_rows(monkeypatch)
+        why = fc1_swiglu_reason(choice, _Act(), None, False, None, 1024.0)
         assert why is not None and "persistent many-rows Triton kernel" in why, why
         assert "does not run in Triton" not in why and "=1 takes it" in why
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-        assert fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0) is None
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")  # neighbour: few-rows fprop
-    assert fc1_epilogue_reason(FORCED_FEW, _Act(), None, False, None, 1024.0) is None
+        with_rows(monkeypatch, last=FC1_FUSED_ANY)
+        assert fc1_swiglu_reason(choice, _Act(), None, False, None, 1024.0) is None
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)  # neighbour: few-rows fprop
+    assert fc1_swiglu_reason(FORCED_FEW, _Act(), None, False, None, 1024.0) is None
 
 
 # ---------------------------------------------------------------------------------- CUDA

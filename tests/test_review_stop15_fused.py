@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 from block_replay import fwd_bwd_step
 from reference import grouped_mlp, leaf
 
@@ -189,10 +190,10 @@ def test_both_persistent_epilogues_equal_the_two_launch_pairs(monkeypatch, scale
     bitwise the two-launch pairs' (``0`` / ``0``), probs.grad within bf16 rounding."""
     _sm90()
     x, split, probs, dy = _cuda_inputs()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "0")
     want = _cuda_run(_cuda_block(scaled, recompute=recompute), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", "1")
     block = _cuda_block(scaled, recompute=recompute)
     runs = [_cuda_run(block, x, split, probs, dy) for _ in range(3)]
@@ -217,7 +218,7 @@ def test_fast_path_restrided_weights_on_the_persistent_kernels(monkeypatch, whic
     on k-contiguous weights, so a remembered (G, N, K) view with the transposed strides must
     not reach them: outputs against the fp64 reference."""
     _sm90()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     block = _cuda_block(hidden=256, ffn=128)
     x, split, probs, dy = _cuda_inputs(hidden=256)
     for _ in range(2):

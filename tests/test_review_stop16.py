@@ -26,9 +26,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gemm_force import GLUON_WGRAD_ANY, with_rows
 
 from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton, triton_launch
-from te_ops.kernels import grouped_wgrad_gluon as G
+from te_ops.gemm import grouped_wgrad_gluon as G
 
 
 def test_gluon_launch_runs_on_the_tensors_device(monkeypatch):
@@ -179,12 +180,12 @@ def test_forced_gluon_mode_not_taken_says_why(monkeypatch, patch, out_features, 
     monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", G.gluon_kinds)
     for name, value in patch.items():
         monkeypatch.setattr(G, name, value)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    with_rows(monkeypatch, first=GLUON_WGRAD_ANY)
     choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
                                          out_features, True, rows_per_group=4096.0)
     assert choice.gluon_kinds == ()
     assert "TE_OPS_GLUON_WGRAD=1 not taken" in choice.reason and match in choice.reason
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")  # the rule's own choice: no note
+    with_rows(monkeypatch)  # the rule's own choice: no note
     choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
                                          out_features, True, rows_per_group=4096.0)
     assert "TE_OPS_GLUON_WGRAD" not in choice.reason

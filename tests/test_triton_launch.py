@@ -218,7 +218,7 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch,
     table) launch from the cache, with the same bits as JITFunction.run's launches."""
     triton = pytest.importorskip("triton")
     import te_ops
-    from te_ops.kernels import grouped_gemm_triton, grouped_mlp_triton, split_table, swiglu_triton
+    from te_ops.gemm import grouped_gemm_triton, grouped_mlp_triton, split_table, swiglu_triton
 
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", epilogue)
@@ -480,7 +480,7 @@ def test_tensors_on_another_device_launch_there_on_its_current_stream():
     read them before); results equal a run with cuda:1 current."""
     pytest.importorskip("triton")
     import te_ops
-    from te_ops.kernels import grouped_gemm_triton
+    from te_ops.gemm import grouped_gemm_triton
 
     torch.manual_seed(0)
     groups, hidden, ffn, rows = 8, 64, 32, 32

@@ -20,26 +20,42 @@ import torch
 from . import fc1_swiglu_gluon, grouped_mlp_triton, rules
 from .dispatch import device_arch
 from .grouped_gemm_large_triton import large_fc1_swiglu
-from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 
 __all__ = ["fc1_swiglu_reason", "fc1_swiglu_launch", "large_fused_launch", "not_cuda_note",
            "fc1_swiglu_rule"]
 
 
+#: The fused launches that can stand in for fc1's fprop in each kind of kernel (and the two
+#: launches, ``grouped_mm``, which a row may name explicitly).
+PERSISTENT = ("gluon", "triton_persistent", "grouped_mm")
+FEW_ROWS = ("triton_rows", "grouped_mm")
+
+
 def fc1_swiglu_rule(in_features: int, out_features: int, rows_per_group: float | None,
-                    device: torch.device, dtype: torch.dtype, kernel: str = "gluon"
-                    ) -> rules.Rule | None:
-    """The ``fc1_swiglu`` row of the rules table with ``kernel`` that holds this call
-    (``None``: none; then two launches). ``out_features`` is fc1's (2 * ffn). Only where the
-    Triton kernels run at all, and a Gluon row only where this Triton has Gluon."""
-    if device.type != "cuda" or triton_unsupported_reason(device, dtype) is not None:
+                    device: torch.device | None, dtype: torch.dtype | None,
+                    kernels: tuple[str, ...] = PERSISTENT) -> rules.Rule | None:
+    """The first ``fc1_swiglu`` row of the rules table that holds this call and names one of
+    ``kernels`` (:data:`PERSISTENT` where fc1's fprop runs in the persistent / Gluon kernel,
+    :data:`FEW_ROWS` where in the few-rows one); ``None``: none, then two launches.
+    ``out_features`` is fc1's (2 * ffn); ``device`` / ``dtype`` ``None``: not known (a caller
+    whose fc1 fprop already runs in a Triton kernel, so Triton runs here). Only on CUDA, and a
+    Gluon row only where this Triton has Gluon."""
+    if device is not None and device.type != "cuda":
         return None
-
-    def wanted(rule: rules.Rule) -> bool:
-        return rule.kernel == kernel and (kernel != "gluon" or fc1_swiglu_gluon.gluon is not None)
-
+    arch = None if device is None else _arch(device)
     return rules.choose("fc1_swiglu", rows_per_group, in_features, out_features,
-                        arch=device_arch(device), dtype=dtype, available=wanted)
+                        arch=arch, dtype=dtype,
+                        available=lambda rule: rule.kernel in kernels and (
+                            rule.kernel != "gluon" or fc1_swiglu_gluon.gluon is not None))
+
+
+def _arch(device: torch.device) -> int | None:
+    """The device's compute-capability major; ``None`` without a CUDA runtime (a fake CUDA
+    tensor on a CPU-only build: the architecture is not known)."""
+    try:
+        return device_arch(device)
+    except (AssertionError, RuntimeError):
+        return None
 
 
 def fc1_swiglu_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bool,
@@ -78,10 +94,12 @@ def fc1_swiglu_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bo
         return f"glu_interleave_size={interleave} (the fused kernel takes the halves layout)"
     if backend_act.name != "triton":
         return f"the activation runs in {backend_act.name} ({backend_act.reason})"
+    in_features, out_features = features if features is not None else (0, 0)
+    rule = fc1_swiglu_rule(in_features, out_features, rows_per_group, device, dtype,
+                           PERSISTENT if large else FEW_ROWS)
+    kernel = None if rule is None else rule.kernel
     if large:
-        rule = (None if features is None else
-                fc1_swiglu_rule(features[0], features[1], rows_per_group, device, dtype))
-        if rule is not None and rule.kernel == "gluon":
+        if kernel in ("gluon", "triton_persistent"):
             return None
         where = ("the warp-specialized Gluon kernel (gluon_kinds)"
                  if "fprop" in backend1.gluon_kinds else
@@ -89,9 +107,7 @@ def fc1_swiglu_reason(backend1: Any, backend_act: Any, recipe: Any, has_bias: bo
         return (f"fc1's fprop runs in {where} (backend {backend1.name}) and no fc1_swiglu row "
                 "of te_ops.gemm.rules holds this call (the fused launch measured no faster "
                 "there)")
-    # fc1's fprop runs in the few-rows Triton kernel, so device and dtype are ones it runs on
-    if any(r.kind == "fc1_swiglu" and r.kernel == "triton_rows"
-           and r.rows[0] <= rows_per_group < r.rows[1] for r in rules.RULES):
+    if kernel == "triton_rows":
         return None
     return (f"{rows_per_group:g} rows per group: no few-rows fc1_swiglu row of te_ops.gemm.rules "
             "holds (the fused launch measured no faster than the two launches there)")
@@ -113,7 +129,7 @@ def fc1_swiglu_launch(backend1: Any, x2d: torch.Tensor, weights: torch.Tensor,
     says which, for ``explain()``. Shapes: x2d (rows, in), weights (G, 2F, in), probs (rows,)
     or ``None`` -> h (rows, 2F), a (rows, F)."""
     if "fprop" in backend1.large_kinds:
-        why = "no fc1_swiglu Gluon row of te_ops.gemm.rules holds this call"
+        why = "the fc1_swiglu row of te_ops.gemm.rules that holds names this kernel"
         if _gluon_shape(x2d, weights):
             # what gluon_fc1_dispatched checks before it launches (on the contiguous x)
             x2d = x2d.contiguous()
@@ -135,6 +151,7 @@ def _gluon_shape(x2d: torch.Tensor, weights: torch.Tensor) -> bool:
     rule = fc1_swiglu_rule(weights.shape[2], weights.shape[1],
                            x2d.shape[0] / max(weights.shape[0], 1), x2d.device, x2d.dtype)
     return rule is not None and rule.kernel == "gluon"
+
 
 
 def large_fused_launch(x2d: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

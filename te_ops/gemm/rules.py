@@ -42,8 +42,10 @@ KINDS = ("fprop", "dgrad", "wgrad", "fc1_swiglu")
 #: The kernels a rule names: ``triton_rows`` (``grouped_gemm_triton``, few rows per group;
 #: ``grouped_mlp_triton.fc1_swiglu`` for ``fc1_swiglu``), ``triton_persistent``
 #: (``grouped_gemm_large_triton`` / ``grouped_wgrad_large_triton``), ``gluon`` (the
-#: warp-specialized ``grouped_gemm_gluon`` / ``grouped_wgrad_gluon`` / ``fc1_swiglu_gluon``).
-KERNELS = ("triton_rows", "triton_persistent", "gluon")
+#: warp-specialized ``grouped_gemm_gluon`` / ``grouped_wgrad_gluon`` / ``fc1_swiglu_gluon``),
+#: ``grouped_mm`` (``torch._grouped_mm``; for ``fc1_swiglu``: the two launches), which no row
+#: of the table needs (it is what no row means) but :func:`override` can put first.
+KERNELS = ("triton_rows", "triton_persistent", "gluon", "grouped_mm")
 
 #: The sections of docs/performance.md the rows cite (a row's ``why`` starts with its section's
 #: name): the measurements, with the commit, the command and the versions.
@@ -126,11 +128,13 @@ class Rule:
                 raise ValueError(f"Rule {name} must be a range (lo, hi) with lo < hi, got "
                                  f"{(lo, hi)}")
 
-    def holds(self, mode: str, arch: int, dtype: torch.dtype, kind: str, rows: float,
-              in_features: int, out_features: int) -> bool:
-        """Whether this row's box holds the call."""
+    def holds(self, mode: str, arch: int | None, dtype: torch.dtype | None, kind: str,
+              rows: float, in_features: int, out_features: int) -> bool:
+        """Whether this row's box holds the call (``arch`` / ``dtype`` ``None``: not known,
+        any row's)."""
         return (self.kind == kind and self.mode == mode
-                and (self.arch is None or self.arch == arch) and dtype in self.dtypes
+                and (arch is None or self.arch is None or self.arch == arch)
+                and (dtype is None or dtype in self.dtypes)
                 and self.rows[0] <= rows < self.rows[1]
                 and self.in_features[0] <= in_features < self.in_features[1]
                 and self.out_features[0] <= out_features < self.out_features[1])
@@ -218,12 +222,12 @@ RULES: tuple[Rule, ...] = (
 
 
 def choose(kind: str, rows: float | None, in_features: int, out_features: int, *,
-           arch: int, dtype: torch.dtype, mode: str = "auto",
+           arch: int | None, dtype: torch.dtype | None, mode: str = "auto",
            available: Callable[[Rule], bool] | None = None,
            table: tuple[Rule, ...] | None = None) -> Rule | None:
     """The first row of ``table`` (default :data:`RULES`) that holds this call and whose kernel
     ``available`` accepts (default: every kernel); ``None`` when no row does or ``rows`` is
-    not known (``None``).
+    not known (``None``). ``arch`` / ``dtype`` ``None``: not known (any row's holds).
 
     Raises
     ------
