@@ -478,6 +478,8 @@ def _check_dswiglu_variants(parser: argparse.ArgumentParser, variants: dict[str,
                             ) -> None:
     """A usage error (before any GPU work) where a ``--dswiglu-variants`` config is not a
     launch config of the fused fc2 dgrad + dSwiGLU kernel."""
+    if not variants:
+        return
     from te_ops.kernels import dgrad_dswiglu_triton as dd
 
     for name, change in variants.items():

@@ -24,7 +24,7 @@ import re
 
 import pytest
 import torch
-from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
+from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 import torch.nn.functional as F
 from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
@@ -133,32 +133,39 @@ def test_cpu_raises_with_the_reason():
     assert reason is not None and ("CUDA" in reason or "gluon" in reason)
 
 
-def test_rule_takes_the_listed_shapes_only(monkeypatch):
+def test_rule_takes_the_measured_range_only(monkeypatch):
+    """The Gluon fc1_swiglu row holds between the measured points around E128's fc1 only,
+    on SM90 in bfloat16, where this Triton has Gluon."""
     monkeypatch.setattr(FG, "gluon", object())  # as where Gluon is installed
-    monkeypatch.setattr(FG, "GLUON_FC1_RULE", {(4096, 28672): 2048.0})
-    monkeypatch.setattr(FG, "_measured_on", lambda d, t: t == torch.bfloat16)  # as on SM90
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+
+    def kernel(*args):
+        rule = fc1_swiglu_mod.fc1_swiglu_rule(*args)
+        return None if rule is None else rule.kernel
+
     bf16 = (CUDA, torch.bfloat16)
-    assert FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
-    assert not FG.gluon_fc1_rule(4096, 28672, 1024.0, *bf16)
-    assert not FG.gluon_fc1_rule(2048, 1536, 512.0, *bf16)
-    assert not FG.gluon_fc1_rule(4096, 28672, None, *bf16)
+    assert kernel(2048, 1536, 512.0, *bf16) == "gluon" == kernel(2048, 1536, 700.0, *bf16)
+    assert kernel(2048, 1536, 1024.0, *bf16) is None  # the next measured point
+    assert kernel(4096, 28672, 2048.0, *bf16) is None  # E8: two launches (measured)
+    assert kernel(2048, 1536, None, *bf16) is None
+    assert kernel(2048, 1536, 512.0, CUDA, torch.float16) is None
     monkeypatch.setattr(FG, "gluon", None)
-    assert not FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
-
-
-def test_rule_entries_are_measured_issue10_shapes():
-    """Every rule entry is an fc1 (in, 2 * ffn) at the rows per group it was measured at
-    (benchmarks/large_gemm_triton.py's shapes)."""
-    measured = {(4096, 28672): 2048.0, (7168, 4096): 1024.0, (2048, 1536): 512.0}
-    for key, rows in FG.GLUON_FC1_RULE.items():
-        assert measured.get(key) == rows, key
+    assert kernel(2048, 1536, 512.0, *bf16) is None
 
 
 def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
     """At a rule shape auto (and ``1``) take the fused launch, which is the Gluon kernel
     (``gluon_fc1_dispatched``), recorded for ``explain()``; ``0`` still turns it off; off the
     rule auto keeps the two launches and ``1`` runs ``large_fc1_swiglu``."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: (i, o, rows) == (4, 8, 64.0))
+    real = fc1_swiglu_mod.fc1_swiglu_rule
+
+    def rule(i, o, rows, *args, **kwargs):  # the Gluon row at a (4, 8, 64 rows) shape
+        got = real(i, o, rows, *args, **kwargs)
+        if (i, o, rows) != (4, 8, 64.0) or (got is not None and got.kernel == "grouped_mm"):
+            return got
+        return FC1_GLUON_ROW
+
+    monkeypatch.setattr(fc1_swiglu_mod, "fc1_swiglu_rule", rule)
     monkeypatch.setattr(FG, "gluon_fc1_unsupported_reason", lambda x, w: None)
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
@@ -196,7 +203,7 @@ def test_fast_path_runs_the_same_kernel_as_the_general_path(monkeypatch):
     from te_ops import fast_step
     from te_ops.kernels.triton_launch import LaunchBatch
 
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
+    monkeypatch.setattr(fc1_swiglu_mod, "_gluon_shape", lambda *a: True)
     calls = []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
                         lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
@@ -390,7 +397,7 @@ SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the per
 
 def _take_gluon(monkeypatch) -> list[int]:
     """The rule patched to take the Gluon kernel at every shape; counts its launches."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
+    monkeypatch.setattr(fc1_swiglu_mod, "_gluon_shape", lambda *a: True)
     return count_launches(monkeypatch, FG)
 
 
