@@ -11,7 +11,7 @@ offsets bitwise equal to eager; the dispatched op ``te_ops::grouped_gemm_gluon``
 ``torch.compile(fullgraph=True)``; with the rule patched to take the Gluon kernel for every
 fprop / dgrad of the persistent kernels, test_large_gemm_dispatch's block (fused, unfused)
 bitwise equal to the Triton kernel's run, and the existing compile and CUDA-graph block
-checks bitwise equal to eager. CPU: the rule (:data:`GLUON_RULE`, measured shapes only) and
+checks bitwise equal to eager. CPU: the choice (the Gluon rows of ``te_ops.gemm.rules``: tests/test_gemm_rules.py) and
 the choice's ``explain()`` text and routing.
 """
 
@@ -279,24 +279,6 @@ def test_graph_replay_with_new_offsets_bitwise_equal_to_eager():
 
 
 # ------------------------------------------------------------------ dispatch (CPU + CUDA)
-def test_rule_names_the_measured_shapes_only(monkeypatch):
-    monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
-    both = ("fprop", "dgrad")
-    assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
-    assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
-    assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
-    assert GG.gluon_kinds(768, 2048, None, both) == ()
-    assert GG.gluon_kinds(2048, 1536, 512.0, both) == both  # fc1: fprop since stop 17
-    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == both  # E8 fc1 (stop 17)
-    assert GG.gluon_kinds(14336, 4096, 2048.0, both) == both  # E8 fc2
-    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == ("dgrad",)  # E32 fc1: fprop Triton
-    assert GG.gluon_kinds(2048, 7168, 1024.0, both) == ("fprop",)  # E32 fc2: dgrad a tie
-    assert GG.gluon_kinds(7168, 4096, 512.0, both) == ()  # E32 features, rows not measured
-    assert GG.gluon_kinds(4096, 14336, 2048.0, both) == ()  # not a measured linear
-    monkeypatch.setattr(GG, "gluon", None)
-    assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
-
-
 def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
     from te_ops.gemm import dispatch as grouped_gemm
     from te_ops.splits import make_splits
@@ -307,7 +289,7 @@ def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
                                           (), ("fprop", "dgrad"), ("fprop", "dgrad"))
     assert choice.large_kinds == ("fprop", "dgrad") and choice.gluon_kinds == ("fprop", "dgrad")
     assert "fprop/dgrad in the warp-specialized Gluon kernel" in choice.reason
-    assert "GLUON_RULE=fprop@512,dgrad@512" in choice.reason
+    assert "768 -> 2048 features" in choice.reason
     x = torch.zeros(10, 768, dtype=torch.bfloat16)
     w = torch.zeros(3, 2048, 768, dtype=torch.bfloat16)
     splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)

@@ -97,12 +97,6 @@ def test_launch_configs_grow_with_rows():
                                          (4, ("fprop", "dgrad", "wgrad")),
                                          (5, ("fprop", "wgrad")), (8, ("fprop", "wgrad")),
                                          (9, ("wgrad",)), (32, ("wgrad",)), (33, ())])
-def test_rule_per_gemm_kind(rows, kinds):
-    """The measured rule (docs/benchmarks.md): fprop up to 8 rows per group, dgrad up to 4,
-    wgrad up to 32."""
-    assert tg.triton_kinds(rows) == kinds
-
-
 # ------------------------------------------------------------------------- CUDA: numerics
 def _problem(sizes, rows, n, k, dtype=torch.bfloat16, seed=0):
     gen = torch.Generator(device=CUDA).manual_seed(seed)
@@ -297,19 +291,6 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
     assert_close(grouped_dgrad(dy, w, splits, choice), want[1], torch.float32, "dgrad")
     with pytest.raises(RuntimeError, match="Triton grouped GEMMs cannot run"):
         grouped_wgrad(x, dy, splits, choice)
-
-
-def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
-    """The row-count rule is read only for auto on CUDA (a traced row count is not guarded on
-    CPU), and the choice cache key holds the Triton kinds."""
-    from te_ops.gemm import dispatch as grouped_gemm
-
-    calls = []
-    monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append(rows) or ())
-    select_backend(torch.device("cpu"), torch.float32, 8, 8, True, rows_per_group=2.0)
-    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
-    select_backend(torch.device("meta"), torch.bfloat16, 8, 8, True, rows_per_group=2.0)
-    assert calls == []
 
 
 def test_unsupported_reason_names_the_device_and_dtype_first(monkeypatch):

@@ -257,12 +257,6 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
 #: for a call that raises.
 _CHOICES: dict[tuple, BackendChoice] = {}
 
-_KERNEL_TEXT = {
-    "triton_rows": "the few-rows Triton kernel",
-    "triton_persistent": "the persistent many-rows Triton kernel",
-    "gluon": "the warp-specialized Gluon kernel",
-}
-
 
 def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
@@ -279,14 +273,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         why = triton_unsupported_reason(device, dtype)
         if why is not None:
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
-        rule = next((picks[k] for k in large if picks.get(k) is not None), None)
         choice = BackendChoice(
             "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND: " + (
-                f"{'/'.join(large)} in the persistent many-rows kernels ({rule.why})"
-                if rule is not None else "fprop/dgrad/wgrad in the few-rows Triton kernels "
-                "(the forced rows of te_ops.gemm.rules: below 512 rows per group, or not "
-                "known yet)") + "; wgrad into an fp32 main_grad in torch._grouped_mm "
-            "where it runs",
+                f"{'/'.join(large)} in the persistent many-rows kernels (the forced rows of "
+                "te_ops.gemm.rules: from 512 rows per group)"
+                if large else "fprop/dgrad/wgrad in the few-rows Triton kernels (the forced "
+                "rows of te_ops.gemm.rules: below 512 rows per group, or not known yet)")
+            + "; wgrad into an fp32 main_grad in torch._grouped_mm where it runs",
             graph_safe=device_split_sizes,
             triton_kinds=tuple(k for k in _KINDS if k not in large),
             large_kinds=large)
@@ -311,22 +304,31 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         rest = [k for k in _KINDS if k not in small + big + wgrad_gluon]
         # a wgrad into an fp32 main_grad runs torch._grouped_mm (out_dtype) where it can
         # (gemm/wgrad_into.py): said on the part that holds wgrad
-        mg = "; wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
+        mg = ", wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
+        def rules_text(kinds: tuple[str, ...]) -> str:
+            whys = list(dict.fromkeys(picks[k].why for k in kinds if picks.get(k)))
+            return f"rules: {'; '.join(whys)}" if whys else "rules of te_ops.gemm.rules"
+
         parts = []
-        for k in _KINDS:
-            rule = picks.get(k)
-            if k in rest or rule is None:
-                continue
-            text = _KERNEL_TEXT["gluon" if k in in_gluon + wgrad_gluon else
-                                "triton_rows" if k in small else "triton_persistent"]
-            config = f", config {rule.config!r}" if k in wgrad_gluon else ""
-            align = (", a call whose operands are not 16-byte aligned runs torch._grouped_mm"
-                     if k in wgrad_gluon else "")
-            parts.append(f"{k} in {text} (rules: {rule.why}{config}{align}"
-                         f"{mg if k == 'wgrad' else ''})")
+        if wgrad_gluon:
+            config = picks["wgrad"].config if picks.get("wgrad") else "default"
+            parts.append(f"wgrad in the warp-specialized Gluon wgrad (launch config {config!r}; "
+                         f"{rules_text(wgrad_gluon)}; a call whose operands are not 16-byte "
+                         f"aligned runs torch._grouped_mm{mg})")
+        if small:
+            parts.append(f"{'/'.join(small)} in Triton (few rows per group; {rules_text(small)}"
+                         f"{mg if 'wgrad' in small else ''})")
+        if big:
+            parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows per "
+                         f"group; {rules_text(tuple(k for k in big if k not in in_gluon))}"
+                         f"{mg if 'wgrad' in big else ''})")
+        if in_gluon:
+            parts.append(f"of those, {'/'.join(in_gluon)} in the warp-specialized Gluon kernel "
+                         f"({in_features} -> {out_features} features, same bits; "
+                         f"{rules_text(in_gluon)})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
-        preset = picks["wgrad"].config if wgrad_gluon else "default"
+        preset = (picks["wgrad"].config if wgrad_gluon and picks.get("wgrad") else "default")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
                                triton_kinds=small, large_kinds=big,
                                gluon_kinds=in_gluon + wgrad_gluon,
