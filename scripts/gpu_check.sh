@@ -64,9 +64,6 @@
 #     sustained   benchmarks/sustained_gemm.py: each te_ops GEMM kernel, the Triton kernel and
 #                 torch._grouped_mm in power-capped blocks of back-to-back calls, E32 and E8
 #                 -> "$OUT/sustained.jsonl" (where a kernel's energy shows as its time)
-#     dispatch_ab benchmarks/dispatch_ab.py: whole steps at the power cap, the dispatch as it is
-#                 against the rule entries stop 20 took out (E32 fc1 fprop in Gluon, E8 fc1 + SwiGLU
-#                 in Gluon) -> "$OUT/dispatch_ab_e32.jsonl", "$OUT/dispatch_ab_e8.jsonl"
 #     main_job    the main job on CUDA at 600 steps, bf16 eager vs --cuda-graph (the loss
 #                 curves must agree bit for bit)
 #     main_job_seeds  scripts/main_job_seeds.py: bf16 vs FP8 (default, and with fast accumulation
@@ -99,7 +96,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak power ncu sustained dispatch_ab} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job main_job_seeds main_job_mxfp8 bench bench_large bench_fp8 bench_e64 bench_e64_interleaved bench_interleaved bench_mid profile tgemm large_gemm gluon_wgrad gluon_fc1 profile_graph gaps gaps_mid host_costs host_ab memory peak power ncu sustained} "
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
 step() {
@@ -251,13 +248,6 @@ bench_lane() {
     step sustained 150 "$PY" benchmarks/sustained_gemm.py --out "$OUT/sustained.jsonl" \
         --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336 \
         --gemms fc1,fc2,fc1_dgrad,fc2_dgrad,fc1_wgrad,fc2_wgrad --rounds 3 --block-ms 300
-    # (--out appends, and dispatch_ab.py --summarize refuses a file holding two runs)
-    step dispatch_ab 200 bash -c "rm -f '$OUT/dispatch_ab_e32.jsonl' '$OUT/dispatch_ab_e8.jsonl' \
-        && '$PY' benchmarks/dispatch_ab.py --shape E32_T32768_H7168_FF2048 \
-        --variants 'fc1_fprop_gluon:+fprop/7168/4096@1024' --rounds 3 --steps 100 \
-        --out '$OUT/dispatch_ab_e32.jsonl' && '$PY' benchmarks/dispatch_ab.py \
-        --shape E8_T16384_H4096_FF14336 --variants 'fc1_swiglu_gluon:+fc1/4096/28672@2048' \
-        --rounds 3 --steps 40 --out '$OUT/dispatch_ab_e8.jsonl'"
     step power 150 "$PY" benchmarks/power_clock.py --steps 150 --out "$OUT/power.jsonl" \
         --shapes E32_T32768_H7168_FF2048,E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768 \
         --peers torch_grouped_mm,te_ops_fused_single,te_ops_fused
