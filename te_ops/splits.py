@@ -19,8 +19,9 @@ import contextvars
 import functools
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -169,23 +170,15 @@ class GroupedSplits:
             self.__dict__[key] = cached
         return cached
 
-    def column_layout(self, align: int):
-        """The group-aligned row layout of these splits for column-wise quantized copies
-        (:func:`te_ops.quantization.layout.column_layout` with ``num_rows`` rows), cached per
-        ``align``: the column-wise quantize calls and wgrad GEMMs of one step that share these
-        splits build it once (about 20 small device ops each, one launch apiece on a GPU).
-
-        Returns
-        -------
-        te_ops.quantization.layout.ColumnLayout
-        """
-        key = f"_column_layout_{align}"
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """A value derived from these splits, built by ``build()`` once per ``key`` and kept
+        with them (e.g. quantization's group-aligned column layout, ``layout.splits_layout``:
+        the column-wise quantize calls and wgrad GEMMs of one step that share these splits
+        build it once). The layers above own what they derive; this class only holds it."""
+        key = f"_derived_{key}"
         cached = self.__dict__.get(key)
         if cached is None:
-            from .quantization.layout import column_layout
-
-            cached = column_layout(self.split_sizes, self.base_offsets, self.num_rows, align)
-            self.__dict__[key] = cached
+            cached = self.__dict__[key] = build()
         return cached
 
     def to_tensors(self) -> list[torch.Tensor]:
