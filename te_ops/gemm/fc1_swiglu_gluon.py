@@ -42,12 +42,12 @@ and ``LAG`` 1 of ``SPLIT``'s consumer), the epilogue's per-slice math is unchang
 a are meant to keep the bits above (the CUDA tests check it on SM90). The 32 KiB saved hold
 a 4th ring stage (``STAGES`` 4: 4 x 48 + 32 = 224 KiB), which made the plain Gluon
 fprop/dgrad 1.05-1.11x its 3-stage config at E8 / E32 (docs/benchmarks.md "Gluon
-fprop/dgrad: tail skip and a 4-stage ring (stop 17)"). sm_90 compile (Triton 3.6 + its
+fprop/dgrad: tail skip and a 4-stage ring"). sm_90 compile (Triton 3.6 + its
 ptxas): 229704 bytes of shared memory, consumers at 208 / 200 registers, the worker
 warpgroup at 96, no spills (the 3-stage configs: 4-8 bytes with probs). To measure:
 ``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1 '{"gfc1": {}, "gfc1_split":
 {"SPLIT": true, "num_warps": 4}, "gfc1_c4": {"SPLIT": true, "num_warps": 4, "C_HALF": true,
-"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue (stop 17)").
+"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue").
 
 Auto dispatch (``te_ops.gemm.fc1_swiglu``) takes it where the Gluon ``fc1_swiglu`` row of
 :mod:`te_ops.gemm.rules` holds; ``gluon_fc1_swiglu`` is the op ``te_ops::grouped_fc1_swiglu_gluon``

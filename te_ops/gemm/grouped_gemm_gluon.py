@@ -1,4 +1,4 @@
-"""Warp-specialized persistent grouped GEMM for SM90 in Gluon (fprop, dgrad): an experiment.
+"""Warp-specialized persistent grouped GEMM for SM90 in Gluon (fprop, dgrad).
 
 The persistent Triton kernel (``grouped_gemm_large_triton``, ``FLAT``) runs its tile epilogue
 (fp32 -> bf16, masked stores clipped at the group's end) on the warps that issue the next
@@ -38,7 +38,7 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   ``HALF_LOAD``: the producer loads only the first 64 rows of x for such tiles (the other
   half keeps stale rows, which reach only accumulator rows that are never stored).
   ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
-  (stop 17): not dispatched;
+  (interleaved): not dispatched;
 * ``TMA_STORE``: the epilogue stores a buffered part (64 rows with ``C_HALF``, else 128)
   that lies inside its group with one TMA store from the shared buffer (a device-side
   descriptor of y as (M, N)) and waits for it before freeing the buffer; tail parts and the
@@ -48,13 +48,13 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   turns it off (:func:`_launch_args`);
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
-* ``ZERO_TAIL`` (stop 21, not dispatched): the producer loads a tail tile's x rows (the
+* ``ZERO_TAIL`` (not dispatched): the producer loads a tail tile's x rows (the
   group's last row tile) through a device-side descriptor whose row count ends at the
   group's end, so the rows past it arrive as TMA's zero fill instead of the next group's
   rows (as CUTLASS's per-group descriptors do). Stored rows are bitwise unchanged (CUDA tail
   tests). The aim was the tensor cores' energy at the 700 W cap; whole steps at the cap
   (``benchmarks/dispatch_ab.py``, H200, 3 rounds) measured 1.002x at E8 and 1.002-1.003x at
-  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows (stop 21)"). Not with
+  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows"). Not with
   ``HALF_LOAD``.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
@@ -74,8 +74,8 @@ dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + the output tile, 64 
 stages: 208 KiB of the H200's 227) or 32 KiB with ``C_HALF`` (4 stages: 224 KiB).
 
 Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (docs/benchmarks.md,
-"Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad: tail skip and a
-4-stage ring (stop 17)"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
+"Gluon warp-specialized fprop/dgrad" and "Gluon fprop/dgrad: tail skip and a
+4-stage ring"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
 FF768 (short k-loops, where the overlapped epilogue is a large share of a tile), 0.92-0.98x
 at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with ``C_HALF`` and
 4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it where a
@@ -124,10 +124,10 @@ GLUON_MAX_GROUPS = 1024
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
 #: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
-#: interleaved; stop 17). ``TMA_STORE`` (stop 19): in power-capped blocks of back-to-back
+#: interleaved). ``TMA_STORE``: in power-capped blocks of back-to-back
 #: calls (``benchmarks/sustained_gemm.py``, one H200 run) 1.02-1.08x without it at E128,
 #: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal. Not ``SKIP_TAIL`` (0.95-1.02x
-#: interleaved, stop 17; 0.84-1.02x in power-capped blocks, stop 19).
+#: interleaved; 0.84-1.02x in power-capped blocks).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4, "TMA_STORE": True}
 

@@ -47,7 +47,7 @@ Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" o
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
 
-fc1 + SwiGLU, ``PAIRED`` (the default since stop 15): structurally the plain fprop. W1
+fc1 + SwiGLU, ``PAIRED`` (the default): structurally the plain fprop. W1
 (G, 2F, K) is read through its (G, 2, F, K) view (TMA block [1, 2, BLOCK_N/2, BLOCK_K]: gate
 rows [n0, n0 + BLOCK_N/2) and up rows [F + n0, ...) in one load, reshaped to (BLOCK_N,
 BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BLOCK_N)
@@ -55,7 +55,7 @@ accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2
 ``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
 ``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
 :func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). ``PAIRED=False``
-is stop 12's kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
+is the earlier kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
 dots per k-step (0.88-0.97x fprop + SwiGLU in the group walk; with ``FLAT`` 0.59x at E8:
 ptxas serializes the two wgmma chains, warning C7515, "non wgmma instructions defining
 accumulator registers of a wgmma between start and end of the pipeline stage", plus

@@ -1,6 +1,6 @@
-"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``), an experiment.
+"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``).
 
-Stop 16 of issue 10: the Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
+The Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
 each dW tile's fp32 -> bf16 epilogue on the warps that issue the next tile's MMAs (Triton 3.6
 builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.gluon``, Triton
 >= 3.5) states the partitions explicitly (``gl.warp_specialize``); this kernel uses them:
@@ -46,7 +46,7 @@ partitions on SM90 (``setmaxnreg``, named barriers; ``tests/test_gluon_wgrad.py`
 it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
-wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
+wgrad": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
 issue-10 wgrads, one run). Dispatched by ``te_ops.gemm.dispatch`` where a wgrad row of
 ``te_ops.gemm.rules`` names it (SM90, bfloat16, 512 rows per group or more), with the row's
 launch config: the subtiled epilogue with a 4th ring stage (:data:`MID_ROWS_CONFIG`) at
@@ -141,7 +141,7 @@ def gluon_unavailable_reason(out_features: int) -> str | None:
 
 
 def gluon_wgrad_config() -> dict[str, int]:
-    """Default launch parameters (the fastest of the configs measured, stop 16): one
+    """Default launch parameters (the fastest of the configs measured): one
     consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
     tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
     (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
@@ -157,7 +157,7 @@ def gluon_wgrad_config() -> dict[str, int]:
     default, and 1.06-1.09x it at E128 (512 rows per group, two H200 runs), where the dispatch
     runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, the rules table's ``"mid_rows"``).
 
-    ``GROUP_N`` 8 (stop 19): a group's tiles go in bands of 8 dW row tiles, row tile fastest,
+    ``GROUP_N`` 8: a group's tiles go in bands of 8 dW row tiles, row tile fastest,
     instead of a whole row of tiles at a time (``GROUP_N=1``), so the programs running at once
     share the x columns they read and a wave no longer streams all of x_g from HBM (ncu, E8
     fc2 wgrad: 7.2 GB of DRAM reads against ``_grouped_mm``'s 2.2 GB). Measured in power-capped
@@ -424,7 +424,7 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
-    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad (stop 16)"), fp32
+    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad"), fp32
     accumulation.
 
     Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
