@@ -43,3 +43,13 @@ def with_rows(monkeypatch, first: tuple[Rule, ...] = (), last: tuple[Rule, ...] 
 
 #: The measured table's Gluon fc1 + SwiGLU row (E128 H2048 FF768's fc1).
 FC1_GLUON_ROW = next(r for r in _TABLE if r.kind == "fc1_swiglu" and r.kernel == "gluon")
+
+#: fprop / dgrad in the persistent kernels from 1 row per group (after the table: its
+#: few-rows and Gluon rows keep their ranges), for small test blocks.
+PERSISTENT_FROM_ONE = tuple(
+    Rule(kind, "triton_persistent", (1.0, math.inf), "Persistent Triton GEMMs: a test's row")
+    for kind in ("fprop", "dgrad"))
+#: fprop / dgrad in the Gluon kernel wherever a persistent row would run them (first).
+GLUON_FPROP_DGRAD = tuple(
+    Rule(kind, "gluon", (1.0, math.inf), "Gluon fprop/dgrad: forced by a test")
+    for kind in ("fprop", "dgrad"))

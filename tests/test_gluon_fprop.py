@@ -21,6 +21,7 @@ import re
 
 import pytest
 import torch
+from gemm_force import PERSISTENT_FROM_ONE, with_rows
 from block_replay import count_launches
 from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_linear_fp64
 from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
@@ -313,14 +314,18 @@ def test_op_under_compile_fullgraph_equals_eager(dgrad):
 
 
 def _force_gluon(monkeypatch) -> list[int]:
-    """Auto takes the Gluon kernel for every fprop / dgrad it runs in the persistent kernel
-    (the rule patched); returns a list that counts the Gluon launches."""
-    from te_ops.gemm import dispatch as grouped_gemm
+    """Auto takes the Gluon kernel for every fprop / dgrad from 32 rows per group (a Gluon
+    row put in front of the persistent one; with ``PERSISTENT_FROM_ONE`` in place from 1
+    row); returns a list that counts the Gluon launches."""
+    import math
 
-    monkeypatch.setattr(grouped_gemm, "gluon_gemm_kinds",
-                        lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
-                                                        if k in large))
-    grouped_gemm._CHOICES.clear()
+    from te_ops.gemm import rules
+
+    low = 1.0 if any(r in rules.RULES for r in PERSISTENT_FROM_ONE) else 32.0
+    rows = tuple(rules.Rule(kind, "gluon", (low, math.inf), "Gluon fprop/dgrad: a test's row")
+                 for kind in ("fprop", "dgrad"))
+    monkeypatch.setattr(rules, "RULES", (*rows, *rules.RULES))
+    monkeypatch.setattr(rules, "VERSION", [rules.VERSION[0] + 1])
     return count_launches(monkeypatch, GG)
 
 
@@ -367,7 +372,7 @@ def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
     import test_cuda_graphs
     import test_torch_compile_cuda
 
-    monkeypatch.setattr(L, "MIN_ROWS_PER_GROUP", {k: 1 for k in L.MIN_ROWS_PER_GROUP})
+    with_rows(monkeypatch, last=PERSISTENT_FROM_ONE)
     launches = _force_gluon(monkeypatch)
     block = test_torch_compile_cuda._block(fusion, monkeypatch)
     x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)

@@ -55,15 +55,6 @@ def with_gluon(monkeypatch):
     monkeypatch.setattr(gw, "GLUON_API_REASON", None)
 
 
-@pytest.mark.parametrize("rows, preset, why", [
-    (1.0, "default", "below GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512"),
-    (MID - 1, "default", "below GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512"),
-    (MID, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH - 1, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH - 0.5, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH, "default", "at >= GLUON_WGRAD_MIN_ROWS_PER_GROUP=1024"),
-    (1e6, "default", "at >= GLUON_WGRAD_MIN_ROWS_PER_GROUP=1024"),
-])
 def _sm90(monkeypatch, capability=(9, 0)):
     """select_backend as on a CUDA GPU of ``capability`` with Triton (the measured-rule gate
     itself runs: dtype and capability), torch._grouped_mm available and settled."""
@@ -300,7 +291,7 @@ def test_block_at_mid_rows_takes_the_4_stage_config(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     for fusion, mode in (("0", "auto"), ("1", "0")):
         monkeypatch.setenv("TE_OPS_FUSION", fusion)
-        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        with_rows(monkeypatch, first=NO_GLUON_WGRAD if mode == "0" else ())
         other = run_block(_block(), x, split, probs, dy)[0]
         for i, (a, b) in enumerate(zip(first, other)):
             assert torch.equal(a, b), f"tensor {i}: fusion {fusion}, mode {mode} differs"

@@ -1,6 +1,6 @@
 """Auto dispatch of the persistent many-rows Triton grouped GEMMs (``large_kinds``).
 
-CPU (CI): the rule (``MIN_ROWS_PER_GROUP``: kinds at and above the threshold, none when the
+CPU (CI): (the rule itself: tests/test_gemm_rules.py; kinds at and above the threshold, none when the
 row count is not known), the reason auto gives where it does not take them (CPU, dtype), and a
 mixed choice routing each GEMM kind (wgrad in ``torch._grouped_mm`` against the fp64
 reference; fprop / dgrad to the Triton kernels, which refuse a CPU tensor with their reason).
@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from gemm_force import PERSISTENT_FROM_ONE, with_rows
 import torch.nn.functional as F
 from block_replay import assert_block_matches_reference
 from reference import assert_close
@@ -162,7 +163,7 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
 
 @pytest.mark.cuda
 def test_forced_triton_block_at_many_rows_matches_reference(monkeypatch):
-    """TE_OPS_GROUPED_GEMM_BACKEND=triton at >= FORCED_MIN_ROWS_PER_GROUP rows per group:
+    """TE_OPS_GROUPED_GEMM_BACKEND=triton at >= 512 rows per group (the forced rows):
     all six GEMMs in the persistent kernels (wgrad included); same checks as auto."""
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypatch)
@@ -177,7 +178,7 @@ def test_large_gemms_against_fp64_at_realistic_magnitudes():
     rows, k, n = 2900, 4096, 512
     choice = grouped_gemm.select_backend(CUDA, torch.bfloat16, k, n, True,
                                          rows_per_group=rows / 4)
-    assert choice.large_kinds == tuple(lg.MIN_ROWS_PER_GROUP)
+    assert choice.large_kinds == ("fprop", "dgrad")
     x = torch.randn(rows, k, device=CUDA, dtype=torch.bfloat16)
     dy = torch.randn(rows, n, device=CUDA, dtype=torch.bfloat16)
     w = (torch.randn(4, n, k, device=CUDA) * k ** -0.5).to(torch.bfloat16)
@@ -203,10 +204,9 @@ def test_existing_compile_and_graph_checks_on_the_large_kernels(fusion, monkeypa
     import test_cuda_graphs
     import test_torch_compile_cuda
 
-    monkeypatch.setattr(lg, "MIN_ROWS_PER_GROUP", {k: 1 for k in lg.MIN_ROWS_PER_GROUP})
+    with_rows(monkeypatch, last=PERSISTENT_FROM_ONE)
     block = test_torch_compile_cuda._block(fusion, monkeypatch)
-    # 64 rows per group: above the few-rows kernels' MAX_ROWS_PER_GROUP (which auto checks
-    # first), like the compile test's T=256 over 4 experts and the graph test's 1024 over 8
+    # 64 rows per group: above the few-rows rows (which hold first), like the compile test's T=256 over 4 experts and the graph test's 1024 over 8
     x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
     sizes = torch.tensor([64] * 4, device=CUDA)
     block(x, sizes, torch.rand(256, device=CUDA), sizes)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gemm_force import NO_FC1_FUSED, FC1_FUSED_ANY, with_rows
 
 from te_ops.kernels import triton_launch
 from te_ops.kernels.triton_launch import DirectLauncher
@@ -221,7 +222,8 @@ def test_fast_step_uses_direct_launches_and_matches_normal_launches(monkeypatch,
     from te_ops.gemm import grouped_gemm_triton, grouped_mlp_triton, split_table, swiglu_triton
 
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", epilogue)
+    with_rows(monkeypatch, first=NO_FC1_FUSED if epilogue == "0" else (),
+              last=FC1_FUSED_ANY if epilogue == "1" else ())
     torch.manual_seed(0)
     groups, hidden, ffn, rows = 8, 64, 32, 32
     kw = {"bias": False, "single_grouped_weight": True, "device": "cuda",
