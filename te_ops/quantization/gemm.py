@@ -1,4 +1,4 @@
-"""Grouped GEMMs on quantized operands (the recipe branch of ``kernels/grouped_gemm.py``).
+"""Grouped GEMMs on quantized operands (the recipe branch of ``gemm/dispatch.py``).
 
 Operands are :class:`~te_ops.quantization.QuantizedTensorStorage`. Which copy each GEMM reads
 (each quantized along the dim the GEMM reduces):
@@ -94,7 +94,7 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
                            fallback: Callable[..., torch.Tensor]) -> torch.Tensor:
     """One grouped GEMM (``kind`` = ``"fprop"``, ``"dgrad"`` or ``"wgrad"``) on quantized
     operands, with the argument order and output of the matching function of
-    ``kernels/grouped_gemm.py`` (``fallback``, used on dequantized operands when emulating).
+    ``gemm/dispatch.py`` (``fallback``, used on dequantized operands when emulating).
 
     fprop: a = x (M, K) row-wise, b = W (G, N, K) row-wise -> (M, N).
     dgrad: a = dy (M, N) row-wise, b = W column-wise -> (M, K).
