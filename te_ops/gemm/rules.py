@@ -135,9 +135,11 @@ class Rule:
         return (self.kind == kind and self.mode == mode
                 and (arch is None or self.arch is None or self.arch == arch)
                 and (dtype is None or dtype in self.dtypes)
-                and self.rows[0] <= rows < self.rows[1]
                 and self.in_features[0] <= in_features < self.in_features[1]
-                and self.out_features[0] <= out_features < self.out_features[1])
+                and self.out_features[0] <= out_features < self.out_features[1]
+                # rows last: under torch.compile a traced row count's comparison is a guard,
+                # so only rows whose other columns hold compare it
+                and self.rows[0] <= rows < self.rows[1])
 
 
 def _gluon_point(kind: str, rows: float, in_features: int, out_features: int, why: str
