@@ -191,9 +191,23 @@ def gemm_rules(device: torch.device, dtype: torch.dtype, in_features: int, out_f
     """The rules table's row per GEMM kind (fprop, dgrad, wgrad) for this call (``None``:
     ``torch._grouped_mm``); ``mode`` ``"auto"`` or ``"forced"``."""
     arch = device_arch(device)
-    available = _available(out_features)
-    return {k: rules.choose(k, rows_per_group, in_features, out_features, arch=arch,
-                            dtype=dtype, mode=mode, available=available) for k in _KINDS}
+    # remembered for plain row counts (not a traced one: hashing it would specialize it)
+    key = ((arch, dtype, in_features, out_features, rows_per_group, mode, rules.VERSION[0])
+           if type(rows_per_group) in (float, int) else None)
+    picks = _PICKS.get(key) if key is not None else None
+    if picks is None:
+        available = _available(out_features)
+        picks = {k: rules.choose(k, rows_per_group, in_features, out_features, arch=arch,
+                                 dtype=dtype, mode=mode, available=available) for k in _KINDS}
+        if key is not None:
+            if len(_PICKS) >= 1024:
+                _PICKS.clear()
+            _PICKS[key] = picks
+    return picks
+
+
+#: gemm_rules' answers per (arch, dtype, features, rows per group, mode, table version).
+_PICKS: dict[tuple, dict[str, rules.Rule | None]] = {}
 
 
 _KINDS = ("fprop", "dgrad", "wgrad")
