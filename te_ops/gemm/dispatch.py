@@ -192,7 +192,8 @@ def gemm_rules(device: torch.device, dtype: torch.dtype, in_features: int, out_f
     ``torch._grouped_mm``); ``mode`` ``"auto"`` or ``"forced"``."""
     arch = device_arch(device)
     # remembered for plain row counts (not a traced one: hashing it would specialize it)
-    key = ((arch, dtype, in_features, out_features, rows_per_group, mode, rules.VERSION[0])
+    key = ((arch, dtype, in_features, out_features, rows_per_group, mode, rules.VERSION[0],
+            gluon_gemm_module.gluon is None, gluon_unavailable_reason(out_features))
            if type(rows_per_group) in (float, int) else None)
     picks = _PICKS.get(key) if key is not None else None
     if picks is None:
