@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reference import assert_close, split_arg
 
 import te_ops
-from te_ops.kernels.grouped_gemm import (
+from te_ops.gemm.dispatch import (
     grouped_dgrad,
     grouped_fprop,
     grouped_mm_unsupported_reason,

@@ -2,7 +2,7 @@
 larger buffer, as ``torch.split`` and checkpoint loaders give): the weights, the input and the
 output gradient of fc1 and fc2, packed and per-expert, fused and unfused, on the CPU
 ``torch._grouped_mm`` backend. Each such operand is copied to an aligned tensor
-(``kernels.grouped_gemm.grouped_mm_operands``): results equal the contiguous operands' bit for
+(``gemm.dispatch.grouped_mm_operands``): results equal the contiguous operands' bit for
 bit and the float64 reference; ``explain()`` names the copied forward operand."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import reference as ref
 import torch
 
 import te_ops
-from te_ops.kernels.grouped_gemm import grouped_mm_operand_reason, grouped_mm_operands
+from te_ops.gemm.dispatch import grouped_mm_operand_reason, grouped_mm_operands
 
 E, H, F = 3, 16, 8
 SIZES = [4, 0, 5]

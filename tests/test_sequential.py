@@ -9,7 +9,7 @@ import torch
 from reference import assert_close, split_arg
 
 import te_ops
-from te_ops.kernels.grouped_gemm import stack_weights
+from te_ops.gemm.dispatch import stack_weights
 
 G, K, F = 3, 16, 16
 SIZES, ROWS = [3, 0, 5], 10

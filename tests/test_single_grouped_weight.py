@@ -11,7 +11,7 @@ import reference as ref
 import torch
 
 import te_ops
-from te_ops.kernels.grouped_gemm import stack_weights
+from te_ops.gemm.dispatch import stack_weights
 
 E, H, F = 4, 16, 24
 SIZES = [5, 0, 7, 6]  # 18 of 20 rows: a zero-token group and two padding rows

@@ -500,8 +500,8 @@ def test_cuda_graph_capture_with_main_grad(monkeypatch, fusion):
 def test_grouped_wgrad_into_layouts(use_backend, backend, layout):
     """``grouped_wgrad_into`` against per-expert ``dy_g^T @ x_g`` in float64, for target
     buffers laid out as one stacked tensor, in reverse order (Megatron), apart, or strided."""
-    from te_ops.kernels import select_backend
-    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.gemm import select_backend
+    from te_ops.gemm.wgrad_into import grouped_wgrad_into
     from te_ops.splits import make_splits
 
     use_backend(backend, "cpu", torch.float32, (H, F))
@@ -534,8 +534,8 @@ def test_grouped_wgrad_into_refuses_a_re_viewed_middle_target(use_backend, chang
     """Adjacent targets but one re-viewed at its address (another shape, or another dtype
     of the same size): no stacked write through target 0's layout; each target is written
     alone, so the shape mismatch raises and a bf16 target gets its own values."""
-    from te_ops.kernels import select_backend
-    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.gemm import select_backend
+    from te_ops.gemm.wgrad_into import grouped_wgrad_into
     from te_ops.splits import make_splits
 
     use_backend("grouped_mm", "cpu", torch.float32, (H, F))

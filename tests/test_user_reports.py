@@ -11,7 +11,7 @@ import reference as ref
 import torch
 
 import te_ops
-from te_ops.kernels.grouped_gemm import stack_weights
+from te_ops.gemm.dispatch import stack_weights
 
 
 def _packed(lin: te_ops.GroupedLinear) -> bool:

@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 
-from .. import env
 from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
-from ..kernels.compiled_ops import tracing
-from ..kernels.grouped_gemm import (
+from ..gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
@@ -36,6 +34,7 @@ from ..quantization.autocast import check_operand_dtype
 from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
+from ..tracing import tracing
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 from .checkpoint_layout import expert_count_errors
 
@@ -208,11 +207,8 @@ class GroupedLinearSaved:
     recipe : te_ops.recipe.Recipe | None
         The low-precision recipe the forward ran with; ``x`` is then its column-wise quantized
         copy (``QuantizedTensorStorage``) and backward quantizes ``dy`` and the weights with it.
-    weight_q : QuantizedTensorStorage | None
-        Under a recipe, the stacked weights' column-wise quantized copy (G, in, out) made by
-        the forward for dgrad (``None``: backward quantizes the weights itself).
     weight_amax : torch.Tensor | None
-        FP8 current scaling without ``weight_q``: the stacked weights' column amax (G, in)
+        FP8 current scaling: the stacked weights' column amax (G, in)
         fp32, recorded by the forward's row-wise quantize; dgrad's column-wise copy is then
         made in one pass (``None``: backward computes it).
     weights_view : torch.Tensor | None
@@ -235,7 +231,6 @@ class GroupedLinearSaved:
     probs_requires_grad: bool = False
     recipe: Any = None
     training: WgradPolicy | None = None
-    weight_q: Any = None
     weight_amax: torch.Tensor | None = None
     weights_view: torch.Tensor | None = None
 
@@ -248,12 +243,8 @@ class GroupedLinearSaved:
             # here and put back by load(), so each op saves split sizes and offsets once.
             self.x.split_sizes = self.x.base_offsets = None
             x_tensors, x_storage = self.x.prepare_for_saving()
-        w_tensors: list[torch.Tensor | None] = []
-        w_storage = None
-        if self.weight_q is not None:
-            w_tensors, w_storage = self.weight_q.prepare_for_saving()
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
-                              *self.biases, self.probs, self.weight_amax, *w_tensors)
+                              *self.biases, self.probs, self.weight_amax)
         ctx.grouped_linear_layout = {
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
@@ -270,7 +261,6 @@ class GroupedLinearSaved:
             "probs_requires_grad": self.probs_requires_grad,
             "recipe": self.recipe,
             "training": self.training,
-            "w_storage": w_storage,
             "weights_view": self.weights_view,
         }
 
@@ -295,12 +285,9 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         weight_amax = rest[nw + nb + 1]
-        weight_q = copy.copy(meta["w_storage"])
-        if weight_q is not None:
-            weight_q.restore_from_saved(rest[nw + nb + 2:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"], meta["training"], weight_q, weight_amax,
+                   meta["recipe"], meta["training"], weight_amax,
                    meta["weights_view"])
 
     def input_2d(self) -> torch.Tensor:
@@ -418,7 +405,7 @@ class GroupedLinear(BasicOperation):
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
-        # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
+        # as one (G, N, K) tensor without a copy (see gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
                                     dtype=dtype)
         bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
@@ -713,8 +700,7 @@ class GroupedLinear(BasicOperation):
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
-        when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
-        one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
+        never: backward quantizes them for dgrad), both copies from one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
         operand made earlier by :meth:`forward_weight_operand` (same context and recipe).
         ``input_operand``: x's row-wise operand made earlier (the fused forward's SwiGLU + FP8
         kernel), for a call that keeps no column-wise copy of x; ``x2d`` is then unused.
@@ -744,17 +730,13 @@ class GroupedLinear(BasicOperation):
         w = stacked(weights, self.single_grouped_weight, "weight")
         if recipe is None:
             return w
-        both = not recipe.high_precision_gemms()
-        # TransformerEngine's weight workspace, for one step: backward then never reads the
-        # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
+        # Backward quantizes the weights for dgrad (keeping that copy from the forward measured
+        # within noise on the H200 and costs its memory): their column amax from this read
+        # (GroupedLinearSaved.weight_amax), so that copy is one pass there.
         dgrad = ctx.requires_grad and ctx.input_requires_grad
-        keep_w = both and dgrad and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS")
-        # Else, when backward quantizes the weights for dgrad: their column amax from this
-        # read (GroupedLinearSaved.weight_amax), so that copy is one pass there.
         return quantize_operand(
-            recipe, "weight", w, rowwise=True, columnwise=keep_w,
-            record_columnwise_amax=dgrad and not keep_w
-            and "dgrad" not in recipe.high_precision_gemms())
+            recipe, "weight", w, rowwise=True,
+            record_columnwise_amax=dgrad and "dgrad" not in recipe.high_precision_gemms())
 
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None,
@@ -781,7 +763,7 @@ class GroupedLinear(BasicOperation):
                                   ) -> None:
         """Record for ``explain()`` which of fprop's operands (x, the stacked weights) the
         grouped GEMM copies because their strides or data pointer are not 16-byte aligned
-        (``kernels.grouped_gemm.grouped_mm_operands``; dgrad and wgrad copy theirs, the
+        (``gemm.dispatch.grouped_mm_operands``; dgrad and wgrad copy theirs, the
         output gradient included, the same way), or drop an earlier call's record."""
         reasons = [] if backend.name == "loop" else [
             r for name, t in zip(("input", "weight"), operands)
@@ -804,7 +786,7 @@ class GroupedLinear(BasicOperation):
         forward's ``operands`` when they hold it, as is the weights' column-wise copy)."""
         weights, biases = self._param_lists()
         need_x = any(map(_REQUIRES_GRAD, weights))
-        storage = weight_q = weight_amax = None
+        storage = weight_amax = None
         x_in, w_in = operands if operands is not None else (None, None)
         if need_x and recompute_x is None and x2d is not None:
             if is_quantized(x_in) and x_in.columnwise_data is not None:
@@ -815,9 +797,7 @@ class GroupedLinear(BasicOperation):
                     storage = GroupedTensorStorage(
                         self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
                         split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
-        if is_quantized(w_in) and w_in.columnwise_data is not None:
-            weight_q = columnwise_only(w_in)
-        elif is_quantized(w_in) and ctx.input_requires_grad:
+        if is_quantized(w_in) and ctx.input_requires_grad:
             weight_amax = w_in.columnwise_amax
         # Per-group weights: keep fprop's (G, out, in) view of them for dgrad (no second
         # stack; a copy made for non-adjacent weights is not kept alive until backward).
@@ -833,7 +813,6 @@ class GroupedLinear(BasicOperation):
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
             training=self._call_policy(weights, biases),
-            weight_q=weight_q,
             weight_amax=weight_amax,
             weights_view=weights_view,
         )
@@ -912,8 +891,8 @@ class GroupedLinear(BasicOperation):
                    else stacked(saved.weights, saved.single))
         dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
                                                                dy2d, rowwise=True)
-        w_in = saved.weight_q if saved.weight_q is not None else quantize_operand(
-            saved.recipe, "weight", weights, columnwise=True, columnwise_amax=saved.weight_amax)
+        w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True,
+                                columnwise_amax=saved.weight_amax)
         return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod

@@ -34,7 +34,7 @@ import torch
 
 from ..quantization.gemm import is_quantized
 from ..splits import GroupedSplits
-from .grouped_gemm import (
+from .dispatch import (
     BackendChoice,
     grouped_mm_operands,
     grouped_mm_unsupported_reason,
