@@ -381,7 +381,9 @@ SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the per
 
 
 def _take_gluon(monkeypatch) -> list[int]:
-    """The rule patched to take the Gluon kernel at every shape; counts its launches."""
+    """fc1 + SwiGLU fused at every shape (rows after the table) and the Gluon kernel patched to
+    be the fused launch's; counts its launches."""
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     monkeypatch.setattr(fc1_swiglu_mod, "_gluon_shape", lambda *a: True)
     return count_launches(monkeypatch, FG)
 
@@ -397,7 +399,6 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     launches = _take_gluon(monkeypatch)
-    with_rows(monkeypatch)
     block = fc1_block(scaled=scaled)
     runs = [run_block(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FuserFunctionBackward"

@@ -187,11 +187,10 @@ def test_block_with_triton_backend_matches_reference(fusion, monkeypatch):
     y.backward(dy)
     assert "grouped GEMM backend: triton" in block.explain()
     fc1, _, fc2 = block
-    w1 = [p for n, p in fc1.named_parameters() if n.startswith("weight")]
-    w2 = [p for n, p in fc2.named_parameters() if n.startswith("weight")]
+    w1, w2 = fc1.weight, fc2.weight  # packed (8, out, in)
     leaves = {"x": ref.leaf(x), "probs": ref.leaf(probs),
-              **{f"w1_{i}": ref.leaf(w) for i, w in enumerate(w1)},
-              **{f"w2_{i}": ref.leaf(w) for i, w in enumerate(w2)}}
+              **{f"w1_{i}": ref.leaf(w) for i, w in enumerate(w1.unbind(0))},
+              **{f"w2_{i}": ref.leaf(w) for i, w in enumerate(w2.unbind(0))}}
     h = ref.grouped_linear(leaves["x"], [leaves[f"w1_{i}"] for i in range(8)], None, sizes)
     a = ref.scaled_swiglu(h, leaves["probs"])
     want = ref.grouped_linear(a, [leaves[f"w2_{i}"] for i in range(8)], None, sizes)
@@ -200,8 +199,8 @@ def test_block_with_triton_backend_matches_reference(fusion, monkeypatch):
     assert_close(x.grad, leaves["x"].grad, torch.bfloat16, "x.grad")
     assert_close(probs.grad, leaves["probs"].grad, torch.bfloat16, "probs.grad")
     for i in range(8):
-        assert_close(w1[i].grad, leaves[f"w1_{i}"].grad, torch.bfloat16, f"fc1 weight{i}")
-        assert_close(w2[i].grad, leaves[f"w2_{i}"].grad, torch.bfloat16, f"fc2 weight{i}")
+        assert_close(w1.grad[i], leaves[f"w1_{i}"].grad, torch.bfloat16, f"fc1 weight[{i}]")
+        assert_close(w2.grad[i], leaves[f"w2_{i}"].grad, torch.bfloat16, f"fc2 weight[{i}]")
 
 
 @pytest.mark.cuda
