@@ -52,8 +52,9 @@ def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)``; through ``te_ops::grouped_mm`` while tracing."""
-    if tracing():
+    """``torch._grouped_mm(a, b, offs=offs)``; through ``te_ops::grouped_mm`` while tracing
+    and on meta (its fake kernel takes every dtype; torch 2.13's meta kernel bfloat16 only)."""
+    if tracing() or a.device.type == "meta":
         return _grouped_mm_op(a, b, offs)
     return torch._grouped_mm(a, b, offs=offs)
 
