@@ -131,8 +131,9 @@ def test_fullgraph_empty_batch():
 
 @pytest.mark.parametrize("backend", ["auto", "loop"])
 def test_host_list_splits_recompile_once_then_never(backend, monkeypatch):
-    """Host split sizes: the first distribution change recompiles once to a graph with
-    symbolic sizes (SymInt[]), which serves every later distribution."""
+    """Host split sizes: the second routing changes every entry, so the first distribution
+    change recompiles once to a graph with symbolic sizes (SymInt[]), which serves every later
+    distribution."""
     if backend == "loop":
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
     assert _compare_routings("mlp", torch.float32, host=True) == [1, 2, 2, 2, 2]
