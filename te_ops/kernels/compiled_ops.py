@@ -6,7 +6,8 @@ straight to torch (a custom-op call costs host time, ~0.2 ms per call measured o
 ``te_ops::grouped_mm``
     ``torch._grouped_mm(a, b, offs=offs)`` with te_ops' own fake kernel. torch 2.13's fake /
     meta kernel for ``_grouped_mm`` accepts bfloat16 only on CPU, although the CPU kernel runs
-    float32 and float16 too; the fake here computes the shape for every dtype:
+    float32 and float16 too; the fake here computes the shape for every dtype (te_ops calls
+    the op on the meta device too, eagerly):
     ``a`` (M, K) x ``b`` (G, K, N) -> (M, N); ``a`` (K, M) x ``b`` (M, N) -> (G, K, N), ``G`` =
     ``offs.shape[0]``. Output dtype = ``a.dtype``, fresh storage (no alias of an input).
 ``te_ops::grouped_mm_loop``
