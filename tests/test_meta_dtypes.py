@@ -6,7 +6,8 @@ te_ops' fake kernel, so a float32/float16 block runs on meta with device split s
 bfloat16 block does (the graph-safety proof of ``test_graph_safety.py`` holds for them too).
 Where the choice is the per-group loop (float64, or forced), device split sizes on meta have
 no values to read: the call raises, and ``explain(sample)`` shows the same error instead of a
-plan the call rejects.
+plan the call rejects. ``explain(sample)`` also raises the call's error for a main input or
+split sizes the ops reject (dtype, device, features, kind, length), on every device.
 """
 
 from __future__ import annotations
@@ -125,3 +126,42 @@ def test_meta_probe_reason_is_the_cpu_kernels(dtype):
     assert grouped_mm_unsupported_reason(cpu, dtype, H, H) is None
     why = grouped_mm_unsupported_reason(meta, torch.float64, H, H)
     assert why is not None and "float64 on cpu (meta takes the CPU kernel's dtypes)" in why
+
+
+def _bad_samples(device: str, dtype: torch.dtype):
+    sizes = torch.tensor([10, 0, 6, 5]).to(device)
+    probs = torch.rand(T, dtype=dtype).to(device)
+    other = torch.float16 if dtype != torch.float16 else torch.float32
+    yield "input dtype", (torch.randn(T, H, dtype=other).to(device), sizes, probs, sizes)
+    yield "integer input", (torch.ones(T, H, dtype=torch.int32).to(device), sizes, probs, sizes)
+    yield "in_features", (torch.randn(T, H + 1, dtype=dtype).to(device), sizes, probs, sizes)
+    x = torch.randn(T, H, dtype=dtype).to(device)
+    short = sizes[:3]
+    yield "split_sizes length", (x, short, probs, short)
+    yield "host list length", (x, [10, 0, 6], probs, [10, 0, 6])
+    matrix = sizes.reshape(2, 2)
+    yield "split_sizes rank", (x, matrix, probs, matrix)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_explain_sample_raises_the_calls_error(device, dtype):
+    block = _block(device, dtype, single=False)
+    for case, sample in _bad_samples(device, dtype):
+        with pytest.raises((TypeError, ValueError)) as call:
+            block(*sample)
+        with pytest.raises(type(call.value)) as planned:
+            block.explain(*sample)
+        assert str(planned.value) == str(call.value), case
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_explain_sample_accepts_what_the_call_accepts(device):
+    """Accepted samples still plan: float split sizes holding whole numbers, host lists, a
+    3-D input with (B, S) probs."""
+    block = _block(device, torch.float32, single=False)
+    x = torch.randn(2, T // 2, H).to(device)
+    probs = torch.rand(2, T // 2).to(device)
+    for sizes in (torch.tensor([10.0, 0.0, 6.0, 5.0]).to(device), [10, 0, 6, 5]):
+        assert "grouped GEMM backend" in block.explain(x, sizes, probs, sizes)
+        block(x, sizes, probs, sizes)
