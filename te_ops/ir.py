@@ -387,6 +387,9 @@ def explain(module: Any, *sample_inputs: Any) -> str:
         ``module`` is not a te_ops container or op, or ``sample_inputs[0]`` is not a tensor.
     ValueError
         ``sample_inputs`` hold extra inputs but not as many as the ops take.
+    TypeError, ValueError
+        The call's own error where the first op rejects the main input (features, dtype,
+        device) or a GroupedLinear its split sizes (kind, length, dtype, device).
     """
     _, fusers = _layout(module)
     plans = _plans(fusers, sample_inputs)  # checks the sample inputs
