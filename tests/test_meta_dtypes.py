@@ -119,7 +119,7 @@ def test_forced_loop_on_meta_explain_shows_the_calls_error(monkeypatch, dtype):
 def test_meta_probe_reason_is_the_cpu_kernels(dtype):
     """The meta choice's reason text and graph safety match torch._grouped_mm's CPU
     acceptance; float64 names the CPU kernel that refuses it."""
-    from te_ops.kernels.grouped_gemm import grouped_mm_unsupported_reason
+    from te_ops.gemm.dispatch import grouped_mm_unsupported_reason
 
     meta, cpu = torch.device("meta"), torch.device("cpu")
     assert grouped_mm_unsupported_reason(meta, dtype, H, H) is None
