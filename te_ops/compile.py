@@ -16,11 +16,11 @@ module and uses it):
   recorded, forward and backward. The kernels are the same as eager, so results are
   bit-identical.
 
-Guards: Dynamo guards the call's tensors (dtype, device, shape, ``requires_grad``), grad
-mode, the split-size kind (tensor / host list; host ints become SymInts after the first
-change), the values of every ``TE_OPS_*`` variable (read through ``os.environ``'s dict in the
-traced frame, see :func:`env_value`), the recipe's class and fields, and the ops' identity.
-A change retraces.
+Guards: Dynamo guards the call's tensors (dtype, device, shape, ``requires_grad``; token
+counts 0 and 1 are specialized, a graph each), grad mode, the split-size kind (tensor / host
+list; a host int becomes a SymInt at the first call that changes it), the values of every
+``TE_OPS_*`` variable (read through ``os.environ``'s dict in the traced frame, see
+:func:`env_value`), the recipe's class and fields, and the ops' identity. A change retraces.
 See docs/torch_compile.md.
 """
 

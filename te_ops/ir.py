@@ -34,6 +34,7 @@ from . import env
 from .fuser import OperationFuser
 from .op import HOOKS_NOTE, BasicOperation, FusibleOperation, has_hooks
 from .signature import CallSignature
+from .splits import check_split_sizes_type
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -298,11 +299,32 @@ def _plans(fusers: list[OperationFuser], sample_inputs: Sequence[Any]) -> list[A
             f"sample_inputs: expected the main input and {sum(counts)} extra inputs, got the "
             f"main input and {len(extra)}"
         )
+    _check_sample(fusers, input_, extra)
     plans, pos = [], 0
     for f, n in zip(fusers, counts):
         plans.append(f.plan(input_, *extra[pos:pos + n]))
         pos += n if extra else 0
     return plans
+
+
+def _check_sample(fusers: list[OperationFuser], input_: torch.Tensor,
+                  extra: Sequence[Any]) -> None:
+    """Raise what the call raises for the sample's main input (checked by the first op, which
+    takes it: features, dtype, device) and for every split-size input (kind, length, dtype,
+    device; no host read), so that ``explain(sample)`` plans no call the ops reject. Checks
+    that need an intermediate shape stay with the call."""
+    ops = [op for f in fusers for op in f.basic_ops]
+    check = getattr(ops[0], "check_input", None) if ops else None
+    if callable(check):
+        check(input_)
+    values = iter(extra)
+    for f in fusers:
+        for op, names in zip(f.basic_ops, f.signature.names):
+            for name in names:
+                value = next(values, None)
+                if (name == "split_sizes" and extra
+                        and isinstance(getattr(op, "num_groups", None), int)):
+                    check_split_sizes_type(value, op.num_groups, input_.device)
 
 
 def _covering(plan: Any, attr: str) -> dict[int, tuple[Any, list[int]]]:
@@ -365,6 +387,9 @@ def explain(module: Any, *sample_inputs: Any) -> str:
         ``module`` is not a te_ops container or op, or ``sample_inputs[0]`` is not a tensor.
     ValueError
         ``sample_inputs`` hold extra inputs but not as many as the ops take.
+    TypeError, ValueError
+        The call's own error where the first op rejects the main input (features, dtype,
+        device) or a GroupedLinear its split sizes (kind, length, dtype, device).
     """
     _, fusers = _layout(module)
     plans = _plans(fusers, sample_inputs)  # checks the sample inputs

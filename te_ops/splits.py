@@ -29,7 +29,12 @@ from . import env
 from .kernels.split_table import split_table
 
 __all__ = ["GroupedSplits", "SplitSizesError", "make_splits", "check_split_sizes_type",
-           "host_read_scope", "open_host_read_scope", "close_host_read_scope"]
+           "host_read_scope", "open_host_read_scope", "close_host_read_scope", "META_LOOP_ERROR"]
+
+#: Why device split sizes on the meta device cannot reach the host (the per-group loop
+#: backend's read): raised by the read, and by the backend choice for such a call.
+META_LOOP_ERROR = ("split_sizes on the meta device have no values to copy to the host; this "
+                   "path (the per-group loop backend) is not graph-safe")
 
 #: Host copies of device split sizes made during one fuser forward, by ``id`` of the caller's
 #: tensor (the tensor is kept alive by the call), so ops fed by one tensor read it once.
@@ -127,10 +132,7 @@ class GroupedSplits:
         if self.host_copy is not None:
             return self.host_copy
         if self.split_sizes.device.type == "meta":
-            raise RuntimeError(
-                "split_sizes on the meta device have no values to copy to the host; this path "
-                "(the per-group loop backend) is not graph-safe"
-            )
+            raise RuntimeError(META_LOOP_ERROR)
         shared = _HOST_COPIES.get()
         key = id(self.source) if self.source is not None else None
         if shared is not None and key in shared:

@@ -299,7 +299,7 @@ def test_explain_with_the_main_input_only_says_split_sizes_are_unknown():
     assert "split sizes not known (planned without the extra inputs" in text
     assert "not the same source" not in text
     assert text.count("graph-safe only with split sizes as a device tensor") == 2
-    text = explain(_mlp(), x.double())  # the loop backend: never graph-safe
+    text = explain(_mlp().to(torch.float64), x.double())  # the loop: never graph-safe
     assert "only with split sizes" not in text and "not graph-safe" in text
     lists = explain(_mlp(), x, [3, 0, 4, 3], probs, [3, 0, 4, 3])
     assert "only with split sizes" not in lists and lists.count("; not graph-safe)") == 2

@@ -74,13 +74,14 @@ def _inputs(dtype, sizes, host, rows=12, nd=False):
     return x, (list(sizes) if host else torch.tensor(sizes)), probs
 
 
-def _compare_routings(kind, dtype, host=False, nd=False, routings=ROUTINGS, rows=12):
+def _compare_routings(kind, dtype, host=False, nd=False, routings=ROUTINGS, rows=12,
+                      dynamic=None):
     block = _block(kind, dtype)
     fn = _call(block, kind)
     cnt = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt, dynamic=dynamic)
     frames = []
     for sizes in routings:
         x, splits, probs = _inputs(dtype, sizes, host, rows, nd)
@@ -130,11 +131,32 @@ def test_fullgraph_empty_batch():
 
 @pytest.mark.parametrize("backend", ["auto", "loop"])
 def test_host_list_splits_recompile_once_then_never(backend, monkeypatch):
-    """Host split sizes: the first distribution change recompiles once to a graph with
-    symbolic sizes (SymInt[]), which serves every later distribution."""
+    """Host split sizes: the second routing changes every entry, so the first distribution
+    change recompiles once to a graph with symbolic sizes (SymInt[]), which serves every later
+    distribution."""
     if backend == "loop":
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
     assert _compare_routings("mlp", torch.float32, host=True) == [1, 2, 2, 2, 2]
+
+
+#: Routings whose second keeps group 1 at zero tokens (and group 0 of the third at one).
+KEPT_ENTRY_ROUTINGS = ([0, 0, 10, 0], [3, 0, 5, 2], [1, 1, 1, 7], [2, 2, 2, 4], [5, 5, 0, 0])
+
+
+def test_host_list_entry_kept_by_the_second_call_costs_one_more_graph():
+    """Automatic dynamic is per entry: group 1 has 0 tokens in the first two calls, so the
+    second graph keeps it a constant; the third call changes it: a third graph, symbolic in
+    every entry, which serves every later distribution."""
+    assert _compare_routings("mlp", torch.float32, host=True,
+                             routings=KEPT_ENTRY_ROUTINGS) == [1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("routings", [ROUTINGS, KEPT_ENTRY_ROUTINGS], ids=["changed", "kept"])
+def test_host_list_splits_dynamic_true_compiles_once(routings):
+    """``torch.compile(dynamic=True)``: host split sizes are SymInts from the first call, zeros
+    and ones included (ints are not 0/1-specialized): one graph for every distribution."""
+    assert _compare_routings("mlp", torch.float32, host=True, routings=routings,
+                             dynamic=True) == [1] * len(routings)
 
 
 def test_deepcopied_block_compiles():
@@ -150,22 +172,54 @@ def test_deepcopied_block_compiles():
     _assert_bit_exact(_step(compiled, block, x, splits, probs), _step(fn, block, x, splits, probs))
 
 
-def test_changing_token_count_recompiles_at_most_once():
-    block, fn, cnt, compiled = _compiled_block("mlp", torch.float32)
-    for rows in (12, 16, 20, 24):
-        x, splits, probs = _inputs(torch.float32, [2, 3, 1, rows - 8], host=False, rows=rows)
-        _assert_bit_exact(_step(compiled, block, x, splits, probs),
+def _token_count_frames(counts, mark_dynamic=False, dynamic=None, host=False):
+    """Frame counts after each call with these token counts (device split sizes: every token
+    in one group at counts below 8, else spread with an empty group and padding rows)."""
+    block, fn, cnt, _ = _compiled_block("mlp", torch.float32)
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt, dynamic=dynamic)
+    frames = []
+    for rows in counts:
+        sizes = [0, 0, rows, 0] if rows < 8 else [2, 3, 0, rows - 8]
+        x, splits, probs = _inputs(torch.float32, sizes, host=host, rows=rows)
+        _assert_bit_exact(_step(compiled, block, x, splits, probs, mark_dynamic=mark_dynamic),
                           _step(fn, block, x, splits, probs))
-    assert cnt.frame_count <= 2
+        frames.append(cnt.frame_count)
+    return frames
+
+
+def test_changing_token_count_recompiles_once_at_two_or_more_tokens():
+    assert _token_count_frames((12, 16, 20, 24, 2)) == [1, 2, 2, 2, 2]
 
 
 def test_mark_dynamic_token_dim_compiles_once():
-    block, fn, cnt, compiled = _compiled_block("mlp", torch.float32)
-    for rows in (12, 16, 20):
-        x, splits, probs = _inputs(torch.float32, [2, 3, 1, rows - 8], host=False, rows=rows)
-        _assert_bit_exact(_step(compiled, block, x, splits, probs, mark_dynamic=True),
-                          _step(fn, block, x, splits, probs))
-    assert cnt.frame_count == 1
+    assert _token_count_frames((12, 16, 20, 2), mark_dynamic=True) == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("how", ["automatic", "mark_dynamic", "dynamic_true"])
+def test_token_counts_zero_and_one_compile_one_graph_each(how):
+    """PyTorch specializes sizes 0 and 1 (a dynamic size is assumed >= 2): each compiles a graph
+    of its own the first time it occurs, then reuses it; every other count shares one dynamic
+    graph. Automatic dynamic adds the first call's static graph: 4 in all, else 3."""
+    counts = (12, 16, 0, 1, 20, 24, 0, 1, 2)
+    if how == "automatic":
+        want = [1, 2, 3, 4, 4, 4, 4, 4, 4]
+        assert _token_count_frames(counts) == want
+    else:
+        want = [1, 1, 2, 3, 3, 3, 3, 3, 3]
+        assert _token_count_frames(counts, mark_dynamic=how == "mark_dynamic",
+                                   dynamic=True if how == "dynamic_true" else None) == want
+
+
+def test_first_token_count_zero_is_its_own_graph():
+    """A first call with 0 tokens: its static graph is the 0-token graph; the next count
+    compiles the dynamic graph, and 1 its own: 3 in all."""
+    assert _token_count_frames((0, 12, 16, 1, 0, 20)) == [1, 2, 2, 3, 3, 3]
+
+
+def test_host_list_token_counts_zero_and_one_compile_one_graph_each():
+    """Host split sizes (symbolic from ``dynamic=True``) with the same token-count rule."""
+    assert _token_count_frames((12, 16, 0, 1, 20, 0, 1), dynamic=True, host=True) == [
+        1, 1, 2, 3, 3, 3, 3]
 
 
 def _compiled_block(kind: str, dtype: torch.dtype):

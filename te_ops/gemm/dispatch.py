@@ -48,7 +48,7 @@ import torch
 
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
-from ..splits import GroupedSplits
+from ..splits import META_LOOP_ERROR, GroupedSplits
 from ..tracing import tracing
 from .torch_ops import LOOP_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_loop_host
 from . import grouped_gemm_gluon as gluon_gemm_module
@@ -121,6 +121,11 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _run_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    # Meta takes the dtypes of the CPU kernel and runs te_ops' fake kernel (``grouped_mm``):
+    # torch 2.13's own meta kernel takes bfloat16 only, the CPU kernel float32/float16 too.
+    where = "cpu (meta takes the CPU kernel's dtypes)" if device.type == "meta" else device.type
+    if device.type == "meta":
+        device = torch.device("cpu")
     try:
         a = torch.zeros(32, 16, device=device, dtype=dtype)
         b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
@@ -128,7 +133,7 @@ def _run_probe(device: torch.device, dtype: torch.dtype) -> str | None:
         torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
         torch._grouped_mm(a.t(), a[:, :16], offs=offs)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        return f"torch._grouped_mm does not run for {dtype} on {device.type}: " + (
+        return f"torch._grouped_mm does not run for {dtype} on {where}: " + (
             str(exc).splitlines()[0][:200]
         )
     return None
@@ -320,6 +325,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
             _CHOICES[key] = choice
+    if (choice.name == "loop" and device_split_sizes and device.type == "meta"
+            and not tracing()):  # refused here, so explain() shows the call's error
+        raise RuntimeError(META_LOOP_ERROR)
     return choice
 
 

@@ -6,7 +6,8 @@ straight to torch (a custom-op call costs host time, ~0.2 ms per call measured o
 ``te_ops::grouped_mm``
     ``torch._grouped_mm(a, b, offs=offs)`` with te_ops' own fake kernel. torch 2.13's fake /
     meta kernel for ``_grouped_mm`` accepts bfloat16 only on CPU, although the CPU kernel runs
-    float32 and float16 too; the fake here computes the shape for every dtype:
+    float32 and float16 too; the fake here computes the shape for every dtype (te_ops calls
+    the op on the meta device too, eagerly):
     ``a`` (M, K) x ``b`` (G, K, N) -> (M, N); ``a`` (K, M) x ``b`` (M, N) -> (G, K, N), ``G`` =
     ``offs.shape[0]``. Output dtype = ``a.dtype``, fresh storage (no alias of an input).
 ``te_ops::grouped_mm_loop``
@@ -47,8 +48,9 @@ def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)``; through ``te_ops::grouped_mm`` while tracing."""
-    if tracing():
+    """``torch._grouped_mm(a, b, offs=offs)``; through ``te_ops::grouped_mm`` while tracing
+    and on meta (its fake kernel takes every dtype; torch 2.13's meta kernel bfloat16 only)."""
+    if tracing() or a.device.type == "meta":
         return _grouped_mm_op(a, b, offs)
     return torch._grouped_mm(a, b, offs=offs)
 
