@@ -206,6 +206,15 @@ class Sequential(torch.nn.Module):
         signature = CallSignature(
             [b for g in groups if isinstance(g, OperationFuser) for b in g.basic_ops])
         self.__dict__["_signature"] = signature
+        # An output fed both inside its fuser and to a later fuser: that fuser returns it too.
+        fuser_of: list[tuple[OperationFuser, int]] = []  # per basic op: (fuser, local index)
+        for g in groups:
+            if isinstance(g, OperationFuser):
+                fuser_of.extend((g, i) for i in range(len(g.basic_ops)))
+        for (consumer, _), source in signature.fed.items():
+            g, local = fuser_of[source.op]
+            if fuser_of[consumer][0] is not g:
+                g.signature.also_return(local, source.output)
         # One fuser over every op, called as itself: forward passes it the call's inputs as
         # they are (what the per-op split would rebuild); its returned outputs are ours.
         only = groups[0] if len(groups) == 1 and isinstance(groups[0], OperationFuser) else None

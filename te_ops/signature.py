@@ -152,6 +152,11 @@ class CallSignature:
                 if (i, j) not in self.fed:
                     self.slots.append(Slot(len(self.slots), i, j, name))
 
+    def also_return(self, op: int, output: int) -> None:
+        """Return extra output ``output`` of op ``op`` even though it feeds an op of this list
+        (a container whose later fuser takes it too)."""
+        self.returned[op][output] = True
+
     @property
     def num_returned(self) -> int:
         """How many extra outputs a call returns after the main output."""

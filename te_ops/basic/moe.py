@@ -313,14 +313,16 @@ class Router(BasicOperation):
             lse = torch.logsumexp(logits, dim=-1)
             aux = aux + self.z_loss_coeff * lse.square().mean()
         if ctx.requires_grad:
-            ctx.save_for_backward(x, logits if lse is not None else None, scores, idx, probs,
-                                  denom, weights, lse)
+            # the weight too: under torch.compile the backward runs outside the trace's
+            # parameter swap, so it must not read self.weight
+            ctx.save_for_backward(x, self.weight, logits if lse is not None else None, scores,
+                                  idx, probs, denom, weights, lse)
             ctx.input_shape = input_.shape
         return x, [(idx, probs, aux)]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
-        x, logits, scores, idx, probs, denom, weights, lse = ctx.saved_tensors
+        x, weight, logits, scores, idx, probs, denom, weights, lse = ctx.saved_tensors
         _, grad_probs, grad_aux = basic_op_grad_extra_outputs[0]
         num_tokens = x.shape[0]
         grad_scores = torch.zeros_like(scores)
@@ -346,11 +348,11 @@ class Router(BasicOperation):
         grad_logits = grad_logits.to(x.dtype)
         grad_input = None
         if ctx.input_requires_grad:
-            grad_input = grad_logits @ self.weight
+            grad_input = grad_logits @ weight
             if grad_output is not None:
                 grad_input = grad_input + grad_output.reshape(grad_input.shape)
             grad_input = grad_input.reshape(ctx.input_shape)
-        grad_weight = grad_logits.t() @ x if self.weight.requires_grad else None
+        grad_weight = grad_logits.t() @ x if weight.requires_grad else None
         grads = [grad_weight] + ([None] if self.expert_bias is not None else [])
         return grad_input, [grads], [[]]
 
