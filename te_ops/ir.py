@@ -13,9 +13,11 @@ single op into a :class:`networkx.DiGraph`:
   (``block(x, extra0, extra1, ...)``). With sample extra inputs, inputs that are the same tensor
   object (or equal host lists) share one channel node, as the fuser's plan-cache key does.
 
-Edges carry ``kind="main"`` (``input -> op0 -> ... -> output``) or ``kind="extra"`` (channel ->
+Edges carry ``kind="main"`` (``input -> op0 -> ... -> output``), ``kind="extra"`` (channel ->
 consumer, with ``channel`` the name the consumer gives that input and ``slot`` its position among
-the consumer's extra inputs).
+the consumer's extra inputs) or ``kind="fed"`` (an earlier op -> the consumer of one of its extra
+outputs, :meth:`~te_ops.op.BasicOperation.feed_extra_input`; one edge per pair of ops, its
+``channels`` the consumer's names of the fed inputs, ``channel`` them joined by ``", "``).
 
 :func:`explain` prints, per op, which forward and backward op covers it in the fuser's plan,
 why registered fusions did not apply and the ops' kernel-dispatch notes. :func:`to_dot` writes
@@ -176,6 +178,15 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
     prev = "input"
     channel_node: dict[int, str] = {}
     k = 0
+    op_node = [f"op{index}" for index, step in enumerate(steps) if step.fuser is not None]
+    for (consumer, slot), source in signature.fed.items():  # one edge per (producer, consumer)
+        u, v = op_node[source.op], op_node[consumer]
+        channel = signature.names[consumer][slot] or f"extra input {slot}"
+        if graph.has_edge(u, v):
+            channels = graph.edges[u, v]["channels"] + (channel,)
+        else:
+            channels = (channel,)
+        graph.add_edge(u, v, kind="fed", channels=channels, channel=", ".join(channels))
     for index, step in enumerate(steps):
         node = f"op{index}"
         fusible = step.fuser is not None
@@ -240,8 +251,13 @@ def validate(graph: nx.DiGraph) -> None:
         raise ValueError("graph has no 'input' node")
     for u, v, data in graph.edges(data=True):
         kind = data.get("kind")
-        if kind not in ("main", "extra"):
-            raise ValueError(f"edge {u!r} -> {v!r} has kind {kind!r}, expected 'main' or 'extra'")
+        if kind not in ("main", "extra", "fed"):
+            raise ValueError(f"edge {u!r} -> {v!r} has kind {kind!r}, expected 'main', 'extra' "
+                             "or 'fed'")
+        if kind == "fed":
+            if _node_kind(graph, u) != "op" or _node_kind(graph, v) != "op":
+                raise ValueError(f"fed edge {u!r} -> {v!r} must join two op nodes")
+            continue
         if kind == "extra":
             if _node_kind(graph, u) != "channel":
                 raise ValueError(
@@ -500,6 +516,8 @@ def to_dot(module: Any, *sample_inputs: Any) -> str:
     for u, v, d in graph.edges(data=True):
         if d["kind"] == "main":
             out.append(f"  {_q(u)} -> {_q(v)};")
+        elif d["kind"] == "fed":
+            out.append(f"  {_q(u)} -> {_q(v)} [style=dotted, label={_q(d['channel'])}];")
         else:
             out.append(f"  {_q(u)} -> {_q(v)} [style=dashed, label={_q(d['channel'])}];")
     out.append("}")

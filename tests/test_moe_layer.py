@@ -417,3 +417,17 @@ def test_layer_input_errors():
         te_ops.MoE(H, FF, E, 2, capacity_factor=1.0, drop_policy="random")
     with pytest.raises(RuntimeError, match="expert_bias=True"):
         make().update_expert_bias()
+
+
+def test_op_graph_has_the_fed_edges():
+    from te_ops.ir import build_graph, validate
+
+    moe = make()
+    graph = build_graph(moe.block)
+    validate(graph)
+    fed = sorted((u, v, d["channel"]) for u, v, d in graph.edges(data=True)
+                 if d["kind"] == "fed")
+    assert fed == [("op0", "op1", "top_k_index, top_k_probs"), ("op1", "op2", "split_sizes"),
+                   ("op1", "op3", "probs"), ("op1", "op4", "split_sizes"),
+                   ("op1", "op5", "pair_index, row_index")]
+    assert "style=dotted" in moe.block.to_dot()
