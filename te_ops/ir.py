@@ -13,11 +13,11 @@ single op into a :class:`networkx.DiGraph`:
   (``block(x, extra0, extra1, ...)``). With sample extra inputs, inputs that are the same tensor
   object (or equal host lists) share one channel node, as the fuser's plan-cache key does.
 
-Edges carry ``kind="main"`` (``input -> op0 -> ... -> output``), ``kind="extra"`` (channel ->
+Edges carry ``kind="main"`` (``input -> op0 -> ... -> output``) or ``kind="extra"`` (channel ->
 consumer, with ``channel`` the name the consumer gives that input and ``slot`` its position among
-the consumer's extra inputs) or ``kind="fed"`` (an earlier op -> the consumer of one of its extra
-outputs, :meth:`~te_ops.op.BasicOperation.feed_extra_input`; one edge per pair of ops, its
-``channels`` the consumer's names of the fed inputs, ``channel`` them joined by ``", "``).
+the consumer's extra inputs). An extra input fed by an earlier op's extra output
+(:meth:`~te_ops.op.BasicOperation.feed_extra_input`) is no channel: the consumer's node
+attribute ``fed`` maps its slot to ``(producer node, name)``; :func:`to_dot` draws it dotted.
 
 :func:`explain` prints, per op, which forward and backward op covers it in the fuser's plan,
 why registered fusions did not apply and the ops' kernel-dispatch notes. :func:`to_dot` writes
@@ -179,21 +179,17 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
     channel_node: dict[int, str] = {}
     k = 0
     op_node = [f"op{index}" for index, step in enumerate(steps) if step.fuser is not None]
-    for (consumer, slot), source in signature.fed.items():  # one edge per (producer, consumer)
-        u, v = op_node[source.op], op_node[consumer]
-        channel = signature.names[consumer][slot] or f"extra input {slot}"
-        if graph.has_edge(u, v):
-            channels = graph.edges[u, v]["channels"] + (channel,)
-        else:
-            channels = (channel,)
-        graph.add_edge(u, v, kind="fed", channels=channels, channel=", ".join(channels))
+    fed: dict[str, dict[int, tuple[str, str]]] = {}
+    for (consumer, slot), source in signature.fed.items():
+        fed.setdefault(op_node[consumer], {})[slot] = (
+            op_node[source.op], signature.names[consumer][slot] or f"extra input {slot}")
     for index, step in enumerate(steps):
         node = f"op{index}"
         fusible = step.fuser is not None
         graph.add_node(
             node, kind="op", index=index, type=type(step.module).__name__, key=step.key,
             description=_describe(step.module), fuser=step.fuser, position=step.position,
-            fusible=fusible, module=step.module,
+            fusible=fusible, module=step.module, fed=fed.get(node, {}),
         )
         graph.add_edge(prev, node, kind="main")
         prev = node
@@ -251,13 +247,8 @@ def validate(graph: nx.DiGraph) -> None:
         raise ValueError("graph has no 'input' node")
     for u, v, data in graph.edges(data=True):
         kind = data.get("kind")
-        if kind not in ("main", "extra", "fed"):
-            raise ValueError(f"edge {u!r} -> {v!r} has kind {kind!r}, expected 'main', 'extra' "
-                             "or 'fed'")
-        if kind == "fed":
-            if _node_kind(graph, u) != "op" or _node_kind(graph, v) != "op":
-                raise ValueError(f"fed edge {u!r} -> {v!r} must join two op nodes")
-            continue
+        if kind not in ("main", "extra"):
+            raise ValueError(f"edge {u!r} -> {v!r} has kind {kind!r}, expected 'main' or 'extra'")
         if kind == "extra":
             if _node_kind(graph, u) != "channel":
                 raise ValueError(
@@ -513,11 +504,12 @@ def to_dot(module: Any, *sample_inputs: Any) -> str:
         if d.get("kind") == "channel":
             label = node if not d.get("summary") else f"{node}\n{d['summary']}"
             out.append(f"  {_q(node)} [label={_q(label)}, shape=note, style=dashed];")
+    for node, d in graph.nodes(data=True):
+        for producer, channel in d.get("fed", {}).values():
+            out.append(f"  {_q(producer)} -> {_q(node)} [style=dotted, label={_q(channel)}];")
     for u, v, d in graph.edges(data=True):
         if d["kind"] == "main":
             out.append(f"  {_q(u)} -> {_q(v)};")
-        elif d["kind"] == "fed":
-            out.append(f"  {_q(u)} -> {_q(v)} [style=dotted, label={_q(d['channel'])}];")
         else:
             out.append(f"  {_q(u)} -> {_q(v)} [style=dashed, label={_q(d['channel'])}];")
     out.append("}")

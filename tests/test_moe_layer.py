@@ -419,15 +419,15 @@ def test_layer_input_errors():
         make().update_expert_bias()
 
 
-def test_op_graph_has_the_fed_edges():
+def test_op_graph_names_the_fed_inputs():
     from te_ops.ir import build_graph, validate
 
     moe = make()
     graph = build_graph(moe.block)
     validate(graph)
-    fed = sorted((u, v, d["channel"]) for u, v, d in graph.edges(data=True)
-                 if d["kind"] == "fed")
-    assert fed == [("op0", "op1", "top_k_index, top_k_probs"), ("op1", "op2", "split_sizes"),
-                   ("op1", "op3", "probs"), ("op1", "op4", "split_sizes"),
-                   ("op1", "op5", "pair_index, row_index")]
-    assert "style=dotted" in moe.block.to_dot()
+    fed = {n: d["fed"] for n, d in graph.nodes(data=True) if d.get("fed")}
+    assert fed == {"op1": {0: ("op0", "top_k_index"), 1: ("op0", "top_k_probs")},
+                   "op2": {0: ("op1", "split_sizes")}, "op3": {0: ("op1", "probs")},
+                   "op4": {0: ("op1", "split_sizes")},
+                   "op5": {0: ("op1", "pair_index"), 1: ("op1", "row_index")}}
+    assert '"op1" -> "op5" [style=dotted, label="row_index"]' in moe.block.to_dot()
