@@ -1,7 +1,5 @@
 """te_ops: an operation-fuser framework for PyTorch mixture-of-experts expert blocks."""
 
-# kernels first: te_ops.splits and kernels.grouped_gemm import each other
-from . import kernels  # noqa: I001
 from . import (  # importing fused registers the fusions
     env,
     fused,

@@ -12,7 +12,7 @@ module and uses it):
   ``allow_in_graph`` function. Dynamo records it as one node; AOTAutograd runs it on fake
   tensors at trace time: the fuser plans then (the plan is baked into the graph), the
   fused/unfused ops and the one ``torch.autograd.Function`` run as Python, and only torch ops
-  and te_ops' custom ops (``te_ops/kernels/compiled_ops.py``, ``triton_op`` kernels) are
+  and te_ops' custom ops (``te_ops/gemm/torch_ops.py``, ``triton_op`` kernels) are
   recorded, forward and backward. The kernels are the same as eager, so results are
   bit-identical.
 

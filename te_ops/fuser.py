@@ -418,6 +418,12 @@ class OperationFuser:
                                         list[torch.nn.Parameter]]:
         """:meth:`_params` and the same parameters in one flat list (both cached; do not
         modify them)."""
+        if any("parametrizations" in op._modules for op in self.basic_ops):
+            # torch.nn.utils.parametrize: the computed tensors (new every call), so autograd
+            # differentiates through the parametrization (GroupedLinear.computed_parameters)
+            per_op = [op.computed_parameters() if "parametrizations" in op._modules
+                      else list(op.parameters()) for op in self.basic_ops]
+            return per_op, [p for ps in per_op for p in ps]
         key = tuple(tuple(map(id, op._parameters.values())) for op in self.basic_ops)
         cached = self.__dict__.get("_params_cache")
         if cached is None or cached[0] != key:
@@ -437,6 +443,14 @@ class OperationFuser:
         return self._run(input_, *extra_inputs, recipe=recipe)
 
     def _run(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
+        if any("parametrizations" in op._modules for op in self.basic_ops):
+            # torch.nn.utils.parametrize: each parametrized weight is computed once for the
+            # call, the one tensor the autograd function takes and the ops read
+            with torch.nn.utils.parametrize.cached():
+                return self._run_call(input_, *extra_inputs, recipe=recipe)
+        return self._run_call(input_, *extra_inputs, recipe=recipe)
+
+    def _run_call(self, input_: torch.Tensor, *extra_inputs: Any, recipe: Any = None) -> Any:
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         _check_autocast(input_)
@@ -502,7 +516,7 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
     if reason is not None:
         torch._dynamo.graph_break(msg=f"te_ops: {reason}")
         return _run_eagerly(fuser, reason, input_, extra_inputs, recipe)
-    params = [p for op in fuser.basic_ops for p in op._parameters.values()]
+    params = [p for op in fuser.basic_ops for _, p in _traced_params(op)]
     env_values = tuple(env_value(name) for name in env.ENV_VARS)
     check_env_eagerly(env_values)  # a bad TE_OPS_* value: te_ops' own error, raised eagerly
     key = tuple(id(op) for op in fuser.basic_ops)
@@ -524,6 +538,16 @@ def _fuser_for(key: tuple[int, ...]) -> Any:
     return fuser
 
 
+def _traced_params(op: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of the parameters a traced call takes as graph inputs: the op's own, or
+    for an op with ``torch.nn.utils.parametrize`` parametrizations every parameter under it
+    (``parametrizations.weight.original``, the parametrization's own), so the trace computes
+    the parametrized weight from graph inputs and differentiates through it."""
+    if "parametrizations" in op._modules:
+        return list(op.named_parameters())
+    return list(op._parameters.items())
+
+
 @torch._dynamo.allow_in_graph
 def _run_block(input_, key, recipe_constants, num_params, env_values, *rest):
     """The whole op list as one graph call (run by AOTAutograd on fake tensors at trace time):
@@ -535,7 +559,7 @@ def _run_block(input_, key, recipe_constants, num_params, env_values, *rest):
     it = iter(params)
     with contextlib.ExitStack() as stack:
         for op in fuser.basic_ops:
-            swap = {n: next(it) for n in op._parameters}
+            swap = {n: next(it) for n, _ in _traced_params(op)}
             stack.enter_context(_reparametrize_module(op, swap))
         return fuser._run(input_, *extra, recipe=recipe_from_key(recipe_constants))
 

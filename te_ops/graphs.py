@@ -8,7 +8,7 @@ while the routing (split sizes, probs) and the token values change.
 
 * :func:`graph_safe_unsupported_reason` says whether a call would take the graph-safe path
   and, if not, why (a string). It asks the grouped GEMM dispatch
-  (:func:`te_ops.kernels.grouped_gemm.select_backend`) the same question every
+  (:func:`te_ops.gemm.select_backend`) the same question every
   :class:`~te_ops.basic.GroupedLinear` call asks, so it honours ``TE_OPS_GRAPH_SAFE`` and
   ``TE_OPS_GROUPED_GEMM_BACKEND`` exactly as the ops do.
 * :func:`make_graphed_callable` checks the gate, runs the block eagerly (one-time probes, the
@@ -26,7 +26,7 @@ import torch
 
 from . import env
 from .basic.grouped_linear import GroupedLinear
-from .kernels.grouped_gemm import grouped_mm_host_sync_reason, select_backend
+from .gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
 from .signature import CallSignature, FedOutput
@@ -84,7 +84,7 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     A call is graph-safe when every :class:`~te_ops.basic.GroupedLinear` in it gets its split
     sizes as a tensor on the input's device and the grouped GEMM dispatch picks a graph-safe
     backend for the input's dtype and device (``torch._grouped_mm`` with device offsets; see
-    :func:`te_ops.kernels.grouped_gemm.select_backend`, which also applies
+    :func:`te_ops.gemm.select_backend`, which also applies
     ``TE_OPS_GRAPH_SAFE`` and ``TE_OPS_GROUPED_GEMM_BACKEND``), every tensor extra input lives
     on the input's device, and ``TE_OPS_CHECK_SPLIT_SIZES`` is off. Nothing runs on the device
     except the grouped GEMM backend's one-time probe.

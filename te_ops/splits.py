@@ -19,8 +19,9 @@ import contextvars
 import functools
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -169,23 +170,15 @@ class GroupedSplits:
             self.__dict__[key] = cached
         return cached
 
-    def column_layout(self, align: int):
-        """The group-aligned row layout of these splits for column-wise quantized copies
-        (:func:`te_ops.quantization.layout.column_layout` with ``num_rows`` rows), cached per
-        ``align``: the column-wise quantize calls and wgrad GEMMs of one step that share these
-        splits build it once (about 20 small device ops each, one launch apiece on a GPU).
-
-        Returns
-        -------
-        te_ops.quantization.layout.ColumnLayout
-        """
-        key = f"_column_layout_{align}"
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """A value derived from these splits, built by ``build()`` once per ``key`` and kept
+        with them (e.g. quantization's group-aligned column layout, ``layout.splits_layout``:
+        the column-wise quantize calls and wgrad GEMMs of one step that share these splits
+        build it once). The layers above own what they derive; this class only holds it."""
+        key = f"_derived_{key}"
         cached = self.__dict__.get(key)
         if cached is None:
-            from .quantization.layout import column_layout
-
-            cached = column_layout(self.split_sizes, self.base_offsets, self.num_rows, align)
-            self.__dict__[key] = cached
+            cached = self.__dict__[key] = build()
         return cached
 
     def to_tensors(self) -> list[torch.Tensor]:
@@ -336,7 +329,7 @@ class SplitSizesError(ValueError, RuntimeError):
 def _host_visible(split_sizes: torch.Tensor) -> bool:
     """Whether the values of device split sizes can be read without a sync: a CPU tensor
     outside a ``torch.compile`` trace (whose fake tensors have no values)."""
-    from .kernels.compiled_ops import tracing  # (kernels import this module)
+    from .tracing import tracing
 
     return split_sizes.device.type == "cpu" and not tracing()
 
@@ -376,7 +369,7 @@ def _cached_check_message(name: str, floating: bool, num_rows: int) -> str:
 def _cpu_has_padding(ends: torch.Tensor, num_rows: int) -> bool | None:
     """Whether the rows past the sizes' total exist, for a CPU tensor outside a trace (the
     total is in host memory: no sync); ``None`` (unknown) on other devices or when traced."""
-    from .kernels.compiled_ops import tracing  # (kernels import this module)
+    from .tracing import tracing
 
     if ends.device.type != "cpu" or tracing():
         return None

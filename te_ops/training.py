@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .kernels.grouped_gemm import BackendChoice, grouped_wgrad
-from .kernels.wgrad_into import grouped_wgrad_into
+from .gemm import BackendChoice, grouped_wgrad, grouped_wgrad_into
 from .quantization.autocast import quantize_operand
 from .splits import GroupedSplits
 

@@ -1,7 +1,7 @@
 """Shared block runs of the test files: one eager fwd+bwd of a grouped MLP block
 (``fwd_bwd_step`` on the caller's leaves, CPU or CUDA; ``run_block`` on fresh copies), and the
-epilogue-kernel tests' CUDA check (``test_fc1_epilogue.py``, ``test_fc1_epilogue_large.py``,
-``test_dgrad_dswiglu.py``): a scaled-SwiGLU grouped MLP block captured in one CUDA graph
+epilogue-kernel tests' CUDA check (``test_fc1_epilogue.py``, ``test_fc1_epilogue_large.py``):
+a scaled-SwiGLU grouped MLP block captured in one CUDA graph
 (forward + backward, replayed with new split sizes) and compiled with
 ``torch.compile(fullgraph=True)`` gives its eager values bit for bit."""
 

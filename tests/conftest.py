@@ -72,7 +72,7 @@ def use_backend(monkeypatch: pytest.MonkeyPatch):
     """``use_backend(name, device, dtype, *(in_features, out_features))`` forces a grouped GEMM
     backend via ``TE_OPS_GROUPED_GEMM_BACKEND``; skips (with the library's reason) when
     ``grouped_mm`` cannot run one of the given layer shapes."""
-    from te_ops.kernels import grouped_mm_unsupported_reason
+    from te_ops.gemm import grouped_mm_unsupported_reason
 
     def _use(name: str, device: torch.device | str, dtype: torch.dtype,
              *dims: tuple[int, int]) -> None:

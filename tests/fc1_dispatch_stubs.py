@@ -4,7 +4,7 @@ what ``fc1_swiglu_forward`` tells ``explain()``."""
 
 from __future__ import annotations
 
-from te_ops.kernels.grouped_gemm import BackendChoice
+from te_ops.gemm.dispatch import BackendChoice
 from te_ops.kernels.swiglu_triton import ActivationChoice
 
 #: fc1's fprop and dgrad in the persistent many-rows Triton kernel.

@@ -101,8 +101,13 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """``y_g = x_g W_g^T + b_g`` (``+ b_g * probs`` rows-wise when ``probs`` is given).
 
     Shapes: x (..., K) flattened to (M, K), weights[g] (N, K), biases[g] (N,), probs (M,)
-    -> (..., N). Rows past ``sum(split_sizes)`` are zero.
+    -> (..., N); or a GroupedLinear's packed ``weights()`` / ``biases()`` (one (G, N, K) /
+    (G, N) tensor). Rows past ``sum(split_sizes)`` are zero.
     """
+    if len(weights) == 1 and weights[0].dim() == 3:  # packed layout: [(G, N, K)]
+        weights = list(weights[0].unbind(0))
+    if biases is not None and len(biases) == 1 and biases[0].dim() == 2:
+        biases = list(biases[0].unbind(0))
     in_features = x.shape[-1]
     out_features = weights[0].shape[0]
     x2d = x.reshape(-1, in_features)
@@ -203,21 +208,35 @@ def assert_module_matches_reference(module: torch.nn.Module,
         assert_close(p.grad, grads[n], dtype, f"grad of {n}")
 
 
+def expert_params(leaves: dict[str, torch.Tensor], prefix: str, kind: str, groups: int
+                  ) -> list[torch.Tensor] | None:
+    """The per-expert ``kind`` ("weight" / "bias") tensors of one GroupedLinear among
+    ``leaves``, in either parameter layout: ``{prefix}{kind}`` (G, ...) unbound into G
+    tensors (packed, the default), or ``{prefix}{kind}0..`` (``single_grouped_weight=False``);
+    ``None`` when the layer has neither (no bias)."""
+    if prefix + kind in leaves:
+        packed = leaves[prefix + kind]
+        assert packed.shape[0] == groups, f"{prefix}{kind}: {tuple(packed.shape)}"
+        return list(packed.unbind(0))
+    if f"{prefix}{kind}0" in leaves:
+        return [leaves[f"{prefix}{kind}{g}"] for g in range(groups)]
+    return None
+
+
 def block_forward_backward(block: torch.nn.Module, groups: int, split_sizes: Sequence[int],
                            x: torch.Tensor, probs: torch.Tensor, grad_output: torch.Tensor
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`forward_backward` of :func:`grouped_mlp` with the weights (and biases, where
     fc1 / fc2 have them) of ``block`` (fc1, activation, fc2; ``groups`` experts): the fp64
     output and the gradients of ``"x"``, ``"probs"`` and each parameter, named as in
-    ``block.named_parameters()`` (``"0.weight3"``, ``"2.bias0"``, ...)."""
+    ``block.named_parameters()`` (``"0.weight"``, ``"2.bias"``; per-expert ``"0.weight3"``)."""
     fc1, _, fc2 = list(block)
     leaves = {"x": leaf(x), "probs": leaf(probs)}
     leaves.update({f"0.{n}": leaf(p) for n, p in fc1.named_parameters()})
     leaves.update({f"2.{n}": leaf(p) for n, p in fc2.named_parameters()})
 
     def params(lv, prefix, kind):
-        return ([lv[f"{prefix}.{kind}{g}"] for g in range(groups)]
-                if f"{prefix}.{kind}0" in lv else None)
+        return expert_params(lv, f"{prefix}.", kind, groups)
 
     def fn(lv):
         return grouped_mlp(lv["x"], split_sizes, lv["probs"], params(lv, 0, "weight"),

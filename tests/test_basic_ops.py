@@ -37,11 +37,10 @@ def _grouped_linear_leaves(lin: te_ops.GroupedLinear, **inputs: torch.Tensor | N
 
 
 def _ref_grouped_linear(lin: te_ops.GroupedLinear, sizes, prefix: str = ""):
-    """A reference closure over the leaves of one GroupedLinear (``{prefix}weight{g}``)."""
+    """A reference closure over the leaves of one GroupedLinear (either layout)."""
     def fn(t):
-        weights = [t[f"{prefix}weight{g}"] for g in range(lin.num_groups)]
-        biases = ([t[f"{prefix}bias{g}"] for g in range(lin.num_groups)]
-                  if lin.has_bias else None)
+        weights = ref.expert_params(t, prefix, "weight", lin.num_groups)
+        biases = ref.expert_params(t, prefix, "bias", lin.num_groups)
         return ref.grouped_linear(t["x"], weights, biases, sizes,
                                   t["probs"] if lin.scale_bias else None)
     return fn
@@ -292,10 +291,10 @@ def _run_block_and_reference(block, x, sizes, ss, probs, *, interleave=None):
         g = fc1.num_groups
         return ref.grouped_mlp(
             t["x"], sizes, t["probs"],
-            [t[f"0.weight{i}"] for i in range(g)],
-            [t[f"0.bias{i}"] for i in range(g)] if fc1.has_bias else None,
-            [t[f"2.weight{i}"] for i in range(g)],
-            [t[f"2.bias{i}"] for i in range(g)] if fc2.has_bias else None,
+            ref.expert_params(t, "0.", "weight", g),
+            ref.expert_params(t, "0.", "bias", g),
+            ref.expert_params(t, "2.", "weight", g),
+            ref.expert_params(t, "2.", "bias", g),
             interleave=interleave, fc2_probs=t["probs"] if fc2.scale_bias else None,
         )
 
@@ -492,10 +491,10 @@ def test_sum_backward_expanded_grad(device, backend, kind, fusion, case, use_bac
 
     def fn(t):
         return ref.grouped_mlp(t["x"], sizes, t["probs"],
-                               [t[f"0.weight{i}"] for i in range(groups)],
-                               [t[f"0.bias{i}"] for i in range(groups)],
-                               [t[f"2.weight{i}"] for i in range(groups)],
-                               [t[f"2.bias{i}"] for i in range(groups)],
+                               ref.expert_params(t, "0.", "weight", groups),
+                               ref.expert_params(t, "0.", "bias", groups),
+                               ref.expert_params(t, "2.", "weight", groups),
+                               ref.expert_params(t, "2.", "bias", groups),
                                fc2_probs=t["probs"])
 
     out, grads = ref.forward_backward(fn, leaves, torch.ones_like(y))

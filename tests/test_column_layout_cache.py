@@ -1,4 +1,4 @@
-"""GroupedSplits.column_layout: the group-aligned layout of column-wise quantized copies is
+"""quantization.layout.splits_layout: the group-aligned layout of column-wise quantized copies is
 built once per splits object and alignment, and equals a fresh build."""
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ def _same(a, b) -> bool:
 def test_cached_per_align_and_equal_to_a_fresh_build():
     sizes = torch.tensor([5, 0, 17, 3])
     splits = make_splits(sizes, 4, 30, torch.device("cpu"))  # 5 padding rows
-    first = splits.column_layout(16)
-    assert splits.column_layout(16) is first
+    first = layout_mod.splits_layout(splits, 16)
+    assert layout_mod.splits_layout(splits, 16) is first
     assert _same(_fields(first), _fields(layout_mod.column_layout(sizes, splits.base_offsets,
                                                                   30, 16)))
-    mx = splits.column_layout(32)
+    mx = layout_mod.splits_layout(splits, 32)
     assert mx is not first and mx.capacity % 32 == 0
     # Group starts are multiples of the alignment; the ends are the GEMM's offsets.
     assert first.starts.tolist() == [0, 16, 16, 48]
     assert first.offsets.tolist() == [16, 16, 48, 64]
     # A new splits object (e.g. the next step's, or backward's rebuilt one) builds its own.
     other = make_splits(torch.tensor([1, 1, 1, 1]), 4, 30, torch.device("cpu"))
-    assert other.column_layout(16).offsets.tolist() == [16, 32, 48, 64]
+    assert layout_mod.splits_layout(other, 16).offsets.tolist() == [16, 32, 48, 64]
 
 
 def test_fp8_step_builds_the_layout_once_per_splits(monkeypatch):
@@ -57,6 +57,6 @@ def test_fp8_step_builds_the_layout_once_per_splits(monkeypatch):
     # The forward's column-wise copy of x, and one build for the backward's column-wise
     # copies and wgrad GEMMs (the CPU's emulated GEMMs dequantize through column_layout
     # directly, as QuantizedTensorStorage.dequantize has no splits object).
-    assert built.count("column_layout") == 2, built
-    assert set(built) <= {"column_layout", "dequantize"}, built
+    assert built.count("build") == 2, built  # splits_layout's builds
+    assert set(built) <= {"build", "dequantize"}, built
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()

@@ -231,8 +231,8 @@ def test_static_input_buffers_can_be_filled_in_place():
     assert_same("output (static inputs)", y.detach(), want.detach())
     graphed.check_parameters()
     # Same address, other dtype / shape: the captured kernels would read the bytes as before.
-    w = block[0].weight0
-    for view in (w.data.view(torch.float16), w.data.view(w.shape[1], w.shape[0])):
+    w = block[0].weight
+    for view in (w.data.view(torch.float16), w.data.view(w.shape[0], w.shape[2], w.shape[1])):
         orig = w.data
         w.data = view
         with pytest.raises(RuntimeError, match="dtype, shape or strides changed since capture"):

@@ -147,7 +147,7 @@ def test_autocast_inside_fullgraph_compile_names_te_ops_autocast():
 def test_second_backward_after_fused_backward_names_the_switch(warm_calls):
     blk, sizes = _compile_block(), [2, 4]
     x, p = torch.randn(6, 8, requires_grad=True), torch.rand(6, requires_grad=True)
-    for _ in range(warm_calls):  # later calls may take te_ops/fast_step.py's path
+    for _ in range(warm_calls):  # later calls reuse the cached plan
         blk(x, sizes, p, sizes).sum().backward()
     y = blk(x, sizes, p, sizes)
     y.sum().backward(retain_graph=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import te_ops
-from te_ops.kernels import grouped_mm_unsupported_reason
+from te_ops.gemm import grouped_mm_unsupported_reason
 
 G, K, N = 3, 16, 32
 ROWS = 10

@@ -63,8 +63,8 @@ def test_moe_block_matches_per_token_reference() -> None:
     for t in range(tokens.shape[0]):
         top_p, top_e = probs[t].topk(k)
         for p, e in zip(top_p / top_p.sum(), top_e.tolist()):
-            a, b = (tokens[t] @ getattr(fc1, f"weight{e}").t()).chunk(2)
-            expected[t] += p * (torch.nn.functional.silu(a) * b) @ getattr(fc2, f"weight{e}").t()
+            a, b = (tokens[t] @ fc1.weight[e].t()).chunk(2)
+            expected[t] += p * (torch.nn.functional.silu(a) * b) @ fc2.weight[e].t()
     torch.testing.assert_close(out.reshape(-1, d), expected, rtol=1e-10, atol=1e-12)
     assert aux.dim() == 0 and aux.item() > 0
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
+from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 from block_replay import assert_graph_and_compile_match_eager, run_block_params_first
 from reference import assert_close
 
 import te_ops
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import grouped_mlp_triton as gm
-from te_ops.kernels.grouped_gemm import BackendChoice
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import grouped_mlp_triton as gm
+from te_ops.gemm.dispatch import BackendChoice
 from te_ops.kernels.swiglu_triton import ActivationChoice
 
 CUDA = torch.device("cuda")
@@ -34,7 +35,7 @@ ACT = ActivationChoice("triton", "test")
 @pytest.mark.parametrize("args, match", [
     ((TRITON_FPROP, ACT, None, False, None, 4.0), None),
     ((TRITON_FPROP, ACT, None, False, None, 8.0), None),
-    ((TRITON_FPROP, ACT, None, False, None, 9.0), "9 rows per group > MAX_ROWS_PER_GROUP=8"),
+    ((TRITON_FPROP, ACT, None, False, None, 9.0), "9 rows per group: no few-rows fc1_swiglu row"),
     ((TRITON_FPROP, ACT, object(), False, None, 4.0), "a recipe"),
     ((TRITON_FPROP, ACT, None, True, None, 4.0), "fc1 has a bias"),
     ((MM, ACT, None, False, None, 4.0), "fc1's fprop does not run in Triton"),
@@ -43,30 +44,25 @@ ACT = ActivationChoice("triton", "test")
      "the activation runs in torch"),
 ])
 def test_rule_and_reasons(monkeypatch, args, match):
-    """The gate's checks under auto, with a rule of 8 rows per group."""
-    monkeypatch.setattr(gm, "MAX_ROWS_PER_GROUP", 8)
-    why = fc1_epilogue_reason(*args)
+    """The gate's checks under the measured table (its few-rows row: at most 8 rows)."""
+    why = fc1_swiglu_reason(*args)
     assert why is None if match is None else match in why
 
 
-def test_auto_follows_the_measured_rule_and_1_opts_in(monkeypatch):
+def test_auto_follows_the_measured_rule_and_a_row_opts_in(monkeypatch):
     args = (TRITON_FPROP, ACT, None, False, None)
-    limit = gm.MAX_ROWS_PER_GROUP
-    assert fc1_epilogue_reason(*args, float(limit + 1)) is not None
-    if limit > 0:
-        assert fc1_epilogue_reason(*args, float(limit)) is None
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    assert fc1_epilogue_reason(*args, 1000.0) is None
-    assert "fc1 has a bias" in fc1_epilogue_reason(TRITON_FPROP, ACT, None, True, None, 4.0)
+    limit = 8  # the few-rows fc1_swiglu row of te_ops.gemm.rules
+    assert fc1_swiglu_reason(*args, float(limit + 1)) is not None
+    assert fc1_swiglu_reason(*args, float(limit)) is None
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
+    assert fc1_swiglu_reason(*args, 1000.0) is None
+    assert "fc1 has a bias" in fc1_swiglu_reason(TRITON_FPROP, ACT, None, True, None, 4.0)
 
 
-def test_env_toggle_turns_it_off(monkeypatch):
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    assert fc1_epilogue_reason(TRITON_FPROP, ACT, None, False, None, 0.5) == \
-        "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "2")
-    with pytest.raises(ValueError, match="TE_OPS_FC1_SWIGLU_EPILOGUE"):
-        fc1_epilogue_reason(TRITON_FPROP, ACT, None, False, None, 4.0)
+def test_a_two_launch_row_first_turns_it_off(monkeypatch):
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
+    assert "no few-rows fc1_swiglu row" in fc1_swiglu_reason(TRITON_FPROP, ACT, None, False,
+                                                             None, 0.5)
 
 
 def test_unsupported_reasons_device_first():
@@ -126,7 +122,7 @@ CASES = {  # name -> (split sizes, rows, FF, K)
 
 
 def _two_launches(x, w, offs, probs):
-    from te_ops.kernels import grouped_gemm_triton as tg
+    from te_ops.gemm import grouped_gemm_triton as tg
     from te_ops.kernels import swiglu_triton as st
 
     h = tg.triton_fprop(x, w, offs)
@@ -180,7 +176,7 @@ def _inputs(sizes, rows, h=128):
 def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
     """Epilogue on (three calls) vs off, and vs the unfused ops: outputs and
     every gradient equal bit for bit; explain() names the decision."""
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     if torch.cuda.get_device_capability()[0] != 9:
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     sizes = [0, 1, 12, 0, 3, 2, 0, 10]  # 28 of 32 rows: 4 per group, padding rows
@@ -189,10 +185,10 @@ def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
     assert [r[1] for r in runs][-1] == "_FuserFunctionBackward"
     assert "fc1 SwiGLU epilogue: one Triton launch" in block.explain()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     fwd_only = _run(_block(scaled=scaled), x, split, probs, dy)[0]  # fused fwd, unfused bwd
     monkeypatch.setenv("TE_OPS_FUSION", "0")
     unfused = _run(_block(scaled=scaled), x, split, probs, dy)[0]
@@ -204,7 +200,7 @@ def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     """The block with the epilogue captured in a CUDA graph (replayed with new split sizes)
     and compiled with fullgraph=True: bitwise the eager values; one frame, no graph break."""
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     if torch.cuda.get_device_capability()[0] != 9:
         monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     x, split, probs, dy = _inputs([0, 1, 12, 0, 3, 2, 0, 10], 32)

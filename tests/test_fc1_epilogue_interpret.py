@@ -18,8 +18,8 @@ pytestmark = interpreter_marks("tests/test_fc1_epilogue.py")
 SCRIPT = r'''
 import torch
 import torch.nn.functional as F
-from te_ops.kernels import grouped_gemm_triton as gt
-from te_ops.kernels import grouped_mlp_triton as gm
+from te_ops.gemm import grouped_gemm_triton as gt
+from te_ops.gemm import grouped_mlp_triton as gm
 from te_ops.kernels import swiglu_triton as st
 
 

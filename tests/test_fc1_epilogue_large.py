@@ -1,7 +1,7 @@
 """fc1's fprop with the SwiGLU in its epilogue where fc1's fprop runs in the persistent
 many-rows kernel (``large_fc1_swiglu``, ``fused/fc1_epilogue.py``).
 
-CPU (CI): the rule (auto refuses, ``LARGE_AUTO`` says why; ``1`` takes it; the neighbouring
+CPU (CI): the rule (auto refuses and says why; a rules row takes it; the neighbouring
 reasons still come first), the general path's routing to ``large_fc1_swiglu`` and its
 ``explain()`` line. CUDA: the block (>= 32 rows per group, bf16 on SM90:
 fprop and dgrad in the persistent kernels) with the epilogue on (``1``; repeated calls) bitwise equal to the epilogue off, to the fused forward with the unfused
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 from block_replay import assert_graph_and_compile_match_eager, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
@@ -20,7 +21,8 @@ from grouped_cuda_helpers import fc1_block, fc1_block_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
+from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
+from te_ops.gemm import fc1_swiglu_reason
 from te_ops.kernels.swiglu_triton import ActivationChoice
 
 CUDA = torch.device("cuda")
@@ -28,11 +30,10 @@ CUDA = torch.device("cuda")
 
 # ----------------------------------------------------------------------------- CPU: the rule
 def test_auto_refuses_the_persistent_case_and_says_why(monkeypatch):
-    why = fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0)
-    assert "persistent many-rows Triton kernel" in why and "0.97-0.99x" in why
-    assert "TE_OPS_FC1_SWIGLU_EPILOGUE=1 takes it" in why
-    monkeypatch.setattr(fc1_epilogue, "LARGE_AUTO", True)  # a measured win would turn it on
-    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 2048.0) is None
+    why = fc1_swiglu_reason(LARGE, ACT, None, False, None, 2048.0)
+    assert "persistent many-rows Triton kernel" in why and "no fc1_swiglu row" in why
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)  # a measured win would add a row
+    assert fc1_swiglu_reason(LARGE, ACT, None, False, None, 2048.0) is None
 
 
 @pytest.mark.parametrize("args, match", [
@@ -44,15 +45,14 @@ def test_auto_refuses_the_persistent_case_and_says_why(monkeypatch):
      "the activation runs in torch"),
 ])
 def test_one_takes_it_where_it_can_run(monkeypatch, args, match):
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-    why = fc1_epilogue_reason(*args)
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
+    why = fc1_swiglu_reason(*args)
     assert why is None if match is None else match in why
 
 
 def test_zero_turns_it_off(monkeypatch):
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
-    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0) == \
-        "TE_OPS_FC1_SWIGLU_EPILOGUE=0"
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
+    assert "no fc1_swiglu row" in fc1_swiglu_reason(LARGE, ACT, None, False, None, 64.0)
 
 
 def test_general_path_launches_the_persistent_kernel(monkeypatch):
@@ -60,9 +60,9 @@ def test_general_path_launches_the_persistent_kernel(monkeypatch):
     ``large_fc1_swiglu`` (not the few-rows kernel), recorded for ``explain()``; under auto
     none, and the reason recorded."""
     calls = []
-    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
+    monkeypatch.setattr(fc1_swiglu_mod, "large_fc1_swiglu",
                         lambda x, w, off, p: (calls.append((x, w, off, p)), ("h", "a"))[1])
-    monkeypatch.setattr(fc1_epilogue.grouped_mlp_triton, "fc1_swiglu",
+    monkeypatch.setattr(fc1_swiglu_mod.grouped_mlp_triton, "fc1_swiglu",
                         lambda *a: pytest.fail("the few-rows kernel ran"))
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
     act = _Act()
@@ -72,12 +72,12 @@ def test_general_path_launches_the_persistent_kernel(monkeypatch):
                                 "offsets": torch.tensor([64, 128], device=cuda)})()
         x, w = torch.zeros(128, 4, device=cuda), torch.zeros(2, 8, 4, device=cuda)
         p = torch.ones(128, device=cuda)
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        with_rows(monkeypatch, last=FC1_FUSED_ANY)
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
             ("h", "a", ACT)
         assert calls[0][0] is x and calls[0][1] is w and calls[0][3] is p
         assert "persistent many-rows kernel, large_fc1_swiglu" in act.records[-1][1]
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+        with_rows(monkeypatch)
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
     assert act.records[-1][1].startswith("not used: fc1's fprop runs in the persistent")
     assert len(calls) == 1
@@ -103,19 +103,19 @@ def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkey
     unfused backward and the unfused ops: outputs and every gradient bit for bit."""
     _needs_persistent_fprop()
     x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    with_rows(monkeypatch)
     auto = fc1_block()
     _run(auto, x, split, probs, dy)
     assert "not used: fc1's fprop runs in the persistent many-rows" in auto.explain()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     block = fc1_block()
     runs = [_run(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FuserFunctionBackward"
     assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = _run(fc1_block(), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     fwd_only = _run(fc1_block(), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
     unfused = _run(fc1_block(), x, split, probs, dy)[0]
@@ -129,7 +129,7 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
     split sizes, same rows) and under ``torch.compile(fullgraph=True)`` (one frame, no graph
     break; the op ``te_ops::grouped_fc1_swiglu_large``): bitwise the eager values."""
     _needs_persistent_fprop()
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
     assert_graph_and_compile_match_eager(fc1_block(), x, split, probs, dy, [10, 90, 0, 180],
                                          "persistent many-rows kernel, large_fc1_swiglu")

@@ -129,14 +129,15 @@ def test_second_backward_through_retained_graph_recomputes(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_in_place_weight_change_between_forward_and_backward_raises(monkeypatch):
+@pytest.mark.parametrize("single", [True, False], ids=["packed", "per_expert"])
+def test_in_place_weight_change_between_forward_and_backward_raises(single, monkeypatch):
     case = base.BASE
     torch.manual_seed(0)
-    blk = base.make_block(case, torch.float32, True)
+    blk = base.make_block(case, torch.float32, True, single=single)
     inp = base.make_inputs(case, torch.float32, "tensor")
     y = blk(inp.x, inp.split1, inp.probs["probs"].requires_grad_(True), inp.split2)
     with torch.no_grad():
-        blk[0].weight1.add_(1.0)
+        (blk[0].weight[1] if single else blk[0].weight1).add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward(inp.dy)
 

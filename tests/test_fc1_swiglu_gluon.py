@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 import torch.nn.functional as F
 from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
@@ -39,10 +40,11 @@ from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import fc1_swiglu_gluon as FG
-from te_ops.kernels import grouped_gemm_gluon as GG
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import fc1_swiglu_gluon as FG
+from te_ops.gemm import grouped_gemm_gluon as GG
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 SPLIT = {"SPLIT": True, "num_warps": 4}
@@ -131,43 +133,50 @@ def test_cpu_raises_with_the_reason():
     assert reason is not None and ("CUDA" in reason or "gluon" in reason)
 
 
-def test_rule_takes_the_listed_shapes_only(monkeypatch):
+def test_rule_takes_the_measured_range_only(monkeypatch):
+    """The Gluon fc1_swiglu row holds between the measured points around E128's fc1 only,
+    on SM90 in bfloat16, where this Triton has Gluon."""
     monkeypatch.setattr(FG, "gluon", object())  # as where Gluon is installed
-    monkeypatch.setattr(FG, "GLUON_FC1_RULE", {(4096, 28672): 2048.0})
-    monkeypatch.setattr(FG, "_measured_on", lambda d, t: t == torch.bfloat16)  # as on SM90
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+
+    def kernel(*args):
+        rule = fc1_swiglu_mod.fc1_swiglu_rule(*args)
+        return None if rule is None else rule.kernel
+
     bf16 = (CUDA, torch.bfloat16)
-    assert FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
-    assert not FG.gluon_fc1_rule(4096, 28672, 1024.0, *bf16)
-    assert not FG.gluon_fc1_rule(2048, 1536, 512.0, *bf16)
-    assert not FG.gluon_fc1_rule(4096, 28672, None, *bf16)
+    assert kernel(2048, 1536, 512.0, *bf16) == "gluon" == kernel(2048, 1536, 700.0, *bf16)
+    assert kernel(2048, 1536, 1024.0, *bf16) is None  # the next measured point
+    assert kernel(4096, 28672, 2048.0, *bf16) is None  # E8: two launches (measured)
+    assert kernel(2048, 1536, None, *bf16) is None
+    assert kernel(2048, 1536, 512.0, CUDA, torch.float16) is None
     monkeypatch.setattr(FG, "gluon", None)
-    assert not FG.gluon_fc1_rule(4096, 28672, 2048.0, *bf16)
-
-
-def test_rule_entries_are_measured_issue10_shapes():
-    """Every rule entry is an fc1 (in, 2 * ffn) at the rows per group it was measured at
-    (benchmarks/large_gemm_triton.py's shapes)."""
-    measured = {(4096, 28672): 2048.0, (7168, 4096): 1024.0, (2048, 1536): 512.0}
-    for key, rows in FG.GLUON_FC1_RULE.items():
-        assert measured.get(key) == rows, key
+    assert kernel(2048, 1536, 512.0, *bf16) is None
 
 
 def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
     """At a rule shape auto (and ``1``) take the fused launch, which is the Gluon kernel
     (``gluon_fc1_dispatched``), recorded for ``explain()``; ``0`` still turns it off; off the
     rule auto keeps the two launches and ``1`` runs ``large_fc1_swiglu``."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: (i, o, rows) == (4, 8, 64.0))
+    real = fc1_swiglu_mod.fc1_swiglu_rule
+
+    def rule(i, o, rows, *args, **kwargs):  # the Gluon row at a (4, 8, 64 rows) shape
+        got = real(i, o, rows, *args, **kwargs)
+        if (i, o, rows) != (4, 8, 64.0) or (got is not None and got.kernel == "grouped_mm"):
+            return got
+        return FC1_GLUON_ROW
+
+    monkeypatch.setattr(fc1_swiglu_mod, "fc1_swiglu_rule", rule)
     monkeypatch.setattr(FG, "gluon_fc1_unsupported_reason", lambda x, w: None)
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched",
                         lambda x, w, off, p: (gluon.append(x), ("gh", "ga"))[1])
-    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu",
+    monkeypatch.setattr(fc1_swiglu_mod, "large_fc1_swiglu",
                         lambda x, w, off, p: (large.append(x), ("h", "a"))[1])
     here = {"device": CUDA, "dtype": torch.bfloat16}
-    assert fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8),
+    assert fc1_swiglu_reason(LARGE, ACT, None, False, None, 64.0, features=(4, 8),
                                **here) is None
-    assert "persistent" in fc1_epilogue_reason(LARGE, ACT, None, False, None, 64.0)
-    assert "a recipe" in fc1_epilogue_reason(LARGE, ACT, object(), False, None, 64.0,
+    assert "persistent" in fc1_swiglu_reason(LARGE, ACT, None, False, None, 64.0)
+    assert "a recipe" in fc1_swiglu_reason(LARGE, ACT, object(), False, None, 64.0,
                                              features=(4, 8), **here)
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": 8})()
     with FakeTensorMode():  # operands on a (fake) CUDA device, as the general path has them
@@ -179,14 +188,14 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
             ("gh", "ga", ACT)
         assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in act.records[-1][1]
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+        with_rows(monkeypatch, first=NO_FC1_FUSED)
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+        with_rows(monkeypatch, last=FC1_FUSED_ANY)
         x96 = torch.zeros(96, 4, device=CUDA)  # 48 rows per group: off the rule
         splits.num_rows = 96
         assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x96, w, splits, LARGE, p, None) == \
             ("h", "a", ACT)
-        assert "large_fc1_swiglu; off GLUON_FC1_RULE" in act.records[-1][1]
+        assert "large_fc1_swiglu; the fc1_swiglu row" in act.records[-1][1]
     assert gluon == [x] and large == [x96]
 
 
@@ -373,7 +382,7 @@ SIZES, ROWS = [150, 0, 47, 83], 300  # 75 rows per group: fc1's fprop in the per
 
 def _take_gluon(monkeypatch) -> list[int]:
     """The rule patched to take the Gluon kernel at every shape; counts its launches."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda i, o, rows, *_: True)
+    monkeypatch.setattr(fc1_swiglu_mod, "_gluon_shape", lambda *a: True)
     return count_launches(monkeypatch, FG)
 
 
@@ -385,10 +394,10 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     ops: output and every gradient bit for bit."""
     _skip_unless_sm90()
     x, split, probs, dy = fc1_block_inputs(SIZES, ROWS)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     launches = _take_gluon(monkeypatch)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    with_rows(monkeypatch)
     block = fc1_block(scaled=scaled)
     runs = [run_block(block, x, split, probs, dy) for _ in range(3)]
     assert runs[-1][1] == "_FuserFunctionBackward"
@@ -413,21 +422,22 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
 
 @pytest.mark.cuda
 def test_block_at_a_rule_shape_takes_the_kernel_unpatched(monkeypatch):
-    """E128 T65536 H2048 FF768 (a :data:`GLUON_FC1_RULE` shape, 512 rows per group) under
+    """E128 T65536 H2048 FF768 (the Gluon fc1_swiglu row's measured shape, 512 rows) under
     auto: the Gluon kernel runs (``explain()``), and the block's output and gradients equal
     the run with the epilogue off bit for bit."""
     _skip_unless_sm90()
-    if FG.GLUON_FC1_RULE.get((2048, 1536)) != 512.0:
-        pytest.skip("E128 T65536 H2048 FF768 is not in GLUON_FC1_RULE")
+    rule = fc1_swiglu_mod.fc1_swiglu_rule(2048, 1536, 512.0, CUDA, torch.bfloat16)
+    if rule is None or rule.kernel != "gluon":
+        pytest.skip("no Gluon fc1_swiglu row holds E128 T65536 H2048 FF768")
     gen = torch.Generator().manual_seed(0)  # Zipf(1.2) routing, as benchmarks/grouped_mlp.py
     popularity = 1.0 / torch.arange(1, 129, dtype=torch.float64) ** 1.2
     picks = torch.multinomial(popularity[torch.randperm(128, generator=gen)], 65536,
                               replacement=True, generator=gen)
     sizes = torch.bincount(picks, minlength=128).tolist()
     x, split, probs, dy = fc1_block_inputs(sizes, 65536, h=2048)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = run_block(fc1_block(128, 2048, 768), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
+    with_rows(monkeypatch)
     block = fc1_block(128, 2048, 768)
     got = run_block(block, x, split, probs, dy)[0]
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()

@@ -116,7 +116,6 @@ def test_block_bitwise_equal_with_and_without_recorded_amax(fusion, monkeypatch)
     from te_ops.basic.grouped_linear import GroupedLinearSaved
 
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
-    monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "0")
     gen = torch.Generator().manual_seed(1)
     x, probs, dy = (torch.randn(40, 32, generator=gen), torch.rand(40, generator=gen),
                     torch.randn(40, 32, generator=gen))

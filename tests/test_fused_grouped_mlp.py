@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, replace
 
 import pytest
@@ -81,17 +82,21 @@ CASES = {
 }
 
 
-def make_block(case: Case, dtype: torch.dtype, recompute: bool = False) -> te_ops.Sequential:
+def make_block(case: Case, dtype: torch.dtype, recompute: bool = False,
+               single: bool = True) -> te_ops.Sequential:
     """fc1 -> (Scaled)SwiGLU -> fc2 of ``case`` in ``dtype``; ``recompute``: the activation's
-    ``recompute_input`` (``tests/test_fc1_recompute.py``)."""
+    ``recompute_input`` (``tests/test_fc1_recompute.py``); ``single``: the parameter layout
+    (``single_grouped_weight``)."""
     act = (te_ops.ScaledSwiGLU if case.scaled else te_ops.SwiGLU)(
         glu_interleave_size=case.interleave, recompute_input=recompute)
     return te_ops.Sequential(
         te_ops.GroupedLinear(case.groups, case.hidden, 2 * case.ffn, bias=case.bias1,
-                             scale_bias=case.scale_bias1, dtype=dtype),
+                             scale_bias=case.scale_bias1, single_grouped_weight=single,
+                             dtype=dtype),
         act,
         te_ops.GroupedLinear(case.groups, case.ffn, case.out, bias=case.bias2,
-                             scale_bias=case.scale_bias2, dtype=dtype),
+                             scale_bias=case.scale_bias2, single_grouped_weight=single,
+                             dtype=dtype),
     )
 
 
@@ -155,6 +160,21 @@ def notes(blk: te_ops.Sequential) -> list[tuple[str, str]]:
     return list(blk.fusers()[0]._plan.info.notes)
 
 
+def packed_grads(grads: dict[str, torch.Tensor | None], groups: int
+                 ) -> dict[str, torch.Tensor | None]:
+    """Per-expert gradients (``"0.weight3"``) as the packed layout's (G, ...) ones
+    (``"0.weight"``); other entries as they are."""
+    out: dict[str, torch.Tensor | None] = {}
+    for k, v in grads.items():
+        m = re.fullmatch(r"(\d+\.(?:weight|bias))(\d+)", k)
+        if m is None:
+            out[k] = v
+        elif m.group(2) == "0":
+            parts = [grads[f"{m.group(1)}{g}"] for g in range(groups)]
+            out[m.group(1)] = None if parts[0] is None else torch.stack(parts)
+    return out
+
+
 def assert_bitwise(a: tuple, b: tuple, what: str) -> None:
     (ya, ga), (yb, gb) = a, b
     assert torch.equal(ya, yb), f"{what}: outputs differ"
@@ -178,7 +198,7 @@ def reference_result(case: Case, blk: te_ops.Sequential, inp: Inputs,
     leaves.update({f"2.{n}": ref.leaf(p) for n, p in fc2.named_parameters()})
 
     def params(lv, prefix, kind, n):
-        return [lv[f"{prefix}.{kind}{g}"] for g in range(n)] if f"{prefix}.{kind}0" in lv else None
+        return ref.expert_params(lv, f"{prefix}.", kind, n)
 
     def fn(lv):
         h = ref.grouped_linear(lv["x"], params(lv, 0, "weight", fc1.num_groups),
@@ -220,22 +240,26 @@ def test_four_combinations_bit_identical(monkeypatch, case_name, dtype, split_ki
     master = make_block(case, dtype)
     inp = make_inputs(case, dtype, split_kind)
     results = {}
-    for fwd, bwd in COMBOS:
-        set_combo(monkeypatch, fwd, bwd)
-        torch.manual_seed(1)  # a different init, overwritten by the state dict
-        blk = make_block(case, dtype)
-        blk.load_state_dict(master.state_dict())
-        results[fwd, bwd] = run(blk, case, inp)
-        fwd_types, bwd_types = plan_types(blk)
-        assert (ForwardGroupedMLP in fwd_types) == fwd, (fwd, bwd, fwd_types)
-        assert (BackwardGroupedMLP in bwd_types) == bwd, (fwd, bwd, bwd_types)
+    for single in (True, False):  # both parameter layouts, loaded from the packed master
+        for fwd, bwd in COMBOS:
+            set_combo(monkeypatch, fwd, bwd)
+            torch.manual_seed(1)  # a different init, overwritten by the state dict
+            blk = make_block(case, dtype, single=single)
+            blk.load_state_dict(master.state_dict())
+            out, grads = run(blk, case, inp)
+            if not single:
+                grads = packed_grads(grads, case.groups)
+            results[single, fwd, bwd] = (out, grads)
+            fwd_types, bwd_types = plan_types(blk)
+            assert (ForwardGroupedMLP in fwd_types) == fwd, (fwd, bwd, fwd_types)
+            assert (BackwardGroupedMLP in bwd_types) == bwd, (fwd, bwd, bwd_types)
 
     expected = reference_result(case, master, inp)
     for combo, result in results.items():
-        assert_bitwise(result, results[False, False], f"{combo} vs unfused")
+        assert_bitwise(result, results[True, False, False], f"{combo} vs unfused packed")
         assert_matches_reference(result, expected, dtype, f"{combo}")
     # every leaf and parameter got a gradient
-    assert all(g is not None for g in results[True, True][1].values())
+    assert all(g is not None for g in results[True, True, True][1].values())
 
 
 def test_fusion_off_globally(monkeypatch):
@@ -388,22 +412,19 @@ def test_broken_pattern_runs_unfused(monkeypatch, middle, fragment):
     bias_vec = ref.leaf(blk[2].bias) if middle == "bias_after_act" else None
 
     def fn(lv):
-        hh = ref.grouped_linear(lv["x"], [lv[f"1.weight{i}"] for i in range(g)],
-                                [lv[f"1.bias{i}"] for i in range(g)], sizes)
+        hh = ref.grouped_linear(lv["x"], ref.expert_params(lv, "1.", "weight", g),
+                                ref.expert_params(lv, "1.", "bias", g), sizes)
         a = ref.swiglu(hh)
         if bias_vec is not None:
             a = ref.bias(a, bias_vec)
-        return ref.grouped_linear(a, [lv[f"2.weight{i}"] for i in range(g)],
-                                  [lv[f"2.bias{i}"] for i in range(g)], sizes)
+        return ref.grouped_linear(a, ref.expert_params(lv, "2.", "weight", g),
+                                  ref.expert_params(lv, "2.", "bias", g), sizes)
 
     y_ref, g_ref = ref.forward_backward(fn, leaves, dy)
     ref.assert_close(y, y_ref, torch.float32, "output")
     ref.assert_close(x.grad, g_ref["x"], torch.float32, "grad x")
-    for i in range(g):
-        ref.assert_close(fc1.get_parameter(f"weight{i}").grad, g_ref[f"1.weight{i}"],
-                         torch.float32, f"fc1 weight{i}")
-        ref.assert_close(fc2.get_parameter(f"bias{i}").grad, g_ref[f"2.bias{i}"],
-                         torch.float32, f"fc2 bias{i}")
+    ref.assert_close(fc1.weight.grad, g_ref["1.weight"], torch.float32, "fc1 weight")
+    ref.assert_close(fc2.bias.grad, g_ref["2.bias"], torch.float32, "fc2 bias")
 
 
 def test_different_group_counts_not_fused(monkeypatch):

@@ -11,7 +11,7 @@ offsets bitwise equal to eager; the dispatched op ``te_ops::grouped_gemm_gluon``
 ``torch.compile(fullgraph=True)``; with the rule patched to take the Gluon kernel for every
 fprop / dgrad of the persistent kernels, test_large_gemm_dispatch's block (fused, unfused)
 bitwise equal to the Triton kernel's run, and the existing compile and CUDA-graph block
-checks bitwise equal to eager. CPU: the rule (:data:`GLUON_RULE`, measured shapes only) and
+checks bitwise equal to eager. CPU: the choice (the Gluon rows of ``te_ops.gemm.rules``: tests/test_gemm_rules.py) and
 the choice's ``explain()`` text and routing.
 """
 
@@ -21,13 +21,14 @@ import re
 
 import pytest
 import torch
+from gemm_force import PERSISTENT_FROM_ONE, with_rows
 from block_replay import count_launches
 from grouped_cuda_helpers import fp64_tolerance, grouped_operands, per_expert_linear_fp64
 from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from test_grouped_gemm_large_triton import CASES  # the persistent kernel's cases
 
-from te_ops.kernels import grouped_gemm_gluon as GG
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_gluon as GG
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 
@@ -279,26 +280,8 @@ def test_graph_replay_with_new_offsets_bitwise_equal_to_eager():
 
 
 # ------------------------------------------------------------------ dispatch (CPU + CUDA)
-def test_rule_names_the_measured_shapes_only(monkeypatch):
-    monkeypatch.setattr(GG, "gluon", object())  # as where Gluon is installed
-    both = ("fprop", "dgrad")
-    assert GG.gluon_kinds(768, 2048, 512.0, both) == both  # E128 T65536 fc2
-    assert GG.gluon_kinds(768, 2048, 512.0, ("dgrad",)) == ("dgrad",)  # only kinds in large
-    assert GG.gluon_kinds(768, 2048, 256.0, both) == ()  # other rows: not measured
-    assert GG.gluon_kinds(768, 2048, None, both) == ()
-    assert GG.gluon_kinds(2048, 1536, 512.0, both) == both  # fc1: fprop since stop 17
-    assert GG.gluon_kinds(4096, 28672, 2048.0, both) == both  # E8 fc1 (stop 17)
-    assert GG.gluon_kinds(14336, 4096, 2048.0, both) == both  # E8 fc2
-    assert GG.gluon_kinds(7168, 4096, 1024.0, both) == ("dgrad",)  # E32 fc1: fprop Triton
-    assert GG.gluon_kinds(2048, 7168, 1024.0, both) == ("fprop",)  # E32 fc2: dgrad a tie
-    assert GG.gluon_kinds(7168, 4096, 512.0, both) == ()  # E32 features, rows not measured
-    assert GG.gluon_kinds(4096, 14336, 2048.0, both) == ()  # not a measured linear
-    monkeypatch.setattr(GG, "gluon", None)
-    assert GG.gluon_kinds(768, 2048, 512.0, both) == ()
-
-
 def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
     from te_ops.splits import make_splits
 
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
@@ -307,7 +290,7 @@ def test_choice_explains_and_routes_the_gluon_kinds(monkeypatch):
                                           (), ("fprop", "dgrad"), ("fprop", "dgrad"))
     assert choice.large_kinds == ("fprop", "dgrad") and choice.gluon_kinds == ("fprop", "dgrad")
     assert "fprop/dgrad in the warp-specialized Gluon kernel" in choice.reason
-    assert "GLUON_RULE=fprop@512,dgrad@512" in choice.reason
+    assert "768 -> 2048 features" in choice.reason
     x = torch.zeros(10, 768, dtype=torch.bfloat16)
     w = torch.zeros(3, 2048, 768, dtype=torch.bfloat16)
     splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
@@ -331,14 +314,18 @@ def test_op_under_compile_fullgraph_equals_eager(dgrad):
 
 
 def _force_gluon(monkeypatch) -> list[int]:
-    """Auto takes the Gluon kernel for every fprop / dgrad it runs in the persistent kernel
-    (the rule patched); returns a list that counts the Gluon launches."""
-    from te_ops.kernels import grouped_gemm
+    """Auto takes the Gluon kernel for every fprop / dgrad from 32 rows per group (a Gluon
+    row put in front of the persistent one; with ``PERSISTENT_FROM_ONE`` in place from 1
+    row); returns a list that counts the Gluon launches."""
+    import math
 
-    monkeypatch.setattr(grouped_gemm, "gluon_gemm_kinds",
-                        lambda i, o, rows, large: tuple(k for k in ("fprop", "dgrad")
-                                                        if k in large))
-    grouped_gemm._CHOICES.clear()
+    from te_ops.gemm import rules
+
+    low = 1.0 if any(r in rules.RULES for r in PERSISTENT_FROM_ONE) else 32.0
+    rows = tuple(rules.Rule(kind, "gluon", (low, math.inf), "Gluon fprop/dgrad: a test's row")
+                 for kind in ("fprop", "dgrad"))
+    monkeypatch.setattr(rules, "RULES", (*rows, *rules.RULES))
+    monkeypatch.setattr(rules, "VERSION", [rules.VERSION[0] + 1])
     return count_launches(monkeypatch, GG)
 
 
@@ -350,7 +337,7 @@ def test_block_with_gluon_dispatch_bitwise_equal_to_the_triton_kernel(monkeypatc
     _skip_unless_sm90()
     import test_large_gemm_dispatch as D
 
-    from te_ops.kernels import grouped_gemm
+    from te_ops.gemm import dispatch as grouped_gemm
 
     sizes = [1500, 0, 700, 360]
     rows, hidden, ffn = 2600, 256, 384
@@ -385,7 +372,7 @@ def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
     import test_cuda_graphs
     import test_torch_compile_cuda
 
-    monkeypatch.setattr(L, "MIN_ROWS_PER_GROUP", {k: 1 for k in L.MIN_ROWS_PER_GROUP})
+    with_rows(monkeypatch, last=PERSISTENT_FROM_ONE)
     launches = _force_gluon(monkeypatch)
     block = test_torch_compile_cuda._block(fusion, monkeypatch)
     x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)

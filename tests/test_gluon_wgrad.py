@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from te_ops.kernels import grouped_wgrad_gluon as G
+from te_ops.gemm import grouped_wgrad_gluon as G
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 import gluon_wgrad as bench  # noqa: E402

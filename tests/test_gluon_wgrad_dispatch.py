@@ -1,13 +1,11 @@
-"""Auto dispatch of the warp-specialized Gluon wgrad (``BackendChoice.gluon_kinds``,
-``TE_OPS_GLUON_WGRAD``; kernel tests: ``tests/test_gluon_wgrad.py``).
+"""Auto dispatch of the warp-specialized Gluon wgrad (``BackendChoice.gluon_kinds``, the
+Gluon wgrad rows of ``te_ops.gemm.rules``; kernel tests: ``tests/test_gluon_wgrad.py``).
 
-CPU (CI): the rule (``grouped_wgrad_gluon.MIN_ROWS_PER_GROUP`` rows per group on average,
-``out_features`` a multiple of the tile's ``BLOCK_N``, the env modes), that it is not read off
-CUDA, the choice's kinds and reason, and the per-call route (operands the kernel cannot take
+CPU (CI): (the rule itself: tests/test_gemm_rules.py) that it is not read off CUDA, the choice's kinds and reason, and the per-call route (operands the kernel cannot take
 run ``torch._grouped_mm``, checked against the fp64 reference). CUDA (SM90): a block at >= 1024
 rows per group takes it (``explain()`` says so), matches the fp64 per-expert reference, gives
 the same bits fused and unfused and with the kernel off (it is bitwise ``torch._grouped_mm``);
-with ``TE_OPS_GLUON_WGRAD=1`` at few rows, CUDA-graph replay and ``torch.compile(fullgraph=
+with a Gluon wgrad row at few rows, CUDA-graph replay and ``torch.compile(fullgraph=
 True)`` of a block equal eager bit for bit.
 """
 
@@ -15,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_force import GLUON_WGRAD_ANY, NO_GLUON_WGRAD, with_rows
 from block_replay import (
     assert_block_matches_reference,
     assert_graph_and_compile_match_eager,
@@ -24,36 +23,18 @@ from block_replay import (
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm
-from te_ops.kernels import grouped_wgrad_gluon as gw
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_wgrad_gluon as gw
+from te_ops.gemm import rules
 from te_ops.splits import make_splits
 
 CUDA = torch.device("cuda")
-LOW = gw.MID_MIN_ROWS_PER_GROUP  # the auto rule's lower end (stop 18)
-
-
-@pytest.mark.skipif(gw.gluon is None, reason="no Gluon in the installed Triton")
-def test_rule_rows_features_and_modes():
-    n = gw.gluon_wgrad_config()["BLOCK_N"]
-    assert gw.gluon_kinds(None, n) == ()
-    assert gw.gluon_kinds(LOW - 1, n) == ()
-    assert gw.gluon_kinds(LOW, n) == ("wgrad",) == gw.gluon_kinds(1e6, 4 * n)
-    assert gw.gluon_kinds(LOW, n + 64) == ()  # a dW tile would cross into the next group
-    assert gw.gluon_kinds(1.0, n, "1") == ("wgrad",)
-    assert gw.gluon_kinds(None, n, "1") == ()
-    assert gw.gluon_kinds(1e6, n, "0") == ()
-
-
-def test_rule_without_gluon(monkeypatch):
-    monkeypatch.setattr(gw, "gluon", None)
-    assert gw.gluon_kinds(1e6, 256, "1") == ()
 
 
 def test_not_read_off_cuda_or_when_forced(monkeypatch):
     """The row rule is asked only where auto dispatch runs (CUDA, SM90, bfloat16)."""
     seen = []
-    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds",
-                        lambda *a: seen.append(a) or ("wgrad",))
+    monkeypatch.setattr(grouped_gemm, "gemm_rules", lambda *a: seen.append(a) or {})
     choice = grouped_gemm.select_backend(torch.device("cpu"), torch.bfloat16, 256, 256, True,
                                          rows_per_group=4096.0)
     assert seen == [] and choice.gluon_kinds == ()
@@ -63,26 +44,20 @@ def test_not_read_off_cuda_or_when_forced(monkeypatch):
     assert seen == []
 
 
-def test_bad_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "yes")
-    monkeypatch.setattr(grouped_gemm, "_measured_on", lambda *a: True)
-    with pytest.raises(ValueError, match="TE_OPS_GLUON_WGRAD"):
-        grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256, 256, True,
-                                    rows_per_group=4096.0)
-
-
 def test_choice_kinds_reason_and_per_call_route(monkeypatch):
     """A choice with the Gluon wgrad and the persistent fprop/dgrad (the E8 / E32 case): the
     kinds, a reason naming the rule; wgrad on operands the kernel cannot take (here: CPU
     tensors) runs torch._grouped_mm, against the fp64 per-group reference."""
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
     cpu = torch.device("cpu")
+    picks = {"wgrad": next(r for r in rules.RULES if r.kind == "wgrad" and r.kernel == "gluon"
+                           and r.config == "default")}
     choice = grouped_gemm._select_backend(cpu, torch.float32, 16, 256, True, "auto", "auto",
-                                          (), ("fprop", "dgrad"), ("wgrad",))
+                                          (), ("fprop", "dgrad"), ("wgrad",), picks)
     assert choice.name == "triton" and choice.gluon_kinds == ("wgrad",)
     assert choice.large_kinds == ("fprop", "dgrad") and choice.triton_kinds == ()
     assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
-    assert f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={gw.MIN_ROWS_PER_GROUP}" in choice.reason
+    assert "the default config 1.04-1.13x torch._grouped_mm" in choice.reason
     assert "in torch._grouped_mm" not in choice.reason.split("; ")[-1]
     sizes = [3, 0, 5]
     x, dy = torch.randn(10, 16), torch.randn(10, 256)
@@ -97,8 +72,9 @@ def test_choice_kinds_reason_and_per_call_route(monkeypatch):
 
 
 def test_gluon_takes_wgrad_from_the_other_families(monkeypatch):
-    """``TE_OPS_GLUON_WGRAD=1`` at 128 rows per group (the persistent wgrad's window) or at
-    few rows (the few-rows wgrad): the Gluon kernel takes wgrad, the others keep the rest."""
+    """A Gluon wgrad row put first (tests/gemm_force.py) at 128 rows per group (the
+    persistent wgrad's window) or at few rows: the Gluon kernel takes wgrad, the others keep
+    the rest."""
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
     monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
     cpu = torch.device("cpu")
@@ -140,7 +116,7 @@ def test_block_at_many_rows_takes_it_and_matches_reference(monkeypatch):
     outs = {}
     for fusion, mode in (("1", "auto"), ("0", "auto"), ("1", "0")):
         monkeypatch.setenv("TE_OPS_FUSION", fusion)
-        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        with_rows(monkeypatch, first=NO_GLUON_WGRAD if mode == "0" else ())
         block = _block()
         outs[fusion, mode] = run_block(block, x, split, probs, dy)[0]
         assert ("warp-specialized Gluon wgrad" in block.explain()) == (mode == "auto")
@@ -152,11 +128,11 @@ def test_block_at_many_rows_takes_it_and_matches_reference(monkeypatch):
 
 @pytest.mark.cuda
 def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
-    """``TE_OPS_GLUON_WGRAD=1`` (any row count): the block captured in one CUDA graph and
+    """The Gluon wgrad at any row count (a rules row put first): the block captured in one CUDA graph and
     replayed with new split sizes, and compiled with fullgraph=True (the op
     ``te_ops::grouped_wgrad_gluon``): bitwise the eager values."""
     _needs_gluon_sm90()
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
+    with_rows(monkeypatch, first=GLUON_WGRAD_ANY)
     rows, hidden = 512, 256
     gen = torch.Generator(device=CUDA).manual_seed(3)
     x = torch.randn(rows, hidden, device=CUDA, dtype=torch.bfloat16, generator=gen)
@@ -168,8 +144,7 @@ def test_block_graph_replay_and_compile_bitwise_equal_to_eager(monkeypatch):
 
 
 def test_gluon_wgrad_with_the_gluon_fprop_dgrad_rule(monkeypatch):
-    """Both Gluon families in one choice (``TE_OPS_GLUON_WGRAD=1`` at a ``GLUON_RULE``
-    shape): wgrad in the Gluon wgrad, dgrad in the Gluon fprop/dgrad kernel (a subset of the
+    """Both Gluon families in one choice (a Gluon wgrad row and a Gluon fprop/dgrad row): wgrad in the Gluon wgrad, dgrad in the Gluon fprop/dgrad kernel (a subset of the
     persistent kinds), fprop in the persistent Triton kernel; the reason names each."""
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
     cpu = torch.device("cpu")
@@ -191,7 +166,7 @@ def test_block_helpers_on_cpu():
     sizes = [5, 0, 7]
     x, probs, dy = torch.randn(14, 16), torch.rand(14), torch.randn(14, 16)
     got, _ = run_block(block, x, torch.tensor(sizes), probs, dy)
-    assert len(got) == 3 + 6
+    assert len(got) == 3 + 2  # x, probs, split; two packed weights
     assert_block_matches_reference(block, x, probs, sizes, dy, got)
     bad = [t.clone() for t in got]
     bad[3][0, 0] += 1.0
@@ -208,7 +183,7 @@ def test_block_helpers_take_a_plain_swiglu_block_on_cpu():
     x, probs, dy = torch.randn(12, 16), torch.rand(12), torch.randn(12, 16)
     split = torch.tensor([5, 0, 7])
     got, _ = run_block(block, x, split, probs, dy)
-    assert got[2] is None and len(got) == 3 + 6
+    assert got[2] is None and len(got) == 3 + 2
     first, _ = run_block_params_first(block, x, split, probs, dy)
-    assert len(first) == 2 + 6
+    assert len(first) == 2 + 2
     assert all(torch.equal(a, b) for a, b in zip(first, got[:2] + got[3:]))

@@ -1,10 +1,10 @@
 """The Gluon wgrad at 512-1023 rows per group with its 4-stage subtiled-epilogue config
-(``grouped_wgrad_gluon.MID_MIN_ROWS_PER_GROUP``, ``MID_ROWS_CONFIG``, ``gluon_wgrad_preset``;
+(the ``mid_rows`` Gluon wgrad row of ``te_ops.gemm.rules``, ``MID_ROWS_CONFIG``;
 the rule at >= 1024 and the kernel: ``tests/test_gluon_wgrad_dispatch.py``,
 ``tests/test_gluon_wgrad.py``).
 
 CPU (CI): the rule's decisions at 511 / 512 / 1023 / 1024 rows per group, off SM90, for
-other dtypes than bfloat16, with ``TE_OPS_GLUON_WGRAD`` 0 / 1, with ``out_features`` not a
+other dtypes than bfloat16, with a rules row put first, with ``out_features`` not a
 multiple of ``BLOCK_N``; the config each takes (also from the choice cache); the reason and
 ``explain()`` text; that ``grouped_wgrad`` launches the
 choice's config, and the op ``te_ops::grouped_wgrad_gluon`` under ``torch.compile`` carries
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gemm_force import GLUON_WGRAD_ANY, NO_GLUON_WGRAD, with_rows
 from block_replay import (
     assert_block_matches_reference,
     assert_graph_and_compile_match_eager,
@@ -27,12 +28,12 @@ from block_replay import (
 )
 
 import te_ops
-from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton
-from te_ops.kernels import grouped_wgrad_gluon as gw
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_gemm_large_triton
+from te_ops.gemm import grouped_wgrad_gluon as gw
 
 CUDA0 = torch.device("cuda", 0)
-MID = gw.MID_MIN_ROWS_PER_GROUP
-HIGH = gw.MIN_ROWS_PER_GROUP
+MID, HIGH = 512, 1024  # the Gluon wgrad rows of te_ops.gemm.rules: mid_rows, then default
 BLOCK_N = gw.gluon_wgrad_config()["BLOCK_N"]
 
 
@@ -51,31 +52,6 @@ def with_gluon(monkeypatch):
     """The rule as with Triton 3.6's Gluon installed (CI has no Triton)."""
     monkeypatch.setattr(gw, "gluon", object())
     monkeypatch.setattr(gw, "GLUON_API_REASON", None)
-
-
-@pytest.mark.parametrize("rows, auto", [(MID - 1, False), (MID, True), (HIGH - 1, True),
-                                        (HIGH, True), (700.5, True), (511.99, False)])
-def test_rule_rows_and_modes(with_gluon, rows, auto):
-    assert gw.gluon_kinds(rows, BLOCK_N) == (("wgrad",) if auto else ())
-    assert gw.gluon_kinds(rows, BLOCK_N, "1") == ("wgrad",)
-    assert gw.gluon_kinds(rows, BLOCK_N, "0") == ()
-    assert gw.gluon_kinds(rows, BLOCK_N + 64, "auto") == ()  # a tile would cross a group
-    assert gw.gluon_kinds(rows, BLOCK_N + 64, "1") == ()
-
-
-@pytest.mark.parametrize("rows, preset, why", [
-    (1.0, "default", "below GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512"),
-    (MID - 1, "default", "below GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512"),
-    (MID, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH - 1, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH - 0.5, "mid_rows", "at 512 to 1023 rows per group"),
-    (HIGH, "default", "at >= GLUON_WGRAD_MIN_ROWS_PER_GROUP=1024"),
-    (1e6, "default", "at >= GLUON_WGRAD_MIN_ROWS_PER_GROUP=1024"),
-])
-def test_preset_by_rows(rows, preset, why):
-    name, text = gw.gluon_wgrad_preset(rows)
-    assert name == preset and why in text
-    assert ("MID_ROWS_CONFIG=" in text) == (preset == "mid_rows")
 
 
 def _sm90(monkeypatch, capability=(9, 0)):
@@ -108,10 +84,8 @@ def test_select_backend_auto_at_the_bounds(monkeypatch, with_gluon, rows, gluon,
     if gluon:
         assert choice.gluon_wgrad_preset == preset
         assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
-        assert f"GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP={MID}" in choice.reason
-        assert f"launch config {preset!r}: " in choice.reason
-        assert ("MID_ROWS_CONFIG={'STAGES': 4, 'EPI_SPLIT': 4, 'EPI_BUFS': 2}" in choice.reason
-                ) == (preset == "mid_rows")
+        assert f"launch config {preset!r}" in choice.reason
+        assert ("the 4-stage mid_rows config" in choice.reason) == (preset == "mid_rows")
     else:  # 511 rows: wgrad stays in torch._grouped_mm, as before
         assert choice.gluon_kinds == () and choice.gluon_wgrad_preset == "default"
         assert choice.reason.endswith("wgrad in torch._grouped_mm")
@@ -135,7 +109,7 @@ def test_choice_cache_keeps_the_configs_apart(monkeypatch, with_gluon):
 def test_not_off_sm90_or_bf16(monkeypatch, with_gluon, capability, dtype, match):
     _sm90(monkeypatch, capability)
     asked = []
-    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", lambda *a: asked.append(a) or ())
+    monkeypatch.setattr(grouped_gemm, "gemm_rules", lambda *a: asked.append(a) or {})
     for rows in (MID, HIGH - 1):
         choice = _choose(rows, dtype=dtype)
         assert choice.name == "grouped_mm" and choice.gluon_kinds == () and not asked
@@ -143,33 +117,14 @@ def test_not_off_sm90_or_bf16(monkeypatch, with_gluon, capability, dtype, match)
 
 
 @pytest.mark.parametrize("rows", [MID, HIGH - 1])
-def test_env_0_and_out_features(monkeypatch, with_gluon, rows):
+def test_a_row_first_and_out_features(monkeypatch, with_gluon, rows):
     _sm90(monkeypatch)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "0")
+    with_rows(monkeypatch, first=NO_GLUON_WGRAD)
     assert _choose(rows).gluon_kinds == ()
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")
+    with_rows(monkeypatch)
     choice = _choose(rows, out_features=BLOCK_N * 6 + 64)  # not a multiple of BLOCK_N
     assert choice.gluon_kinds == () and "Gluon wgrad" not in choice.reason
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
-    choice = _choose(rows, out_features=BLOCK_N * 6 + 64)
-    assert choice.gluon_kinds == ()
-    assert "TE_OPS_GLUON_WGRAD=1 not taken: out_features (832) is not a multiple" in (
-        choice.reason)
-
-
-@pytest.mark.parametrize("rows, preset", [(32, "default"), (MID - 1, "default"),
-                                          (MID, "mid_rows"), (HIGH, "default")])
-def test_env_1(monkeypatch, with_gluon, rows, preset):
-    """``TE_OPS_GLUON_WGRAD=1``: the kernel at any row count; the 4-stage config in the
-    rule's band only, the default config below it (documented choice)."""
-    _sm90(monkeypatch)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
-    choice = _choose(rows)
-    assert "wgrad" in choice.gluon_kinds and choice.gluon_wgrad_preset == preset
-    assert "TE_OPS_GLUON_WGRAD=1: auto at >= GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP=512" in (
-        choice.reason)
-    if rows < MID:
-        assert "launch config 'default': the default config below" in choice.reason
+    assert choice.reason.endswith("wgrad in torch._grouped_mm")
 
 
 def _recording_gluon_wgrad(monkeypatch):
@@ -267,8 +222,7 @@ def test_explain_reports_the_config(monkeypatch, with_gluon):
         text = block.explain()
         assert "wgrad in the warp-specialized Gluon wgrad" in text
         assert f"launch config {preset!r}" in text
-        assert ("MID_ROWS_CONFIG={'STAGES': 4, 'EPI_SPLIT': 4, 'EPI_BUFS': 2}" in text) == (
-            preset == "mid_rows")
+        assert ("the 4-stage mid_rows config" in text) == (preset == "mid_rows")
     block[0].select_backend(fake_input, SimpleNamespace(on_device=True, num_rows=4 * 511,
                                                         num_groups=4))
     (record,) = [r for r in block[0].dispatch_records() if r.startswith("grouped GEMM")]
@@ -331,7 +285,7 @@ def test_block_at_mid_rows_takes_the_4_stage_config(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     for fusion, mode in (("0", "auto"), ("1", "0")):
         monkeypatch.setenv("TE_OPS_FUSION", fusion)
-        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
+        with_rows(monkeypatch, first=NO_GLUON_WGRAD if mode == "0" else ())
         other = run_block(_block(), x, split, probs, dy)[0]
         for i, (a, b) in enumerate(zip(first, other)):
             assert torch.equal(a, b), f"tensor {i}: fusion {fusion}, mode {mode} differs"

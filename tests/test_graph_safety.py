@@ -486,7 +486,7 @@ def test_make_graphed_callable_end_to_end_with_emulated_graphs(monkeypatch, fusi
         fusion == "1")
     graphed.check_parameters()
     with torch.no_grad():
-        block[0].weight0.data = block[0].weight0.data.clone()
+        block[0].weight.data = block[0].weight.data.clone()
     with pytest.raises(RuntimeError, match="storage, dtype, shape or strides changed since"):
         graphed.check_parameters()
 

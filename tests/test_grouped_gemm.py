@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reference import assert_close, split_arg
 
 import te_ops
-from te_ops.kernels.grouped_gemm import (
+from te_ops.gemm.dispatch import (
     grouped_dgrad,
     grouped_fprop,
     grouped_mm_unsupported_reason,
@@ -138,8 +138,8 @@ def test_random_split_sizes_property(monkeypatch, sizes, padding, kind, backend)
     dy = torch.randn_like(y)
     y.backward(dy)
     ref.assert_module_matches_reference(
-        lin, lambda t: ref.grouped_linear(t["x"], [t[f"weight{g}"] for g in range(groups)],
-                                          [t[f"bias{g}"] for g in range(groups)], sizes,
+        lin, lambda t: ref.grouped_linear(t["x"], ref.expert_params(t, "", "weight", groups),
+                                          ref.expert_params(t, "", "bias", groups), sizes,
                                           t["probs"]),
         x, probs, y, dy, torch.float32)
 
@@ -234,7 +234,7 @@ def test_grouped_mm_alignment_reason(device, in_features, out_features, dtype, n
 
 # --------------------------------------------------------------------------- weight stacking
 def test_stack_weights_view_for_grouped_linear(device):
-    lin = te_ops.GroupedLinear(4, 8, 12, device=device)
+    lin = te_ops.GroupedLinear(4, 8, 12, single_grouped_weight=False, device=device)
     stacked = stack_weights(lin.weights())
     assert stacked.shape == (4, 12, 8)
     assert stacked.data_ptr() == lin.weight0.data_ptr() and stacked._is_view()
@@ -258,7 +258,7 @@ def test_stack_weights_copies_when_not_adjacent(device):
 
 def test_replaced_weight_still_computes(device):
     """A weight replaced by a non-adjacent Parameter is stacked by copy, results stay right."""
-    lin = te_ops.GroupedLinear(2, 8, 8, bias=False, device=device)
+    lin = te_ops.GroupedLinear(2, 8, 8, bias=False, single_grouped_weight=False, device=device)
     lin.weight1 = torch.nn.Parameter(torch.randn(8, 8, device=device))
     assert stack_weights(lin.weights()).data_ptr() != lin.weight0.data_ptr()
     x = torch.randn(5, 8, device=device, requires_grad=True)
@@ -276,7 +276,7 @@ def test_replaced_weight_still_computes(device):
 
 def test_stack_weights_memo_notices_repointed_weight(device):
     """After a remembered (view) result, re-pointing one weight's data gives a correct copy."""
-    lin = te_ops.GroupedLinear(4, 8, 6, bias=False, device=device)
+    lin = te_ops.GroupedLinear(4, 8, 6, bias=False, single_grouped_weight=False, device=device)
     ws = lin.weights()
     assert stack_weights(ws).data_ptr() == ws[0].data_ptr()
     assert stack_weights(ws).data_ptr() == ws[0].data_ptr()  # the remembered path

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_wgrad_large_triton as W
 from te_ops.kernels import triton_launch
 
 

@@ -24,7 +24,7 @@ from grouped_cuda_helpers import (
 )
 from sm90_compile import compile_for_sm90, for_nesting
 
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
 

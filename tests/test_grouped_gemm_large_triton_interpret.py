@@ -27,7 +27,7 @@ pytestmark = interpreter_marks("tests/test_grouped_gemm_large_triton.py")
 SCRIPT = r'''
 import torch
 import torch.nn.functional as F
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_large_triton as L
 from te_ops.kernels import swiglu_triton as st
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}

@@ -1,4 +1,4 @@
-"""The Triton grouped GEMMs (``te_ops.kernels.grouped_gemm_triton``) and the ``triton`` backend.
+"""The Triton grouped GEMMs (``te_ops.gemm.grouped_gemm_triton``) and the ``triton`` backend.
 
 CPU (CI): the dispatch rule (auto never picks ``triton`` off CUDA SM90 bf16 with few rows per
 group, a forced ``triton`` that cannot run raises with the reason), ``explain()`` naming the
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm_triton as tg
-from te_ops.kernels.grouped_gemm import select_backend, triton_auto_reason
+from te_ops.gemm import grouped_gemm_triton as tg
+from te_ops.gemm.dispatch import select_backend, triton_auto_reason
 
 CUDA = torch.device("cuda")
 
@@ -91,16 +91,6 @@ def test_launch_configs_grow_with_rows():
     assert tg.rows_config("dgrad", 1, 1, 2, 1)["SPLIT"] == 1
     assert tg.wgrad_config(1, 1536, 2048)["BLOCK_M"] <= tg.wgrad_config(512, 1536, 2048)[
         "BLOCK_M"]
-
-
-@pytest.mark.parametrize("rows, kinds", [(None, ()), (1, ("fprop", "dgrad", "wgrad")),
-                                         (4, ("fprop", "dgrad", "wgrad")),
-                                         (5, ("fprop", "wgrad")), (8, ("fprop", "wgrad")),
-                                         (9, ("wgrad",)), (32, ("wgrad",)), (33, ())])
-def test_rule_per_gemm_kind(rows, kinds):
-    """The measured rule (docs/benchmarks.md): fprop up to 8 rows per group, dgrad up to 4,
-    wgrad up to 32."""
-    assert tg.triton_kinds(rows) == kinds
 
 
 # ------------------------------------------------------------------------- CUDA: numerics
@@ -277,8 +267,8 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
     Triton kinds and says why; fprop/dgrad outside ``triton_kinds`` run in torch._grouped_mm
     (checked against the fp64 reference), wgrad inside them goes to the Triton kernel (which
     then refuses the CPU tensor with its reason)."""
-    from te_ops.kernels import grouped_gemm
-    from te_ops.kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+    from te_ops.gemm import dispatch as grouped_gemm
+    from te_ops.gemm.dispatch import grouped_dgrad, grouped_fprop, grouped_wgrad
     from te_ops.splits import make_splits
 
     monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
@@ -299,23 +289,10 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
         grouped_wgrad(x, dy, splits, choice)
 
 
-def test_rule_not_evaluated_off_cuda_or_when_forced(monkeypatch):
-    """The row-count rule is read only for auto on CUDA (a traced row count is not guarded on
-    CPU), and the choice cache key holds the Triton kinds."""
-    from te_ops.kernels import grouped_gemm
-
-    calls = []
-    monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append(rows) or ())
-    select_backend(torch.device("cpu"), torch.float32, 8, 8, True, rows_per_group=2.0)
-    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
-    select_backend(torch.device("meta"), torch.bfloat16, 8, 8, True, rows_per_group=2.0)
-    assert calls == []
-
-
 def test_unsupported_reason_names_the_device_and_dtype_first(monkeypatch):
     """Forced ``triton`` on the CPU said "triton is not installed" where triton was missing,
     which is not why it cannot run there; the device and dtype come first now."""
-    from te_ops.kernels import grouped_gemm_triton as gt
+    from te_ops.gemm import grouped_gemm_triton as gt
 
     monkeypatch.setattr(gt, "triton", None)
     assert gt.unsupported_reason(torch.device("cpu"), torch.bfloat16) == (

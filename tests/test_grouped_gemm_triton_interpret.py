@@ -16,7 +16,7 @@ pytestmark = interpreter_marks("tests/test_grouped_gemm_triton.py")
 
 SCRIPT = r'''
 import torch
-from te_ops.kernels import grouped_gemm_triton as gt
+from te_ops.gemm import grouped_gemm_triton as gt
 
 
 def ref(kind, a, b, sizes):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from sm90_compile import compile_for_sm90
 
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_wgrad_large_triton as W
 
 CUDA = torch.device("cuda")
 

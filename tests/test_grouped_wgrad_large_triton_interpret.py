@@ -26,7 +26,7 @@ pytestmark = interpreter_marks("tests/test_grouped_wgrad_large_triton.py")
 
 SCRIPT = r'''
 import torch
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_wgrad_large_triton as W
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 

@@ -380,8 +380,10 @@ def test_bf16_model_with_fp32_routing_weights_matches_eager_to_bf16_tolerance():
 def test_per_group_te_ops_block_exports_to_every_layout():
     import te_ops
 
-    block = te_ops.Sequential(te_ops.GroupedLinear(3, 8, 12, bias=False), te_ops.ScaledSwiGLU(),
-                              te_ops.GroupedLinear(3, 6, 8, bias=False))
+    block = te_ops.Sequential(
+        te_ops.GroupedLinear(3, 8, 12, bias=False, single_grouped_weight=False),
+        te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(3, 6, 8, bias=False, single_grouped_weight=False))
     packed = te_hf.to_hf_state_dict(block)
     assert torch.equal(packed["gate_up_proj"][2], block[0].weight2)
     assert torch.equal(packed["down_proj"][1], block[2].weight1)

@@ -17,7 +17,7 @@ import torch
 import te_ops
 from te_ops import env
 from te_ops.fused.grouped_mlp import ForwardGroupedMLP
-from te_ops.kernels import grouped_gemm
+from te_ops.gemm import dispatch as grouped_gemm
 from te_ops.splits import make_splits
 
 

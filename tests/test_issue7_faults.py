@@ -48,7 +48,7 @@ def test_create_graph_first_order_param_grads_are_right():
     lin = te_ops.GroupedLinear(2, 4, 3, dtype=torch.float64)
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     y = lin(x, [2, 3])
-    grads = torch.autograd.grad(y.square().sum(), [x, lin.weight0], create_graph=True)
+    grads = torch.autograd.grad(y.square().sum(), [x, lin.weight], create_graph=True)
     x64, w = ref.leaf(x), [ref.leaf(p) for p in lin.weights()]
     b = [ref.leaf(p) for p in lin.biases()]
     y_ref = ref.grouped_linear(x64, w, b, [2, 3])
@@ -89,10 +89,10 @@ def _fault2_block(act: te_ops.SwiGLU, dtype=torch.float32):
     fc1 = te_ops.GroupedLinear(1, 4, 8, bias=False, dtype=dtype)
     fc2 = te_ops.GroupedLinear(1, 4, 4, bias=False, dtype=dtype)
     with torch.no_grad():
-        fc1.weight0.zero_()
-        fc1.weight0[0, 0] = 3.0
-        fc1.weight0[4, 0] = 1.0
-        fc2.weight0.copy_(torch.eye(4))
+        fc1.weight.zero_()
+        fc1.weight[0, 0, 0] = 3.0
+        fc1.weight[0, 4, 0] = 1.0
+        fc2.weight[0].copy_(torch.eye(4))
     return te_ops.Sequential(fc1, act, fc2)
 
 
@@ -152,8 +152,8 @@ def _view_leaf(values, dtype=torch.float32):
 def test_scale_bias_probs_grad_when_probs_is_a_view(dtype):
     lin = te_ops.GroupedLinear(1, 1, 1, bias=True, scale_bias=True, dtype=dtype)
     with torch.no_grad():
-        lin.weight0.fill_(1.0)
-        lin.bias0.fill_(3.0)
+        lin.weight.fill_(1.0)
+        lin.bias.fill_(3.0)
     x = torch.tensor([[2.0]], dtype=dtype)
     probs = _view_leaf([0.5], dtype)
     assert probs._is_view() and probs.is_leaf
@@ -190,9 +190,9 @@ def test_mlp_dprobs_with_shared_view_probs(monkeypatch, fusion, dtype):
     fc1 = te_ops.GroupedLinear(1, 1, 2, bias=False, dtype=dtype)
     fc2 = te_ops.GroupedLinear(1, 1, 1, bias=True, scale_bias=True, dtype=dtype)
     with torch.no_grad():
-        fc1.weight0.fill_(1.0)  # h = [1, 1]: a = 1, b = 1
-        fc2.weight0.fill_(1.0)
-        fc2.bias0.fill_(3.0)
+        fc1.weight.fill_(1.0)  # h = [1, 1]: a = 1, b = 1
+        fc2.weight.fill_(1.0)
+        fc2.bias.fill_(3.0)
     blk = te_ops.Sequential(fc1, te_ops.ScaledSwiGLU(), fc2)
     x = torch.tensor([[1.0]], dtype=dtype)
     probs = _view_leaf([0.5], dtype)
@@ -464,7 +464,7 @@ def test_sequential_takes_an_ordered_dict_of_named_ops():
         ("fc1", te_ops.GroupedLinear(2, 4, 8)), ("act", te_ops.ScaledSwiGLU()),
         ("fc2", te_ops.GroupedLinear(2, 4, 4))]))
     assert list(dict(named.named_children())) == ["fc1", "act", "fc2"]
-    assert "fc1.weight0" in named.state_dict() and "fc2.bias1" in named.state_dict()
+    assert "fc1.weight" in named.state_dict() and "fc2.bias" in named.state_dict()
     plain = te_ops.Sequential(*[te_ops.GroupedLinear(2, 4, 8), te_ops.ScaledSwiGLU(),
                                 te_ops.GroupedLinear(2, 4, 4)])
     plain.load_state_dict({k.replace("fc1", "0").replace("fc2", "2"): v

@@ -1,6 +1,6 @@
 """Auto dispatch of the persistent many-rows Triton grouped GEMMs (``large_kinds``).
 
-CPU (CI): the rule (``MIN_ROWS_PER_GROUP``: kinds at and above the threshold, none when the
+CPU (CI): (the rule itself: tests/test_gemm_rules.py; kinds at and above the threshold, none when the
 row count is not known), the reason auto gives where it does not take them (CPU, dtype), and a
 mixed choice routing each GEMM kind (wgrad in ``torch._grouped_mm`` against the fp64
 reference; fprop / dgrad to the Triton kernels, which refuse a CPU tensor with their reason).
@@ -18,63 +18,40 @@ import os
 
 import pytest
 import torch
+from gemm_force import PERSISTENT_FROM_ONE, with_rows
 import torch.nn.functional as F
 from block_replay import assert_block_matches_reference
 from reference import assert_close
 
 import te_ops
-from te_ops.kernels import grouped_gemm
-from te_ops.kernels import grouped_gemm_large_triton as lg
-from te_ops.kernels.grouped_gemm import grouped_dgrad, grouped_fprop, grouped_wgrad
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_gemm_large_triton as lg
+from te_ops.gemm.dispatch import grouped_dgrad, grouped_fprop, grouped_wgrad
 from te_ops.splits import make_splits
 
 CUDA = torch.device("cuda")
 
 
 # ----------------------------------------------------------------------------------- CPU
-def test_rule_kinds_at_and_above_the_threshold():
-    low = min(lg.MIN_ROWS_PER_GROUP.values())
-    assert lg.large_kinds(None) == ()
-    assert lg.large_kinds(low - 1) == ()
-    assert set(lg.large_kinds(low)) == {k for k, r in lg.MIN_ROWS_PER_GROUP.items()
-                                        if r <= low}
-    assert set(lg.large_kinds(1e9)) == set(lg.MIN_ROWS_PER_GROUP)
-
-
-@pytest.mark.parametrize("rows, wgrad", [(32, False), (63, False), (64, True), (128, True),
-                                         (256, True), (256.5, False), (512, False),
-                                         (2048, False)])
-def test_wgrad_rule_is_a_window(rows, wgrad):
-    """wgrad joins fprop / dgrad only inside ``WGRAD_ROWS_PER_GROUP`` (64-256 rows per group:
-    measured faster there; parity at 512-2048, the few-rows wgrad at <= 32)."""
-    assert lg.WGRAD_ROWS_PER_GROUP == (64, 256)
-    kinds = lg.large_kinds(rows)
-    assert kinds[:2] == ("fprop", "dgrad")
-    assert ("wgrad" in kinds) == wgrad
-
-
 def test_wgrad_window_choice_routes_wgrad_and_explains(monkeypatch):
     """At 128 rows per group one choice carries all three kinds in the persistent kernels;
     the reason names both rules, and wgrad is routed to the persistent wgrad (which refuses
     the CPU tensor with its own reason)."""
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
     cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    picks = grouped_gemm.gemm_rules(CUDA, torch.bfloat16, 16, 32, 128.0, "auto")
+    assert {k: r.kernel for k, r in picks.items()} == dict.fromkeys(
+        ("fprop", "dgrad", "wgrad"), "triton_persistent")
     choice = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "auto", "auto",
-                                          (), lg.large_kinds(128.0))
+                                          (), ("fprop", "dgrad", "wgrad"), (), picks)
     assert choice.large_kinds == ("fprop", "dgrad", "wgrad") and choice.triton_kinds == ()
-    assert "WGRAD_ROWS_PER_GROUP=(64, 256)" in choice.reason
+    assert "wgrad 1.01-1.09x torch._grouped_mm at 64-256 rows per group" in choice.reason
     assert "wgrad in torch._grouped_mm" not in choice.reason
     x, dy = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(10, 32, dtype=torch.bfloat16)
     splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
     with pytest.raises(RuntimeError, match="large-shape Triton grouped wgrad cannot run"):
         grouped_gemm.grouped_wgrad(x, dy, splits, choice)
-
-
-def test_forced_rule_all_three_kinds_at_many_rows():
-    limit = lg.FORCED_MIN_ROWS_PER_GROUP
-    assert lg.large_kinds(limit, forced=True) == ("fprop", "dgrad", "wgrad")
-    assert lg.large_kinds(limit - 1, forced=True) == ()
-    assert lg.large_kinds(None, forced=True) == ()
 
 
 def test_forced_choice_splits_kinds_between_the_kernel_families(monkeypatch):
@@ -133,20 +110,6 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
         grouped_dgrad(dy, w, splits, choice)
 
 
-def test_large_rule_not_read_off_cuda_or_when_forced_elsewhere(monkeypatch):
-    """The persistent kernels' row rule is not evaluated on CPU, nor under a forced
-    ``grouped_mm`` (a traced row count compared there would be a needless guard)."""
-    seen = []
-    monkeypatch.setattr(grouped_gemm, "large_kinds", lambda rows: seen.append(rows) or ())
-    grouped_gemm.select_backend(torch.device("cpu"), torch.float32, 8, 8, True,
-                                rows_per_group=2048.0)
-    assert seen == []  # not read off CUDA
-    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "grouped_mm")
-    grouped_gemm.select_backend(torch.device("meta"), torch.bfloat16, 8, 8, True,
-                                rows_per_group=2048.0)
-    assert seen == []  # nor when a backend is forced
-
-
 # ---------------------------------------------------------------------------------- CUDA
 def _needs_sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -200,7 +163,7 @@ def test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypat
 
 @pytest.mark.cuda
 def test_forced_triton_block_at_many_rows_matches_reference(monkeypatch):
-    """TE_OPS_GROUPED_GEMM_BACKEND=triton at >= FORCED_MIN_ROWS_PER_GROUP rows per group:
+    """TE_OPS_GROUPED_GEMM_BACKEND=triton at >= 512 rows per group (the forced rows):
     all six GEMMs in the persistent kernels (wgrad included); same checks as auto."""
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")
     test_block_at_many_rows_matches_reference_and_fused_equals_unfused(monkeypatch)
@@ -215,7 +178,7 @@ def test_large_gemms_against_fp64_at_realistic_magnitudes():
     rows, k, n = 2900, 4096, 512
     choice = grouped_gemm.select_backend(CUDA, torch.bfloat16, k, n, True,
                                          rows_per_group=rows / 4)
-    assert choice.large_kinds == tuple(lg.MIN_ROWS_PER_GROUP)
+    assert choice.large_kinds == ("fprop", "dgrad")
     x = torch.randn(rows, k, device=CUDA, dtype=torch.bfloat16)
     dy = torch.randn(rows, n, device=CUDA, dtype=torch.bfloat16)
     w = (torch.randn(4, n, k, device=CUDA) * k ** -0.5).to(torch.bfloat16)
@@ -241,10 +204,9 @@ def test_existing_compile_and_graph_checks_on_the_large_kernels(fusion, monkeypa
     import test_cuda_graphs
     import test_torch_compile_cuda
 
-    monkeypatch.setattr(lg, "MIN_ROWS_PER_GROUP", {k: 1 for k in lg.MIN_ROWS_PER_GROUP})
+    with_rows(monkeypatch, last=PERSISTENT_FROM_ONE)
     block = test_torch_compile_cuda._block(fusion, monkeypatch)
-    # 64 rows per group: above the few-rows kernels' MAX_ROWS_PER_GROUP (which auto checks
-    # first), like the compile test's T=256 over 4 experts and the graph test's 1024 over 8
+    # 64 rows per group: above the few-rows rows (which hold first), like the compile test's T=256 over 4 experts and the graph test's 1024 over 8
     x = torch.randn(256, block[0].in_features, device=CUDA, dtype=torch.bfloat16)
     sizes = torch.tensor([64] * 4, device=CUDA)
     block(x, sizes, torch.rand(256, device=CUDA), sizes)
@@ -259,9 +221,10 @@ def test_both_rules_at_32_rows_give_one_choice_with_both_families(monkeypatch):
     fprop / dgrad (>= 32): one choice carries both, each kind in one family, and the reason
     names both rules; routing sends wgrad to the few-rows kernel and fprop / dgrad to the
     persistent one (each refuses the CPU tensor with its own reason)."""
-    from te_ops.kernels.grouped_gemm_triton import triton_kinds
+    from te_ops.gemm.rules import choose
 
-    assert triton_kinds(32.0) == ("wgrad",) and lg.large_kinds(32.0) == ("fprop", "dgrad")
+    assert [choose(k, 32.0, 16, 32, arch=9, dtype=torch.bfloat16).kernel
+            for k in ("fprop", "dgrad", "wgrad")] == ["triton_persistent"] * 2 + ["triton_rows"]
     monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: None)
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)
     cpu = torch.device("cpu")
@@ -271,7 +234,7 @@ def test_both_rules_at_32_rows_give_one_choice_with_both_families(monkeypatch):
     assert choice.triton_kinds == ("wgrad",) and choice.large_kinds == ("fprop", "dgrad")
     assert "wgrad in Triton (few rows per group" in choice.reason
     assert "fprop/dgrad in the persistent Triton grouped GEMM" in choice.reason
-    assert "torch._grouped_mm" not in choice.reason.split("measured faster than")[0]
+    assert not choice.reason.endswith("in torch._grouped_mm")
     x, dy = torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(10, 32, dtype=torch.bfloat16)
     splits = make_splits(torch.tensor([3, 0, 5]), 3, 10, cpu)
     with pytest.raises(RuntimeError, match="large-shape Triton grouped GEMM cannot run"):

@@ -63,7 +63,9 @@ def test_grouped_linear_flags_must_be_bools(flag):
 
 def test_bias_false_gives_a_bool_use_bias():
     lin = te_ops.GroupedLinear(2, 4, 4, bias=False)
-    assert lin.use_bias is False and lin.has_bias is False and lin.bias0 is None
+    assert lin.use_bias is False and lin.has_bias is False and lin.bias is None
+    per_expert = te_ops.GroupedLinear(2, 4, 4, bias=False, single_grouped_weight=False)
+    assert per_expert.has_bias is False and per_expert.bias0 is None
 
 
 @pytest.mark.parametrize("bias", [None, 0, 1, 2])
@@ -89,7 +91,7 @@ def test_fuses_as_must_name_a_base_class():
 # --------------------------------------------------------------------------- state_dict
 def test_per_expert_checkpoint_of_wrong_shape_into_single_weight_names_the_key():
     # torch.stack raised "stack expects each tensor to be equal size" without a key name.
-    src = te_ops.GroupedLinear(2, 16, 64)
+    src = te_ops.GroupedLinear(2, 16, 64, single_grouped_weight=False)
     dst = te_ops.GroupedLinear(2, 16, 64, single_grouped_weight=True)
     sd = src.state_dict()
     sd["weight0"] = sd["weight0"][:1]
@@ -283,12 +285,12 @@ def test_saved_views_give_the_same_grads_as_before():
     x_ref = x.detach().clone().requires_grad_()
     outs = []
     for g, rows in enumerate((slice(0, 2), slice(2, 6))):
-        h = torch.nn.functional.linear(x_ref[rows], getattr(fc1, f"weight{g}"),
-                                       getattr(fc1, f"bias{g}", None))
+        h = torch.nn.functional.linear(x_ref[rows], fc1.weight[g],
+                                       None if fc1.bias is None else fc1.bias[g])
         a, b = h.chunk(2, dim=-1)
         act = torch.nn.functional.silu(a) * b * probs[rows, None]
-        outs.append(torch.nn.functional.linear(act, getattr(fc2, f"weight{g}"),
-                                               getattr(fc2, f"bias{g}", None)))
+        outs.append(torch.nn.functional.linear(act, fc2.weight[g],
+                                               None if fc2.bias is None else fc2.bias[g]))
     torch.cat(outs).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
 
@@ -465,13 +467,14 @@ def test_split_sizes_aliasing_one_tensor_keep_the_fused_mlp(recwarn, alias):
     import reference as ref
 
     xr, pr = ref.leaf(x), ref.leaf(probs)
-    w1, b1, w2, b2 = ([ref.leaf(getattr(block[i], f"{kind}{g}")) for g in range(3)]
-                      for i, kind in ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias")))
+    leaves = [ref.leaf(getattr(block[i], kind))
+              for i, kind in ((0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"))]
+    w1, b1, w2, b2 = (list(t.unbind(0)) for t in leaves)
     yr = ref.grouped_mlp(xr, [2, 3, 4], pr, w1, b1, w2, b2)
     yr.square().sum().backward()
     ref.assert_close(y, yr, torch.float32, "y")
     ref.assert_close(x.grad, xr.grad, torch.float32, "x.grad")
-    ref.assert_close(block[2].weight1.grad, w2[1].grad, torch.float32, "fc2.weight1.grad")
+    ref.assert_close(block[2].weight.grad, leaves[2].grad, torch.float32, "fc2.weight.grad")
 
 
 @pytest.mark.parametrize("other", ["clone", "offset_view", "other_strides"])
@@ -611,8 +614,7 @@ def test_nested_sequential_that_needs_extra_inputs_is_refused_with_the_fix():
     nested = te_ops.Sequential(te_ops.Sequential(te_ops.SwiGLU()), te_ops.Identity())
     torch.testing.assert_close(nested(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
     flat = te_ops.Sequential(*inner, te_ops.SwiGLU())
-    w = [inner[0].weight0, inner[0].weight1]
-    b = [inner[0].bias0, inner[0].bias1]
+    w, b = list(inner[0].weight), list(inner[0].bias)
     h = torch.cat([torch.nn.functional.linear(x[:2], w[0], b[0]),
                    torch.nn.functional.linear(x[2:], w[1], b[1])])
     torch.testing.assert_close(flat(x, [2, 4]), torch.nn.functional.silu(h[:, :4]) * h[:, 4:])

@@ -19,12 +19,12 @@ import te_ops
 E, HIDDEN, FFN, ROWS = 3, 8, 8, 12
 
 
-def _block(recompute: bool) -> te_ops.Sequential:
+def _block(recompute: bool, single: bool = True) -> te_ops.Sequential:
     torch.manual_seed(0)
     return te_ops.Sequential(
-        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False),
+        te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False, single_grouped_weight=single),
         te_ops.ScaledSwiGLU(recompute_input=recompute),
-        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False),
+        te_ops.GroupedLinear(E, FFN, HIDDEN, bias=False, single_grouped_weight=single),
     )
 
 
@@ -107,7 +107,7 @@ def test_block_pickles_after_training_steps(clone):
     for _ in range(2):
         got, want = _train_step(twin, x, probs, splits), _train_step(blk, x, probs, splits)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert twin[0].weight0 is not blk[0].weight0
+    assert twin[0].weights()[0] is not blk[0].weights()[0]
 
 
 @pytest.mark.parametrize("clone", [_clone_by_pickle, copy.deepcopy])
@@ -142,7 +142,7 @@ def test_one_expert_weight_cast_alone_is_named_as_the_parameter(monkeypatch, fus
     (``weight1`` and ``weight0``), also when it is weight0 (before: "input must match the
     weights' dtype torch.bfloat16", though the other experts were still float32)."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
-    blk = _block(False)
+    blk = _block(False, single=False)
     w = getattr(blk[layer], f"weight{index}")
     w.data = w.data.to(torch.bfloat16)
     x = torch.randn(ROWS, HIDDEN, requires_grad=True)

@@ -11,23 +11,19 @@ import torch
 from bench_helpers import usage_error
 
 import te_ops
-from te_ops.kernels import dgrad_dswiglu_triton as D
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
 
 import large_gemm_triton as bench  # noqa: E402
 
 
-@pytest.mark.parametrize("value", ["auto", "1"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_explain_names_the_device_where_the_epilogues_cannot_run(monkeypatch, value, bias):
-    """On CPU both epilogues need te_ops' Triton kernels, which run on CUDA only:
-    ``explain()`` says so (not only that the GEMM runs in another backend), also where the
-    variables ask for the epilogues (``1``), and first (the README's quick start has biases:
-    its explain() gave the bias as the reason, which removing does not change on CPU)."""
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", value)
-    monkeypatch.setenv("TE_OPS_FC2_DSWIGLU_EPILOGUE", value)
+def test_explain_names_the_device_where_the_epilogue_cannot_run(monkeypatch, bias):
+    """On CPU the fc1 epilogue needs te_ops' Triton kernels, which run on CUDA only:
+    ``explain()`` says so (not only that the GEMM runs in another backend), and first (the
+    README's quick start has biases: its explain() gave the bias as the reason, which
+    removing does not change on CPU)."""
     block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=bias),
                               te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=bias))
     split = torch.tensor([2, 1])
@@ -35,9 +31,7 @@ def test_explain_names_the_device_where_the_epilogues_cannot_run(monkeypatch, va
     block(x, split, torch.rand(3, requires_grad=True), split).sum().backward()
     text = block.explain()
     fc1 = next(line for line in text.splitlines() if "fc1 SwiGLU epilogue" in line)
-    fc2 = next(line for line in text.splitlines() if "fc2 dgrad dSwiGLU epilogue" in line)
-    for line in (fc1, fc2):
-        assert "not used" in line and "CUDA only" in line and "on cpu" in line, line
+    assert "not used" in fc1 and "CUDA only" in fc1 and "on cpu" in fc1, fc1
 
 
 @pytest.mark.parametrize("flag, config, words", [
@@ -48,9 +42,6 @@ def test_explain_names_the_device_where_the_epilogues_cannot_run(monkeypatch, va
     ("--fused-variants", '{"v": {"FOO": 1}}', ["--fused-variants 'v'", "FOO"]),
     ("--fused-variants", '{"v": {"BLOCK_K": true}}', ["--fused-variants 'v'", "BLOCK_K",
                                                       "True"]),
-    ("--dswiglu-variants", '{"v": {"num_warps": "x"}}', ["--dswiglu-variants 'v'",
-                                                         "num_warps", "'x'"]),
-    ("--dswiglu-variants", '{"v": {"H_TMA": 2}}', ["--dswiglu-variants 'v'", "H_TMA", "2"]),
 ])
 def test_large_gemm_bad_launch_configs_are_usage_errors(capsys, monkeypatch, flag, config,
                                                         words):
@@ -59,7 +50,7 @@ def test_large_gemm_bad_launch_configs_are_usage_errors(capsys, monkeypatch, fla
     from the checks or a failure deep in Triton; a bad ``--fused-variants`` config names
     ``--fused-variants``, not ``--fused-config``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
-    err = usage_error(capsys, bench.main, ["--gemms", "fc1,fc2_dswiglu", flag, config])
+    err = usage_error(capsys, bench.main, ["--gemms", "fc1", flag, config])
     for word in words:
         assert word in err, err
 
@@ -68,8 +59,6 @@ def test_large_gemm_bad_launch_configs_are_usage_errors(capsys, monkeypatch, fla
     (lambda c: L._resolve("fprop", c, 4), "BLOCK_N", "256"),
     (lambda c: L._resolve("fc1_swiglu", c, 4), "USE_TMA", 1.0),
     (lambda c: L._resolve("dgrad", c, 4), "GROUP_M", -8),
-    (lambda c: D._resolve(c, 4), "PROGRAMS_PER_SM", True),
-    (lambda c: D._resolve(c, 4), "FLAT", "no"),
 ])
 def test_kernel_config_value_errors_name_key_expected_and_got(resolve, key, value):
     with pytest.raises(ValueError, match=f"config {key} must be .*got {value!r}"):
@@ -79,19 +68,18 @@ def test_kernel_config_value_errors_name_key_expected_and_got(resolve, key, valu
 def test_kernel_configs_keep_accepting_their_defaults_and_sweeps():
     for kind in ("fprop", "dgrad", "fc1_swiglu"):
         assert L._resolve(kind, dict(L.large_config(kind)), 4) == L.large_config(kind)
-    assert D._resolve(dict(D.dswiglu_config()), 4) == D.dswiglu_config()
     for cfg in bench.SWEEP:
         L._resolve("fprop", cfg, 4)
 
 
 def test_planned_explain_says_why_the_epilogues_are_not_used_on_cpu():
-    """``explain(sample inputs)`` (what the main job prints: planned, nothing run) names both
-    epilogues on CPU and why they are not used, as ``explain()`` after a call does."""
+    """``explain(sample inputs)`` (what the main job prints: planned, nothing run) names the
+    fc1 epilogue on CPU and why it is not used, as ``explain()`` after a call does."""
     block = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16, bias=False),
                               te_ops.ScaledSwiGLU(), te_ops.GroupedLinear(2, 8, 8, bias=False))
     split = torch.tensor([2, 1])
     text = block.explain(torch.randn(3, 8), split, torch.rand(3), split)
-    for kind in ("fc1 SwiGLU epilogue: not used", "fc2 dgrad dSwiGLU epilogue: not used"):
+    for kind in ("fc1 SwiGLU epilogue: not used",):
         line = next((ln for ln in text.splitlines() if kind in ln), None)
         assert line is not None and "CUDA only" in line and "on cpu" in line, text
 
@@ -121,8 +109,6 @@ def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, fl
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dswiglu-variants", '{"v": {"EPI_SPLIT": 1}}'],
-     ["--dswiglu-variants applies to --gemms fc2_dswiglu only", "fc1,fc2"]),
     (["--gemms", "fc2", "--fused-variants", '{"v": {"FLAT": false}}'],
      ["--fused-variants applies to --gemms fc1 only", "'fc2'"]),
     (["--gemms", "fc1_dgrad", "--fused-config", '{"FLAT": false}'],
@@ -130,9 +116,8 @@ def test_large_gemm_override_with_sweep_is_a_usage_error(capsys, monkeypatch, fl
 ])
 def test_large_gemm_kernel_flags_without_their_gemm_are_usage_errors(capsys, monkeypatch, argv,
                                                                       words):
-    """``--dswiglu-variants`` times only under ``--gemms fc2_dswiglu`` (not run by default),
-    ``--fused-config`` / ``--fused-variants`` only under fc1: without that GEMM the flag did
-    nothing, silently."""
+    """``--fused-config`` / ``--fused-variants`` time only under fc1: without that GEMM the
+    flag did nothing, silently."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never reached
     err = usage_error(capsys, bench.main, argv)
     for word in words:
@@ -155,9 +140,8 @@ def test_explain_drops_an_earlier_calls_epilogue_decision_when_the_activation_ra
         return block.explain()
 
     text = call()
-    assert "fc1 SwiGLU epilogue" in text and "fc2 dgrad dSwiGLU epilogue" in text
+    assert "fc1 SwiGLU epilogue" in text
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", forward)
     monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", backward)
     text = call()
     assert ("fc1 SwiGLU epilogue" in text) == (forward == "1"), text
-    assert ("fc2 dgrad dSwiGLU epilogue" in text) == (backward == "1"), text

@@ -70,7 +70,7 @@ def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fus
     x0 = torch.randn(6, H, dtype=dtype, requires_grad=True)
     x = x0 if leaf else x0 * 2  # a non-leaf input (saved for fc1's wgrad)
     y = blk(x, [3, 3], probs, [3, 3])
-    gx, gw = torch.autograd.grad(y.square().sum(), [x, blk[0].weight0], create_graph=True)
+    gx, gw = torch.autograd.grad(y.square().sum(), [x, blk[0].weight], create_graph=True)
     # The first-order values are still right.
     w1 = [ref.leaf(w) for w in blk[0].weights()]
     w2 = [ref.leaf(w) for w in blk[2].weights()]
@@ -80,7 +80,7 @@ def test_grad_of_first_order_grad_wrt_inputs_and_weights_raises(monkeypatch, fus
     ref.assert_close(gx, gx_ref, dtype, "dx")
     ref.assert_close(gw, gw_ref, dtype, "dweight0")
     for first in (gx, gw):
-        for wrt in (x, x0, blk[0].weight1, blk[2].weight0, probs):
+        for wrt in (x, x0, blk[0].weight, blk[2].weight, probs):
             with pytest.raises(RuntimeError, match="create_graph=True"):
                 torch.autograd.grad(first.sum(), wrt, retain_graph=True, allow_unused=True)
 
@@ -97,11 +97,11 @@ def test_repeated_call_grad_of_first_order_grad_raises():
         y = blk(x_in, split, probs, split)
         assert type(y.grad_fn).__name__ == "_FuserFunctionBackward"
         (gx,) = torch.autograd.grad(y.sum(), x_in, create_graph=True)
-        for wrt in (x_in, x, blk[0].weight0, blk[2].weight1):
+        for wrt in (x_in, x, blk[0].weight, blk[2].weight):
             with pytest.raises(RuntimeError, match="create_graph=True"):
                 torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
     (gx,) = torch.autograd.grad(blk(x, split, probs, split).sum(), x, create_graph=True)
-    for wrt in (x, blk[0].weight0, blk[2].weight1):
+    for wrt in (x, blk[0].weight, blk[2].weight):
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(gx.sum(), wrt, retain_graph=True, allow_unused=True)
 
@@ -357,7 +357,7 @@ def test_double_backward_gap_is_as_documented():
     (g,) = torch.autograd.grad(y.square().sum(), xt, create_graph=True)
     assert torch.autograd.grad(g.sum(), xt, allow_unused=True) == (None,)
     with pytest.raises(RuntimeError, match="create_graph=True"):  # through the weights
-        torch.autograd.grad(g.sum(), blk[0].weight0, allow_unused=True)
+        torch.autograd.grad(g.sum(), blk[0].weight, allow_unused=True)
 
 
 # ------------------------------------------------------------- print(block) shows the options

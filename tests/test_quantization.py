@@ -36,7 +36,7 @@ from test_fused_grouped_mlp import (
 
 import te_ops
 from te_ops.fused.grouped_mlp import BackwardGroupedMLP, ForwardGroupedMLP
-from te_ops.kernels.grouped_gemm import (
+from te_ops.gemm.dispatch import (
     grouped_dgrad,
     grouped_fprop,
     grouped_wgrad,
@@ -436,7 +436,7 @@ def test_high_precision_gemms_follow_the_recipe(keep):
     with te_ops.autocast(recipe=recipe):
         y = blk(x, torch.tensor(sizes))
     y.backward(dy)
-    w = torch.stack([getattr(blk, f"weight{g}").detach() for g in range(4)])  # (G, N, K)
+    w = blk.weight.detach()  # (G, N, K)
     splits = make_splits(sizes, 4, rows, torch.device("cpu"))
     xa, wa = _gemm_operands("fprop", "fprop" in keep, x, w, splits)
     ref.assert_close(y, ref.grouped_linear(xa, list(wa.unbind(0)), None, sizes),
@@ -447,7 +447,7 @@ def test_high_precision_gemms_follow_the_recipe(keep):
     xc, dyc = _gemm_operands("wgrad", "wgrad" in keep, x, dy, splits)
     starts = itertools.accumulate([0] + sizes[:-1])
     for g, (s, m) in enumerate(zip(starts, sizes)):
-        ref.assert_close(getattr(blk, f"weight{g}").grad, dyc[s:s + m].t() @ xc[s:s + m],
+        ref.assert_close(blk.weight.grad[g], dyc[s:s + m].t() @ xc[s:s + m],
                          torch.float32, f"wgrad {g}")
 
 
@@ -515,7 +515,6 @@ def test_autocast_errors():
 
 
 def test_quantized_input_is_saved_columnwise(monkeypatch):
-    monkeypatch.delenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", raising=False)
     blk = te_ops.GroupedLinear(2, 32, 16)
     x = torch.randn(20, 32, requires_grad=True)
     with te_ops.autocast(recipe=MXFP8BlockScaling()):
@@ -523,7 +522,7 @@ def test_quantized_input_is_saved_columnwise(monkeypatch):
     node_saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     fp8 = [t for t in node_saved if t.dtype == torch.float8_e4m3fn]
     # x: (K, capacity = round_up(20 + 2 * 31, 32)), no row-wise copy; no weight copy
-    # (TE_OPS_SAVE_COLUMNWISE_WEIGHTS defaults to 0: test_weights_columnwise_saved_only_...)
+    # (test_weights_columnwise_not_saved)
     assert [tuple(t.shape) for t in fp8] == [(32, 96)]
     assert not any(t.dtype == torch.float32 and t.shape == (20, 32) for t in node_saved)
     y.sum().backward()
@@ -547,31 +546,9 @@ def test_main_job_recipe_flag(tmp_path, monkeypatch, capsys):
         train_moe.parse_args(["--recipe", "fp4"])
 
 
-def test_weights_columnwise_saved_only_when_dgrad_is_needed():
-    """The forward keeps the weights' column-wise copy (dgrad's operand) exactly when the
-    backward will run dgrad (and TE_OPS_SAVE_COLUMNWISE_WEIGHTS is not 0); its bytes are the
-    backward's own quantization of the weights."""
-    blk = te_ops.GroupedLinear(2, 32, 16, bias=False)
-    x = torch.randn(20, 32)
-    for needs_dgrad, env_value in ((False, "1"), (True, "0"), (True, "1")):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", env_value)
-            with te_ops.autocast(recipe=Float8CurrentScaling()):
-                y = blk(x.clone().requires_grad_(needs_dgrad), torch.tensor([7, 13]))
-        shapes = [tuple(t.shape) for t in y.grad_fn.saved_tensors
-                  if t is not None and t.dtype == torch.float8_e4m3fn]
-        assert ((2, 32, 16) in shapes) == (needs_dgrad and env_value == "1")
-    w = torch.stack([blk.weight0, blk.weight1]).detach()
-    saved = [t for t in y.grad_fn.saved_tensors
-             if t is not None and t.dtype == torch.float8_e4m3fn and t.dim() == 3][0]
-    ref_q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)(w)
-    assert torch.equal(saved.view(torch.uint8), ref_q.columnwise_data.view(torch.uint8))
-
-
-def test_weights_columnwise_not_saved_by_default(monkeypatch):
-    """TE_OPS_SAVE_COLUMNWISE_WEIGHTS defaults to 0: the forward keeps no FP8 weight copy (the
-    H200 gain was within noise, the memory is one byte per weight element per layer)."""
-    monkeypatch.delenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", raising=False)
+def test_weights_columnwise_not_saved():
+    """The forward keeps no FP8 weight copy for dgrad (keeping it measured within noise on the
+    H200; the memory is one byte per weight element per layer): backward quantizes them."""
     blk = te_ops.GroupedLinear(2, 32, 16, bias=False)
     with te_ops.autocast(recipe=Float8CurrentScaling()):
         y = blk(torch.randn(20, 32, requires_grad=True), torch.tensor([7, 13]))
@@ -581,9 +558,9 @@ def test_weights_columnwise_not_saved_by_default(monkeypatch):
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("fused", [False, True])
-def test_saved_weight_copy_and_combined_dy_bit_exact(monkeypatch, recipe, fused):
-    """Saving the weights' column-wise copy in forward and quantizing dy / dh both ways at once
-    give the bytes (so the outputs and gradients) of quantizing each copy where it is used."""
+def test_combined_dy_bit_exact(monkeypatch, recipe, fused):
+    """Quantizing dy / dh both ways at once gives the bytes (so the outputs and gradients) of
+    quantizing each copy where it is used."""
     import te_ops.basic.grouped_linear as gl
 
     case = CASES["padding_rows"]
@@ -592,10 +569,9 @@ def test_saved_weight_copy_and_combined_dy_bit_exact(monkeypatch, recipe, fused)
     inp = make_inputs(case, torch.float32, "tensor")
     set_combo(monkeypatch, fused, fused)
     results = []
-    for save_w in (True, False):
-        monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "1" if save_w else "0")
+    for combined in (True, False):
         monkeypatch.setattr(gl.GroupedLinear, "quantize_grad_output",
-                            staticmethod(gl.GroupedLinear.quantize_grad_output) if save_w
+                            staticmethod(gl.GroupedLinear.quantize_grad_output) if combined
                             else staticmethod(lambda saved, dy2d, need_dgrad: None))
         blk = make_block(case, torch.float32)
         blk.load_state_dict(master.state_dict())

@@ -236,10 +236,10 @@ def test_graph_capture_under_fp8_bitwise_equals_eager():
 
 
 @pytest.mark.parametrize("fusion", ["0", "1"])
-def test_one_kernel_copies_and_saved_weights_bitwise_equal_separate(fusion, monkeypatch):
+def test_one_kernel_copies_bitwise_equal_separate(fusion, monkeypatch):
     """The block's output and every gradient are bitwise the same with both quantized copies
-    from one pair of passes and the weights' column-wise copy saved by the forward as with
-    every copy quantized apart where it is used (fused and unfused halves)."""
+    from one pair of passes as with every copy quantized apart where it is used (fused and
+    unfused halves)."""
     from te_ops.quantization import quantizer as qmod
 
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
@@ -247,7 +247,6 @@ def test_one_kernel_copies_and_saved_weights_bitwise_equal_separate(fusion, monk
     args = inputs()
     y1, g1 = step(blk, *args)
     monkeypatch.setattr(qmod, "BOTH_COPIES_ONE_KERNEL", False)
-    monkeypatch.setenv("TE_OPS_SAVE_COLUMNWISE_WEIGHTS", "0")
     y2, g2 = step(blk, *args)
     for a, b in zip([y1] + g1, [y2] + g2):
         assert torch.equal(a, b)

@@ -14,7 +14,7 @@ def _fake_epilogue(fc1, act, x2d, weights, splits, backend1, probs, recipe):
     """``fc1_swiglu_forward`` as the CUDA gate answers it, on the CPU: not used under a
     recipe, else fc1's GEMM and the activation from torch ops (the fused launch's values)."""
     from te_ops.basic.swiglu import swiglu_forward
-    from te_ops.kernels.grouped_gemm import grouped_fprop
+    from te_ops.gemm.dispatch import grouped_fprop
 
     if recipe is not None:
         return None
@@ -51,7 +51,7 @@ def test_fc1_swiglu_without_groups_names_the_weights(monkeypatch):
     """``fc1_swiglu`` with G = 0 groups (weights (0, 2F, K), offsets (0,)) raised
     ZeroDivisionError from its config (rows / groups), and the kernel would read the empty
     offsets; a clear ValueError names the argument and the value."""
-    from te_ops.kernels import grouped_mlp_triton as gm
+    from te_ops.gemm import grouped_mlp_triton as gm
 
     monkeypatch.setattr(gm, "unsupported_reason", lambda *a: None)  # as on a GPU
     x = torch.randn(4, 8, dtype=torch.bfloat16)
@@ -63,7 +63,7 @@ def test_fc1_swiglu_without_groups_names_the_weights(monkeypatch):
 @pytest.mark.parametrize("kind", ["fprop", "dgrad"])
 def test_triton_rows_without_groups_names_the_weights(monkeypatch, kind):
     """The same input kind for the Triton grouped fprop / dgrad (G = 0)."""
-    from te_ops.kernels import grouped_gemm_triton as tg
+    from te_ops.gemm import grouped_gemm_triton as tg
 
     monkeypatch.setattr(tg, "unsupported_reason", lambda *a: None)  # as on a GPU
     w = torch.randn(0, 16, 8, dtype=torch.bfloat16)

@@ -19,12 +19,15 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
+from gemm_force import FC1_FUSED_ANY, with_rows
 
 import te_ops
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import grouped_gemm, wgrad_into
-from te_ops.kernels import grouped_gemm_large_triton as lg
-from te_ops.kernels.grouped_gemm import BackendChoice, loop_wgrad
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import wgrad_into
+from te_ops.gemm import grouped_gemm_large_triton as lg
+from te_ops.gemm import BackendChoice
+from te_ops.gemm.torch_ops import loop_wgrad
 from te_ops.splits import make_splits
 
 SIZES = [5, 0, 7, 6]
@@ -116,14 +119,14 @@ def test_forced_reason_names_kinds_kernels_and_threshold(monkeypatch):
     threshold's value (not only its name), and where an fp32 main_grad's wgrad runs."""
     _fake_triton(monkeypatch)
     cpu = torch.device("cpu")
-    limit = lg.FORCED_MIN_ROWS_PER_GROUP
+    limit = 512  # the forced rows of te_ops.gemm.rules
     many = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "triton", "auto",
                                         (), ("fprop", "dgrad", "wgrad"))
     few = grouped_gemm._select_backend(cpu, torch.bfloat16, 16, 32, True, "triton", "auto")
-    assert "fprop/dgrad/wgrad in the persistent many-rows kernels (>= " in many.reason
-    assert f"FORCED_MIN_ROWS_PER_GROUP={limit}" in many.reason
+    assert "fprop/dgrad/wgrad in the persistent many-rows kernels (" in many.reason
+    assert f"from {limit} rows per group" in many.reason
     assert "fprop/dgrad/wgrad in the few-rows Triton kernels" in few.reason
-    assert f"< FORCED_MIN_ROWS_PER_GROUP={limit}" in few.reason
+    assert f"below {limit} rows per group" in few.reason
     for choice in (many, few):
         assert choice.reason.startswith("forced by TE_OPS_GROUPED_GEMM_BACKEND")
         assert "fp32 main_grad in torch._grouped_mm" in choice.reason
@@ -142,27 +145,27 @@ def test_auto_fallback_reason_does_not_repeat_itself(monkeypatch):
     assert choice.reason.count("not SM100") == 1, choice.reason
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     choice = grouped_gemm._select_backend(cuda, torch.bfloat16, 16, 32, True, "auto", "auto")
-    assert "MAX_ROWS_PER_GROUP" in choice.reason and "MIN_ROWS_PER_GROUP" in choice.reason
+    assert "no few-rows row" in choice.reason and "no persistent-kernel row" in choice.reason
 
 
 class _Act:
     name, reason = "triton", "test"
 
 
-def test_fc1_epilogue_reason_names_the_persistent_kernel(monkeypatch):
+def test_fc1_swiglu_reason_names_the_persistent_kernel(monkeypatch):
     """fc1's fprop in the persistent kernel (auto at >= 32 rows per group, or forced): auto
     does not take the epilogue (measured slower there, stop 15), and the reason says why (not
     "does not run in Triton"); ``1`` takes the persistent kernel's fused launch (same bits)."""
     for choice in (FORCED_LARGE, BackendChoice("triton", "auto", True,
                                                large_kinds=("fprop", "dgrad"))):
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-        why = fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0)
+        with_rows(monkeypatch)
+        why = fc1_swiglu_reason(choice, _Act(), None, False, None, 1024.0)
         assert why is not None and "persistent many-rows Triton kernel" in why, why
-        assert "does not run in Triton" not in why and "=1 takes it" in why
-        monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
-        assert fc1_epilogue_reason(choice, _Act(), None, False, None, 1024.0) is None
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")  # neighbour: few-rows fprop
-    assert fc1_epilogue_reason(FORCED_FEW, _Act(), None, False, None, 1024.0) is None
+        assert "does not run in Triton" not in why and "no fc1_swiglu row" in why
+        with_rows(monkeypatch, last=FC1_FUSED_ANY)
+        assert fc1_swiglu_reason(choice, _Act(), None, False, None, 1024.0) is None
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)  # neighbour: few-rows fprop
+    assert fc1_swiglu_reason(FORCED_FEW, _Act(), None, False, None, 1024.0) is None
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -195,7 +198,7 @@ def test_forced_triton_unaligned_features_fp32_main_grad(monkeypatch, sizes):
     dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     block(x, splits, probs, splits).backward(dy)
     text = block.explain()
-    assert ("persistent many-rows kernels" if rows / experts >= lg.FORCED_MIN_ROWS_PER_GROUP
+    assert ("persistent many-rows kernels" if rows / experts >= 512  # the forced rows
             else "few-rows Triton kernels") in text, text
     total = sum(sizes)
     fc1, _, fc2 = block
@@ -219,23 +222,22 @@ def test_forced_triton_unaligned_features_fp32_main_grad(monkeypatch, sizes):
     ((10, 0), torch.bfloat16, False),
 ])
 def test_row_rules_read_only_where_they_can_apply(monkeypatch, capability, dtype, read):
-    """Auto compares the call's rows per group with the Triton rules (MAX_ROWS_PER_GROUP,
-    MIN_ROWS_PER_GROUP) only on SM90 in bf16: under torch.compile each comparison of a traced
+    """Auto compares the call's rows per group with the rules table only on SM90 in bf16: under torch.compile each comparison of a traced
     row count is a guard, so elsewhere (an A100, fp16/fp32 training) a dynamic row count
     crossing 4, 8, 32 or 512 rows per group recompiled for the same grouped_mm choice."""
     calls = []
     monkeypatch.setattr(grouped_gemm, "triton_unsupported_reason", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(grouped_gemm, "_MEASURED_ON", {})
-    monkeypatch.setattr(grouped_gemm, "triton_kinds", lambda rows: calls.append("few") or ())
-    monkeypatch.setattr(grouped_gemm, "large_kinds",
-                        lambda rows, forced=False: calls.append("large") or ())
+    real = grouped_gemm.gemm_rules
+    monkeypatch.setattr(grouped_gemm, "gemm_rules",
+                        lambda *a: calls.append(a[-1]) or real(*a))
     monkeypatch.setattr(grouped_gemm, "_select_backend",
                         lambda *a: BackendChoice("grouped_mm", "stub", True))
     cuda = torch.device("cuda", 0)
     grouped_gemm.select_backend(cuda, dtype, 64, 64, True, rows_per_group=600.0)
-    assert calls == (["few", "large"] if read else [])
+    assert calls == (["auto"] if read else [])
     monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "triton")  # forced: any CUDA GPU, dtype
     calls.clear()
     grouped_gemm.select_backend(cuda, dtype, 64, 64, True, rows_per_group=600.0)
-    assert calls == ["large"]
+    assert calls == ["forced"]

@@ -28,8 +28,8 @@ from sm90_compile import compile_for_sm90
 HEADER = r'''
 import torch
 import torch.nn.functional as F
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_wgrad_large_triton as W
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
 
@@ -142,7 +142,7 @@ print("ok")
 
 
 FEW_ROWS_PAST = HEADER + r'''
-from te_ops.kernels import grouped_gemm_triton as gt
+from te_ops.gemm import grouped_gemm_triton as gt
 
 gen = torch.Generator().manual_seed(2)
 m, n, k = 12, 40, 24
@@ -184,8 +184,8 @@ def test_tma_gate_sees_fake_storage_offset():
     pytest.importorskip("triton")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_ops.kernels import grouped_gemm_large_triton as L
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     if not hasattr(L.tl, "make_tensor_descriptor"):
         pytest.skip("the installed Triton has no tl.make_tensor_descriptor")
@@ -226,7 +226,7 @@ def test_pointer_loads_use_int64_offsets(kind, schedule):
     """Every tensor product in the pointer-load kernel (row * row stride, index * weight
     stride) is 64-bit: M * N or a weight's storage past 2^31 elements cannot wrap."""
     pytest.importorskip("triton")
-    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_gemm_large_triton as L
 
     swiglu = kind == "fc1_swiglu"
     cfg = L.large_config(kind)
@@ -242,7 +242,7 @@ def test_pointer_loads_use_int64_offsets(kind, schedule):
 @pytest.mark.parametrize("flat", [False, True])
 def test_wgrad_pointer_loads_use_int64_offsets(flat):
     pytest.importorskip("triton")
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     cfg = W.large_wgrad_config()
     const = {"ACCUMULATE": not flat, "USE_TMA": False, "SORTED": True,
@@ -275,8 +275,8 @@ def test_cuda_offsets_past_rows_and_no_groups():
     """Compiled kernels (TMA and pointer loads, both schedules): offsets past M give the
     clamped groups' rows (without the clamp the kernel wrote rows past h: run under
     ``compute-sanitizer`` to see the writes themselves); no groups give zeros."""
-    from te_ops.kernels import grouped_gemm_large_triton as L
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     m, n, k = 300, 256, 128
@@ -301,7 +301,7 @@ def test_cuda_offsets_past_rows_and_no_groups():
 def test_cuda_compile_misaligned_weights_view():
     """Weights that are a view of a larger buffer at a 2-byte offset: eager (data pointer) and
     torch.compile (FakeTensor storage offset) both take pointer loads, no misaligned TMA."""
-    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_gemm_large_triton as L
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     g, n, k, m = 2, 256, 128, 256

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental",
 
 import large_gemm_triton as bench  # noqa: E402
 
-from te_ops.kernels import grouped_gemm_large_triton as L  # noqa: E402
+from te_ops.gemm import grouped_gemm_large_triton as L  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "fc1_swiglu"])
@@ -110,7 +110,7 @@ def test_sweep_varies_the_default_schedule():
 
 SCRIPT = r'''
 import torch
-from te_ops.kernels import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_large_triton as L
 
 MID = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
 

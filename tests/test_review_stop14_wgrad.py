@@ -24,10 +24,10 @@ _INTERPRETER = interpreter_marks("tests/test_review_stop14_wgrad.py (the cuda te
 
 SCRIPT = r'''
 import torch
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_gemm_triton as gt
-from te_ops.kernels import grouped_mlp_triton as mt
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_gemm_triton as gt
+from te_ops.gemm import grouped_mlp_triton as mt
+from te_ops.gemm import grouped_wgrad_large_triton as W
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 gen = torch.Generator().manual_seed(0)
@@ -100,7 +100,7 @@ def test_flat_accumulate_does_not_fit_sm90_shared_memory():
     than an SM90 block has (232,448 bytes), so its launch cannot run; the nested one fits.
     Ahead-of-time compile, Triton 3.6 (the H200's)."""
     pytest.importorskip("triton")
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     cfg = W.large_wgrad_config()
     sig = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "out_ptr": "*fp32", "offs_ptr": "*i32",
@@ -137,8 +137,8 @@ def _fp64_wgrad(x, dy, bounds):
 def test_cuda_strided_and_int64_offsets():
     """On the GPU (default flat config: per-group TMA bounds, TMA store): strided offsets give
     the contiguous call's bits (wgrad, persistent fprop); int64 offsets past 2**31 end at M."""
-    from te_ops.kernels import grouped_gemm_large_triton as L
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     x, dy, offs = _cuda_operands([300, 0, 17, 129, 64], 600, 256, 512, torch.bfloat16)
     strided = torch.stack([offs, torch.full_like(offs, 7)], 1).reshape(-1)[::2]
@@ -164,7 +164,7 @@ def test_cuda_flat_many_tiles_per_program(dtype, cfg):
     power of 2, 1200 tiles over the SMs: descriptors change per group inside one program's
     pipelined loop; stop 14's GPU cases had at most one tile per program), with empty groups,
     skewed sizes and NaN padding: the fp64 reference and the nested schedule's bits."""
-    from te_ops.kernels import grouped_wgrad_large_triton as W
+    from te_ops.gemm import grouped_wgrad_large_triton as W
 
     gen = torch.Generator().manual_seed(3)
     sizes = [int(s) for s in torch.randint(0, 5, (300,), generator=gen) ** 3]  # 0..64

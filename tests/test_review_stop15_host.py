@@ -33,8 +33,8 @@ import pytest
 import torch
 from interpret import interpreter_marks, run_interpreted
 
-from te_ops.kernels import grouped_gemm_large_triton as L
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_gemm_large_triton as L
+from te_ops.gemm import grouped_wgrad_large_triton as W
 from te_ops.kernels import triton_launch
 
 
@@ -118,7 +118,7 @@ SCRIPT = r'''
 import torch
 import triton
 import triton.language as tl
-from te_ops.kernels import grouped_wgrad_large_triton as W
+from te_ops.gemm import grouped_wgrad_large_triton as W
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 gen = torch.Generator().manual_seed(0)

@@ -4,9 +4,6 @@
   device, so x on ``cuda:1`` while ``cuda:0`` is current ran the kernel (and allocated its
   TMA-descriptor scratch) on the wrong device; every other te_ops kernel launches through
   ``triton_launch.launch``, which makes the tensors' device current for the launch.
-* ``select_backend``'s choice cache was keyed by the Gluon kinds but not by
-  ``TE_OPS_GLUON_WGRAD``, whose value the reason text names: after a switch auto -> 1 at the
-  same shapes ``explain()`` still said ``TE_OPS_GLUON_WGRAD=auto``.
 * The auto ``triton`` choice's reason said wgrad runs in the Gluon (or persistent / few-rows
   Triton) kernel also for a wgrad into an fp32 ``main_grad``, which ``wgrad_into`` runs in
   ``torch._grouped_mm`` with ``out_dtype`` (the forced text says so; auto's did not).
@@ -16,8 +13,6 @@
 * The rule and the gate took any importable Gluon: Triton 3.5 (torch 2.9, inside the supported
   torch >= 2.8) imports the same modules with another ``gl.warp_specialize`` API, so auto
   dispatch would send the wgrad to a kernel that fails to compile in the backward.
-* ``TE_OPS_GLUON_WGRAD=1`` where the kernel can never take the layer's wgrad was a silent no-op
-  (now the choice's reason says ``TE_OPS_GLUON_WGRAD=1 not taken: <why>``).
 """
 
 from __future__ import annotations
@@ -27,8 +22,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from te_ops.kernels import grouped_gemm, grouped_gemm_large_triton, triton_launch
-from te_ops.kernels import grouped_wgrad_gluon as G
+from te_ops.gemm import dispatch as grouped_gemm
+from te_ops.gemm import grouped_gemm_large_triton
+from te_ops.kernels import triton_launch
+from te_ops.gemm import grouped_wgrad_gluon as G
 
 
 def test_gluon_launch_runs_on_the_tensors_device(monkeypatch):
@@ -62,29 +59,6 @@ def test_gluon_launch_runs_on_the_tensors_device(monkeypatch):
     dy = torch.zeros(8, 128, dtype=torch.bfloat16)
     G._launch(x, dy, torch.tensor([3, 8], dtype=torch.int32), None)
     assert calls == [[1]]
-
-
-def _auto_on_sm90(monkeypatch):
-    """select_backend as on an SM90 GPU in bfloat16 with the Gluon rule taking wgrad."""
-    monkeypatch.setattr(grouped_gemm, "_measured_on", lambda *a: True)
-    monkeypatch.setattr(grouped_gemm, "grouped_mm_unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(grouped_gemm, "grouped_mm_host_sync_reason", lambda *a: None)
-    monkeypatch.setattr(grouped_gemm, "triton_auto_reason", lambda *a: "off")
-    monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: "off")
-    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", lambda *a: ("wgrad",))
-    monkeypatch.setitem(grouped_gemm._PROBE_CACHE, ("cuda", 0, torch.bfloat16), None)
-    monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
-
-
-@pytest.mark.parametrize("modes", [("auto", "1"), ("1", "auto")])
-def test_cached_choice_names_the_current_gluon_mode(monkeypatch, modes):
-    _auto_on_sm90(monkeypatch)
-    for mode in modes:
-        monkeypatch.setenv("TE_OPS_GLUON_WGRAD", mode)
-        choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
-                                             256, True, rows_per_group=4096.0)
-        assert choice.gluon_kinds == ("wgrad",)
-        assert f"TE_OPS_GLUON_WGRAD={mode}:" in choice.reason
 
 
 @pytest.mark.parametrize("small, large, gluon", [
@@ -159,32 +133,7 @@ def test_rule_and_gate_refuse_another_gluon_api(monkeypatch):
     monkeypatch.setattr(G, "gluon", object())  # importable ...
     # ... but not 3.6's API
     monkeypatch.setattr(G, "GLUON_API_REASON", "another gl.warp_specialize API")
-    assert G.gluon_kinds(1e6, 256, "1") == () == G.gluon_kinds(1e6, 256, "auto")
+    assert G.gluon_unavailable_reason(256) == "another gl.warp_specialize API"
     x = torch.zeros(8, 256, dtype=torch.bfloat16)
     dy = torch.zeros(8, 256, dtype=torch.bfloat16)
     assert G.gluon_unsupported_reason(x, dy) == "another gl.warp_specialize API"
-
-
-# TE_OPS_GLUON_WGRAD=1 where the kernel can never take the layer's wgrad (no Gluon, another
-# Gluon API, out_features not a multiple of BLOCK_N) was a silent no-op: the choice's reason
-# said "wgrad in torch._grouped_mm" without why the asked-for kernel did not run.
-@pytest.mark.parametrize("patch, out_features, match", [
-    ({"gluon": None}, 256, "no Gluon"),
-    ({"gluon": object(), "GLUON_API_REASON": "another gl.warp_specialize API"}, 256,
-     "another gl.warp_specialize API"),
-    ({"gluon": object(), "GLUON_API_REASON": None}, 192, "multiple of BLOCK_N"),
-])
-def test_forced_gluon_mode_not_taken_says_why(monkeypatch, patch, out_features, match):
-    _auto_on_sm90(monkeypatch)
-    monkeypatch.setattr(grouped_gemm, "gluon_wgrad_kinds", G.gluon_kinds)
-    for name, value in patch.items():
-        monkeypatch.setattr(G, name, value)
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "1")
-    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
-                                         out_features, True, rows_per_group=4096.0)
-    assert choice.gluon_kinds == ()
-    assert "TE_OPS_GLUON_WGRAD=1 not taken" in choice.reason and match in choice.reason
-    monkeypatch.setenv("TE_OPS_GLUON_WGRAD", "auto")  # the rule's own choice: no note
-    choice = grouped_gemm.select_backend(torch.device("cuda", 0), torch.bfloat16, 256,
-                                         out_features, True, rows_per_group=4096.0)
-    assert "TE_OPS_GLUON_WGRAD" not in choice.reason

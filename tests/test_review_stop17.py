@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from te_ops.fused import fc1_epilogue
-from te_ops.fused.fc1_epilogue import fc1_epilogue_reason
-from te_ops.kernels import fc1_swiglu_gluon as FG
-from te_ops.kernels import grouped_gemm
+from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
+from te_ops.gemm import fc1_swiglu_reason
+from te_ops.gemm import fc1_swiglu_gluon as FG
+from te_ops.gemm import dispatch as grouped_gemm
 
 CUDA = torch.device("cuda")
-RULE = (2048, 1536)  # a GLUON_FC1_RULE shape (E128 T65536 fc1) at 512 rows per group
+RULE = (2048, 1536)  # the Gluon fc1_swiglu row's measured shape (E128 T65536 fc1), 512 rows
 ROWS = 512.0
 
 
@@ -44,11 +46,15 @@ def _on(monkeypatch, capability: tuple[int, int]) -> None:
     ((10, 0), torch.bfloat16, False), ((8, 0), torch.bfloat16, False)])
 def test_rule_holds_where_measured_only(monkeypatch, capability, dtype, takes):
     _on(monkeypatch, capability)
-    assert FG.GLUON_FC1_RULE.get(RULE) == ROWS
-    assert FG.gluon_fc1_rule(*RULE, ROWS, CUDA, dtype) is takes
-    assert not FG.gluon_fc1_rule(*RULE, ROWS, torch.device("cpu"), torch.bfloat16)
-    assert not FG.gluon_fc1_rule(*RULE, ROWS - 0.125, CUDA, dtype)  # a shape a few rows off
-    why = fc1_epilogue_reason(LARGE, ACT, None, False, None, ROWS, CUDA, features=RULE,
+    def gluon(*args):
+        rule = fc1_swiglu_mod.fc1_swiglu_rule(*args)
+        return rule is not None and rule.kernel == "gluon"
+
+    assert gluon(*RULE, ROWS, CUDA, dtype) is takes
+    assert not gluon(*RULE, ROWS, torch.device("cpu"), torch.bfloat16)
+    assert gluon(*RULE, ROWS - 0.125, CUDA, dtype) is takes  # inside the measured range
+    assert not gluon(*RULE, 128.0, CUDA, dtype)  # the neighbouring measured point
+    why = fc1_swiglu_reason(LARGE, ACT, None, False, None, ROWS, CUDA, features=RULE,
                               dtype=dtype)
     assert (why is None) is takes
 
@@ -62,12 +68,12 @@ def test_forced_triton_off_the_measured_device_keeps_two_launches_under_auto(
     ``large_fc1_swiglu`` and ``explain()`` says so."""
     _on(monkeypatch, capability)
     args = (LARGE, ACT, None, False, None, ROWS, CUDA)
-    why = fc1_epilogue_reason(*args, features=RULE, dtype=dtype)
+    why = fc1_swiglu_reason(*args, features=RULE, dtype=dtype)
     assert why is not None and "persistent many-rows Triton kernel" in why
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "1")
+    with_rows(monkeypatch, last=FC1_FUSED_ANY)
     gluon, large = [], []
     monkeypatch.setattr(FG, "gluon_fc1_dispatched", lambda *a: gluon.append(a) or ("g", "g"))
-    monkeypatch.setattr(fc1_epilogue, "large_fc1_swiglu", lambda *a: large.append(a) or ("h", "a"))
+    monkeypatch.setattr(fc1_swiglu_mod, "large_fc1_swiglu", lambda *a: large.append(a) or ("h", "a"))
     fc1 = type("Fc1", (), {"has_bias": False, "out_features": RULE[1]})()
     act = _Act()
     with FakeTensorMode():
@@ -77,21 +83,21 @@ def test_forced_triton_off_the_measured_device_keeps_two_launches_under_auto(
                                 "offsets": torch.empty(8, device=CUDA, dtype=torch.int32)})()
         out = fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, None, None)
     assert out == ("h", "a", ACT) and len(large) == 1 and not gluon
-    assert "large_fc1_swiglu; off GLUON_FC1_RULE" in act.records[-1][1]
+    assert "large_fc1_swiglu; the fc1_swiglu row" in act.records[-1][1]
     assert "Gluon kernel, gluon_fc1_swiglu" not in act.records[-1][1]
 
 
 def test_features_without_device_and_dtype_raise():
     with pytest.raises(ValueError, match=r"features=\(2048, 1536\) needs the call's device "
                                          r"and dtype .* got device=None, dtype=None"):
-        fc1_epilogue_reason(LARGE, ACT, None, False, None, ROWS, features=RULE)
+        fc1_swiglu_reason(LARGE, ACT, None, False, None, ROWS, features=RULE)
 
 
 def test_explain_names_the_run_time_fallback(monkeypatch):
     """At a rule shape whose operands the Gluon kernel cannot take: ``explain()`` names
     ``large_fc1_swiglu`` and the reason; the launch is still ``gluon_fc1_dispatched``
     (which falls back with the same bits)."""
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda *a: True)
+    monkeypatch.setattr(fc1_swiglu_mod, "fc1_swiglu_rule", lambda *a, **k: FC1_GLUON_ROW)
     seen, calls = [], []
     monkeypatch.setattr(FG, "gluon_fc1_unsupported_reason",
                         lambda x, w: seen.append(x) or "x or weights do not start on a "
@@ -136,10 +142,10 @@ def test_block_on_a_misaligned_input_says_so_and_keeps_the_bits(monkeypatch):
     assert x.data_ptr() % 16
     split = torch.tensor([150, 0, 47, 103], device=CUDA)
     probs = torch.rand(rows, device=CUDA, dtype=torch.bfloat16)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "0")
+    with_rows(monkeypatch, first=NO_FC1_FUSED)
     want = block()(x, split, probs, split)
-    monkeypatch.setenv("TE_OPS_FC1_SWIGLU_EPILOGUE", "auto")
-    monkeypatch.setattr(FG, "gluon_fc1_rule", lambda *a: True)
+    with_rows(monkeypatch)
+    monkeypatch.setattr(fc1_swiglu_mod, "fc1_swiglu_rule", lambda *a, **k: FC1_GLUON_ROW)
     fused = block()
     got = fused(x, split, probs, split)
     assert "cannot take the operands" in fused.explain()
@@ -184,7 +190,7 @@ def test_outputs_past_2_to_the_31_elements_and_int64_offsets():
         pytest.skip("needs an SM90 GPU")
     import torch.nn.functional as F
 
-    from te_ops.kernels import grouped_gemm_large_triton as L
+    from te_ops.gemm import grouped_gemm_large_triton as L
     from te_ops.kernels.swiglu_triton import swiglu_forward
 
     m, ffn, k, total = 65544, 16512, 64, 65536

@@ -9,17 +9,18 @@ import torch
 from reference import assert_close, split_arg
 
 import te_ops
-from te_ops.kernels.grouped_gemm import stack_weights
+from te_ops.gemm.dispatch import stack_weights
 
 G, K, F = 3, 16, 16
 SIZES, ROWS = [3, 0, 5], 10
 
 
-def _block(device, dtype=torch.float32):
+def _block(device, dtype=torch.float32, single: bool = True):
     return te_ops.Sequential(
-        te_ops.GroupedLinear(G, K, 2 * F, device=device, dtype=dtype),
+        te_ops.GroupedLinear(G, K, 2 * F, single_grouped_weight=single, device=device,
+                             dtype=dtype),
         te_ops.ScaledSwiGLU(),
-        te_ops.GroupedLinear(G, F, K, device=device, dtype=dtype),
+        te_ops.GroupedLinear(G, F, K, single_grouped_weight=single, device=device, dtype=dtype),
     )
 
 
@@ -106,19 +107,23 @@ def test_add(device):
         a + torch.nn.Identity()
 
 
-def test_state_dict_keys_and_round_trip(device):
-    block = _block(device)
+@pytest.mark.parametrize("single", [True, False], ids=["packed", "per_expert"])
+def test_state_dict_keys_and_round_trip(device, single):
+    block = _block(device, single=single)
     keys = list(block.state_dict())
-    assert keys == ([f"0.weight{g}" for g in range(G)] + [f"0.bias{g}" for g in range(G)]
-                    + [f"2.weight{g}" for g in range(G)] + [f"2.bias{g}" for g in range(G)])
-    other = _block(device)
-    assert not torch.equal(other[0].weight0, block[0].weight0)
+    if single:
+        assert keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    else:
+        assert keys == ([f"0.weight{g}" for g in range(G)] + [f"0.bias{g}" for g in range(G)]
+                        + [f"2.weight{g}" for g in range(G)] + [f"2.bias{g}" for g in range(G)])
+    other = _block(device, single=single)
+    assert not torch.equal(other[0].weights()[0], block[0].weights()[0])
     other.load_state_dict(block.state_dict())
     for (n1, p1), (n2, p2) in zip(block.named_parameters(), other.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
-    # loading copies in place: the weights stay adjacent slices of one buffer
+    # loading copies in place: per-expert weights stay adjacent slices of one buffer
     for lin in (other[0], other[2]):
-        assert stack_weights(lin.weights()).data_ptr() == lin.weight0.data_ptr()
+        assert stack_weights(lin.weights()).data_ptr() == lin.weights()[0].data_ptr()
     x, probs = _inputs(device)
     ss = split_arg(SIZES, "tensor", device)
     a, b = _run(block, x, ss, probs, ss), _run(other, x, ss, probs, ss)
@@ -156,15 +161,15 @@ def test_plain_module_in_the_middle(device, middle):
     y.backward(dy)
 
     def fn(t):
-        h = ref.grouped_linear(t["x"], [t[f"0.weight{g}"] for g in range(G)],
-                               [t[f"0.bias{g}"] for g in range(G)], SIZES)
+        h = ref.grouped_linear(t["x"], ref.expert_params(t, "0.", "weight", G),
+                               ref.expert_params(t, "0.", "bias", G), SIZES)
         if middle == "lambda":
             h = h * 2
         elif middle == "linear":
             h = torch.nn.functional.linear(h, t["1.weight"], t["1.bias"])
         h = ref.scaled_swiglu(h, t["probs"])
-        return ref.grouped_linear(h, [t[f"3.weight{g}"] for g in range(G)],
-                                  [t[f"3.bias{g}"] for g in range(G)], SIZES)
+        return ref.grouped_linear(h, ref.expert_params(t, "3.", "weight", G),
+                                  ref.expert_params(t, "3.", "bias", G), SIZES)
 
     ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float32)
 
@@ -205,7 +210,7 @@ def test_ops_chained_standalone_equal_the_block(device, monkeypatch):
 # --------------------------------------------------------------------------- dtype conversion
 @pytest.mark.parametrize("convert", ["to", "double", "half_then_double"])
 def test_to_float64_keeps_weights_adjacent(device, convert):
-    block = _block(device)
+    block = _block(device, single=False)  # per-expert: still slices of one buffer after it
     lin = block[0]
     params_before = list(block.parameters())
     if convert == "to":
@@ -240,17 +245,17 @@ def test_to_float64_keeps_weights_adjacent(device, convert):
 
     def fn(t):
         return ref.grouped_mlp(t["x"], SIZES, t["probs"],
-                               [t[f"0.weight{g}"] for g in range(G)],
-                               [t[f"0.bias{g}"] for g in range(G)],
-                               [t[f"2.weight{g}"] for g in range(G)],
-                               [t[f"2.bias{g}"] for g in range(G)])
+                               ref.expert_params(t, "0.", "weight", G),
+                               ref.expert_params(t, "0.", "bias", G),
+                               ref.expert_params(t, "2.", "weight", G),
+                               ref.expert_params(t, "2.", "bias", G))
 
     assert y.dtype == torch.float64
     ref.assert_module_matches_reference(block, fn, x, probs, y, dy, torch.float64)
 
 
 def test_standalone_grouped_linear_to_float64(device):
-    lin = te_ops.GroupedLinear(G, K, F, device=device)
+    lin = te_ops.GroupedLinear(G, K, F, single_grouped_weight=False, device=device)
     before = [w.detach().clone() for w in lin.weights()]
     lin.to(torch.float64)
     assert stack_weights(lin.weights()).data_ptr() == lin.weight0.data_ptr()

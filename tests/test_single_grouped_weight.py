@@ -1,4 +1,6 @@
-"""GroupedLinear(single_grouped_weight=True): one (G, out, in) parameter, same math."""
+"""GroupedLinear's two parameter layouts: one packed (G, out, in) ``weight`` (the default,
+``single_grouped_weight=True``) and per-expert ``weight{g}`` (``single_grouped_weight=False``):
+same math, bit for bit, and checkpoints of either layout load into either."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import reference as ref
 import torch
 
 import te_ops
+from te_ops.gemm.dispatch import stack_weights
 
 E, H, F = 4, 16, 24
 SIZES = [5, 0, 7, 6]  # 18 of 20 rows: a zero-token group and two padding rows
@@ -40,7 +43,23 @@ def test_parameters_and_state_dict_names():
     lin = te_ops.GroupedLinear(E, H, F, single_grouped_weight=True)
     assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert lin.weight.shape == (E, F, H) and lin.bias.shape == (E, F)
-    assert "single weight" in lin.describe()
+    assert "per-expert" not in lin.describe()
+
+
+def test_packed_layout_is_the_default():
+    lin = te_ops.GroupedLinear(E, H, F)
+    assert lin.single_grouped_weight is True
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    assert list(lin.state_dict()) == ["weight", "bias"]
+    assert "single_grouped_weight=True" in repr(lin)
+
+
+def test_per_expert_layout_names():
+    lin = te_ops.GroupedLinear(E, H, F, single_grouped_weight=False)
+    assert [n for n, _ in lin.named_parameters()] == (
+        [f"weight{g}" for g in range(E)] + [f"bias{g}" for g in range(E)])
+    assert all(w.shape == (F, H) for w in lin.weights())
+    assert lin.describe().endswith(", per-expert weights)")
 
 
 @pytest.mark.parametrize("kind", ["list", "tensor"])
@@ -164,3 +183,28 @@ def test_cuda_graph_without_grad_clone_hands_out_the_static_buffer():
             assert torch.equal(a.grad, b.grad)
         ptrs.append([p.grad.data_ptr() for p in block.parameters()])
     assert ptrs[0] == ptrs[1]  # the same static buffers, step after step
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("src_single, dst_single", [(True, False), (False, True), (True, True),
+                                                    (False, False)],
+                         ids=["packed_to_per_expert", "per_expert_to_packed", "packed",
+                              "per_expert"])
+def test_state_dict_of_either_layout_loads_into_either(src_single, dst_single, bias):
+    torch.manual_seed(0)
+    src = _block(src_single, bias)
+    torch.manual_seed(1)
+    dst = _block(dst_single, bias)
+    dst.load_state_dict(src.state_dict())  # strict: every key converted
+    for i in (0, 2):
+        for get in (te_ops.GroupedLinear.weights, te_ops.GroupedLinear.biases):
+            a, b = get(src[i]), get(dst[i])
+            if a:
+                assert torch.equal(torch.stack(a) if not src_single else a[0],
+                                   torch.stack(b) if not dst_single else b[0])
+    x, probs, grad = torch.randn(20, H), torch.rand(20), torch.randn(20, H)
+    sizes = torch.tensor(SIZES)
+    for u, v in zip(_run(src, x, probs, sizes, grad), _run(dst, x, probs, sizes, grad)):
+        assert torch.equal(u, v)
+    if not dst_single:  # loading copies in place: per-expert weights stay one buffer
+        assert stack_weights(dst[0].weights()).data_ptr() == dst[0].weights()[0].data_ptr()

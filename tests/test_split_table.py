@@ -224,7 +224,7 @@ def test_decode_configs_bitwise_equal_to_earlier_and_match_fp64(layer):
     import torch.nn.functional as F
     from reference import assert_close
 
-    from te_ops.kernels import grouped_gemm_triton as tg
+    from te_ops.gemm import grouped_gemm_triton as tg
 
     n, k = (1536, 2048) if layer == "fc1" else (2048, 768)
     sizes = [0, 3, 9, 1, 0, 4, 4, 2, 12, 0, 5, 3, 1, 6, 4, 5]

@@ -216,7 +216,7 @@ def test_main_grad_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"weight\.main_grad must have shape \(4, 16, 24\)"):
         run(block, *batch(0))
     del w.main_grad
-    with pytest.raises(AttributeError, match=r"GroupedLinear\(groups=4, 24->16, single weight, "
+    with pytest.raises(AttributeError, match=r"GroupedLinear\(groups=4, 24->16, "
                                              r"main_grad\): accumulate_into_main_grad=True "
                                              r"needs weight\.main_grad"):
         run(block, *batch(0))
@@ -304,8 +304,8 @@ def test_tied_weights_accumulate_both_contributions(delay, bias, main_grad):
     """Two GroupedLinear ops share their weights (and biases): both contributions add up."""
     torch.manual_seed(0)
     kw = {"bias": bias, "delay_wgrad_compute": delay, "accumulate_into_main_grad": main_grad}
-    fc_a = te_ops.GroupedLinear(E, H, H, **kw)
-    fc_b = te_ops.GroupedLinear(E, H, H, **kw)
+    fc_a = te_ops.GroupedLinear(E, H, H, single_grouped_weight=False, **kw)
+    fc_b = te_ops.GroupedLinear(E, H, H, single_grouped_weight=False, **kw)
     for g in range(E):
         fc_b.register_parameter(f"weight{g}", fc_a.get_parameter(f"weight{g}"))
         if bias:
@@ -500,8 +500,8 @@ def test_cuda_graph_capture_with_main_grad(monkeypatch, fusion):
 def test_grouped_wgrad_into_layouts(use_backend, backend, layout):
     """``grouped_wgrad_into`` against per-expert ``dy_g^T @ x_g`` in float64, for target
     buffers laid out as one stacked tensor, in reverse order (Megatron), apart, or strided."""
-    from te_ops.kernels import select_backend
-    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.gemm import select_backend
+    from te_ops.gemm.wgrad_into import grouped_wgrad_into
     from te_ops.splits import make_splits
 
     use_backend(backend, "cpu", torch.float32, (H, F))
@@ -534,8 +534,8 @@ def test_grouped_wgrad_into_refuses_a_re_viewed_middle_target(use_backend, chang
     """Adjacent targets but one re-viewed at its address (another shape, or another dtype
     of the same size): no stacked write through target 0's layout; each target is written
     alone, so the shape mismatch raises and a bf16 target gets its own values."""
-    from te_ops.kernels import select_backend
-    from te_ops.kernels.wgrad_into import grouped_wgrad_into
+    from te_ops.gemm import select_backend
+    from te_ops.gemm.wgrad_into import grouped_wgrad_into
     from te_ops.splits import make_splits
 
     use_backend("grouped_mm", "cpu", torch.float32, (H, F))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemm_force import NO_FC1_FUSED, FC1_FUSED_ANY, with_rows
 
 from te_ops.kernels import triton_launch
 
@@ -95,7 +96,7 @@ def test_tensors_on_another_device_launch_there_on_its_current_stream():
     would read them before); results equal a run with cuda:1 current."""
     pytest.importorskip("triton")
     import te_ops
-    from te_ops.kernels import grouped_gemm_triton
+    from te_ops.gemm import grouped_gemm_triton
 
     torch.manual_seed(0)
     groups, hidden, ffn, rows = 8, 64, 32, 32

@@ -11,7 +11,7 @@ import reference as ref
 import torch
 
 import te_ops
-from te_ops.kernels.grouped_gemm import stack_weights
+from te_ops.gemm.dispatch import stack_weights
 
 
 def _packed(lin: te_ops.GroupedLinear) -> bool:
@@ -63,9 +63,10 @@ def test_probs_of_wrong_nd_shape_names_both_shapes():
 
 @pytest.mark.parametrize("clone", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
 def test_copies_keep_weights_packed_and_equal(clone):
-    torch.manual_seed(0)
-    blk = te_ops.Sequential(te_ops.GroupedLinear(4, 16, 32), te_ops.SwiGLU(),
-                            te_ops.GroupedLinear(4, 16, 16))
+    torch.manual_seed(0)  # per-expert weights: still slices of one buffer in the copy
+    blk = te_ops.Sequential(te_ops.GroupedLinear(4, 16, 32, single_grouped_weight=False),
+                            te_ops.SwiGLU(),
+                            te_ops.GroupedLinear(4, 16, 16, single_grouped_weight=False))
     twin = clone(blk)
     assert _packed(twin[0]) and _packed(twin[2])
     assert twin[0].weight0 is not blk[0].weight0
@@ -93,8 +94,9 @@ def test_meta_loop_backend_says_why(monkeypatch):
 def test_freezing_one_expert_keeps_the_others_gradients(monkeypatch, frozen, fusion):
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     torch.manual_seed(0)
-    blk = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 32), te_ops.ScaledSwiGLU(),
-                            te_ops.GroupedLinear(3, 16, 16))
+    blk = te_ops.Sequential(te_ops.GroupedLinear(3, 16, 32, single_grouped_weight=False),
+                            te_ops.ScaledSwiGLU(),
+                            te_ops.GroupedLinear(3, 16, 16, single_grouped_weight=False))
     fc1 = blk[0]
     fc1.weights()[frozen].requires_grad_(False)
     fc1.biases()[frozen].requires_grad_(False)
@@ -138,7 +140,7 @@ def test_one_op_instance_twice_in_a_sequential():
     y2 = lin2(lin2(x2, [4, 0, 5]), [4, 0, 5])
     y2.backward(torch.ones_like(y2))
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
-    assert torch.equal(lin.weight0.grad, lin2.weight0.grad)
+    assert torch.equal(lin.weight.grad, lin2.weight.grad)
 
 
 def test_fuser_rejects_a_repeated_op_instance():

@@ -72,7 +72,7 @@ def test_per_expert_checkpoint_of_other_expert_count_into_single_weight_names_th
     'weight0', 'weight1', ..." (keys the layer does accept): the error now says which experts
     the layer expects and which the checkpoint lacks. (More experts than the layer: experts
     0..G-1 load and the rest are unexpected keys, as for a per-expert layer.)"""
-    src = te_ops.GroupedLinear(src_groups, H, FF)
+    src = te_ops.GroupedLinear(src_groups, H, FF, single_grouped_weight=False)
     state = src.state_dict()
     if drop:
         state.pop(drop)
@@ -94,7 +94,7 @@ def test_single_weight_checkpoint_of_other_expert_count_into_per_expert_names_th
     layer's ``num_groups`` names both counts (it was "missing weight0..., unexpected
     'weight'")."""
     src = te_ops.GroupedLinear(src_groups, H, FF, single_grouped_weight=True)
-    dst = te_ops.GroupedLinear(4, H, FF)
+    dst = te_ops.GroupedLinear(4, H, FF, single_grouped_weight=False)
     before = [w.detach().clone() for w in dst.weights()]
     with pytest.raises(RuntimeError, match=f"weight of shape \\({src_groups}, {FF}, {H}\\).*"
                                 f"{src_groups} experts.*num_groups=4"):
@@ -153,8 +153,8 @@ def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion
     ref.assert_close(y, expected, torch.float32, "y")
     grad_out = torch.randn_like(y)
     y.backward(grad_out)
-    (dw,) = torch.autograd.grad(expected, [w2[2]], grad_out.double())
-    ref.assert_close(new.weight2.grad, dw, torch.float32, "new fc2 weight2 grad")
+    (dw,) = torch.autograd.grad(expected, [w2[0]], grad_out.double())
+    ref.assert_close(new.weight.grad, dw, torch.float32, "new fc2 weight grad")
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "functionalize"])
@@ -191,15 +191,15 @@ def test_functional_call_with_autograd_grad_matches_the_reference():
     probs = torch.rand(12)
     y = torch.func.functional_call(block, params, (x, split, probs, split))
     grad_out = torch.randn_like(y)
-    (dw,) = torch.autograd.grad(y, [params["2.weight2"]], grad_out)
+    (dw,) = torch.autograd.grad(y, [params["2.weight"]], grad_out)
     leaves = {k: ref.leaf(v) for k, v in params.items()}
     expected = ref.grouped_mlp(
-        ref.leaf(x), split, ref.leaf(probs), [leaves[f"0.weight{g}"] for g in range(E)],
-        [leaves[f"0.bias{g}"] for g in range(E)], [leaves[f"2.weight{g}"] for g in range(E)],
-        [leaves[f"2.bias{g}"] for g in range(E)])
+        ref.leaf(x), split, ref.leaf(probs), ref.expert_params(leaves, "0.", "weight", E),
+        ref.expert_params(leaves, "0.", "bias", E), ref.expert_params(leaves, "2.", "weight", E),
+        ref.expert_params(leaves, "2.", "bias", E))
     ref.assert_close(y, expected, torch.float32, "y")
-    (dw_ref,) = torch.autograd.grad(expected, [leaves["2.weight2"]], grad_out.double())
-    ref.assert_close(dw, dw_ref, torch.float32, "2.weight2 grad")
+    (dw_ref,) = torch.autograd.grad(expected, [leaves["2.weight"]], grad_out.double())
+    ref.assert_close(dw, dw_ref, torch.float32, "2.weight grad")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool])
@@ -223,11 +223,12 @@ def test_unpermute_sums_rows_into_tokens_like_a_loop(dtype):
     ref.assert_close(out, expected, torch.float32, "unpermute")
 
 
-def _delayed_block(scale_bias: bool = False) -> te_ops.Sequential:
+def _delayed_block(scale_bias: bool = False, single: bool = True) -> te_ops.Sequential:
     torch.manual_seed(0)
+    kw = {"delay_wgrad_compute": True, "single_grouped_weight": single}
     return te_ops.Sequential(
-        te_ops.GroupedLinear(E, H, 2 * FF, delay_wgrad_compute=True), te_ops.ScaledSwiGLU(),
-        te_ops.GroupedLinear(E, FF, H, scale_bias=scale_bias, delay_wgrad_compute=True))
+        te_ops.GroupedLinear(E, H, 2 * FF, **kw), te_ops.ScaledSwiGLU(),
+        te_ops.GroupedLinear(E, FF, H, scale_bias=scale_bias, **kw))
 
 
 @pytest.mark.parametrize("fusion", ["0", "1"])
@@ -262,12 +263,13 @@ def test_scale_bias_probs_changed_in_place_before_backward_dw_raises(monkeypatch
         block.backward_dw()
 
 
+@pytest.mark.parametrize("single", [True, False], ids=["packed", "per_expert"])
 @pytest.mark.parametrize("fusion", ["0", "1"])
-def test_backward_dw_with_untouched_inputs_matches_the_reference(monkeypatch, fusion):
+def test_backward_dw_with_untouched_inputs_matches_the_reference(monkeypatch, fusion, single):
     """The neighbour: inputs left alone (changed only after backward_dw) give the fp64
-    gradients, over two queued micro-batches."""
+    gradients, over two queued micro-batches (fc2's experts 0 and 3), in both layouts."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
-    block = _delayed_block()
+    block = _delayed_block(single=single)
     split = [3, 0, 5, 4]
     expected = [torch.zeros(H, FF, dtype=torch.float64) for _ in range(2)]
     inputs = []
@@ -280,14 +282,17 @@ def test_backward_dw_with_untouched_inputs_matches_the_reference(monkeypatch, fu
         b1 = [ref.leaf(b) for b in block[0].biases()]
         w2 = [ref.leaf(w) for w in block[2].weights()]
         b2 = [ref.leaf(b) for b in block[2].biases()]
-        out = ref.grouped_mlp(ref.leaf(inp), split, ref.leaf(probs), w1, b1, w2, b2)
-        grads = torch.autograd.grad(out.sum(), [w2[0], w2[3]])
+        w2_experts = list(w2[0].unbind(0)) if single else w2
+        out = ref.grouped_mlp(ref.leaf(inp), split, ref.leaf(probs), w1, b1, w2_experts, b2)
+        grads = torch.autograd.grad(out.sum(), [w2_experts[0], w2_experts[3]])
         expected = [e + g for e, g in zip(expected, grads)]
     block.backward_dw()
     for inp in inputs:
         inp.mul_(2)  # after backward_dw: nothing queued reads it any more
-    ref.assert_close(block[2].weight0.grad, expected[0], torch.float32, "fc2 weight0 grad")
-    ref.assert_close(block[2].weight3.grad, expected[1], torch.float32, "fc2 weight3 grad")
+    got = block[2].weight.grad if single else [block[2].weight0.grad, None, None,
+                                               block[2].weight3.grad]
+    ref.assert_close(got[0], expected[0], torch.float32, "fc2 expert 0 weight grad")
+    ref.assert_close(got[3], expected[1], torch.float32, "fc2 expert 3 weight grad")
 
 
 @pytest.mark.parametrize("flag", ["accumulate_into_main_grad", "delay_wgrad_compute"])
@@ -309,7 +314,7 @@ def test_falsy_training_flags_stay_off(flag, value):
     x = torch.randn(3, 4)
     lin(x, [2, 1]).sum().backward()
     expected = x[:2].sum(0).double()
-    ref.assert_close(lin.weight0.grad, expected.expand(4, 4), torch.float32, "weight0 grad")
+    ref.assert_close(lin.weight.grad[0], expected.expand(4, 4), torch.float32, "weight grad")
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -335,7 +340,7 @@ def test_dense_checkpoint_into_per_expert_layer_is_not_called_a_stacked_one():
     """A dense layer's 2-D ``weight`` (upcycling a dense checkpoint, ``strict=False``) is not
     a stacked per-expert weight: no expert-count error, torch's missing / unexpected keys."""
     dense = torch.nn.Linear(H, FF)
-    layer = te_ops.GroupedLinear(E, H, FF)
+    layer = te_ops.GroupedLinear(E, H, FF, single_grouped_weight=False)
     result = layer.load_state_dict(dense.state_dict(), strict=False)
     assert sorted(result.unexpected_keys) == ["bias", "weight"]
     assert len(result.missing_keys) == 2 * E

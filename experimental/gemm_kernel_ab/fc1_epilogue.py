@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, check_min, machine_info  # noqa: E402
 from grouped_mlp import skewed_sizes  # noqa: E402
 
-from te_ops.kernels import grouped_gemm_triton as tg  # noqa: E402
-from te_ops.kernels import grouped_mlp_triton as gm  # noqa: E402
+from te_ops.gemm import grouped_gemm_triton as tg  # noqa: E402
+from te_ops.gemm import grouped_mlp_triton as gm  # noqa: E402
 from te_ops.kernels import swiglu_triton as st  # noqa: E402
 
 SHAPES = {"E64_H2048_FF768": (64, 2048, 768), "E128_H2048_FF768": (128, 2048, 768)}

@@ -78,7 +78,7 @@ def _reference(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 def check_cases(variants: dict[str, dict]) -> list[dict[str, Any]]:
     """Correctness records: each case, each Gluon config, against ``_grouped_mm`` and fp64."""
-    from te_ops.kernels.grouped_wgrad_gluon import gluon_wgrad
+    from te_ops.gemm.grouped_wgrad_gluon import gluon_wgrad
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -117,8 +117,8 @@ def check_cases(variants: dict[str, dict]) -> list[dict[str, Any]]:
 def compare(shape: str, gemm: str, variants: dict[str, dict], reps: int, seed: int
             ) -> dict[str, Any]:
     """The interleaved timing record of one (shape, wgrad)."""
-    from te_ops.kernels import grouped_wgrad_large_triton as lw
-    from te_ops.kernels.grouped_wgrad_gluon import gluon_wgrad
+    from te_ops.gemm import grouped_wgrad_large_triton as lw
+    from te_ops.gemm.grouped_wgrad_gluon import gluon_wgrad
 
     ops = _operands(ALL_SHAPES[shape], gemm, seed)
     x, dy, offs = ops["x"], ops["dy"], ops["offs"]

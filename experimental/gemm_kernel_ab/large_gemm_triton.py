@@ -198,8 +198,8 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
            fused_variants: dict[str, dict] | None = None,
            gluon: dict[str, dict] | None = None,
            gluon_fc1: dict[str, dict] | None = None) -> dict[str, Any]:
-    from te_ops.kernels import grouped_gemm_large_triton as lg
-    from te_ops.kernels import grouped_wgrad_large_triton as lw
+    from te_ops.gemm import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_wgrad_large_triton as lw
     from te_ops.kernels import swiglu_triton as st
 
     if gemm in WGRADS:
@@ -214,7 +214,7 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
     for name, change in (variants or {}).items():  # --variants: other launch configs
         calls[f"triton_{name}"] = lambda c={**(cfg or {}), **change}: run(x, w, offs, c)
     if gluon is not None:  # --gluon: the warp-specialized Gluon kernel, plain GEMMs only
-        from te_ops.kernels import grouped_gemm_gluon as gg
+        from te_ops.gemm import grouped_gemm_gluon as gg
 
         grun = gg.gluon_dgrad if gemm.endswith("dgrad") else gg.gluon_fprop
         for name, change in gluon.items():
@@ -230,7 +230,7 @@ def _calls(ops: dict[str, Any], gemm: str, cfg: dict | None, fused_cfg: dict | N
             calls[f"fused_{name}"] = lambda c={**(fused_cfg or {}), **change}: (
                 lg.large_fc1_swiglu(x, w, offs, probs, c))
         if gluon_fc1:  # --gluon-fc1: the warp-specialized Gluon fc1 + SwiGLU
-            from te_ops.kernels import fc1_swiglu_gluon as fg
+            from te_ops.gemm import fc1_swiglu_gluon as fg
 
             for name, change in gluon_fc1.items():
                 calls[name] = lambda c=change: fg.gluon_fc1_swiglu(x, w, offs, probs, c)
@@ -294,8 +294,8 @@ def _checks(calls: dict[str, Any], gemm: str, probs: torch.Tensor | None,
 def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | None = None,
             fused_cfg: dict | None = None) -> dict[str, Any]:
     """The interleaved comparison record of one (shape, GEMM) (module docstring)."""
-    from te_ops.kernels import grouped_gemm_large_triton as lg
-    from te_ops.kernels import grouped_wgrad_large_triton as lw
+    from te_ops.gemm import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_wgrad_large_triton as lw
 
     ops = _operands(ALL_SHAPES[shape_name], gemm, args.seed)
     variants = {} if gemm in WGRADS else (getattr(args, "variants", None) or {})
@@ -312,7 +312,7 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
         rec["config"] = {**lg.large_config("fprop"), **(cfg or {})}
         rec["tma_reason"] = lg.tma_unsupported_reason(ops["x"], ops["w"])
     if gluon:
-        from te_ops.kernels import grouped_gemm_gluon as gg
+        from te_ops.gemm import grouped_gemm_gluon as gg
 
         rec["gluon_configs"] = {n: {**gg.gluon_config(), **c} for n, c in gluon.items()}
     if "fused" in calls:
@@ -345,7 +345,7 @@ def compare(shape_name: str, gemm: str, args: argparse.Namespace, cfg: dict | No
             rec[f"fused_{name}_vs_triton_swiglu"] = (rec["triton_swiglu_ms"]
                                                      / rec[f"fused_{name}_ms"])
     if gluon_fc1 and "fused" in calls:
-        from te_ops.kernels import fc1_swiglu_gluon as fg
+        from te_ops.gemm import fc1_swiglu_gluon as fg
 
         rec["gluon_fc1_configs"] = {n: {**fg.gluon_fc1_config(), **c}
                                     for n, c in gluon_fc1.items()}
@@ -377,7 +377,7 @@ def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict],
     """The timed calls of ``--gemms fc2_dswiglu`` (h is not overwritten: dh goes to a new
     buffer in both, the same bytes as over h)."""
     from te_ops.kernels import dgrad_dswiglu_triton as dd
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
     from te_ops.kernels import swiglu_triton as st
 
     dy, w, h, probs, offs = ops["dy"], ops["w"], ops["h"], ops["probs"], ops["offs"]
@@ -400,7 +400,7 @@ def _dswiglu_calls(ops: dict[str, Any], variants: dict[str, dict],
                                                                          config=c)
     if gluon:  # --gluon: the warp-specialized Gluon fused kernel and the Gluon dgrad's pair
         from te_ops.kernels import dgrad_dswiglu_gluon as gd
-        from te_ops.kernels import grouped_gemm_gluon as gg
+        from te_ops.gemm import grouped_gemm_gluon as gg
 
         def gluon_two_launches():
             da = gg.gluon_grouped_gemm(dy, w, offs, True)
@@ -480,6 +480,8 @@ def _check_dswiglu_variants(parser: argparse.ArgumentParser, variants: dict[str,
                             ) -> None:
     """A usage error (before any GPU work) where a ``--dswiglu-variants`` config is not a
     launch config of the fused fc2 dgrad + dSwiGLU kernel."""
+    if not variants:
+        return
     from te_ops.kernels import dgrad_dswiglu_triton as dd
 
     for name, change in variants.items():
@@ -561,8 +563,8 @@ def _check_sweep_filter(parser: argparse.ArgumentParser, spec: str | None) -> No
 
 def _sweep_kinds(ops: dict[str, Any], gemm: str, fused: bool = True) -> dict[str, Any]:
     """The kernels ``sweep`` times for ``gemm``, by kind, each a function of the config."""
-    from te_ops.kernels import grouped_gemm_large_triton as lg
-    from te_ops.kernels import grouped_wgrad_large_triton as lw
+    from te_ops.gemm import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_wgrad_large_triton as lw
 
     x, offs = ops["x"], ops["offs"]
     if gemm in WGRADS:
@@ -662,7 +664,7 @@ def _check_configs(parser: argparse.ArgumentParser, override: dict,
     """A usage error (before any GPU work) where ``--config-override`` or a ``--variants``
     config is not a valid fprop / dgrad launch config (``large_config`` keys, the
     ``WARP_SPEC`` / ``TAIL`` checks); the message names the flag and the kernel's reason."""
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
 
     for flag, change in (("--config-override", override),
                          *((f"--variants {name!r}", {**override, **c})
@@ -679,7 +681,7 @@ def _check_fused_config(parser: argparse.ArgumentParser, change: dict,
     """A usage error (before any GPU work) where ``--fused-config`` (or a ``--fused-variants``
     config over it: ``flag`` names it) is not a valid launch config of the fc1 + SwiGLU
     kernel (``large_config("fc1_swiglu")`` keys and checks)."""
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
 
     try:
         lg._resolve("fc1_swiglu", change, 1)
@@ -712,7 +714,7 @@ def loop_report(kind: str, change: dict) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from te_ops.kernels import grouped_gemm_large_triton as lg
+    from te_ops.gemm import grouped_gemm_large_triton as lg
 
     cfg = {**lg.large_config(kind), **change}
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "h_ptr", "a_ptr")}
@@ -817,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, change in (args.gluon_fc1 or {}).items():
         if not name.startswith("gfc1"):
             parser.error(f"--gluon-fc1 names must start with 'gfc1', got {name!r}")
-        from te_ops.kernels import fc1_swiglu_gluon as fg
+        from te_ops.gemm import fc1_swiglu_gluon as fg
         try:
             fg._resolve(change)
         except ValueError as exc:

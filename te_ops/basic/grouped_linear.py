@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from .. import env
 from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
-from ..kernels.compiled_ops import tracing
-from ..kernels.grouped_gemm import (
+from ..gemm import (
     BackendChoice,
     grouped_dgrad,
     grouped_fprop,
+    grouped_mm_operand_reason,
     select_backend,
     stack_weights,
 )
@@ -35,6 +34,7 @@ from ..quantization.autocast import check_operand_dtype
 from ..quantization.gemm import is_quantized, quantized_gemm_note
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
+from ..tracing import tracing
 from ..training import WgradPolicy, backward_dw, weight_and_bias_grads
 from .checkpoint_layout import expert_count_errors
 
@@ -207,11 +207,8 @@ class GroupedLinearSaved:
     recipe : te_ops.recipe.Recipe | None
         The low-precision recipe the forward ran with; ``x`` is then its column-wise quantized
         copy (``QuantizedTensorStorage``) and backward quantizes ``dy`` and the weights with it.
-    weight_q : QuantizedTensorStorage | None
-        Under a recipe, the stacked weights' column-wise quantized copy (G, in, out) made by
-        the forward for dgrad (``None``: backward quantizes the weights itself).
     weight_amax : torch.Tensor | None
-        FP8 current scaling without ``weight_q``: the stacked weights' column amax (G, in)
+        FP8 current scaling: the stacked weights' column amax (G, in)
         fp32, recorded by the forward's row-wise quantize; dgrad's column-wise copy is then
         made in one pass (``None``: backward computes it).
     weights_view : torch.Tensor | None
@@ -234,7 +231,6 @@ class GroupedLinearSaved:
     probs_requires_grad: bool = False
     recipe: Any = None
     training: WgradPolicy | None = None
-    weight_q: Any = None
     weight_amax: torch.Tensor | None = None
     weights_view: torch.Tensor | None = None
 
@@ -247,12 +243,8 @@ class GroupedLinearSaved:
             # here and put back by load(), so each op saves split sizes and offsets once.
             self.x.split_sizes = self.x.base_offsets = None
             x_tensors, x_storage = self.x.prepare_for_saving()
-        w_tensors: list[torch.Tensor | None] = []
-        w_storage = None
-        if self.weight_q is not None:
-            w_tensors, w_storage = self.weight_q.prepare_for_saving()
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
-                              *self.biases, self.probs, self.weight_amax, *w_tensors)
+                              *self.biases, self.probs, self.weight_amax)
         ctx.grouped_linear_layout = {
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
@@ -269,7 +261,6 @@ class GroupedLinearSaved:
             "probs_requires_grad": self.probs_requires_grad,
             "recipe": self.recipe,
             "training": self.training,
-            "w_storage": w_storage,
             "weights_view": self.weights_view,
         }
 
@@ -294,12 +285,9 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         weight_amax = rest[nw + nb + 1]
-        weight_q = copy.copy(meta["w_storage"])
-        if weight_q is not None:
-            weight_q.restore_from_saved(rest[nw + nb + 2:])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
-                   meta["recipe"], meta["training"], weight_q, weight_amax,
+                   meta["recipe"], meta["training"], weight_amax,
                    meta["weights_view"])
 
     def input_2d(self) -> torch.Tensor:
@@ -331,15 +319,19 @@ class GroupedLinear(BasicOperation):
     in_features, out_features : int
         Per-group weight shape is (out_features, in_features).
     bias : bool
-        Add a per-group bias ``bias{g}`` of shape (out_features,).
+        Add a per-group bias: ``bias`` of shape (num_groups, out_features) (per-expert
+        layout: ``bias{g}`` of shape (out_features,)).
     scale_bias : bool
         Take a second extra input, per-row ``probs`` of shape (tokens,), and add
         ``bias * probs`` instead of ``bias`` (needs ``bias=True``).
     single_grouped_weight : bool
-        Hold all groups in one parameter ``weight`` of shape (num_groups, out_features,
-        in_features) (and ``bias`` (num_groups, out_features)) instead of ``weight{g}`` /
-        ``bias{g}``, as TransformerEngine's option of that name. Same math; far less host work
-        per step with many experts (two parameters instead of 2 x num_groups).
+        ``True`` (default): all groups in one packed parameter ``weight`` of shape
+        (num_groups, out_features, in_features) (and ``bias`` (num_groups, out_features)),
+        the layout of HF transformers 5, torchtitan and Megatron's distributed checkpoints.
+        ``False``: per-expert ``weight{g}`` (out_features, in_features) / ``bias{g}``, as
+        TransformerEngine's option of that name. Same math bit for bit; packed is the default
+        because every per-expert Parameter is one more autograd leaf and host work per step
+        (2 parameters instead of 2 x num_groups; measured in README.md).
     accumulate_into_main_grad : bool
         Megatron-style: add each weight gradient into ``param.main_grad`` (honouring
         ``param.overwrite_main_grad``, setting ``param.grad_added_to_main_grad = True``) and
@@ -362,10 +354,13 @@ class GroupedLinear(BasicOperation):
     Shapes
     ------
     input (..., in_features) -> output (..., out_features); leading dims are flattened into
-    rows (tokens) in row-major order. Parameters ``weight{g}`` (out_features, in_features) and
-    ``bias{g}`` (out_features,) are the names TransformerEngine's ops use, so checkpoints map
-    one to one; with ``bias=False`` the ``bias{g}`` attributes are ``None`` (as
-    ``torch.nn.Linear.bias``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
+    rows (tokens) in row-major order. With ``single_grouped_weight=False`` the parameters
+    ``weight{g}`` (out_features, in_features) and ``bias{g}`` (out_features,) are the names
+    TransformerEngine's ops use, so its checkpoints map one to one; with ``bias=False`` the
+    ``bias`` / ``bias{g}`` attributes are ``None`` (as ``torch.nn.Linear.bias``). Weights
+    parametrized with ``torch.nn.utils.parametrize`` (either layout) are computed once per
+    call and differentiated through (not with ``accumulate_into_main_grad`` /
+    ``delay_wgrad_compute``, which raise ``NotImplementedError``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
     weights, uniform biases; TransformerEngine zeros biases, see :meth:`reset_parameters`
     for why te_ops does not). ``load_state_dict`` also
     accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
@@ -380,7 +375,7 @@ class GroupedLinear(BasicOperation):
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = True, scale_bias: bool = False,
-                 single_grouped_weight: bool = False,
+                 single_grouped_weight: bool = True,
                  accumulate_into_main_grad: bool = False,
                  delay_wgrad_compute: bool = False,
                  device: torch.device | str | None = None,
@@ -410,7 +405,7 @@ class GroupedLinear(BasicOperation):
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Per-group weights are adjacent slices of one buffer so the grouped GEMM can use them
-        # as one (G, N, K) tensor without a copy (see kernels.grouped_gemm.stack_weights).
+        # as one (G, N, K) tensor without a copy (see gemm.stack_weights).
         weight_buffer = torch.empty(num_groups, out_features, in_features, device=device,
                                     dtype=dtype)
         bias_buffer = torch.empty(num_groups, out_features, device=device, dtype=dtype)
@@ -441,7 +436,7 @@ class GroupedLinear(BasicOperation):
         the bias math). Call ``torch.nn.init.zeros_`` on ``biases()`` for TE's start.
         """
         bound = 1.0 / math.sqrt(self.in_features)
-        weights, biases = self._param_lists()
+        weights, biases = self._stored_param_lists()
         with torch.no_grad():
             for w in stacked(weights, self.single_grouped_weight, "weight").unbind(0):
                 torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -498,7 +493,7 @@ class GroupedLinear(BasicOperation):
         if self.single_grouped_weight:
             return
         with torch.no_grad():
-            for params in self._param_lists():
+            for params in self._stored_param_lists():
                 if params and stack_weights(params).data_ptr() != params[0].data_ptr():
                     buffer = torch.stack([p.data for p in params])
                     for g, p in enumerate(params):
@@ -512,22 +507,40 @@ class GroupedLinear(BasicOperation):
                                                         "delay_wgrad_compute")
                           if getattr(self, name)))
 
+    def _param_names(self) -> tuple[list[str], list[str]]:
+        """The weight and bias attribute names (``["weight"], ["bias"]`` or ``weight{g}`` /
+        ``bias{g}``; no bias names without bias)."""
+        if self.single_grouped_weight:
+            return ["weight"], (["bias"] if self.has_bias else [])
+        groups = range(self.num_groups)
+        return ([f"weight{g}" for g in groups],
+                [f"bias{g}" for g in groups] if self.has_bias else [])
+
+    def is_parametrized(self) -> bool:
+        """Whether a weight or bias is parametrized (``torch.nn.utils.parametrize``: the
+        attribute is then computed from ``parametrizations.<name>.original`` at every access;
+        te_ops computes it once per call and differentiates through it)."""
+        return "parametrizations" in self._modules
+
     def _param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # Cached while the parameter dict holds the same objects (functional_call and
         # re-assignment swap entries, so the identities are the key). Within one fuser
         # forward call the dict cannot change, so the key is checked once per call
         # (te_ops/call_scope.py): with per-expert weights it is 2 x num_groups ids.
+        # Parametrized weights (torch.nn.utils.parametrize) are computed at every access
+        # (the fuser runs a call under parametrize.cached(): one value per call), never kept.
+        if self.is_parametrized():
+            self.__dict__.pop("_param_lists_cache", None)
+            return tuple([getattr(self, n) for n in ns] for ns in self._param_names())
         cached = self.__dict__.get("_param_lists_cache")
         call = current_call()
         if cached is not None and call is not None and cached[3] is call:
             return cached[1], cached[2]
         key = tuple(map(id, self._parameters.values()))
         if cached is None or cached[0] != key:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
+            names = self._param_names()
             weights = [self._parameters[n] for n in names[0]]
-            biases = [self._parameters[n] for n in names[1]] if self.has_bias else []
+            biases = [self._parameters[n] for n in names[1]]
             cached = (key, weights, biases, call)
             if tracing():  # the trace's stand-ins of the parameters: never kept (they would
                 return weights, biases  # outlive it and break pickle / deepcopy of the op)
@@ -535,6 +548,25 @@ class GroupedLinear(BasicOperation):
             cached = (key, cached[1], cached[2], call)
         self.__dict__["_param_lists_cache"] = cached
         return cached[1], cached[2]
+
+    def _stored_param_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The stored Parameters (a parametrized one's ``original``), for initialization and
+        packing; :meth:`_param_lists` gives the tensors the op computes with."""
+        if not self.is_parametrized():
+            return self._param_lists()
+        parametrizations = self._modules["parametrizations"]
+        return tuple([parametrizations[n].original if n in parametrizations
+                      else self._parameters[n] for n in names]
+                     for names in self._param_names())
+
+    def computed_parameters(self) -> list[torch.Tensor]:
+        """The tensors the op computes with, weights then biases (the order of the parameter
+        gradients :meth:`fuser_backward` returns): the Parameters themselves, or, for weights
+        parametrized with ``torch.nn.utils.parametrize``, their computed values (the fuser
+        passes these to its autograd function, so gradients flow through the
+        parametrization into its ``original`` and the parametrization's own parameters)."""
+        weights, biases = self._param_lists()
+        return [*weights, *biases]
 
     def weights(self) -> list[torch.Tensor]:
         """The weight Parameters: ``[weight0, ..., weight{G-1}]``, or ``[weight]`` (shape
@@ -550,7 +582,7 @@ class GroupedLinear(BasicOperation):
 
     def describe(self) -> str:
         extra = ", scale_bias" if self.scale_bias else ("" if self.has_bias else ", no bias")
-        extra += ", single weight" if self.single_grouped_weight else ""
+        extra += "" if self.single_grouped_weight else ", per-expert weights"
         extra += ", main_grad" if self.accumulate_into_main_grad else ""
         extra += ", delayed wgrad" if self.delay_wgrad_compute else ""
         return (f"GroupedLinear(groups={self.num_groups}, {self.in_features}->"
@@ -668,8 +700,7 @@ class GroupedLinear(BasicOperation):
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
-        when the input needs a gradient and ``TE_OPS_SAVE_COLUMNWISE_WEIGHTS=1``), both copies from
-        one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
+        never: backward quantizes them for dgrad), both copies from one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
         operand made earlier by :meth:`forward_weight_operand` (same context and recipe).
         ``input_operand``: x's row-wise operand made earlier (the fused forward's SwiGLU + FP8
         kernel), for a call that keeps no column-wise copy of x; ``x2d`` is then unused.
@@ -699,17 +730,13 @@ class GroupedLinear(BasicOperation):
         w = stacked(weights, self.single_grouped_weight, "weight")
         if recipe is None:
             return w
-        both = not recipe.high_precision_gemms()
-        # TransformerEngine's weight workspace, for one step: backward then never reads the
-        # high-precision weights (TE_OPS_SAVE_COLUMNWISE_WEIGHTS, docs/recipes.md).
+        # Backward quantizes the weights for dgrad (keeping that copy from the forward measured
+        # within noise on the H200 and costs its memory): their column amax from this read
+        # (GroupedLinearSaved.weight_amax), so that copy is one pass there.
         dgrad = ctx.requires_grad and ctx.input_requires_grad
-        keep_w = both and dgrad and env.read_bool("TE_OPS_SAVE_COLUMNWISE_WEIGHTS")
-        # Else, when backward quantizes the weights for dgrad: their column amax from this
-        # read (GroupedLinearSaved.weight_amax), so that copy is one pass there.
         return quantize_operand(
-            recipe, "weight", w, rowwise=True, columnwise=keep_w,
-            record_columnwise_amax=dgrad and not keep_w
-            and "dgrad" not in recipe.high_precision_gemms())
+            recipe, "weight", w, rowwise=True,
+            record_columnwise_amax=dgrad and "dgrad" not in recipe.high_precision_gemms())
 
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None,
@@ -725,11 +752,29 @@ class GroupedLinear(BasicOperation):
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
                         quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
                                          rowwise=True))
+        self._record_operand_alignment(backend, operands)
         y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
         return y
+
+    def _record_operand_alignment(self, backend: BackendChoice, operands: tuple[Any, Any]
+                                  ) -> None:
+        """Record for ``explain()`` which of fprop's operands (x, the stacked weights) the
+        grouped GEMM copies because their strides or data pointer are not 16-byte aligned
+        (``gemm.dispatch.grouped_mm_operands``; dgrad and wgrad copy theirs, the
+        output gradient included, the same way), or drop an earlier call's record."""
+        reasons = [] if backend.name == "loop" else [
+            r for name, t in zip(("input", "weight"), operands)
+            if isinstance(t, torch.Tensor) and (r := grouped_mm_operand_reason(name, t))]
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        if reasons:
+            self.record_dispatch("grouped GEMM operands", "; ".join(reasons) + ": copied to a "
+                                 "16-byte aligned tensor for each GEMM (a copy per call; a "
+                                 "contiguous parameter avoids it)")
+        else:
+            records.pop("grouped GEMM operands", None)
 
     def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
@@ -741,7 +786,7 @@ class GroupedLinear(BasicOperation):
         forward's ``operands`` when they hold it, as is the weights' column-wise copy)."""
         weights, biases = self._param_lists()
         need_x = any(map(_REQUIRES_GRAD, weights))
-        storage = weight_q = weight_amax = None
+        storage = weight_amax = None
         x_in, w_in = operands if operands is not None else (None, None)
         if need_x and recompute_x is None and x2d is not None:
             if is_quantized(x_in) and x_in.columnwise_data is not None:
@@ -752,9 +797,7 @@ class GroupedLinear(BasicOperation):
                     storage = GroupedTensorStorage(
                         self.num_groups, tuple(x2d.shape), x2d.dtype, x2d,
                         split_sizes=splits.split_sizes, base_offsets=splits.base_offsets)
-        if is_quantized(w_in) and w_in.columnwise_data is not None:
-            weight_q = columnwise_only(w_in)
-        elif is_quantized(w_in) and ctx.input_requires_grad:
+        if is_quantized(w_in) and ctx.input_requires_grad:
             weight_amax = w_in.columnwise_amax
         # Per-group weights: keep fprop's (G, out, in) view of them for dgrad (no second
         # stack; a copy made for non-adjacent weights is not kept alive until backward).
@@ -770,7 +813,6 @@ class GroupedLinear(BasicOperation):
             probs_requires_grad=self.scale_bias and ctx.extra_input_requires_grad(1),
             recipe=recipe,
             training=self._call_policy(weights, biases),
-            weight_q=weight_q,
             weight_amax=weight_amax,
             weights_view=weights_view,
         )
@@ -789,11 +831,15 @@ class GroupedLinear(BasicOperation):
         if not (self.accumulate_into_main_grad or self.delay_wgrad_compute):
             return None
         policy = self.__dict__.get("_wgrad_policy")
+        if self.is_parametrized():
+            raise NotImplementedError(
+                f"{self.describe()}: accumulate_into_main_grad / delay_wgrad_compute need "
+                "the weights as Parameters; this layer has torch.nn.utils.parametrize "
+                "parametrizations (computed weights): turn those options off or remove the "
+                "parametrization")
         if policy is None:
-            names = (["weight"], ["bias"]) if self.single_grouped_weight else (
-                [f"weight{g}" for g in range(self.num_groups)],
-                [f"bias{g}" for g in range(self.num_groups)])
-            policy = WgradPolicy(self.describe(), names[0], names[1] if self.has_bias else [])
+            names = self._param_names()
+            policy = WgradPolicy(self.describe(), *names)
             self.__dict__["_wgrad_policy"] = policy
         policy.accumulate_into_main_grad = self.accumulate_into_main_grad
         policy.delay_wgrad_compute = self.delay_wgrad_compute
@@ -845,8 +891,8 @@ class GroupedLinear(BasicOperation):
                    else stacked(saved.weights, saved.single))
         dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
                                                                dy2d, rowwise=True)
-        w_in = saved.weight_q if saved.weight_q is not None else quantize_operand(
-            saved.recipe, "weight", weights, columnwise=True, columnwise_amax=saved.weight_amax)
+        w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True,
+                                columnwise_amax=saved.weight_amax)
         return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod

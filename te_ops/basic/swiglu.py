@@ -81,9 +81,8 @@ def _block_rows(rows: int, half: int, device: torch.device) -> int:
 
 
 #: ``explain()``'s names of the fused grouped MLP's epilogue decisions, recorded on the
-#: activation op (``fused/fc1_epilogue.py``, ``fused/fc2_dgrad_epilogue.py``).
+#: activation op (``fused/fc1_epilogue.py``).
 FC1_EPILOGUE = "fc1 SwiGLU epilogue"
-FC2_EPILOGUE = "fc2 dgrad dSwiGLU epilogue"
 
 #: The per-block aten ops as direct C bindings: the same kernels as ``torch.ops.aten.silu.out``
 #: / ``silu_backward.grad_input``, whose Python-level op objects cost ~1.5 and ~1 us more per
@@ -489,7 +488,7 @@ class SwiGLU(BasicOperation):
 
     def forget_epilogue(self, kind: str) -> None:
         """Drop the recorded decision of the fused grouped MLP's epilogue ``kind``
-        (:data:`FC1_EPILOGUE` or :data:`FC2_EPILOGUE`): this call's forward (or backward) ran
+        (:data:`FC1_EPILOGUE`): this call's forward (or backward) ran
         the activation unfused, and ``explain()`` must not report an earlier fused call's
         launch for it."""
         self.__dict__.get("_dispatch_records", {}).pop(kind, None)
@@ -513,11 +512,11 @@ class SwiGLU(BasicOperation):
         if info.device is None or info.device.type != "cuda":
             where = "unknown device" if info.device is None else info.device.type
             notes = [f"activation backend: torch ({where}; Triton kernels are CUDA-only)"]
-            if info.device is not None:  # the fused launches of fused/fc1_epilogue.py and
-                # fused/fc2_dgrad_epilogue.py are Triton kernels too
+            if info.device is not None:  # the fused launch of fused/fc1_epilogue.py is a
+                # Triton kernel too
                 why = (f"not used: te_ops' Triton kernels run on CUDA only, this call is on "
                        f"{where}")
-                notes += [f"fc1 SwiGLU epilogue: {why}", f"fc2 dgrad dSwiGLU epilogue: {why}"]
+                notes += [f"fc1 SwiGLU epilogue: {why}"]
             return notes
         if self.glu_interleave_size is not None:
             return ["activation backend: torch (glu_interleave_size is set)"]
@@ -548,7 +547,6 @@ class SwiGLU(BasicOperation):
         return swiglu_forward(input_, self.glu_interleave_size, backend=backend)
 
     def op_backward(self, ctx, grad_output):
-        self.forget_epilogue(FC2_EPILOGUE)
         saved = SwiGLUSaved.load(ctx)
         grad_input, _ = swiglu_backward(saved.input(), grad_output, self.glu_interleave_size,
                                         backend=saved.backend)
@@ -594,7 +592,6 @@ class ScaledSwiGLU(SwiGLU):
         return swiglu_forward(input_, self.glu_interleave_size, probs, backend), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
-        self.forget_epilogue(FC2_EPILOGUE)
         saved = SwiGLUSaved.load(basic_op_ctxs[0])
         grad_input, grad_probs = swiglu_backward(saved.input(), grad_output,
                                                  self.glu_interleave_size, saved.probs,

@@ -53,17 +53,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto",
             ("auto", "grouped_mm", "loop", "triton"),
             "Grouped GEMM backend: auto picks torch._grouped_mm where device, dtype and "
-            "alignment allow it (with te_ops' Triton GEMMs on SM90 in bf16 where measured "
-            "faster: the few-rows kernels for fprop <= 8, dgrad <= 4, wgrad <= 32 rows per "
-            "group on average, the persistent kernels for fprop and dgrad at >= 32 (the Gluon "
-            "fprop/dgrad instead at the measured shapes of grouped_gemm_gluon.GLUON_RULE) and "
-            "for wgrad at 64-256, the Gluon wgrad at >= 512: TE_OPS_GLUON_WGRAD), else a "
-            "per-group loop; grouped_mm keeps Triton off, triton runs all three high-precision "
-            "GEMMs in Triton (the persistent kernels at >= 512 rows per group; native FP8 "
-            "GEMMs under a recipe stay "
-            "torch._scaled_grouped_mm, an fp32 main_grad wgrad torch._grouped_mm where rows are "
-            "16-byte aligned); a forced "
-            "backend that cannot run raises with the reason.",
+            "alignment allow it, with te_ops' Triton / Gluon GEMMs where the rules table "
+            "(te_ops/gemm/rules.py) measured them faster, else a per-group loop; grouped_mm "
+            "keeps Triton off; triton runs all three high-precision GEMMs in te_ops' Triton "
+            "kernels (FP8 GEMMs under a recipe stay torch._scaled_grouped_mm); a forced backend "
+            "that cannot run raises with the reason.",
         ),
         EnvVar(
             "TE_OPS_ACTIVATION_BACKEND",
@@ -72,63 +66,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "SwiGLU kernels: auto takes the Triton kernels on CUDA where they apply (halves "
             "layout, fp32/bf16/fp16, contiguous), else PyTorch ops; triton where they cannot "
             "run raises with the reason.",
-        ),
-        EnvVar(
-            "TE_OPS_FC1_SWIGLU_EPILOGUE",
-            "auto",
-            ("auto", "0", "1"),
-            "fc1's fprop with the (Scaled)SwiGLU in its epilogue (one Triton kernel, same bits "
-            "as the two launches; te_ops/fused/fc1_epilogue.py), where fc1's fprop runs in Triton "
-            "(the few-rows kernel, or the persistent one of >= 32 rows per group) and the "
-            "activation in Triton, no recipe, no fc1 bias, halves layout: auto takes it "
-            "at the measured rule (few-rows kernel at <= 8 rows per group, "
-            "grouped_mlp_triton.MAX_ROWS_PER_GROUP: 1.02-1.08x the two launches on the H200; "
-            "in the persistent kernel only at fc1_swiglu_gluon.GLUON_FC1_RULE's measured shapes, "
-            "E128 T65536 H2048 FF768 on SM90 in bf16, as the warp-specialized Gluon kernel: "
-            "1.09x there (E8 T16384 H4096 FF14336, 1.03x in interleaved calls, left the rule in "
-            "stop 20: 0.99x in whole steps at the 700 W cap); elsewhere not, "
-            "fc1_epilogue.LARGE_AUTO: 0.97-0.99x), "
-            "1 wherever it can run (the Gluon kernel at the rule's shapes), 0 never.",
-        ),
-        EnvVar(
-            "TE_OPS_FC2_DSWIGLU_EPILOGUE",
-            "auto",
-            ("auto", "0", "1"),
-            "fc2's dgrad with the (Scaled)SwiGLU backward in its epilogue (one launch: the "
-            "warp-specialized Gluon kernel or the persistent Triton one, "
-            "TE_OPS_FC2_DSWIGLU_KERNEL; dh and the activation output have the two launches' "
-            "bits, the probs gradient is summed in another order; "
-            "te_ops/fused/fc2_dgrad_epilogue.py), where fc2's dgrad runs in the persistent "
-            "many-rows kernel and the activation in Triton, no recipe, no bias, halves layout: "
-            "auto takes it at the measured rule (fc2_dgrad_epilogue.AUTO_MIN_ROWS_PER_GROUP: "
-            "nowhere yet, the Triton kernel measured 0.57-0.74x and the Gluon one 0.73-0.93x "
-            "the two launches on the H200), 1 wherever it can run, 0 never.",
-        ),
-        EnvVar(
-            "TE_OPS_FC2_DSWIGLU_KERNEL",
-            "auto",
-            ("auto", "triton", "gluon"),
-            "Which kernel runs fc2's dgrad + (Scaled)SwiGLU backward where "
-            "TE_OPS_FC2_DSWIGLU_EPILOGUE takes the fused launch: auto the warp-specialized "
-            "Gluon kernel (te_ops/kernels/dgrad_dswiglu_gluon.py; the same bits) where it can "
-            "run (SM90, Triton's Gluon API, TMA-aligned operands; measured 1.14-1.30x the "
-            "Triton fused kernel on the H200), else the persistent Triton one; triton always "
-            "the Triton kernel; gluon raises with the reason where the Gluon kernel cannot "
-            "run.",
-        ),
-        EnvVar(
-            "TE_OPS_GLUON_WGRAD",
-            "auto",
-            ("auto", "0", "1"),
-            "wgrad in the warp-specialized Gluon kernel (te_ops/kernels/grouped_wgrad_gluon.py; "
-            "bitwise torch._grouped_mm's result), where auto dispatch runs (TE_OPS_GROUPED_GEMM_"
-            "BACKEND=auto, SM90, bfloat16, Triton 3.6's Gluon API) and out_features is a multiple "
-            "of 128: auto at the "
-            "measured rule (>= 512 rows per group on average, grouped_wgrad_gluon."
-            "MID_MIN_ROWS_PER_GROUP; at 512-1023 with the 4-stage subtiled-epilogue config "
-            "MID_ROWS_CONFIG: 1.12-1.21x torch._grouped_mm at 512, at >= 1024 "
-            "(MIN_ROWS_PER_GROUP) with the default config: 1.04-1.13x, on the H200), 1 at any "
-            "row count (the same configs, the default below 512), 0 never.",
         ),
         EnvVar(
             "TE_OPS_GRAPH_SAFE",
@@ -148,16 +85,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "applies (FP8 current scaling, bf16, SM90/SM100), else emulates (dequantize the same "
             "FP8 bytes, GEMM in high precision); native where it cannot run raises with the "
             "reason.",
-        ),
-        EnvVar(
-            "TE_OPS_SAVE_COLUMNWISE_WEIGHTS",
-            "0",
-            _BOOL,
-            "Under a recipe, 1 quantizes the weights both ways in the forward and keeps the "
-            "column-wise copy for dgrad (backward does not read the weights again; costs that "
-            "copy's memory from forward to backward, 1.3 GiB on 8 experts x 4096 x 14336); 0 "
-            "quantizes them for dgrad in the backward (default: the measured gain on the H200 was "
-            "within run-to-run noise, the memory is not). Same bytes either way.",
         ),
         EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",

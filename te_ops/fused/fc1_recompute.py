@@ -32,7 +32,7 @@ import torch
 
 from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, add_group_bias, stacked
 from ..basic.swiglu import SwiGLU
-from ..kernels.grouped_gemm import grouped_fprop
+from ..gemm import grouped_fprop
 from ..op import OperationContext
 from ..shapes import as_shape
 

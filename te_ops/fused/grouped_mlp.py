@@ -42,7 +42,6 @@ from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
 from .fc1_epilogue import fc1_swiglu_forward
 from .fc1_recompute import fused_forward_recompute, note_plan
-from .fc2_dgrad_epilogue import fc2_dgrad_dswiglu
 
 __all__ = [
     "ForwardGroupedMLP",
@@ -251,26 +250,22 @@ class BackwardGroupedMLP(FusedOperation):
         # output when the forward did not save fc2's input, then fc2's weight grads with it.
         dy_q2 = GroupedLinear.quantize_grad_output(s2, dy2d, True)  # both copies, one go
         need_out = s2.x is None and s2.recompute_x is not None
-        # Many rows per group: fc2's dgrad with the activation backward in its epilogue, one
-        # launch with the two launches' dh and output bits (fused/fc2_dgrad_epilogue.py).
-        act_result = fc2_dgrad_dswiglu(fc1, act, fc2, s2, sa, dy2d, s2.recipe, need_out)
-        if act_result is None:
-            dgrad2 = GroupedLinear.dgrad_math(s2, dy2d, dy_q2)
-            # The activation's input is dead after this pass, but the autograd node holds it
-            # until the whole backward ends: the activation backward (Triton kernel or torch
-            # path) writes dh over it (one (T, 2FF) buffer less at the peak; on the CPU the
-            # stores hit lines the pass just read). Its version is bumped, so a second
-            # backward through a retained graph raises torch's "modified by an inplace
-            # operation" error instead of reading dh. The activation output (fc2's wgrad
-            # input) goes over dgrad2, dead after this pass too.
-            h = sa.input()  # saved, or fc1's GEMM re-run (recompute_input), after the dgrad
-            act_result = swiglu_backward(h, as_shape(dgrad2, s2.in_shape),
-                                         act.glu_interleave_size, sa.probs,
-                                         with_output=need_out, backend=sa.backend,
-                                         grad_into_input=True, output_into_grad=True)
-            torch.autograd.graph.increment_version(h)
-            h = None
-            del dgrad2  # free before fc1's GEMMs
+        dgrad2 = GroupedLinear.dgrad_math(s2, dy2d, dy_q2)
+        # The activation's input is dead after this pass, but the autograd node holds it
+        # until the whole backward ends: the activation backward (Triton kernel or torch
+        # path) writes dh over it (one (T, 2FF) buffer less at the peak; on the CPU the
+        # stores hit lines the pass just read). Its version is bumped, so a second
+        # backward through a retained graph raises torch's "modified by an inplace
+        # operation" error instead of reading dh. The activation output (fc2's wgrad
+        # input) goes over dgrad2, dead after this pass too.
+        h = sa.input()  # saved, or fc1's GEMM re-run (recompute_input), after the dgrad
+        act_result = swiglu_backward(h, as_shape(dgrad2, s2.in_shape),
+                                     act.glu_interleave_size, sa.probs,
+                                     with_output=need_out, backend=sa.backend,
+                                     grad_into_input=True, output_into_grad=True)
+        torch.autograd.graph.increment_version(h)
+        h = None
+        del dgrad2  # free before fc1's GEMMs
         dh, gprobs_act = act_result[0], act_result[1]
         ctx_act.overwrote_input = True  # dh went over h: a second backward's error says so
         if need_out:

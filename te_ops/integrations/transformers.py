@@ -9,8 +9,8 @@ transformers 5.x stores each MoE layer's routed experts packed in one module (``
 
 and computes ``down_proj[e] @ (act_fn(gate) * up)`` times the routing weight. That is te_ops'
 grouped MLP ``GroupedLinear -> ScaledSwiGLU -> GroupedLinear`` with no row reordering: te_ops'
-SwiGLU gates with the *first* half (``SiLU(a) * b``), as HF does. ``GroupedLinear(...,
-single_grouped_weight=True)`` keeps its weight as one (experts, out, in) parameter, exactly HF's
+SwiGLU gates with the *first* half (``SiLU(a) * b``), as HF does. ``GroupedLinear`` keeps its
+weight as one packed (experts, out, in) parameter by default, exactly HF's
 layout, so the te_ops block here *is given HF's own Parameter objects*: no copy, gradients land
 in HF's parameters and ``state_dict`` / ``save_pretrained`` / ``from_pretrained`` are unchanged.
 

@@ -1,5 +1,4 @@
-"""Kernels and their dispatch: the only place that knows about devices and backends."""
+"""Non-GEMM kernels: the SwiGLU kernels, padding-row zeroing, split tables, the Triton launcher.
 
-from .grouped_gemm import BackendChoice, grouped_mm_unsupported_reason, select_backend
-
-__all__ = ["BackendChoice", "grouped_mm_unsupported_reason", "select_backend"]
+Grouped GEMM kernels and the choice between them live in :mod:`te_ops.gemm`.
+"""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it

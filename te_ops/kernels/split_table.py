@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .triton_launch import launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it

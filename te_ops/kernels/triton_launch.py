@@ -3,7 +3,7 @@
 :func:`launch` is ``kernel[grid](*args, **kwargs)`` (Triton's own ``JITFunction.run``: argument
 binding, specialization, the compiled-kernel cache) run on the device of the tensor arguments.
 Under ``torch.compile`` the kernels are ``torch.library`` custom ops / ``triton_op`` kernels
-with fake kernels (``te_ops/kernels/compiled_ops.py``): the traced graph launches them, not this
+with fake kernels (``torch.library`` custom ops, e.g. ``te_ops/gemm/torch_ops.py``): the traced graph launches them, not this
 module.
 """
 

@@ -1,7 +1,7 @@
 """Low precision: recipes, quantizers, quantized storage, quantize kernels and the scaled
 grouped GEMMs (see docs/recipes.md).
 
-``kernels/grouped_gemm.py`` sends :class:`QuantizedTensorStorage` operands to
+``gemm/dispatch.py`` sends :class:`QuantizedTensorStorage` operands to
 :mod:`te_ops.quantization.gemm`; ops ask the recipe for quantizers through
 :func:`quantize_operand` and never branch on the format.
 """

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tracing import tracing
+
 try:
     import triton
     import triton.language as tl
@@ -51,11 +53,6 @@ __all__ = ["unsupported_reason", "fp8_rows", "fp8_rows_column_amax", "fp8_column
            "fp8_both_grouped"]
 
 
-def tracing() -> bool:
-    """Whether a ``torch.compile`` trace is running (then the registered ops are called)."""
-    from ..kernels.compiled_ops import tracing as _tracing  # kernels imports this package
-
-    return _tracing()
 
 
 def unsupported_reason(x: torch.Tensor) -> str | None:
@@ -449,7 +446,7 @@ if triton is not None:
     #: (32 x warps)): E8's W1 rows (4096) 0.83 ms against 0.96 with one row, E32's W1 rows
     #: (7168) 0.96 against 1.15-1.19; with 16 elements per thread they collapse (no spills):
     #: E32's W2 rows (2048, 8 warps) 4.14 ms against 0.54 with one row (E32's FP8 step
-    #: regression of stop 9), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
+    #: regression), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
     #: program, 0.48 ms against 0.54 with 32.
     ROWS_COLAMAX_SETTINGS: tuple[tuple[int, ...], ...] = (
         (2048, 32, 1), (8192, 64, 2), (16384, 64, 1, 16), (32768, 32, 1))

@@ -1,4 +1,4 @@
-"""Grouped GEMMs on quantized operands (the recipe branch of ``kernels/grouped_gemm.py``).
+"""Grouped GEMMs on quantized operands (the recipe branch of ``gemm/dispatch.py``).
 
 Operands are :class:`~te_ops.quantization.QuantizedTensorStorage`. Which copy each GEMM reads
 (each quantized along the dim the GEMM reduces):
@@ -29,6 +29,7 @@ import torch
 
 from .. import env
 from ..kernels.padding import padding_backend, zero_padding_rows_
+from .layout import splits_layout
 from .quantizer import QuantizedTensorStorage
 
 __all__ = ["native_unsupported_reason", "quantized_grouped_gemm", "is_quantized"]
@@ -93,7 +94,7 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
                            fallback: Callable[..., torch.Tensor]) -> torch.Tensor:
     """One grouped GEMM (``kind`` = ``"fprop"``, ``"dgrad"`` or ``"wgrad"``) on quantized
     operands, with the argument order and output of the matching function of
-    ``kernels/grouped_gemm.py`` (``fallback``, used on dequantized operands when emulating).
+    ``gemm/dispatch.py`` (``fallback``, used on dequantized operands when emulating).
 
     fprop: a = x (M, K) row-wise, b = W (G, N, K) row-wise -> (M, N).
     dgrad: a = dy (M, N) row-wise, b = W column-wise -> (M, K).
@@ -113,7 +114,7 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
         if a.shape[0] == 0:
             return torch.zeros(splits.num_groups, b.shape[1], a.shape[1], dtype=dtype,
                                device=a.columnwise_data.device)
-        layout = splits.column_layout(_ALIGN_FP8)
+        layout = splits_layout(splits, _ALIGN_FP8)
         return torch._scaled_grouped_mm(
             b.columnwise_data, a.columnwise_data.t(), b.columnwise_scale_inv.reshape(-1),
             a.columnwise_scale_inv.reshape(-1), offs=layout.offsets, out_dtype=dtype,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ColumnLayout", "column_layout"]
+__all__ = ["ColumnLayout", "column_layout", "splits_layout"]
 
 
 @dataclass
@@ -81,3 +81,12 @@ def column_layout(split_sizes: torch.Tensor, base_offsets: torch.Tensor, num_row
     dest = torch.where(row_gid < g, rows - base_x[row_gid] + starts_x[row_gid],
                        torch.full_like(rows, capacity))
     return ColumnLayout(capacity, src, dest, gid, ends.to(torch.int32), starts)
+
+
+def splits_layout(splits, align: int) -> ColumnLayout:
+    """:func:`column_layout` of a ``GroupedSplits`` (its ``num_rows`` rows), built once per
+    ``align`` and kept with the splits (``GroupedSplits.derived``)."""
+    def build() -> ColumnLayout:
+        return column_layout(splits.split_sizes, splits.base_offsets, splits.num_rows, align)
+
+    return splits.derived(f"column_layout_{align}", build)

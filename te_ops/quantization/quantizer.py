@@ -22,7 +22,7 @@ import torch
 
 from ..grouped_tensor import GroupedTensorStorage
 from . import fp8_swiglu, fp8_triton, numerics
-from .layout import column_layout
+from .layout import column_layout, splits_layout
 
 __all__ = [
     "Quantizer",
@@ -239,7 +239,7 @@ class Quantizer:
                     from ..splits import make_splits
                     splits = make_splits([shape[0]], 1, shape[0], x.device)
                     kw = {"split_sizes": splits.split_sizes, "base_offsets": splits.base_offsets}
-                layout = (splits.column_layout(self.align) if splits.num_rows == shape[0]
+                layout = (splits_layout(splits, self.align) if splits.num_rows == shape[0]
                           else column_layout(splits.split_sizes, splits.base_offsets, shape[0],
                                              self.align))
                 if self.rowwise:

@@ -42,15 +42,15 @@ and ``LAG`` 1 of ``SPLIT``'s consumer), the epilogue's per-slice math is unchang
 a are meant to keep the bits above (the CUDA tests check it on SM90). The 32 KiB saved hold
 a 4th ring stage (``STAGES`` 4: 4 x 48 + 32 = 224 KiB), which made the plain Gluon
 fprop/dgrad 1.05-1.11x its 3-stage config at E8 / E32 (docs/benchmarks.md "Gluon
-fprop/dgrad: tail skip and a 4-stage ring (stop 17)"). sm_90 compile (Triton 3.6 + its
+fprop/dgrad: tail skip and a 4-stage ring"). sm_90 compile (Triton 3.6 + its
 ptxas): 229704 bytes of shared memory, consumers at 208 / 200 registers, the worker
 warpgroup at 96, no spills (the 3-stage configs: 4-8 bytes with probs). To measure:
 ``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1 '{"gfc1": {}, "gfc1_split":
 {"SPLIT": true, "num_warps": 4}, "gfc1_c4": {"SPLIT": true, "num_warps": 4, "C_HALF": true,
-"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue (stop 17)").
+"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue").
 
-Auto dispatch (``fused/fc1_epilogue.py``) takes it at the measured shapes of
-:data:`GLUON_FC1_RULE`; ``gluon_fc1_swiglu`` is the op ``te_ops::grouped_fc1_swiglu_gluon``
+Auto dispatch (``te_ops.gemm.fc1_swiglu``) takes it where the Gluon ``fc1_swiglu`` row of
+:mod:`te_ops.gemm.rules` holds; ``gluon_fc1_swiglu`` is the op ``te_ops::grouped_fc1_swiglu_gluon``
 under a trace (a ``custom_op``: ``wrap_triton`` takes Triton ``JITFunction`` kernels only).
 """
 
@@ -59,8 +59,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_gluon as GG
-from .compiled_ops import tracing
-from .grouped_gemm import _measured_on
+from ..tracing import tracing
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
@@ -68,7 +67,7 @@ from .grouped_gemm_large_triton import (
     grid_size,
     large_fc1_swiglu,
 )
-from .triton_launch import next_power_of_2
+from ..kernels.triton_launch import next_power_of_2
 
 gluon = GG.gluon
 if gluon is not None:
@@ -76,27 +75,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
-           "gluon_fc1_unsupported_reason", "gluon_fc1_rule", "GLUON_FC1_RULE"]
-
-#: Auto dispatch (``fused/fc1_epilogue.py``) runs fc1's fprop + the (Scaled)SwiGLU forward in
-#: this kernel, where fc1's fprop would run in the persistent Triton kernel, at these
-#: measured shapes only: (in_features, 2 * ffn) -> the average rows per group (padding
-#: included) it was measured at; SM90, bfloat16. Each entry measured >= 1.03x the two
-#: launches it replaces (``large_fprop`` + the Triton SwiGLU forward) with h and a bitwise
-#: theirs (``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1``, H200, 2026-11-30,
-#: medians of 25 interleaved rounds; docs/benchmarks.md, "Gluon fc1 + SwiGLU epilogue (stop
-#: 17)"): E8 T16384 H4096 FF14336 1.034x (5.965 ms against 6.168 ms) and E128 T65536 H2048
-#: FF768 1.090x (0.735 against 0.802 ms). Not taken: E32 T32768 H7168 FF2048, 1.006x (3.149
-#: against 3.169 ms: parity, within the rounds' spread). Stop 20 took E8 out: those rounds
-#: interleaved the calls (one clock for both), while at the 700 W cap the whole E8 step ran
-#: 1.009-1.011x faster with the two launches (the Gluon fprop + the Triton SwiGLU forward)
-#: in four processes (``benchmarks/dispatch_ab.py``: 3 or 4 rounds of 40-60 steps, every round
-#: faster; docs/benchmarks.md "Dispatch rules at the power cap (stop 20)"); E128's entry
-#: measured 1.000x there and stays.
-GLUON_FC1_RULE: dict[tuple[int, int], float] = {
-    (2048, 1536): 512.0,  # E128 T65536 H2048 FF768's fc1
-}
-
+           "gluon_fc1_unsupported_reason"]
 
 def gluon_fc1_config() -> dict[str, int | bool]:
     """Launch parameters: 128 x (128 gate + 128 up) x 64 tiles, ``GROUP_M`` 8, a 3-stage
@@ -159,19 +138,6 @@ def shared_bytes(cfg: dict) -> int:
     BLOCK_N rows) x BLOCK_K) and the output buffer (BLOCK_M or, ``C_HALF``, BLOCK_M / 2 rows
     x BLOCK_N): the layout of ``grouped_gemm_gluon``'s, so its ``_shared_bytes``."""
     return GG._shared_bytes(cfg)
-
-
-def gluon_fc1_rule(in_features: int, out_features: int, rows_per_group: float | None,
-                   device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether auto runs fc1 + SwiGLU in this kernel: :data:`GLUON_FC1_RULE` lists
-    (in_features, out_features = 2 * ffn) at this average ``rows_per_group`` (an exact match:
-    the rows per group it was measured at), the call is where it was measured (``device``
-    SM90, ``dtype`` bfloat16: ``grouped_gemm._measured_on``; so not under
-    ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` on another GPU or in float16, whose fused launch
-    would be the unmeasured ``large_fc1_swiglu``), and this Triton has Gluon."""
-    return (gluon is not None and rows_per_group is not None
-            and GLUON_FC1_RULE.get((in_features, out_features)) == rows_per_group
-            and _measured_on(device, dtype))
 
 
 def gluon_fc1_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -464,7 +430,7 @@ def gluon_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
 
 def gluon_fc1_dispatched(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                          probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dispatched call (``fused/fc1_epilogue.py`` at ``GLUON_FC1_RULE``'s shapes): as
+    """The dispatched call (``te_ops.gemm.fc1_swiglu`` where its Gluon rules row holds): as
     :func:`gluon_fc1_swiglu` with the default config, but where
     :func:`gluon_fc1_unsupported_reason` rules the operands out at run time (a base pointer
     off 16 bytes, say) the persistent Triton kernel's fused launch (``large_fc1_swiglu``,

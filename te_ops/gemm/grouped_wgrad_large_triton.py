@@ -1,12 +1,12 @@
 """Persistent Triton grouped wgrad for many rows per group (``dW_g = dy_g^T @ x_g``).
 
-Dispatched (``kernels.grouped_gemm.grouped_wgrad``; never for a wgrad into an fp32
+Dispatched (``te_ops.gemm.dispatch.grouped_wgrad``; never for a wgrad into an fp32
 ``main_grad`` that ``torch._grouped_mm`` can write, nor with the ``out=`` accumulate variant)
-by auto at ``grouped_gemm_large_triton.WGRAD_ROWS_PER_GROUP`` (64-256) rows per group on SM90
-in bf16, where the flat schedule measured 1.01-1.09x
-``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at the issue-10 shapes, 512-2048
-rows, where auto keeps CUTLASS), and under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` at
-``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more (``benchmarks/large_gemm_triton.py``,
+where a ``triton_persistent`` wgrad row of ``te_ops.gemm.rules`` holds: auto at 64-256 rows
+per group on SM90 in bf16, where the flat schedule measured 1.01-1.09x
+``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at 512-2048 rows, where auto
+keeps CUTLASS), and the forced rows (``TE_OPS_GROUPED_GEMM_BACKEND=triton``) from 512
+(``benchmarks/large_gemm_triton.py``,
 docs/benchmarks.md). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
 dgrad). The schedule, masking and stores below describe the nested schedule
 (``FLAT=False``, the accumulate launch); the default ``FLAT`` one is
@@ -67,10 +67,10 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_large_triton import _plain_eager
 from .grouped_gemm_triton import unsupported_reason
-from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
+from ..kernels.triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -444,7 +444,7 @@ def _launch_plan(x: torch.Tensor, dy: torch.Tensor, groups: int, tma: bool,
     ``groups`` groups: :func:`large_wgrad_config` updated by ``config``, ``USE_TMA`` only
     where ``tma`` (the operands can take it), the flat schedule's keys (``ACCUMULATE``
     and ``G_POW2`` set) or the nested one's (``ACCUMULATE`` set by the caller). What the
-    eager launch and a bound call site (``grouped_gemm_large_bound``) pass."""
+    eager launch passes."""
     n, k = dy.shape[1], x.shape[1]
     cfg = dict(large_wgrad_config())
     cfg.update(config or {})
@@ -469,7 +469,7 @@ def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     """``dW_g = dy_g^T @ x_g`` with the persistent kernel (module docstring: when dispatched).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
-    ``kernels.grouped_gemm.grouped_wgrad``), with fp32 accumulation.
+    ``te_ops.gemm.dispatch.grouped_wgrad``), with fp32 accumulation.
 
     Shapes: x (M, K) and dy (M, N), bf16/fp16 on CUDA, same dtype; offsets (G,) int32/int64
     cumulative group ends on x's device, ``offsets[-1] <= M`` (rows past it are padding and

@@ -1,15 +1,11 @@
 """Persistent Triton grouped GEMMs for many rows per group (fprop, dgrad; fc1 + SwiGLU).
 
-Auto dispatch (``kernels.grouped_gemm``) runs fprop and dgrad here where
-:data:`MIN_ROWS_PER_GROUP` says they were measured faster than ``torch._grouped_mm``
-(CUTLASS) on the H200: SM90, bfloat16, at least that many rows per group on average
-(``benchmarks/large_gemm_triton.py``; docs/benchmarks.md, "Persistent Triton grouped GEMMs
-for many rows per group"). The fc1 variant with the (Scaled)SwiGLU in its epilogue
-(:func:`large_fc1_swiglu`) runs where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` asks for it
-(``fused/fc1_epilogue.py``) off ``fc1_swiglu_gluon.GLUON_FC1_RULE``'s shapes (there the fused
-launch is the Gluon kernel, taken by auto too); auto keeps fprop + the Triton SwiGLU pass,
-which this kernel measured 0.97-0.99x of at 128-2048 rows per group (H200, ``PAIRED``, stop
-15). ``fc1_swiglu_gluon`` falls back to it (same bits) where TMA cannot take the operands.
+Dispatched by ``te_ops.gemm.dispatch`` where a ``triton_persistent`` row of
+``te_ops.gemm.rules`` holds (fprop and dgrad from 32 rows per group on SM90 in bfloat16,
+measured faster than ``torch._grouped_mm`` there). The fc1 variant with the (Scaled)SwiGLU
+in its epilogue (:func:`large_fc1_swiglu`, measured 0.97-0.99x fprop + the Triton SwiGLU pass
+at 128-2048 rows per group, so no rules row) is what ``fc1_swiglu_gluon`` falls back to (same
+bits) where TMA cannot take the operands.
 
 For group ``g`` (rows ``offsets[g-1]:offsets[g]``, ``offsets[-1]`` the total, rows past it
 padding; the kernel clamps each group's rows to ``0 <= start <= end <= M``, so offsets past M,
@@ -51,7 +47,7 @@ Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" o
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
 
-fc1 + SwiGLU, ``PAIRED`` (the default since stop 15): structurally the plain fprop. W1
+fc1 + SwiGLU, ``PAIRED`` (the default): structurally the plain fprop. W1
 (G, 2F, K) is read through its (G, 2, F, K) view (TMA block [1, 2, BLOCK_N/2, BLOCK_K]: gate
 rows [n0, n0 + BLOCK_N/2) and up rows [F + n0, ...) in one load, reshaped to (BLOCK_N,
 BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BLOCK_N)
@@ -59,7 +55,7 @@ accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2
 ``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
 ``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
 :func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). ``PAIRED=False``
-is stop 12's kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
+is the earlier kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
 dots per k-step (0.88-0.97x fprop + SwiGLU in the group walk; with ``FLAT`` 0.59x at E8:
 ptxas serializes the two wgmma chains, warning C7515, "non wgmma instructions defining
 accumulator registers of a wgmma between start and end of the pipeline stage", plus
@@ -89,9 +85,9 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
-from .triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
+from ..kernels.triton_launch import capability, cdiv, launch, next_power_of_2, sm_count
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -100,41 +96,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MIN_ROWS_PER_GROUP", "WGRAD_ROWS_PER_GROUP", "FORCED_MIN_ROWS_PER_GROUP",
-           "large_kinds", "large_config",
+__all__ = ["large_config",
            "large_fprop", "large_dgrad",
            "large_fc1_swiglu", "tma_unsupported_reason", "unsupported_reason", "grid_size",
            "FLAT_MAX_GROUPS"]
-
-#: Auto dispatch (``kernels.grouped_gemm``) runs a GEMM kind in this module's kernels at
-#: average rows per group (padding included) of at least this many: SM90, bfloat16. Measured
-#: faster than ``torch._grouped_mm`` with bitwise equal outputs at every average tried
-#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30, fprop / dgrad of fc1 and
-#: fc2): 1.24-1.62x at 32-64 rows per group (E128 T4096 / T8192 H2048 FF768, E64 T4096 H7168
-#: FF2048), 1.22-1.58x at 128-256 (E128 T16384 / T32768, E64 T16384 H7168), 1.07-1.22x at
-#: 512 (E128 T65536), 1.04-1.11x at 1024 (E32 T32768 H7168 FF2048), 1.00-1.09x at 2048 (E8
-#: T16384 H4096 FF14336); those numbers are the group-walk schedule's, the ``FLAT`` default
-#: since stop 14 measured 0.99-1.12x the walk at 512-2048 and 1.01-1.24x at 32-128 rows per
-#: group (module docstring). Below 32, the few-rows kernels (``grouped_gemm_triton``: fprop <= 8,
-#: dgrad <= 4 rows per group) or ``torch._grouped_mm`` (in between, not measured here).
-MIN_ROWS_PER_GROUP = {"fprop": 32, "dgrad": 32}
-
-#: Auto dispatch runs wgrad in ``grouped_wgrad_large_triton`` (its flat schedule) at average
-#: rows per group in this closed range: SM90, bfloat16. Measured against ``torch._grouped_mm``
-#: (``benchmarks/large_gemm_triton.py`` on the H200, 2026-11-30, fc1 + fc2 wgrad times
-#: summed, bitwise equal outputs): 1.05-1.09x at 64-128 rows per group (E128 T8192 /
-#: T16384 H2048 FF768, E64 T4096 H7168 FF2048), 1.01-1.06x at 256 (E128 T32768, E64
-#: T16384), but 0.96-1.07x per GEMM at 512-2048 (the issue-10 shapes: parity, so CUTLASS
-#: stays there). At 32 and below the few-rows wgrad (``grouped_gemm_triton``) runs.
-WGRAD_ROWS_PER_GROUP = (64, 256)
-
-#: ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (all three GEMM kinds in Triton) runs them in the
-#: persistent kernels, wgrad in ``grouped_wgrad_large_triton``, at at least this many rows per
-#: group on average, and in the few-rows kernels below it (set when stop 13's nested wgrad
-#: measured 0.82-0.91x ``torch._grouped_mm`` on the issue-10 shapes, H200, 2026-11-30; auto
-#: now runs the flat wgrad at :data:`WGRAD_ROWS_PER_GROUP`, where forcing gives the few-rows
-#: kernels).
-FORCED_MIN_ROWS_PER_GROUP = 512
 
 #: Programs of the persistent kernel where the device is not CUDA (the CPU interpreter).
 _CPU_PROGRAMS = 4
@@ -213,20 +178,6 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
         raise ValueError(f"config PAIRED=True needs an even BLOCK_N >= 16 (gate and up halves "
                          f"of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
     return cfg
-
-
-def large_kinds(rows_per_group: float | None, forced: bool = False) -> tuple[str, ...]:
-    """The GEMM kinds auto dispatch (``forced``: ``TE_OPS_GROUPED_GEMM_BACKEND=triton``) runs
-    in the persistent kernels at ``rows_per_group`` (:data:`MIN_ROWS_PER_GROUP` and
-    :data:`WGRAD_ROWS_PER_GROUP`, :data:`FORCED_MIN_ROWS_PER_GROUP`; none when not known)."""
-    if rows_per_group is None:
-        return ()
-    if forced:
-        return (("fprop", "dgrad", "wgrad") if rows_per_group >= FORCED_MIN_ROWS_PER_GROUP
-                else ())
-    kinds = tuple(k for k, r in MIN_ROWS_PER_GROUP.items() if rows_per_group >= r)
-    low, high = WGRAD_ROWS_PER_GROUP
-    return kinds + (("wgrad",) if low <= rows_per_group <= high else ())
 
 
 def tma_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -318,7 +269,7 @@ def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 if triton is not None:
     from .grouped_gemm_triton import _group_rows
-    from .swiglu_triton import _core
+    from ..kernels.swiglu_triton import _core
 
     @triton.jit
     def _tile_of(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -629,7 +580,7 @@ def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
                  has_p: bool) -> tuple[tuple[int], tuple, dict]:
     """(grid, the scalar arguments after the six tensors, the keyword arguments) of
     :func:`_large_kernel` for ``kind`` with the resolved ``cfg`` (its TMA decision made):
-    what the eager launch and a bound call site (``grouped_gemm_large_bound``) pass."""
+    what the eager launch passes."""
     m, k = x.shape
     dgrad = kind == "dgrad"
     groups = weights.shape[0]
@@ -700,10 +651,9 @@ def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                      probs: torch.Tensor | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``fused/fc1_epilogue.py``
-    takes it where ``TE_OPS_FC1_SWIGLU_EPILOGUE=1`` and fc1's fprop runs in this module, off
-    ``fc1_swiglu_gluon.GLUON_FC1_RULE``'s shapes, and where the Gluon kernel's operands rule
-    it out at run time).
+    """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``te_ops.gemm.fc1_swiglu``
+    runs it where the Gluon ``fc1_swiglu`` rules row holds but the Gluon kernel's operands rule
+    it out at run time: the same bits).
 
     ``h_g = x_g @ W_g^T``, bitwise :func:`large_fprop`'s with the default config (``PAIRED``:
     the same tiles of rows and k-steps); ``a = SiLU(h[:, :F]) * h[:, F:]`` (times

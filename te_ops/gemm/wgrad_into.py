@@ -34,7 +34,12 @@ import torch
 
 from ..quantization.gemm import is_quantized
 from ..splits import GroupedSplits
-from .grouped_gemm import BackendChoice, grouped_mm_unsupported_reason, grouped_wgrad
+from .dispatch import (
+    BackendChoice,
+    grouped_mm_operands,
+    grouped_mm_unsupported_reason,
+    grouped_wgrad,
+)
 
 __all__ = ["grouped_wgrad_into", "grouped_mm_out_dtype_reason"]
 
@@ -143,6 +148,7 @@ def _high_precision_wgrad(targets: list[torch.Tensor | None], live: list[int], x
             and grouped_mm_out_dtype_reason(x.device, x.dtype, out_dtype) is None
             and grouped_mm_unsupported_reason(x.device, x.dtype, x.shape[1], dy.shape[1])
             is None):
+        (x, dy), _ = grouped_mm_operands(("x", x), ("dy", dy))  # misaligned views: copied
         return torch._grouped_mm(dy.t(), x, offs=splits.offsets, out_dtype=out_dtype)
     return grouped_wgrad(x, dy, splits, backend)
 

@@ -1,4 +1,4 @@
-"""Warp-specialized persistent grouped GEMM for SM90 in Gluon (fprop, dgrad): an experiment.
+"""Warp-specialized persistent grouped GEMM for SM90 in Gluon (fprop, dgrad).
 
 The persistent Triton kernel (``grouped_gemm_large_triton``, ``FLAT``) runs its tile epilogue
 (fp32 -> bf16, masked stores clipped at the group's end) on the warps that issue the next
@@ -38,7 +38,7 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   ``HALF_LOAD``: the producer loads only the first 64 rows of x for such tiles (the other
   half keeps stale rows, which reach only accumulator rows that are never stored).
   ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
-  (stop 17): not dispatched;
+  (interleaved): not dispatched;
 * ``TMA_STORE``: the epilogue stores a buffered part (64 rows with ``C_HALF``, else 128)
   that lies inside its group with one TMA store from the shared buffer (a device-side
   descriptor of y as (M, N)) and waits for it before freeing the buffer; tail parts and the
@@ -48,13 +48,13 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   turns it off (:func:`_launch_args`);
 * ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
   wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
-* ``ZERO_TAIL`` (stop 21, not dispatched): the producer loads a tail tile's x rows (the
+* ``ZERO_TAIL`` (not dispatched): the producer loads a tail tile's x rows (the
   group's last row tile) through a device-side descriptor whose row count ends at the
   group's end, so the rows past it arrive as TMA's zero fill instead of the next group's
   rows (as CUTLASS's per-group descriptors do). Stored rows are bitwise unchanged (CUDA tail
   tests). The aim was the tensor cores' energy at the 700 W cap; whole steps at the cap
   (``benchmarks/dispatch_ab.py``, H200, 3 rounds) measured 1.002x at E8 and 1.002-1.003x at
-  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows (stop 21)"). Not with
+  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows"). Not with
   ``HALF_LOAD``.
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
@@ -74,20 +74,20 @@ dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + the output tile, 64 
 stages: 208 KiB of the H200's 227) or 32 KiB with ``C_HALF`` (4 stages: 224 KiB).
 
 Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (docs/benchmarks.md,
-"Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad: tail skip and a
-4-stage ring (stop 17)"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
+"Gluon warp-specialized fprop/dgrad" and "Gluon fprop/dgrad: tail skip and a
+4-stage ring"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
 FF768 (short k-loops, where the overlapped epilogue is a large share of a tile), 0.92-0.98x
 at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with ``C_HALF`` and
-4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it for the
-measured winning shapes only (:data:`GLUON_RULE`, :func:`gluon_kinds`,
-:func:`gluon_grouped_gemm`: the op ``te_ops::grouped_gemm_gluon`` under a trace).
+4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it where a
+Gluon row of :mod:`te_ops.gemm.rules` holds (:func:`gluon_grouped_gemm`: the op
+``te_ops::grouped_gemm_gluon`` under a trace).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_large_triton import (
     _check,
     _ensure_allocator,
@@ -97,7 +97,7 @@ from .grouped_gemm_large_triton import (
     large_fprop,
     tma_unsupported_reason,
 )
-from .triton_launch import next_power_of_2
+from ..kernels.triton_launch import next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
     import triton
@@ -114,53 +114,20 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = gluon = gl = None
 
 __all__ = ["gluon_config", "gluon_fprop", "gluon_dgrad", "gluon_unsupported_reason",
-           "gluon_kinds", "gluon_grouped_gemm", "GLUON_MAX_GROUPS", "GLUON_RULE",
+           "gluon_grouped_gemm", "GLUON_MAX_GROUPS",
            "DISPATCH_CONFIG"]
 
 #: The tile table has ``next_power_of_2(G)`` int64 lanes per partition; above this many
 #: groups the kernel is not offered (:func:`gluon_unsupported_reason`).
 GLUON_MAX_GROUPS = 1024
 
-#: Auto dispatch (``kernels.grouped_gemm``) runs a grouped linear's GEMM kind in this kernel
-#: (instead of the persistent Triton kernel, which auto would run it in) only for the
-#: measured shapes: (kind, in_features, out_features) -> the average rows per group
-#: (padding included) it was measured at; SM90, bfloat16. Measured with bitwise equal
-#: outputs (``benchmarks/large_gemm_triton.py --gluon`` on the H200, 2026-11-30; docs/
-#: benchmarks.md "Gluon warp-specialized fprop/dgrad (stop 16)" and "Gluon fprop/dgrad:
-#: tail skip and a 4-stage ring (stop 17)"). Stop 16 (``SPLIT``, 3 stages): the E128
-#: T65536 H2048 FF768 block's fc2 fprop (768 -> 2048) and dgrad and fc1's dgrad
-#: (2048 -> 1536), >= 1.03x the Triton kernel. Stop 17 (:data:`DISPATCH_CONFIG`: a 64-row
-#: output buffer and a 4-stage ring): the GEMMs faster than the Triton kernel in both of two
-#: runs: every fprop / dgrad of E8 T16384 H4096 FF14336 (2048 rows per group; 1.006-1.026x)
-#: and of E32 T32768 H7168 FF2048 (1024; 1.008-1.037x) but E32's fc2 dgrad (1.010x, then
-#: 0.997x: left in the Triton kernel), and E128's fc1 fprop (1.057x, 1.055x). Stop 20: E32's
-#: fc1 fprop (7168 -> 4096) went back to the Triton kernel: those runs interleaved the calls
-#: (one clock for both: cycles), while at the 700 W cap the Triton kernel was 1.014-1.074x
-#: faster in four power-capped block runs (``benchmarks/sustained_gemm.py``, stop 19) and the
-#: whole step 1.014x faster without the entry (``benchmarks/dispatch_ab.py``, 3 rounds of
-#: 100 steps, median 14.445 against 14.631 ms; three later processes 1.010x, 0.996x, 1.003x:
-#: +0.6 % on average, at the edge of the spread; docs/benchmarks.md "Dispatch rules at the
-#: power cap (stop 20)"). E32's fc1 dgrad stays (1.002x without it: no direction).
-GLUON_RULE: dict[tuple[str, int, int], float] = {
-    ("fprop", 768, 2048): 512.0,
-    ("dgrad", 768, 2048): 512.0,
-    ("dgrad", 2048, 1536): 512.0,
-    ("fprop", 2048, 1536): 512.0,
-    ("fprop", 4096, 28672): 2048.0,  # E8 fc1
-    ("dgrad", 4096, 28672): 2048.0,
-    ("fprop", 14336, 4096): 2048.0,  # E8 fc2
-    ("dgrad", 14336, 4096): 2048.0,
-    ("dgrad", 7168, 4096): 1024.0,  # E32 fc1 (its fprop: the Triton kernel, stop 20)
-    ("fprop", 2048, 7168): 1024.0,  # E32 fc2 (its dgrad: 1.010x, 0.997x; not taken)
-}
-
 #: The launch config of the dispatched calls: ``SPLIT`` (two 4-warp consumer partitions),
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
 #: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
-#: interleaved; stop 17). ``TMA_STORE`` (stop 19): in power-capped blocks of back-to-back
+#: interleaved). ``TMA_STORE``: in power-capped blocks of back-to-back
 #: calls (``benchmarks/sustained_gemm.py``, one H200 run) 1.02-1.08x without it at E128,
 #: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal. Not ``SKIP_TAIL`` (0.95-1.02x
-#: interleaved, stop 17; 0.84-1.02x in power-capped blocks, stop 19).
+#: interleaved; 0.84-1.02x in power-capped blocks).
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4, "TMA_STORE": True}
 
@@ -232,18 +199,6 @@ def _shared_bytes(cfg: dict) -> int:
     ring = cfg["STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     rows = cfg["BLOCK_M"] // 2 if cfg["C_HALF"] else cfg["BLOCK_M"]
     return ring + rows * cfg["BLOCK_N"] * 2
-
-
-def gluon_kinds(in_features: int, out_features: int, rows_per_group: float | None,
-                large: tuple[str, ...]) -> tuple[str, ...]:
-    """The kinds among ``large`` (those auto runs in the persistent Triton kernel: SM90,
-    bfloat16) that auto runs in this kernel instead: :data:`GLUON_RULE` lists the grouped
-    linear's (kind, in_features, out_features) at this average ``rows_per_group``; none when
-    the rows are not known or this Triton has no Gluon."""
-    if rows_per_group is None or gluon is None:
-        return ()
-    return tuple(k for k in ("fprop", "dgrad") if k in large
-                 and GLUON_RULE.get((k, in_features, out_features)) == rows_per_group)
 
 
 def gluon_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -784,7 +739,7 @@ def gluon_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 
 def gluon_grouped_gemm(a: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                        dgrad: bool) -> torch.Tensor:
-    """The dispatched call (``kernels.grouped_gemm`` for the kinds of :func:`gluon_kinds`):
+    """The dispatched call (``te_ops.gemm.dispatch`` where a Gluon rules row holds):
     :func:`gluon_fprop` (``dgrad`` False) or :func:`gluon_dgrad` with
     :data:`DISPATCH_CONFIG`; where :func:`gluon_unsupported_reason` rules the operands out
     at run time (a base pointer off 16 bytes, say), the persistent Triton kernel's

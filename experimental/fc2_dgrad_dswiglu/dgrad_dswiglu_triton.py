@@ -59,7 +59,7 @@ import torch
 
 from . import grouped_gemm_large_triton as lg
 from . import swiglu_triton
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, unsupported_reason
 from .triton_launch import cdiv, launch, next_power_of_2
 

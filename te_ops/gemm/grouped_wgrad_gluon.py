@@ -1,6 +1,6 @@
-"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``), an experiment.
+"""Warp-specialized Gluon grouped wgrad for SM90 (``dW_g = dy_g^T @ x_g``).
 
-Stop 16 of issue 10: the Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
+The Triton wgrad (``grouped_wgrad_large_triton``, flat schedule) runs
 each dW tile's fp32 -> bf16 epilogue on the warps that issue the next tile's MMAs (Triton 3.6
 builds no warp-specialized partitions on SM90). Gluon (``triton.experimental.gluon``, Triton
 >= 3.5) states the partitions explicitly (``gl.warp_specialize``); this kernel uses them:
@@ -46,13 +46,12 @@ partitions on SM90 (``setmaxnreg``, named barriers; ``tests/test_gluon_wgrad.py`
 it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
 Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
-wgrad (stop 16)": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
-issue-10 wgrads, one run). Dispatched by ``kernels.grouped_gemm`` (:func:`gluon_kinds`: auto
-at :data:`MID_MIN_ROWS_PER_GROUP` rows per group or more, SM90, bfloat16; ``TE_OPS_GLUON_WGRAD``),
-with the launch config :func:`gluon_wgrad_preset` names for the row count: the subtiled
-epilogue with a 4th ring stage (:data:`MID_ROWS_CONFIG`) at 512-1023 rows per group, where it
-measured 1.06-1.09x the default config (stop 16 and stop 18), the default config at
-:data:`MIN_ROWS_PER_GROUP` or more, where the 4-stage config measured 0.966-0.976x it.
+wgrad": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
+issue-10 wgrads, one run). Dispatched by ``te_ops.gemm.dispatch`` where a wgrad row of
+``te_ops.gemm.rules`` names it (SM90, bfloat16, 512 rows per group or more), with the row's
+launch config: the subtiled epilogue with a 4th ring stage (:data:`MID_ROWS_CONFIG`) at
+512-1023 rows per group, where it measured 1.06-1.09x the default config, the default config
+from 1024, where the 4-stage config measured 0.966-0.976x it.
 The launch goes through ``triton_launch.launch``: on the tensors' device (Triton launches on
 the current one; the descriptor scratch is allocated inside the launch, so there too).
 """
@@ -63,8 +62,8 @@ from typing import Any
 
 import torch
 
-from .compiled_ops import tracing
-from .triton_launch import capability, cdiv, launch, sm_count
+from ..tracing import tracing
+from ..kernels.triton_launch import capability, cdiv, launch, sm_count
 
 try:  # Gluon ships with Triton >= 3.5 (experimental API)
     import triton
@@ -83,53 +82,20 @@ except ImportError:  # pragma: no cover - depends on the install
     gl = None
     tma = None
 
-__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason", "gluon_kinds",
+__all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason",
            "gluon_api_reason", "gluon_unavailable_reason", "check_config",
-           "gluon_wgrad_preset", "MIN_ROWS_PER_GROUP", "MID_MIN_ROWS_PER_GROUP",
            "MID_ROWS_CONFIG", "PRESETS"]
 
-#: Auto dispatch (``kernels.grouped_gemm``, ``TE_OPS_GLUON_WGRAD=auto``) runs the wgrad here
-#: with the default config (:func:`gluon_wgrad_config`) at this many rows per group on average
-#: or more, SM90, bfloat16: measured 1.04-1.13x ``torch._grouped_mm`` at 1024 and 2048 rows per
-#: group (E32 / E8 of issue 10; docs/benchmarks.md), where :data:`MID_ROWS_CONFIG` measured
-#: 0.966-0.976x the default config.
-MIN_ROWS_PER_GROUP = 1024
-
-#: Auto dispatch runs the wgrad here with :data:`MID_ROWS_CONFIG` at this many rows per group
-#: on average or more, below :data:`MIN_ROWS_PER_GROUP`: measured at 512 rows per group (E128
-#: T65536 H2048 FF768, Zipf split sizes, H200, two runs: stop 16 and stop 18) 1.12-1.21x
-#: ``torch._grouped_mm`` (what auto ran there before), 1.09-1.13x the persistent Triton wgrad
-#: and 1.06-1.09x the default config, bitwise equal to ``torch._grouped_mm``
-#: (docs/benchmarks.md, "Gluon wgrad at 512 rows per group (stop 18)"). At 128-256 rows per
-#: group the margins over the Triton kernels were 0-5 % in one run: no rule there.
-MID_MIN_ROWS_PER_GROUP = 512
-
-#: The launch config (changes to :func:`gluon_wgrad_config`) at
-#: :data:`MID_MIN_ROWS_PER_GROUP` <= rows per group < :data:`MIN_ROWS_PER_GROUP`: 4 ring stages,
+#: The launch config (changes to :func:`gluon_wgrad_config`) the rules table names
+#: ``"mid_rows"`` (``te_ops.gemm.rules``: 512 to 1023 rows per group): 4 ring stages,
 #: the 128 x 256 dW tile stored as 4 column slices of 64 through 2 smem buffers (4 x 48 KiB +
 #: 2 x 16 KiB of smem); the ``s4_epi4x2`` config of ``benchmarks/gluon_wgrad.py``.
 MID_ROWS_CONFIG = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
 
-#: The named launch configs the dispatch picks from (:func:`gluon_wgrad_preset`), as changes to
+#: The named launch configs the rules table picks from (a row's ``config``), as changes to
 #: :func:`gluon_wgrad_config`; ``gluon_wgrad(..., preset=name)`` and the op
 #: ``te_ops::grouped_wgrad_gluon`` take the name.
 PRESETS: dict[str, dict[str, int]] = {"default": {}, "mid_rows": MID_ROWS_CONFIG}
-
-#: Why each band of rows per group gets its preset (for the dispatch's reason, which names
-#: the constants as ``kernels.grouped_gemm`` imports them: ``GLUON_WGRAD_...``).
-_PRESET_WHY = {
-    "default": ("the default config (STAGES=3, whole-tile epilogue) at >= "
-                f"GLUON_WGRAD_MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP} rows per group, where "
-                "MID_ROWS_CONFIG measured 0.97x it"),
-    "mid_rows": (f"MID_ROWS_CONFIG={MID_ROWS_CONFIG} (4 ring stages, the tile stored as 4 "
-                 "column slices through 2 buffers) at "
-                 f"{MID_MIN_ROWS_PER_GROUP} to {MIN_ROWS_PER_GROUP - 1} rows per group, where "
-                 "it measured 1.06-1.09x the default config"),
-    "few_rows": ("the default config below "
-                 f"GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP={MID_MIN_ROWS_PER_GROUP} rows per group "
-                 "(no config rule measured there)"),
-}
-
 
 def gluon_api_reason(gl_module: Any, tma_module: Any) -> str | None:
     """Why the Gluon of ``gl_module`` (``triton.experimental.gluon.language``) and
@@ -158,47 +124,11 @@ def gluon_api_reason(gl_module: Any, tma_module: Any) -> str | None:
 GLUON_API_REASON = None if gluon is None else gluon_api_reason(gl, tma)
 
 
-def gluon_kinds(rows_per_group: float | None, out_features: int, mode: str = "auto"
-                ) -> tuple[str, ...]:
-    """``("wgrad",)`` where the dispatch runs a layer's wgrad in this kernel, else ``()``.
-
-    ``mode`` is ``TE_OPS_GLUON_WGRAD``: ``auto`` at :data:`MID_MIN_ROWS_PER_GROUP` rows per group
-    on average or more, ``1`` at any known row count, ``0`` never (the launch config:
-    :func:`gluon_wgrad_preset`); always ``()`` when Gluon is
-    missing or not Triton 3.6's API (:func:`gluon_api_reason`), the row count is not known
-    (``None``) or ``out_features`` (the wgrad's N) is not
-    a multiple of the tile's ``BLOCK_N`` (:func:`gluon_unsupported_reason`). The caller
-    (``select_backend``) asks only where auto dispatch runs on SM90 in bfloat16.
-    """
-    if mode == "0" or gluon is None or GLUON_API_REASON is not None or rows_per_group is None:
-        return ()
-    if out_features % gluon_wgrad_config()["BLOCK_N"]:
-        return ()
-    if mode == "auto" and rows_per_group < MID_MIN_ROWS_PER_GROUP:
-        return ()
-    return ("wgrad",)
-
-
-def gluon_wgrad_preset(rows_per_group: float) -> tuple[str, str]:
-    """``(name, why)``: the launch config (a key of :data:`PRESETS`) the dispatch runs a wgrad
-    of ``rows_per_group`` rows per group on average (padding included) with, and why, for the
-    choice's reason. ``"mid_rows"`` (:data:`MID_ROWS_CONFIG`) at
-    :data:`MID_MIN_ROWS_PER_GROUP` <= rows < :data:`MIN_ROWS_PER_GROUP`, ``"default"`` at
-    :data:`MIN_ROWS_PER_GROUP` or more and below :data:`MID_MIN_ROWS_PER_GROUP` (only
-    ``TE_OPS_GLUON_WGRAD=1`` runs the kernel there; the config rule's measured range starts at
-    512). The same for ``auto`` and ``1``: asked only where :func:`gluon_kinds` takes wgrad."""
-    if rows_per_group >= MIN_ROWS_PER_GROUP:
-        return "default", _PRESET_WHY["default"]
-    if rows_per_group >= MID_MIN_ROWS_PER_GROUP:
-        return "mid_rows", _PRESET_WHY["mid_rows"]
-    return "default", _PRESET_WHY["few_rows"]
-
-
 def gluon_unavailable_reason(out_features: int) -> str | None:
-    """Why :func:`gluon_kinds` never takes the wgrad of a layer with ``out_features`` here,
+    """Why the dispatch never runs the wgrad of a layer with ``out_features`` here,
     whatever the row count and mode (``None`` when it can): no Gluon, another Gluon API
     (:func:`gluon_api_reason`), ``out_features`` not a multiple of ``BLOCK_N``. The dispatch
-    names it where ``TE_OPS_GLUON_WGRAD=1`` asks for the kernel."""
+    skips the rules table's Gluon wgrad rows then."""
     if gluon is None:
         return "the installed Triton has no Gluon (triton.experimental.gluon)"
     if GLUON_API_REASON is not None:
@@ -211,7 +141,7 @@ def gluon_unavailable_reason(out_features: int) -> str | None:
 
 
 def gluon_wgrad_config() -> dict[str, int]:
-    """Default launch parameters (the fastest of the configs measured, stop 16): one
+    """Default launch parameters (the fastest of the configs measured): one
     consumer partition of 8 warps (two warp groups, each 64 rows of the 128 x 256 fp32 dW
     tile: 128 registers a thread) and the loader, 64 rows per step, 3 ring stages
     (3 x 48 KiB) plus one 64 KiB bf16 output tile; ``maxnreg`` 168 over the 12 warps of the
@@ -225,9 +155,9 @@ def gluon_wgrad_config() -> dict[str, int]:
     EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
     0.966-0.976x this default on the E8 / E32 wgrads (>= 1024 rows per group), so it is not the
     default, and 1.06-1.09x it at E128 (512 rows per group, two H200 runs), where the dispatch
-    runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, :func:`gluon_wgrad_preset`).
+    runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, the rules table's ``"mid_rows"``).
 
-    ``GROUP_N`` 8 (stop 19): a group's tiles go in bands of 8 dW row tiles, row tile fastest,
+    ``GROUP_N`` 8: a group's tiles go in bands of 8 dW row tiles, row tile fastest,
     instead of a whole row of tiles at a time (``GROUP_N=1``), so the programs running at once
     share the x columns they read and a wave no longer streams all of x_g from HBM (ncu, E8
     fc2 wgrad: 7.2 GB of DRAM reads against ``_grouped_mm``'s 2.2 GB). Measured in power-capped
@@ -494,14 +424,14 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
-    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad (stop 16)"), fp32
+    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad"), fp32
     accumulation.
 
     Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64
     cumulative group ends on x's device (rows past ``offsets[-1]`` are padding and never
     read) -> dW (G, N, K) in x's dtype, zeros for an empty group. No host sync (graph-safe):
     the group order is a device argsort. ``preset`` names the launch config (a key of
-    :data:`PRESETS`: ``"default"`` or ``"mid_rows"``, :func:`gluon_wgrad_preset`; the
+    :data:`PRESETS`: ``"default"`` or ``"mid_rows"``, a rules row's ``config``; the
     dispatch passes it); ``config`` overrides keys of it (benchmarks). Under a
     ``torch.compile`` trace the call without ``config`` is the op
     ``te_ops::grouped_wgrad_gluon`` (which takes the preset's name).

@@ -22,16 +22,16 @@ host sync, launch sizes known on the host, so the calls are graph-safe.
 Registered as ``torch.library.triton_op`` (``te_ops::grouped_gemm_rows``,
 ``te_ops::grouped_wgrad_rows``): under ``torch.compile`` the calls go through them (the body,
 run on FakeTensors, is the fake kernel); eager calls launch the kernels directly (a custom-op
-dispatch costs host time). Dispatch lives in :mod:`te_ops.kernels.grouped_gemm` (backend
-``triton``); the measured rule is in :data:`MAX_ROWS_PER_GROUP`.
+dispatch costs host time). Dispatch lives in :mod:`te_ops.gemm.dispatch` (backend
+``triton``); where it runs, in the ``triton_rows`` rows of :mod:`te_ops.gemm.rules`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
-from .triton_launch import cdiv, launch
+from ..tracing import tracing
+from ..kernels.triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -40,19 +40,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS_PER_GROUP", "triton_kinds", "unsupported_reason", "triton_fprop",
+__all__ = ["unsupported_reason", "triton_fprop",
            "triton_dgrad", "triton_wgrad", "rows_config", "wgrad_config"]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # fp32 would take TF32 inside tl.dot
-
-#: Auto dispatch runs a GEMM kind in Triton when the call's rows (tokens, padding included)
-#: per group are at most this many (SM90, bf16): the largest of 1, 2, 4, 8, 16, 32 where
-#: ``benchmarks/triton_grouped_gemm.py`` measured it faster than ``torch._grouped_mm`` on the
-#: H200 for the fc1 and fc2 layers of E64 and E128 H2048 FF768 (docs/benchmarks.md; dgrad at 4
-#: rows: 1.10-1.35x on three layers, 0.98x on E64 fc2, whose dgrad then got 1.60x faster with
-#: the tiles of :func:`rows_config`). wgrad (write-bound: every dW_g tile is written once) wins
-#: furthest.
-MAX_ROWS_PER_GROUP = {"fprop": 8, "dgrad": 4, "wgrad": 32}
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -67,14 +58,6 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if triton is None:
         return "triton is not installed"
     return None
-
-
-def triton_kinds(rows_per_group: float | None) -> tuple[str, ...]:
-    """The GEMM kinds auto dispatch runs in Triton at ``rows_per_group`` (see
-    :data:`MAX_ROWS_PER_GROUP`; none when not known)."""
-    if rows_per_group is None:
-        return ()
-    return tuple(k for k, r in MAX_ROWS_PER_GROUP.items() if rows_per_group <= r)
 
 
 def rows_config(kind: str, rows_per_group: float, j: int, groups: int,

@@ -12,45 +12,35 @@ Backends
     ``torch._grouped_mm`` with device offsets: one call for all groups, no host sync
     (graph-safe). Needs a device/dtype the installed torch supports (found by a one-time probe
     per device and dtype, which records torch's own error as the reason) and 16-byte aligned
-    rows (``in_features`` and ``out_features`` times the element size divisible by 16).
+    rows (``in_features`` and ``out_features`` times the element size divisible by 16). An
+    operand of any of the three GEMMs whose own strides or data pointer are not aligned (a
+    view of a larger buffer; :func:`grouped_mm_operand_reason`) is copied to an aligned
+    tensor first, for every backend but ``loop`` (``explain()`` says so for the forward's
+    operands; the values, and so the results, are the aligned operand's).
 ``loop``
     One ``torch.mm`` per group: runs everywhere, needs the split sizes on the host (a device
     tensor is copied to the host: a sync, so not graph-safe).
 ``triton``
-    te_ops' Triton kernels for few rows per group (``kernels/grouped_gemm_triton.py``), with
-    device offsets (graph-safe). Auto picks it only where it was measured faster than
-    ``torch._grouped_mm`` on the H200, per GEMM kind (``BackendChoice.triton_kinds``): CUDA
-    SM90, bfloat16, rows (padding included) per group on average at most
-    ``grouped_gemm_triton.MAX_ROWS_PER_GROUP[kind]`` (the caller passes ``rows_per_group``);
-    the other kinds of the call run in ``torch._grouped_mm``. For many rows per group, the
-    persistent Triton kernels (``kernels/grouped_gemm_large_triton.py``,
-    ``BackendChoice.large_kinds``): auto runs fprop and dgrad there on SM90 in bfloat16 at
-    ``grouped_gemm_large_triton.MIN_ROWS_PER_GROUP`` rows per group or more where
-    ``torch._grouped_mm`` can run (measured 1.00-1.22x ``torch._grouped_mm`` per GEMM on the
-    issue-10 shapes), and wgrad at ``WGRAD_ROWS_PER_GROUP`` (64-256) rows per group (measured
-    1.01-1.09x there; at parity, 0.96-1.07x, on the issue-10 shapes); of those, the (kind,
-    features, rows per group) that ``grouped_gemm_gluon.GLUON_RULE`` lists (measured shapes
-    only) run in the warp-specialized Gluon fprop/dgrad kernel (same bits). At
-    ``grouped_wgrad_gluon.MID_MIN_ROWS_PER_GROUP`` (512) rows per group or more, wgrad runs in
-    the warp-specialized Gluon wgrad (``kernels/grouped_wgrad_gluon.py``; ``TE_OPS_GLUON_WGRAD``):
-    with its 4-stage config ``MID_ROWS_CONFIG`` below ``MIN_ROWS_PER_GROUP`` (1024; measured
-    1.12-1.21x ``torch._grouped_mm`` at 512), with the default config from there (measured
-    1.04-1.13x; ``BackendChoice.gluon_wgrad_preset``). Both are ``BackendChoice.gluon_kinds``.
-    Forced, all three kinds
-    run in Triton, for bf16/fp16 on any CUDA GPU: the persistent kernels (wgrad too) at
-    ``FORCED_MIN_ROWS_PER_GROUP`` rows per group or more, the few-rows kernels below (a wgrad
-    into an fp32 ``main_grad`` stays ``torch._grouped_mm`` where that runs,
-    ``kernels/wgrad_into.py``).
+    te_ops' Triton / Gluon kernels, with device offsets (graph-safe), per GEMM kind where the
+    rules table (:mod:`te_ops.gemm.rules`) has a row for the call: the few-rows Triton kernels
+    (``grouped_gemm_triton``, ``BackendChoice.triton_kinds``), the persistent many-rows ones
+    (``grouped_gemm_large_triton`` / ``grouped_wgrad_large_triton``,
+    ``BackendChoice.large_kinds``) and the warp-specialized Gluon ones (``grouped_gemm_gluon``
+    for fprop / dgrad of ``large_kinds``, ``grouped_wgrad_gluon`` with the row's launch config,
+    ``BackendChoice.gluon_kinds``); the other kinds of the call run in ``torch._grouped_mm``.
+    Auto (the default) takes the table's ``auto`` rows (SM90, bfloat16, measured on the H200);
+    ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` its ``forced`` rows (bf16 / fp16 on any CUDA GPU:
+    every kind in Triton, a wgrad into an fp32 ``main_grad`` in ``torch._grouped_mm`` where
+    that runs, ``gemm/wgrad_into.py``).
 
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
-(``grouped_mm``: only those rows are written, by ``kernels.padding``).
+(``grouped_mm``: only those rows are written, by ``te_ops.kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
 the reason.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -59,40 +49,23 @@ import torch
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
 from ..splits import GroupedSplits
-from .compiled_ops import grouped_mm, grouped_mm_loop, grouped_mm_loop_host, tracing
-from .grouped_gemm_gluon import GLUON_RULE, gluon_grouped_gemm
-from .grouped_gemm_gluon import gluon_kinds as gluon_gemm_kinds
-from .grouped_gemm_large_triton import (
-    FORCED_MIN_ROWS_PER_GROUP,
-    MIN_ROWS_PER_GROUP,
-    WGRAD_ROWS_PER_GROUP,
-    large_dgrad,
-    large_fprop,
-    large_kinds,
-)
-from .grouped_gemm_triton import (
-    MAX_ROWS_PER_GROUP,
-    triton_dgrad,
-    triton_fprop,
-    triton_kinds,
-    triton_wgrad,
-)
+from ..tracing import tracing
+from .torch_ops import LOOP_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_loop_host
+from . import grouped_gemm_gluon as gluon_gemm_module
+from . import rules
+from .grouped_gemm_gluon import gluon_grouped_gemm
+from .grouped_gemm_large_triton import large_dgrad, large_fprop
+from .grouped_gemm_triton import triton_dgrad, triton_fprop, triton_wgrad
 from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
-from .grouped_wgrad_gluon import MID_MIN_ROWS_PER_GROUP as GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP
-from .grouped_wgrad_gluon import MIN_ROWS_PER_GROUP as GLUON_WGRAD_MIN_ROWS_PER_GROUP
-from .grouped_wgrad_gluon import gluon_kinds as gluon_wgrad_kinds
-from .grouped_wgrad_gluon import (
-    gluon_unavailable_reason,
-    gluon_unsupported_reason,
-    gluon_wgrad,
-    gluon_wgrad_preset,
-)
+from .grouped_wgrad_gluon import gluon_unavailable_reason, gluon_unsupported_reason, gluon_wgrad
 from .grouped_wgrad_large_triton import large_wgrad
-from .padding import zero_padding_rows_
+from ..kernels.padding import zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
     "grouped_mm_unsupported_reason",
+    "grouped_mm_operand_reason",
+    "grouped_mm_operands",
     "grouped_mm_host_sync_reason",
     "select_backend",
     "stack_weights",
@@ -121,11 +94,11 @@ class BackendChoice:
     large_kinds: tuple[str, ...] = ()
     #: With ``name == "triton"``: the GEMM kinds that run in the warp-specialized Gluon
     #: kernels: fprop / dgrad of ``large_kinds`` instead of the persistent Triton kernel
-    #: (``grouped_gemm_gluon``: measured shapes only, ``GLUON_RULE``), wgrad
-    #: (``grouped_wgrad_gluon``: ``MID_MIN_ROWS_PER_GROUP``, ``TE_OPS_GLUON_WGRAD``).
+    #: (``grouped_gemm_gluon``), wgrad (``grouped_wgrad_gluon``): the Gluon rows of
+    #: ``te_ops.gemm.rules``.
     gluon_kinds: tuple[str, ...] = ()
     #: With "wgrad" in ``gluon_kinds``: the Gluon wgrad's launch config, a key of
-    #: ``grouped_wgrad_gluon.PRESETS`` (``gluon_wgrad_preset``: decided once per choice).
+    #: ``grouped_wgrad_gluon.PRESETS`` (the wgrad rules row's ``config``).
     gluon_wgrad_preset: str = "default"
 
 
@@ -174,6 +147,56 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, in_f
     return _probe_grouped_mm(device, dtype)
 
 
+def grouped_mm_operand_reason(name: str, t: torch.Tensor) -> str | None:
+    """Why ``torch._grouped_mm`` cannot read the operand ``t`` as it is (``None`` when it can).
+
+    ``torch._grouped_mm`` takes a 2-D / 3-D operand whose last two dims are row- or
+    column-major (one unit stride, the other at least that dim's size) with the other stride
+    a multiple of 16 bytes; te_ops also asks a 3-D operand's batch stride and the data
+    pointer to be 16-byte aligned (what the CUDA kernels' TMA descriptors need). Views of a
+    larger buffer (``torch.split``, a checkpoint loader's slices, expanded gradients) can fail
+    that where ``in_features`` / ``out_features`` pass :func:`grouped_mm_unsupported_reason`.
+    The data pointer is not checked while tracing (fake tensors have none).
+    """
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    elem = t.element_size()
+    if t.is_contiguous() and t.size(-1) * elem % 16 == 0:  # the common case, checked fast
+        return _pointer_reason(name, t)
+    (rows, cols), (rs, cs) = t.shape[-2:], t.stride()[-2:]
+    if not ((cs == 1 and rs >= max(1, cols) and rs * elem % 16 == 0)
+            or (rs == 1 and cs >= max(1, rows) and cs * elem % 16 == 0)):
+        return (f"{name} has strides {tuple(t.stride())} for shape {tuple(t.shape)}: not a "
+                f"row- or column-major matrix with a 16-byte aligned leading stride")
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) * elem % 16:
+        return f"{name}'s batch stride {t.stride(0)} x {elem} bytes is not 16-byte aligned"
+    return _pointer_reason(name, t)
+
+
+def _pointer_reason(name: str, t: torch.Tensor) -> str | None:
+    try:
+        offset = t.data_ptr() % 16  # meta tensors: 0
+    except RuntimeError:  # fake tensors while tracing have no data pointer
+        return None
+    return f"{name}'s data pointer is {offset} bytes past a 16-byte boundary" if offset else None
+
+
+def grouped_mm_operands(*named: tuple[str, torch.Tensor]
+                        ) -> tuple[list[torch.Tensor], list[str]]:
+    """The operands as a grouped GEMM reads them: each one that
+    :func:`grouped_mm_operand_reason` rejects is copied to a new contiguous (so 16-byte
+    aligned) tensor, the others are returned as they are; and the reasons of the copied
+    ones. Same values, so the GEMM's result is the one it gives aligned operands."""
+    out, reasons = [], []
+    for name, t in named:
+        reason = grouped_mm_operand_reason(name, t)
+        if reason is not None:
+            t = t.clone(memory_format=torch.contiguous_format)
+            reasons.append(reason)
+        out.append(t)
+    return out, reasons
+
+
 def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``torch._grouped_mm`` would sync with the host here (``None`` when it does not).
 
@@ -198,10 +221,63 @@ def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str
     return None
 
 
+def device_arch(device: torch.device) -> int | None:
+    """The CUDA compute-capability major of ``device`` (the rules table's ``arch``); ``None``
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _available(out_features: int):
+    """Which rules' kernels this install can run for a layer of ``out_features``: the Gluon
+    fprop / dgrad need Gluon; the Gluon wgrad also Triton 3.6's Gluon API and ``out_features``
+    a multiple of its tile (``grouped_wgrad_gluon.gluon_unavailable_reason``)."""
+    def available(rule: rules.Rule) -> bool:
+        if rule.kernel != "gluon":
+            return True
+        if rule.kind == "wgrad":
+            return gluon_unavailable_reason(out_features) is None
+        return gluon_gemm_module.gluon is not None
+    return available
+
+
+def gemm_rules(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int,
+               rows_per_group: float | None, mode: str) -> dict[str, rules.Rule | None]:
+    """The rules table's row per GEMM kind (fprop, dgrad, wgrad) for this call (``None``:
+    ``torch._grouped_mm``); ``mode`` ``"auto"`` or ``"forced"``."""
+    arch = device_arch(device)
+    # remembered for plain row counts (not a traced one: hashing it would specialize it)
+    key = ((arch, dtype, in_features, out_features, rows_per_group, mode, rules.VERSION[0],
+            gluon_gemm_module.gluon is None, gluon_unavailable_reason(out_features))
+           if type(rows_per_group) in (float, int) else None)
+    picks = _PICKS.get(key) if key is not None else None
+    if picks is None:
+        available = _available(out_features)
+        picks = {k: rules.choose(k, rows_per_group, in_features, out_features, arch=arch,
+                                 dtype=dtype, mode=mode, available=available) for k in _KINDS}
+        if key is not None:
+            if len(_PICKS) >= 1024:
+                _PICKS.clear()
+            _PICKS[key] = picks
+    return picks
+
+
+#: gemm_rules' answers per (arch, dtype, features, rows per group, mode, table version).
+_PICKS: dict[tuple, dict[str, rules.Rule | None]] = {}
+
+
+_KINDS = ("fprop", "dgrad", "wgrad")
+
+
 def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                    out_features: int, device_split_sizes: bool,
                    rows_per_group: float | None = None) -> BackendChoice:
     """Pick the grouped GEMM backend for one grouped linear call.
+
+    Under auto (``TE_OPS_GROUPED_GEMM_BACKEND`` unset) on CUDA where the measured rules can
+    apply (:func:`_measured_on`), each GEMM kind runs in the kernel of its row of
+    :data:`te_ops.gemm.rules.RULES` (``torch._grouped_mm`` where none holds).
 
     Parameters
     ----------
@@ -221,32 +297,25 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     """
     forced = env.read("TE_OPS_GROUPED_GEMM_BACKEND")
     graph_safe = env.read("TE_OPS_GRAPH_SAFE")
-    # Only where the rule can apply (CUDA, and the measured device and dtype): a comparison of
+    # Only where the rules can apply (CUDA, and the measured device and dtype): a comparison of
     # a traced (symbolic) row count is a guard, a recompile where a dynamic count crosses it.
     auto = forced == "auto" and device.type == "cuda" and _measured_on(device, dtype)
-    kinds = triton_kinds(rows_per_group) if auto else ()
-    large = (large_kinds(rows_per_group) if auto else
-             large_kinds(rows_per_group, forced=True) if forced == "triton"
-             and device.type == "cuda" else ())
-    gluon_mode = env.read("TE_OPS_GLUON_WGRAD") if auto else None
-    wgrad_gluon = gluon_wgrad_kinds(rows_per_group, out_features, gluon_mode) if auto else ()
-    gluon = (gluon_gemm_kinds(in_features, out_features, rows_per_group, large) + wgrad_gluon
-             if auto else ())
-    # TE_OPS_GLUON_WGRAD=1 where the kernel can never run: the reason says why
-    gluon_why = (gluon_unavailable_reason(out_features) if gluon_mode == "1"
-                 and not wgrad_gluon else None)
-    # the Gluon wgrad's launch config (name, why) for this row count
-    preset = gluon_wgrad_preset(rows_per_group) if wgrad_gluon else None
-    # the mode too: the reason text names it (auto and 1 give the same kinds at many rows)
+    mode = ("auto" if auto else "forced" if forced == "triton" and device.type == "cuda"
+            else None)
+    picks = (gemm_rules(device, dtype, in_features, out_features, rows_per_group, mode)
+             if mode else {})
+    kernel = {k: r.kernel for k, r in picks.items() if r is not None}
+    kinds = tuple(k for k in _KINDS if kernel.get(k) == "triton_rows")
+    # the Gluon fprop / dgrad replace the persistent Triton kernel's launch (same bits)
+    large = tuple(k for k in _KINDS if kernel.get(k) == "triton_persistent"
+                  or (k != "wgrad" and kernel.get(k) == "gluon"))
+    gluon = tuple(k for k in _KINDS if kernel.get(k) == "gluon")
     key = (device, dtype, in_features, out_features, device_split_sizes, forced, graph_safe,
-           kinds, large, gluon, gluon_mode if wgrad_gluon else None, gluon_why, preset)
+           kinds, large, gluon, picks.get("wgrad"), rules.VERSION[0])
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
-                                 forced, graph_safe, kinds, large, gluon, preset)
-        if gluon_why is not None:
-            choice = dataclasses.replace(choice, reason=f"{choice.reason}; "
-                                         f"TE_OPS_GLUON_WGRAD=1 not taken: {gluon_why}")
+                                 forced, graph_safe, kinds, large, gluon, picks)
         if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
@@ -254,9 +323,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     return choice
 
 
-#: select_backend's choices, per (device, dtype, features, split-size kind, env values); an
-#: entry is made only once the probe of its device and dtype is settled, and never for a call
-#: that raises.
+#: select_backend's choices, per (device, dtype, features, split-size kind, env values, rules
+#: rows); an entry is made only once the probe of its device and dtype is settled, and never
+#: for a call that raises.
 _CHOICES: dict[tuple, BackendChoice] = {}
 
 
@@ -264,7 +333,8 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
                     out_features: int, device_split_sizes: bool, forced: str,
                     graph_safe: str, kinds: tuple[str, ...] = (),
                     large: tuple[str, ...] = (), gluon: tuple[str, ...] = (),
-                    wgrad_preset: tuple[str, str] | None = None) -> BackendChoice:
+                    picks: dict[str, rules.Rule | None] | None = None) -> BackendChoice:
+    picks = picks or {}
     reason = grouped_mm_unsupported_reason(device, dtype, in_features, out_features)
     sync_reason = grouped_mm_host_sync_reason(device, dtype)
     mm_graph_safe = device_split_sizes and sync_reason is None
@@ -276,14 +346,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             raise RuntimeError(f"TE_OPS_GROUPED_GEMM_BACKEND=triton cannot run: {why}")
         choice = BackendChoice(
             "triton", "forced by TE_OPS_GROUPED_GEMM_BACKEND: " + (
-                f"{'/'.join(large)} in the persistent many-rows kernels (>= "
-                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group)"
-                if large else "fprop/dgrad/wgrad in the few-rows Triton kernels (< "
-                f"FORCED_MIN_ROWS_PER_GROUP={FORCED_MIN_ROWS_PER_GROUP} rows per group, or "
-                "not known yet)") + "; wgrad into an fp32 main_grad in torch._grouped_mm "
-            "where it runs",
+                f"{'/'.join(large)} in the persistent many-rows kernels (the forced rows of "
+                "te_ops.gemm.rules: from 512 rows per group)"
+                if large else "fprop/dgrad/wgrad in the few-rows Triton kernels (the forced "
+                "rows of te_ops.gemm.rules: below 512 rows per group, or not known yet)")
+            + "; wgrad into an fp32 main_grad in torch._grouped_mm where it runs",
             graph_safe=device_split_sizes,
-            triton_kinds=tuple(k for k in ("fprop", "dgrad", "wgrad") if k not in large),
+            triton_kinds=tuple(k for k in _KINDS if k not in large),
             large_kinds=large)
     elif forced == "grouped_mm":
         if reason is not None:
@@ -296,55 +365,45 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
         choice = BackendChoice("loop", "TE_OPS_GRAPH_SAFE=0 forbids the graph-safe path", False)
     elif reason is None and ((auto_triton is None and kinds)
                              or (auto_large is None and large) or "wgrad" in gluon):
-        # Both rules can hold at once (at 32 rows per group: the few-rows wgrad, the
-        # persistent fprop/dgrad); a kind never runs in both. The Gluon wgrad (asked for only
-        # where auto runs on SM90 in bfloat16) comes first; the Gluon fprop / dgrad replace
-        # the persistent Triton kernel's (a subset of ``big``).
+        # A kind runs in one kernel: its row of the rules table. The Gluon wgrad comes first;
+        # the Gluon fprop / dgrad replace the persistent Triton kernel's (a subset of ``big``).
         wgrad_gluon = tuple(k for k in gluon if k == "wgrad")
         small = tuple(k for k in kinds if k not in wgrad_gluon) if auto_triton is None else ()
         big = (tuple(k for k in large if k not in small + wgrad_gluon)
                if auto_large is None else ())
-        rest = [k for k in ("fprop", "dgrad", "wgrad") if k not in small + big + wgrad_gluon]
-        parts = []
+        in_gluon = tuple(k for k in gluon if k in big and k != "wgrad")
+        rest = [k for k in _KINDS if k not in small + big + wgrad_gluon]
         # a wgrad into an fp32 main_grad runs torch._grouped_mm (out_dtype) where it can
-        # (kernels/wgrad_into.py): said on the part that holds wgrad
+        # (gemm/wgrad_into.py): said on the part that holds wgrad
         mg = ", wgrad into an fp32 main_grad in torch._grouped_mm where it runs"
-        preset, preset_why = wgrad_preset or gluon_wgrad_preset(
-            float(GLUON_WGRAD_MIN_ROWS_PER_GROUP))
+        def rules_text(kinds: tuple[str, ...]) -> str:
+            whys = list(dict.fromkeys(picks[k].why for k in kinds if picks.get(k)))
+            return f"rules: {'; '.join(whys)}" if whys else "rules of te_ops.gemm.rules"
+
+        parts = []
         if wgrad_gluon:
-            parts.append("wgrad in the warp-specialized Gluon wgrad (SM90, bfloat16, "
-                         "out_features % 128 == 0, TE_OPS_GLUON_WGRAD="
-                         f"{env.read('TE_OPS_GLUON_WGRAD')}: auto at >= "
-                         f"GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP="
-                         f"{GLUON_WGRAD_MID_MIN_ROWS_PER_GROUP} rows per group, measured faster "
-                         "than torch._grouped_mm there; launch config "
-                         f"{preset!r}: {preset_why}; a "
-                         "call whose operands are not 16-byte aligned runs torch._grouped_mm"
-                         f"{mg})")
+            config = picks["wgrad"].config if picks.get("wgrad") else "default"
+            parts.append(f"wgrad in the warp-specialized Gluon wgrad (launch config {config!r}; "
+                         f"{rules_text(wgrad_gluon)}; a call whose operands are not 16-byte "
+                         f"aligned runs torch._grouped_mm{mg})")
         if small:
-            parts.append(f"{'/'.join(small)} in Triton (few rows per group, SM90, bfloat16: "
-                         "measured faster than torch._grouped_mm there, rule "
-                         f"MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP}"
+            parts.append(f"{'/'.join(small)} in Triton (few rows per group; {rules_text(small)}"
                          f"{mg if 'wgrad' in small else ''})")
         if big:
-            parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows "
-                         "per group, SM90, bfloat16: measured faster than torch._grouped_mm "
-                         f"there, rule MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP}, "
-                         f"WGRAD_ROWS_PER_GROUP={WGRAD_ROWS_PER_GROUP}"
+            parts.append(f"{'/'.join(big)} in the persistent Triton grouped GEMM (many rows per "
+                         f"group; {rules_text(tuple(k for k in big if k not in in_gluon))}"
                          f"{mg if 'wgrad' in big else ''})")
-        in_gluon = tuple(k for k in gluon if k in big and k != "wgrad")
         if in_gluon:
             parts.append(f"of those, {'/'.join(in_gluon)} in the warp-specialized Gluon kernel "
-                         f"({in_features} -> {out_features} features at the rows per group "
-                         "where it measured faster than the persistent Triton kernel in two "
-                         "runs, same bits, rule "
-                         f"GLUON_RULE={_gluon_rule_text(in_features, out_features)})")
+                         f"({in_features} -> {out_features} features, same bits; "
+                         f"{rules_text(in_gluon)})")
         if rest:
             parts.append(f"{'/'.join(rest)} in torch._grouped_mm")
+        preset = (picks["wgrad"].config if wgrad_gluon and picks.get("wgrad") else "default")
         choice = BackendChoice("triton", "; ".join(parts), graph_safe=mm_graph_safe,
                                triton_kinds=small, large_kinds=big,
                                gluon_kinds=in_gluon + wgrad_gluon,
-                               gluon_wgrad_preset=preset if wgrad_gluon else "default")
+                               gluon_wgrad_preset=preset)
     elif reason is None:
         why = "device, dtype and alignment allow it"
         if device.type == "cuda" and auto_triton is not None and auto_large is not None:
@@ -366,28 +425,22 @@ def _select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     return choice
 
 
-def _gluon_rule_text(in_features: int, out_features: int) -> str:
-    """``GLUON_RULE``'s entries of these features, as ``kind@rows`` (for ``explain()``)."""
-    return ",".join(f"{kind}@{rows:g}" for (kind, i, o), rows in GLUON_RULE.items()
-                    if (i, o) == (in_features, out_features))
-
-
 def triton_auto_reason(device: torch.device, dtype: torch.dtype, kinds: tuple[str, ...]
                        ) -> str | None:
-    """Why auto dispatch does not take the ``triton`` backend (``None`` when it does): the
-    measured rule (docs/benchmarks.md, ``benchmarks/triton_grouped_gemm.py``)."""
+    """Why auto dispatch runs no GEMM kind in the few-rows Triton kernels (``None`` when it
+    runs some): not where the rules were measured, or no ``triton_rows`` row holds."""
     why = _measured_on_reason(device, dtype)
     if why is not None:
         return why
     if not kinds:
-        return (f"more rows per group than MAX_ROWS_PER_GROUP={MAX_ROWS_PER_GROUP} (or not "
+        return ("no few-rows row of te_ops.gemm.rules holds (more rows per group, or not "
                 "known), where torch._grouped_mm was measured as fast or faster")
     return None
 
 
 def _measured_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the measured Triton rules can apply on ``device`` for ``dtype`` (remembered per
-    device and dtype: :func:`select_backend` asks on every call)."""
+    """Whether the measured rules can apply on ``device`` for ``dtype`` (remembered per device
+    and dtype: :func:`select_backend` asks on every call)."""
     key = (device.type, device.index, dtype)
     applies = _MEASURED_ON.get(key)
     if applies is None:
@@ -399,30 +452,31 @@ _MEASURED_ON: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the measured Triton rules do not apply here: Triton cannot run, or the device and
-    dtype are not the ones measured (SM90, bfloat16)."""
+    """Why the measured rules do not apply here: Triton cannot run, or no auto row of the
+    rules table is for this architecture and dtype."""
     why = triton_unsupported_reason(device, dtype)
     if why is not None:
         return why
-    if dtype != torch.bfloat16:
+    arch = device_arch(device)
+    auto_rows = [r for r in rules.RULES if r.mode == "auto" and r.kind in _KINDS]
+    if not any(dtype in r.dtypes for r in auto_rows):
         return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return f"measured faster on SM90 only, not SM{major}{minor}"
+    if not any(r.arch is None or r.arch == arch for r in auto_rows):
+        minor = torch.cuda.get_device_capability(device)[1]
+        return f"measured faster on SM90 only, not SM{arch}{minor}"
     return None
 
 
 def large_auto_reason(device: torch.device, dtype: torch.dtype, large: tuple[str, ...]
                       ) -> str | None:
-    """Why auto dispatch does not take the persistent many-rows Triton kernels (``None``
-    when it does): the measured rule (docs/benchmarks.md, ``benchmarks/large_gemm_triton.py``).
-    """
+    """Why auto dispatch runs no GEMM kind in the persistent many-rows kernels (``None`` when
+    it runs some): not where the rules were measured, or no persistent row holds."""
     why = _measured_on_reason(device, dtype)
     if why is not None:
         return why
     if not large:
-        return (f"fewer rows per group than MIN_ROWS_PER_GROUP={MIN_ROWS_PER_GROUP} (or not "
-                "known), where the persistent Triton kernel was not measured faster")
+        return ("no persistent-kernel row of te_ops.gemm.rules holds (fewer rows per group, "
+                "or not known), where the persistent Triton kernel was not measured faster")
     return None
 
 
@@ -524,6 +578,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
+    if backend.name != "loop":  # misaligned views are copied (grouped_mm_operands)
+        (x, weights), _ = grouped_mm_operands(("x", x), ("weights", weights))
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)
     if "fprop" in backend.large_kinds:
@@ -546,6 +602,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
+    if backend.name != "loop":
+        (dy, weights), _ = grouped_mm_operands(("dy", dy), ("weights", weights))
     if "dgrad" in backend.triton_kinds:
         return triton_dgrad(dy, weights, splits.offsets)
     if "dgrad" in backend.large_kinds:
@@ -568,6 +626,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
+    if backend.name != "loop":
+        (x, dy), _ = grouped_mm_operands(("x", x), ("dy", dy))
     if "wgrad" in backend.gluon_kinds:
         x, dy = x.contiguous(), dy.contiguous()
         if gluon_unsupported_reason(x, dy) is None:  # else (a misaligned base) _grouped_mm
@@ -593,39 +653,3 @@ def _loop(kind: str, a: torch.Tensor, b: torch.Tensor, splits: GroupedSplits) ->
             return grouped_mm_loop(a, b, splits.split_sizes, kind)
         return grouped_mm_loop_host(a, b, list(splits.host_sizes), kind)
     return LOOP_GEMMS[kind](a, b, splits.sizes_on_host())
-
-
-def loop_fprop(x: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x (M, K), weights (G, N, K), host sizes -> (M, N), one ``torch.mm`` per group."""
-    out = x.new_zeros(x.shape[0], weights.shape[1])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
-        start += m
-    return out
-
-
-def loop_dgrad(dy: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """dy (M, N), weights (G, N, K), host sizes -> (M, K)."""
-    out = dy.new_zeros(dy.shape[0], weights.shape[2])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
-        start += m
-    return out
-
-
-def loop_wgrad(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """x (M, K), dy (M, N), host sizes -> (G, N, K)."""
-    out = x.new_zeros(len(sizes), dy.shape[1], x.shape[1])
-    start = 0
-    for g, m in enumerate(sizes):
-        if m:
-            torch.mm(dy[start:start + m].t(), x[start:start + m], out=out[g])
-        start += m
-    return out
-
-
-LOOP_GEMMS = {"fprop": loop_fprop, "dgrad": loop_dgrad, "wgrad": loop_wgrad}

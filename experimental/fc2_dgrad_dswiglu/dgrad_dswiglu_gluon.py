@@ -75,7 +75,7 @@ from . import dgrad_dswiglu_triton as dd
 from . import grouped_gemm_gluon as GG
 from . import grouped_gemm_large_triton as lg
 from . import swiglu_triton
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_gluon import gluon, gluon_unsupported_reason
 from .triton_launch import cdiv, launch, next_power_of_2
 

@@ -1,6 +1,6 @@
 """``torch.library`` custom ops that te_ops traces instead of calling torch directly.
 
-Only used while ``torch.compile`` traces a te_ops block (:func:`tracing`); eager calls go
+Only used while ``torch.compile`` traces a te_ops block (:func:`te_ops.tracing.tracing`); eager calls go
 straight to torch (a custom-op call costs host time, ~0.2 ms per call measured on the H200).
 
 ``te_ops::grouped_mm``
@@ -13,7 +13,7 @@ straight to torch (a custom-op call costs host time, ~0.2 ms per call measured o
     The loop backend (one ``torch.mm`` per group) with device split sizes: the op copies the
     (G,) sizes to the host when it runs (a sync, as the eager loop backend), so a trace never
     reads device values. ``kind`` is ``"fprop"`` (x, weights), ``"dgrad"`` (dy, weights) or
-    ``"wgrad"`` (x, dy); shapes as in :mod:`te_ops.kernels.grouped_gemm`.
+    ``"wgrad"`` (x, dy); shapes as in :mod:`te_ops.gemm.dispatch`.
 ``te_ops::grouped_mm_loop_host``
     The same with host split sizes as a ``SymInt[]`` (no sync; one graph for every
     distribution once the sizes are symbolic).
@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm", "grouped_mm_loop", "grouped_mm_loop_host", "tracing"]
+from ..tracing import tracing
 
-
-def tracing() -> bool:
-    """Whether te_ops runs under a ``torch.compile`` trace (Dynamo, or fake/proxy tensors of
-    AOTAutograd): then the custom ops below replace direct torch calls."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+__all__ = ["LOOP_GEMMS", "grouped_mm", "grouped_mm_loop", "grouped_mm_loop_host", "loop_dgrad",
+           "loop_fprop", "loop_wgrad"]
 
 
 @torch.library.custom_op("te_ops::grouped_mm", mutates_args=())
@@ -61,8 +56,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 @torch.library.custom_op("te_ops::grouped_mm_loop", mutates_args=())
 def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, split_sizes: torch.Tensor,
                     kind: str) -> torch.Tensor:
-    from .grouped_gemm import LOOP_GEMMS
-
     return LOOP_GEMMS[kind](a, b, [int(v) for v in split_sizes.tolist()])
 
 
@@ -84,11 +77,45 @@ def _loop_fake(a: torch.Tensor, b: torch.Tensor, num_groups: int, kind: str) -> 
 @torch.library.custom_op("te_ops::grouped_mm_loop_host", mutates_args=())
 def grouped_mm_loop_host(a: torch.Tensor, b: torch.Tensor, sizes: list[int],
                          kind: str) -> torch.Tensor:
-    from .grouped_gemm import LOOP_GEMMS
-
     return LOOP_GEMMS[kind](a, b, list(sizes))
 
 
 @grouped_mm_loop_host.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, sizes: list[int], kind: str) -> torch.Tensor:
     return _loop_fake(a, b, len(sizes), kind)
+
+
+def loop_fprop(x: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x (M, K), weights (G, N, K), host sizes -> (M, N), one ``torch.mm`` per group."""
+    out = x.new_zeros(x.shape[0], weights.shape[1])
+    start = 0
+    for g, m in enumerate(sizes):
+        if m:
+            torch.mm(x[start:start + m], weights[g].t(), out=out[start:start + m])
+        start += m
+    return out
+
+
+def loop_dgrad(dy: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """dy (M, N), weights (G, N, K), host sizes -> (M, K)."""
+    out = dy.new_zeros(dy.shape[0], weights.shape[2])
+    start = 0
+    for g, m in enumerate(sizes):
+        if m:
+            torch.mm(dy[start:start + m], weights[g], out=out[start:start + m])
+        start += m
+    return out
+
+
+def loop_wgrad(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x (M, K), dy (M, N), host sizes -> (G, N, K)."""
+    out = x.new_zeros(len(sizes), dy.shape[1], x.shape[1])
+    start = 0
+    for g, m in enumerate(sizes):
+        if m:
+            torch.mm(dy[start:start + m].t(), x[start:start + m], out=out[g])
+        start += m
+    return out
+
+
+LOOP_GEMMS = {"fprop": loop_fprop, "dgrad": loop_dgrad, "wgrad": loop_wgrad}

@@ -25,18 +25,18 @@ keeps the two launches (:func:`unsupported_reason`).
 Registered as the ``torch.library.triton_op`` ``te_ops::grouped_fc1_swiglu`` (the body, run on
 FakeTensors, is the fake kernel), so it compiles under ``torch.compile(fullgraph=True)`` and
 captures in a CUDA graph; eager calls launch through ``triton_launch.launch``. Which calls take
-it is decided in ``te_ops/fused/fc1_epilogue.py`` (the measured rule
-:data:`MAX_ROWS_PER_GROUP`).
+it is decided in ``te_ops/gemm/fc1_swiglu.py`` (the few-rows ``fc1_swiglu`` row of
+:mod:`te_ops.gemm.rules`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .compiled_ops import tracing
+from ..tracing import tracing
 from .grouped_gemm_triton import check_offsets_and_probs, rows_config
 from .grouped_gemm_triton import unsupported_reason as gemm_unsupported_reason
-from .triton_launch import cdiv, launch
+from ..kernels.triton_launch import cdiv, launch
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -45,18 +45,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS_PER_GROUP", "unsupported_reason", "fc1_swiglu",
+__all__ = ["unsupported_reason", "fc1_swiglu",
            "fc1_swiglu_config"]
-
-#: ``TE_OPS_FC1_SWIGLU_EPILOGUE=auto`` takes the fused launch (where fc1's fprop already runs
-#: in Triton) up to this many rows per group on average, padding rows counted: the largest row
-#: count where it measured faster than the two launches it replaces
-#: (``benchmarks/fc1_epilogue.py``, H200, fc1 of E64 and E128 H2048 FF768, 1-32 rows per group;
-#: docs/benchmarks.md, "Epilogue-fused decode kernels"): with :func:`fc1_swiglu_config`'s
-#: tiles 1.02-1.08x at 2-8 rows. Above 8 rows fc1's fprop runs in ``torch._grouped_mm``
-#: (``grouped_gemm_triton.MAX_ROWS_PER_GROUP``), where the epilogue kernel does not apply.
-MAX_ROWS_PER_GROUP = 8
-
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype,
                        interleave: int | None) -> str | None:
@@ -90,7 +80,7 @@ def fc1_swiglu_config(rows_per_group: float, ffn: int, groups: int,
 
 if triton is not None:
     from .grouped_gemm_triton import _group_rows
-    from .swiglu_triton import _core
+    from ..kernels.swiglu_triton import _core
 
     @triton.jit
     def _fc1_swiglu_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, K, G,
