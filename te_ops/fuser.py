@@ -227,7 +227,9 @@ class PlanInfo:
     ----------
     dtype, device : the main input's dtype and device (``None`` when planning without input).
     basic_ops : the fuser's basic ops, in order.
-    extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown).
+    extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown;
+        a :class:`~te_ops.signature.FedOutput` marker where an earlier op's extra output feeds
+        the slot, two markers of one output being one source).
     requires_grad : per basic op, whether it takes part in backward.
     notes : (fusion name, reason) pairs recorded by fusions that did not apply.
     recipe : the low-precision recipe of the call (``None``: the parameters' precision).

@@ -431,3 +431,37 @@ def test_op_graph_names_the_fed_inputs():
                    "op4": {0: ("op1", "split_sizes")},
                    "op5": {0: ("op1", "pair_index"), 1: ("op1", "row_index")}}
     assert '"op1" -> "op5" [style=dotted, label="row_index"]' in moe.block.to_dot()
+
+
+def test_module_tree_and_state_dict_names():
+    moe = make(shared_ffn_hidden_size=8, expert_bias=True)
+    assert sorted(moe.state_dict()) == [
+        "experts.0.weight", "experts.2.weight", "router.expert_bias", "router.weight",
+        "shared_experts.0.weight", "shared_experts.2.weight"]
+    assert moe.router.weight.shape == (E, H)
+    assert moe.experts[0].weight.shape == (E, 2 * FF, H)
+    assert moe.experts[2].weight.shape == (E, H, FF)
+    assert make().shared_experts is None
+
+
+def test_deepcopy_and_to_keep_the_wiring():
+    import copy
+
+    moe = make(aux_loss_coeff=0.01, capacity_factor=1.0)
+    x = torch.randn(2, 5, H)
+    y, aux = moe(x)
+    twin = copy.deepcopy(moe)
+    assert twin.block[1] is twin.permute and twin.block[0] is twin.router
+    y2, aux2 = twin(x)
+    assert torch.equal(y, y2) and torch.equal(aux, aux2)
+    twin.to(torch.float64)
+    y3, _ = twin(x.double())
+    torch.testing.assert_close(y3, y.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_graph_safety_gate_accepts_the_layer():
+    from te_ops.graphs import graph_safe_unsupported_reason
+
+    moe = te_ops.MoE(H, 16, E, 2, dtype=torch.bfloat16)
+    assert graph_safe_unsupported_reason(moe.block, torch.randn(8, H, dtype=torch.bfloat16)
+                                         ) is None
