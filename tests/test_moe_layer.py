@@ -294,15 +294,23 @@ def test_no_balancing_loss_gives_zero():
 
 
 # --------------------------------------------------------------------------- graph safety
-@pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
-def test_meta_forward_backward_reads_no_device_value(monkeypatch, mode):
+META_ROUTERS = {
+    "softmax_bias_losses": dict(aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01, z_loss_coeff=0.01,
+                                expert_bias=True),
+    "sigmoid_group_limited": dict(score_function="sigmoid", num_groups=2, group_top_k=1,
+                                  aux_loss_coeff=0.01),
+}
+
+
+@pytest.mark.parametrize("router", list(META_ROUTERS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_meta_forward_backward_reads_no_device_value(monkeypatch, mode, router):
     """Every tensor on ``meta`` (no values): any host read of a device value would raise (see
     tests/test_graph_safety.py for the proof's reasoning)."""
     monkeypatch.setenv("TE_OPS_GRAPH_SAFE", "1")
     # bf16 and 16-byte rows: what torch._grouped_mm (the graph-safe grouped GEMM) takes on meta
-    moe = te_ops.MoE(H, 16, E, 2, device="meta", dtype=torch.bfloat16, aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01,
-                     z_loss_coeff=0.01, expert_bias=True, shared_ffn_hidden_size=8,
-                     **MODES[mode])
+    moe = te_ops.MoE(H, 16, E, 2, device="meta", dtype=torch.bfloat16,
+                     shared_ffn_hidden_size=8, **META_ROUTERS[router], **MODES[mode])
     x = torch.randn(2, 8, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
     y, aux, dropped = moe(x, return_dropped=True)
     (y.sum() + aux).backward()
@@ -465,3 +473,44 @@ def test_graph_safety_gate_accepts_the_layer():
     moe = te_ops.MoE(H, 16, E, 2, dtype=torch.bfloat16)
     assert graph_safe_unsupported_reason(moe.block, torch.randn(8, H, dtype=torch.bfloat16)
                                          ) is None
+
+
+def test_permute_and_combine_input_errors():
+    permute, combine = Permute(E), Combine()
+    x = torch.randn(3, H)
+    idx = torch.zeros(3, 2, dtype=torch.int64)
+    probs = torch.rand(3, 2)
+    with pytest.raises(TypeError, match="top_k_index must have an integer dtype"):
+        permute(x, idx.float(), probs)
+    with pytest.raises(ValueError, match=r"top_k_probs must have shape \(3, top_k\)"):
+        permute(x, idx, probs[:2])
+    with pytest.raises(ValueError, match="top_k_probs must have top_k_index's shape"):
+        permute(x, idx, probs[:, :1])
+    with pytest.raises(TypeError, match="row_index must be a 2-D int64 tensor"):
+        combine(torch.randn(6, H), torch.arange(6), torch.arange(6))
+    with pytest.raises(ValueError, match=r"input must have shape \(6, hidden\)"):
+        combine(torch.randn(5, H), torch.arange(6), torch.arange(6).view(3, 2))
+
+
+def test_permute_alone_returns_every_output():
+    x = torch.randn(3, H)
+    idx = torch.tensor([[0, 1], [1, 2], [1, 0]])
+    rows, split_sizes, probs, pair_index, row_index, load, dropped = Permute(E)(
+        x, idx, torch.rand(3, 2))
+    assert split_sizes.tolist() == [2, 3, 1, 0] and load.tolist() == [2, 3, 1, 0]
+    assert torch.equal(rows, x[pair_index // 2]) and int(dropped) == 0
+    assert torch.equal(pair_index[row_index.reshape(-1)], torch.arange(6))
+
+
+def test_split_size_check_with_fed_split_sizes(monkeypatch):
+    """TE_OPS_CHECK_SPLIT_SIZES=1 reads split sizes on the host: eager it checks the fed ones;
+    the compile gate runs such a call eagerly rather than tracing the read."""
+    from te_ops.compile import call_reasons
+
+    monkeypatch.setenv("TE_OPS_CHECK_SPLIT_SIZES", "1")
+    moe = make()
+    x = torch.randn(4, H)
+    y, _ = moe(x)
+    assert y.shape == x.shape
+    reasons = call_reasons(moe.block.fusers()[0].basic_ops, x, ())
+    assert any("TE_OPS_CHECK_SPLIT_SIZES=1" in r for r in reasons)

@@ -171,6 +171,8 @@ class Router(BasicOperation):
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size, device=device,
                                                      dtype=dtype))
         if expert_bias:
+            # A parameter (without gradient), not a buffer: a traced te_ops call passes the
+            # ops' parameters into the graph (te_ops/fuser.py, _run_block), not their buffers.
             self.expert_bias = torch.nn.Parameter(
                 torch.zeros(num_experts, device=device, dtype=torch.float32),
                 requires_grad=False)
