@@ -514,3 +514,19 @@ def test_split_size_check_with_fed_split_sizes(monkeypatch):
     assert y.shape == x.shape
     reasons = call_reasons(moe.block.fusers()[0].basic_ops, x, ())
     assert any("TE_OPS_CHECK_SPLIT_SIZES=1" in r for r in reasons)
+
+
+def test_activation_checkpoint_recomputes_the_same():
+    moe = make(aux_loss_coeff=0.01, capacity_factor=1.0)
+    x = torch.randn(2, 5, H)
+    grads = []
+    for wrap in (False, True):
+        xi = x.clone().requires_grad_()
+        if wrap:
+            y, aux, *_ = torch.utils.checkpoint.checkpoint(
+                moe.block, xi, use_reentrant=False, context_fn=te_ops.checkpoint_context_fn)
+        else:
+            y, aux, *_ = moe.block(xi)
+        (y.square().sum() + aux).backward()
+        grads.append((y, xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
