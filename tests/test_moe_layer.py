@@ -355,7 +355,6 @@ def test_fed_inputs_are_not_call_inputs_and_feeding_outputs_are_not_returned():
     assert sig.total == 0
     assert sig.returned == [[False, False, True], [False, False, False, False, True, True],
                             [], [], [], []]
-    fc1 = moe.experts[0]
     # the expert block alone: its producer is not there, so split sizes are call inputs again
     assert moe.experts.num_extra_inputs() == 3
 
