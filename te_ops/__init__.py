@@ -10,7 +10,7 @@ from . import (  # importing fused registers the fusions
     training,
 )
 from .activation_checkpoint import checkpoint, checkpoint_context_fn
-from .basic import Bias, GroupedLinear, Identity, ScaledSwiGLU, SwiGLU
+from .basic import Bias, Combine, GroupedLinear, Identity, Permute, Router, ScaledSwiGLU, SwiGLU
 from .compile import compile_unsupported_reason
 from .fuser import (
     OperationFuser,
@@ -19,6 +19,7 @@ from .fuser import (
     register_joint_fusion,
 )
 from .grouped_tensor import GroupedTensor, GroupedTensorStorage
+from .moe import MoE
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .quantization import autocast
 from .routing import PermutedTokens, permute, unpermute
@@ -26,6 +27,7 @@ from .sequential import Sequential
 
 __all__ = [
     "Bias",
+    "Combine",
     "BasicOperation",
     "FusedOperation",
     "FusibleOperation",
@@ -33,9 +35,12 @@ __all__ = [
     "GroupedTensor",
     "GroupedTensorStorage",
     "Identity",
+    "MoE",
     "OperationContext",
     "OperationFuser",
+    "Permute",
     "PermutedTokens",
+    "Router",
     "ScaledSwiGLU",
     "Sequential",
     "SwiGLU",

@@ -87,7 +87,8 @@ def call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
     if not isinstance(input_, torch.Tensor):
         reasons.append(f"the input is a {type(input_).__name__}, not a tensor")
     if (env_value("TE_OPS_CHECK_SPLIT_SIZES") == "1"
-            and any(isinstance(v, torch.Tensor) for v in extra_inputs)):
+            and (any(isinstance(v, torch.Tensor) for v in extra_inputs)
+                 or any(op.extra_input_feeds() for op in basic_ops))):  # fed: device tensors
         reasons.append("TE_OPS_CHECK_SPLIT_SIZES=1 reads device split sizes on the host "
                        "(a data-dependent check the trace cannot make)")
     return reasons

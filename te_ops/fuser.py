@@ -59,7 +59,7 @@ from .op import (
     set_fuser_class,
 )
 from .quantization.autocast import current_recipe
-from .signature import CallSignature, same_source
+from .signature import CallSignature, FedOutput, same_source
 from .splits import close_host_read_scope, open_host_read_scope
 
 __all__ = [
@@ -210,6 +210,8 @@ def match_window(ops: Sequence[FusibleOperation], start: int,
 def _extra_input_signature(value: Any) -> tuple:
     if value is None:
         return ("none",)
+    if isinstance(value, FedOutput):
+        return ("fed", value.op, value.output)
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, value.device.type, value.dim())
     if isinstance(value, (list, tuple)):
@@ -225,7 +227,9 @@ class PlanInfo:
     ----------
     dtype, device : the main input's dtype and device (``None`` when planning without input).
     basic_ops : the fuser's basic ops, in order.
-    extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown).
+    extra_inputs : per basic op, the extra inputs of this call (``None`` entries when unknown;
+        a :class:`~te_ops.signature.FedOutput` marker where an earlier op's extra output feeds
+        the slot, two markers of one output being one source).
     requires_grad : per basic op, whether it takes part in backward.
     notes : (fusion name, reason) pairs recorded by fusions that did not apply.
     recipe : the low-precision recipe of the call (``None``: the parameters' precision).
@@ -291,7 +295,9 @@ class OperationFuser:
     Calling
     -------
     ``fuser(input_, *extra_inputs)`` returns the main output, or ``(output, *extra_outputs)``
-    when any op has extra outputs.
+    when any op has extra outputs that feed no later op of the fuser (an extra input fed by an
+    earlier op's output, :meth:`~te_ops.op.BasicOperation.feed_extra_input`, is not a call
+    input, and that output is not returned).
 
     Raises
     ------
@@ -319,6 +325,8 @@ class OperationFuser:
         self.signature = CallSignature(basic)
         self.num_extra_inputs = self.signature.counts
         self.num_extra_outputs = [op.num_extra_outputs for op in basic]
+        #: Per op, per extra output, whether a call returns it (see CallSignature.returned).
+        self.returned_outputs = self.signature.returned
         self._plans: OrderedDict[Any, _Plan] = OrderedDict()
         self._plan: _Plan | None = None  # the last call's plan (what explain() shows)
 
@@ -468,7 +476,9 @@ class OperationFuser:
         # Remembered for explain() once the forward ran: a call that raises (bad input) must
         # not leave its plan there beside the records of the last call that did run.
         plan = self._plan_for(input_, groups, requires_grad, recipe, remember=False)
-        extra_grad = [tuple(grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
+        # A fed input requires grad when its producer takes part in backward.
+        extra_grad = [tuple(requires_grad[v.op] if isinstance(v, FedOutput) else
+                            grad_enabled and isinstance(v, torch.Tensor) and v.requires_grad
                             for v in g) for g in groups]
 
         # Function.apply's Python wrapper walks every argument (functorch's dead-wrapper
@@ -488,7 +498,7 @@ class OperationFuser:
             tuple(map(len, params)), groups, *edges,
         )
         self._plan = plan
-        return outputs if sum(self.num_extra_outputs) else outputs[0]
+        return outputs if self.signature.num_returned else outputs[0]
 
 
 set_fuser_class(OperationFuser)  # a lone op's forward runs through one
@@ -592,24 +602,34 @@ def _check_autocast(input_: torch.Tensor) -> None:
 
 
 def _forward_ops(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
-                 groups: list[tuple[Any, ...]], recipe: Any):
+                 groups: list[tuple[Any, ...]], recipe: Any, returned: list[list[bool]]):
     token = open_host_read_scope()  # ops fed by one split-size tensor copy it to the host once
     call = open_call_scope()  # per-call host caches (te_ops/call_scope.py)
     try:
-        return _walk_forward(plan, ctxs, input_, groups, recipe)
+        return _walk_forward(plan, ctxs, input_, groups, recipe, returned)
     finally:
         close_call_scope(call)
         close_host_read_scope(token)
 
 
+def _fed(group: tuple[Any, ...], produced: dict[tuple[int, int], Any]) -> tuple[Any, ...]:
+    """``group`` with each :class:`FedOutput` marker replaced by the output it names (``None``
+    while not produced yet: a fused op covering producer and consumer wires it itself)."""
+    if not any(isinstance(v, FedOutput) for v in group):
+        return group
+    return tuple(produced.get((v.op, v.output)) if isinstance(v, FedOutput) else v
+                 for v in group)
+
+
 def _walk_forward(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tensor,
-                  groups: list[tuple[Any, ...]], recipe: Any):
+                  groups: list[tuple[Any, ...]], recipe: Any, returned: list[list[bool]]):
     x = input_
     extra_out: list[torch.Tensor] = []
+    produced: dict[tuple[int, int], Any] = {}  # (op, output) -> an extra output of this call
     for op, idx in plan.forward_ops:
         x, op_extra = op.fuser_forward(
             [ctxs[i] for i in idx], x,
-            basic_op_extra_inputs=[groups[i] for i in idx], recipe=recipe,
+            basic_op_extra_inputs=[_fed(groups[i], produced) for i in idx], recipe=recipe,
         )
         for i, outs in zip(idx, op_extra):
             if len(outs) != plan.info.basic_ops[i].num_extra_outputs:
@@ -617,7 +637,10 @@ def _walk_forward(plan: _Plan, ctxs: list[OperationContext], input_: torch.Tenso
                     f"{type(op).__name__} returned {len(outs)} extra outputs for basic op {i}, "
                     f"expected {plan.info.basic_ops[i].num_extra_outputs}"
                 )
-            extra_out.extend(outs)
+            for k, t in enumerate(outs):
+                produced[(i, k)] = t
+                if returned[i][k]:
+                    extra_out.append(t)
     return x, extra_out
 
 
@@ -682,7 +705,8 @@ class _FuserFunction(torch.autograd.Function):
             c.requires_grad = requires_grad[i]
             c.input_requires_grad = requires_grad[i] if i else input_grad
             c.extra_inputs_requires_grad = extra_grad[i]
-        out, extra_out = _forward_ops(plan, op_ctxs, input_, groups, recipe)
+        out, extra_out = _forward_ops(plan, op_ctxs, input_, groups, recipe,
+                                      fuser.returned_outputs)
 
         to_save: list[torch.Tensor | None] = []
         ranges = []
@@ -731,11 +755,13 @@ class _FuserFunction(torch.autograd.Function):
                  for t, v in zip(unpack_saved(ctx, overwrote), ctx.views)]
         for c, (a, b) in zip(ctx.op_ctxs, ctx.ranges):
             c.saved_tensors = saved[a:b]
-        grad_extra_groups: list[tuple] = []
-        pos = 0
-        for n in fuser.num_extra_outputs:
-            grad_extra_groups.append(tuple(grad_extra_outputs[pos:pos + n]))
-            pos += n
+        # Gradients of each op's extra outputs: the caller's for returned outputs; for the
+        # internal ones (fed to a later op) the sum of the consumers' input gradients, added
+        # below as the consumers' backward runs (consumers come later, so run first).
+        returned_grads = iter(grad_extra_outputs)
+        grad_extra_groups: list[list] = [[next(returned_grads) if r else None for r in flags]
+                                         for flags in fuser.returned_outputs]
+        fed = fuser.signature.fed
 
         n_ops = len(fuser.basic_ops)
         grad_params: list[list[torch.Tensor | None]] = [[] for _ in range(n_ops)]
@@ -747,11 +773,18 @@ class _FuserFunction(torch.autograd.Function):
                 break
             dx, op_grad_params, op_grad_extra = op.fuser_backward(
                 [ctx.op_ctxs[i] for i in idx], dx,
-                basic_op_grad_extra_outputs=[grad_extra_groups[i] for i in idx],
+                basic_op_grad_extra_outputs=[tuple(grad_extra_groups[i]) for i in idx],
             )
             for j, i in enumerate(idx):
                 grad_params[i] = list(op_grad_params[j])
                 grad_extra[i] = list(op_grad_extra[j])
+                for slot, g in enumerate(grad_extra[i]):
+                    source = fed.get((i, slot))
+                    if source is None or g is None or source.op in idx:
+                        continue
+                    have = grad_extra_groups[source.op][source.output]
+                    grad_extra_groups[source.op][source.output] = g if have is None else have + g
+                    grad_extra[i][slot] = None  # not a Function input
         for c in ctx.op_ctxs:  # free activations as soon as possible
             c.saved_tensors = ()
 
@@ -765,9 +798,9 @@ class _FuserFunction(torch.autograd.Function):
                 )
             flat_grad_params.extend(gp)
         flat_grad_extra = []
-        for i, n in enumerate(fuser.num_extra_inputs):
+        for i, n in enumerate(fuser.signature.op_counts):
             ge = grad_extra[i] or [None] * n
-            flat_grad_extra.extend(ge)
+            flat_grad_extra.extend(None if (i, j) in fed else g for j, g in enumerate(ge))
         # Gradients of extra tensor inputs take their input's shape (e.g. (B, S) probs).
         flat_grad_extra = [None if shape is None or g is None else
                            g if g.shape == shape else g.reshape(shape)

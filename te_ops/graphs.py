@@ -29,7 +29,7 @@ from .basic.grouped_linear import GroupedLinear
 from .gemm import grouped_mm_host_sync_reason, select_backend
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
-from .signature import CallSignature
+from .signature import CallSignature, FedOutput
 from .training import main_grads_restored
 
 __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCallable"]
@@ -56,10 +56,12 @@ def _grouped_linear_reason(op: GroupedLinear, input_: torch.Tensor, split_sizes:
     if op.delay_wgrad_compute:
         return ("delay_wgrad_compute=True queues the weight-gradient work in Python for "
                 "backward_dw(), which a graph replay does not run")
-    if not isinstance(split_sizes, torch.Tensor):
+    if isinstance(split_sizes, FedOutput):
+        pass  # made on the input's device by an earlier op of the block
+    elif not isinstance(split_sizes, torch.Tensor):
         return ("split_sizes is a host list; pass a 1-D integer tensor on the input's device "
                 f"({input_.device})")
-    if split_sizes.device != input_.device:
+    elif split_sizes.device != input_.device:
         return (f"split_sizes is on {split_sizes.device}, not on the input's device "
                 f"{input_.device}")
     try:
@@ -124,10 +126,11 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     if env.read_bool("TE_OPS_CHECK_SPLIT_SIZES"):
         return ("TE_OPS_CHECK_SPLIT_SIZES=1 copies device split sizes to the host to check "
                 "them (a host sync); unset it to check them on the device")
-    labels = iter(signature.label(k) for k in range(signature.total))
-    for (pos, op), extras in zip(ops, groups):
+    for i, ((pos, op), extras) in enumerate(zip(ops, groups)):
         where = f"op {pos} ({op.describe()})"
-        names = [next(labels) for _ in extras]
+        names = [signature.names[i][j] or f"extra input {j}" for j in range(len(extras))]
+        # A fed input (FedOutput) is made on the device by an earlier op of the block: the
+        # ops' own meta-device proof covers it.
         for name, value in zip(names, extras):
             if isinstance(value, torch.Tensor) and value.device != input_.device:
                 return f"{where}: {name} is on {value.device}, not on {input_.device}"
@@ -137,7 +140,7 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
                 return f"{where}: {reason}"
         else:
             for name, value in zip(names, extras):
-                if not isinstance(value, torch.Tensor):
+                if not isinstance(value, (torch.Tensor, FedOutput)):
                     return (f"{where}: {name} is a {type(value).__name__}, not a tensor on "
                             f"{input_.device}")
     return None

@@ -15,7 +15,9 @@ single op into a :class:`networkx.DiGraph`:
 
 Edges carry ``kind="main"`` (``input -> op0 -> ... -> output``) or ``kind="extra"`` (channel ->
 consumer, with ``channel`` the name the consumer gives that input and ``slot`` its position among
-the consumer's extra inputs).
+the consumer's extra inputs). An extra input fed by an earlier op's extra output
+(:meth:`~te_ops.op.BasicOperation.feed_extra_input`) is no channel: the consumer's node
+attribute ``fed`` maps its slot to ``(producer node, name)``; :func:`to_dot` draws it dotted.
 
 :func:`explain` prints, per op, which forward and backward op covers it in the fuser's plan,
 why registered fusions did not apply and the ops' kernel-dispatch notes. :func:`to_dot` writes
@@ -177,13 +179,18 @@ def build_graph(module: Any, *extra_inputs: Any) -> nx.DiGraph:
     prev = "input"
     channel_node: dict[int, str] = {}
     k = 0
+    op_node = [f"op{index}" for index, step in enumerate(steps) if step.fuser is not None]
+    fed: dict[str, dict[int, tuple[str, str]]] = {}
+    for (consumer, slot), source in signature.fed.items():
+        fed.setdefault(op_node[consumer], {})[slot] = (
+            op_node[source.op], signature.names[consumer][slot] or f"extra input {slot}")
     for index, step in enumerate(steps):
         node = f"op{index}"
         fusible = step.fuser is not None
         graph.add_node(
             node, kind="op", index=index, type=type(step.module).__name__, key=step.key,
             description=_describe(step.module), fuser=step.fuser, position=step.position,
-            fusible=fusible, module=step.module,
+            fusible=fusible, module=step.module, fed=fed.get(node, {}),
         )
         graph.add_edge(prev, node, kind="main")
         prev = node
@@ -522,6 +529,9 @@ def to_dot(module: Any, *sample_inputs: Any) -> str:
         if d.get("kind") == "channel":
             label = node if not d.get("summary") else f"{node}\n{d['summary']}"
             out.append(f"  {_q(node)} [label={_q(label)}, shape=note, style=dashed];")
+    for node, d in graph.nodes(data=True):
+        for producer, channel in d.get("fed", {}).values():
+            out.append(f"  {_q(producer)} -> {_q(node)} [style=dotted, label={_q(channel)}];")
     for u, v, d in graph.edges(data=True):
         if d["kind"] == "main":
             out.append(f"  {_q(u)} -> {_q(v)};")

@@ -201,6 +201,60 @@ class BasicOperation(FusibleOperation):
         ``explain()``, the op graph and the graph-safety gate's messages."""
         return [None] * self.num_extra_inputs
 
+    def extra_output_names(self) -> list[str | None]:
+        """What each extra output is (e.g. ``"split_sizes"``), ``None`` where unnamed; a later
+        op's extra input is fed by one by name (:meth:`feed_extra_input`)."""
+        return [None] * self.num_extra_outputs
+
+    def feed_extra_input(self, slot: str | int, producer: BasicOperation,
+                         output: str | int) -> BasicOperation:
+        """Declare that extra input ``slot`` of this op is fed by extra output ``output`` of
+        ``producer``, an op that runs earlier in the same ``Sequential``.
+
+        In a container holding both ops the slot is then no longer a call input: the fuser
+        passes the producer's output, autograd flows back through it (this op's gradient of
+        the slot is added to the gradient of the producer's output) and the producer's output
+        is internal (not returned). Where the producer is not in the container (this op called
+        on its own, or in a container without it) the slot is a call input as before.
+
+        Parameters
+        ----------
+        slot : str or int
+            The extra input, by name (:meth:`extra_input_names`) or index.
+        producer : BasicOperation
+            The op whose extra output feeds it.
+        output : str or int
+            The producer's extra output, by name (:meth:`extra_output_names`) or index.
+
+        Returns
+        -------
+        BasicOperation
+            ``self``.
+
+        Raises
+        ------
+        TypeError
+            ``producer`` is not a BasicOperation.
+        ValueError
+            ``slot`` or ``output`` names no extra input / output of its op, or ``producer`` is
+            ``self``.
+        """
+        if not isinstance(producer, BasicOperation):
+            raise TypeError(f"producer must be a te_ops BasicOperation, got "
+                            f"{type(producer).__name__}")
+        if producer is self:
+            raise ValueError(f"producer must be another op, got {type(self).__name__} itself")
+        j = _resolve(slot, self.extra_input_names(), self.num_extra_inputs, "slot",
+                     f"{type(self).__name__}'s extra inputs")
+        k = _resolve(output, producer.extra_output_names(), producer.num_extra_outputs,
+                     "output", f"{type(producer).__name__}'s extra outputs")
+        self.__dict__.setdefault("_extra_input_feeds", {})[j] = (producer, k)
+        return self
+
+    def extra_input_feeds(self) -> dict[int, tuple[BasicOperation, int]]:
+        """Declared feeds: extra input index -> (producer op, its extra output index)."""
+        return dict(self.__dict__.get("_extra_input_feeds", {}))
+
     def unsupported_reason(self, input_: torch.Tensor) -> str | None:
         """Why this op cannot run on ``input_``'s dtype/device (``None`` when it can)."""
         return None
@@ -228,6 +282,18 @@ class BasicOperation(FusibleOperation):
             fuser = _FUSER_CLASS[0]([self])
             self.__dict__["_standalone_fuser"] = fuser
         return fuser(input_, *extra_inputs)
+
+
+def _resolve(which: str | int, names: list[str | None], count: int, arg: str,
+             what: str) -> int:
+    """Index of extra input / output ``which`` (a name or an index) among ``names``."""
+    if isinstance(which, str):
+        if which in names:
+            return names.index(which)
+    elif isinstance(which, int) and not isinstance(which, bool) and 0 <= which < count:
+        return which
+    raise ValueError(f"{arg} must name one of {what} {names} (or be an index below {count}), "
+                     f"got {which!r}")
 
 
 class FusedOperation(FusibleOperation):

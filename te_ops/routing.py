@@ -1,8 +1,13 @@
-"""Token routing helpers: sort (token, expert) pairs by expert for a grouped expert block, and
-add the expert outputs back in token order.
+"""Token routing: sort (token, expert) pairs by expert for a grouped expert block, and add the
+expert outputs back in token order.
 
-Both functions use only fixed-shape device ops (a stable ``argsort``, a ``scatter_add_`` count,
-gathers and ``index_add_``): no host sync, no data-dependent shape. They run with every tensor
+This module owns the routing math: :func:`sort_by_expert` (the row order, dropless or with a
+per-expert capacity), :func:`pick` (the masked gather every direction of the routing uses) and
+:func:`tokens_per_expert`; the functional :func:`permute` / :func:`unpermute` and the MoE
+layer's ``Permute`` / ``Combine`` ops (``te_ops/basic/moe.py``) are built on them.
+
+Everything uses only fixed-shape device ops (stable ``argsort``, ``scatter`` / ``scatter_add_``,
+gathers, ``index_add_``): no host sync, no data-dependent shape. They run with every tensor
 on the ``meta`` device, inside CUDA graphs and under ``torch.compile(fullgraph=True)``.
 
 Typical use with a top-k router and a te_ops grouped MLP ``experts``::
@@ -14,11 +19,17 @@ Typical use with a top-k router and a te_ops grouped MLP ``experts``::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["PermutedTokens", "permute", "unpermute"]
+__all__ = ["DROP_POLICIES", "ExpertOrder", "PermutedTokens", "capacity_per_expert", "permute",
+           "pick", "sort_by_expert", "tokens_per_expert", "unpermute"]
+
+#: How tokens past an expert's capacity are chosen (Megatron-Core ``moe_token_drop_policy``):
+#: ``"probs"`` keeps each expert's highest-weight pairs, ``"position"`` its earliest tokens.
+DROP_POLICIES = ("probs", "position")
 
 
 class PermutedTokens(NamedTuple):
@@ -91,6 +102,133 @@ def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tenso
     return counts.scatter_add_(0, ids.clamp(0, num_experts - 1), valid)
 
 
+class ExpertOrder(NamedTuple):
+    """Where each (token, top-k slot) pair goes: the result of :func:`sort_by_expert`.
+
+    ``T`` tokens, ``k`` = top_k, ``S = T * k`` pairs (pair ``p`` is token ``p // k``'s slot
+    ``p % k``), ``R`` rows: ``S`` dropless, ``num_experts * capacity`` with a capacity.
+
+    Attributes
+    ----------
+    pair_index : torch.Tensor
+        (R,) int64: the pair each row holds; ``S`` for an empty row (an expert below capacity).
+    row_index : torch.Tensor
+        (T, k) int64: the row each pair went to; ``R`` for a pair dropped past capacity.
+    split_sizes : torch.Tensor
+        (num_experts,) int64: rows per expert (dropless: the pairs routed to it, ids outside
+        ``[0, num_experts)`` not counted, their rows last; capacity: ``capacity`` each).
+    tokens_per_expert : torch.Tensor
+        (num_experts,) int64: pairs routed to each expert, before any drop.
+    dropped : torch.Tensor
+        () int64: pairs dropped past capacity (zero dropless).
+    """
+
+    pair_index: torch.Tensor
+    row_index: torch.Tensor
+    split_sizes: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+
+
+def capacity_per_expert(num_tokens: int, top_k: int, num_experts: int,
+                        capacity_factor: float) -> int:
+    """Rows per expert in capacity mode: ``ceil(capacity_factor * num_tokens * top_k /
+    num_experts)`` (Megatron-Core ``get_capacity``; GShard / Switch "expert capacity"), at
+    least 1. Depends on shapes only, so every routing of a batch gets the same static shape."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *,
+                   capacity: int | None = None, top_k_weights: torch.Tensor | None = None,
+                   drop_policy: str = "probs") -> ExpertOrder:
+    """The row order of a grouped expert block for ``top_k_index``'s routing.
+
+    Dropless (``capacity=None``): pairs sorted by expert, stable (within an expert in pair
+    order), ``R = S`` rows; ids outside ``[0, num_experts)`` sort last as padding rows.
+    With ``capacity``: expert ``e`` owns rows ``[e * capacity, (e + 1) * capacity)``; its pairs
+    fill them in the ``drop_policy`` order (``"probs"``: highest ``top_k_weights`` first, ties
+    in pair order; ``"position"``: pair order), the rest are dropped (``row_index == R``);
+    rows left empty have ``pair_index == S``.
+
+    Parameters
+    ----------
+    top_k_index : torch.Tensor
+        (T, k) integer expert ids.
+    num_experts : int
+    capacity : int or None
+        Rows per expert (see :func:`capacity_per_expert`); ``None``: dropless.
+    top_k_weights : torch.Tensor or None
+        (T, k) float weights; needed by ``drop_policy="probs"`` with a capacity.
+    drop_policy : str
+        One of :data:`DROP_POLICIES`.
+
+    Returns
+    -------
+    ExpertOrder
+
+    Raises
+    ------
+    ValueError
+        Bad ``capacity``, ``drop_policy``, or ``"probs"`` without ``top_k_weights``; capacity
+        mode with ids outside ``[0, num_experts)`` is not checked (no host read): such pairs
+        are dropped (and counted in ``dropped``).
+    """
+    num_tokens, top_k = top_k_index.shape
+    pairs = num_tokens * top_k
+    ids = top_k_index.reshape(-1).long()
+    counts = tokens_per_expert(ids, num_experts)
+    device = ids.device
+    if capacity is None:
+        # ids outside [0, num_experts) (e.g. a -1 "dropped" sentinel) sort last, as padding rows
+        outside = (ids < 0) | (ids >= num_experts)
+        order = torch.argsort(torch.where(outside, num_experts, ids), stable=True)
+        rows = torch.arange(pairs, device=device)
+        row_index = torch.empty_like(order).scatter_(0, order, rows)
+        return ExpertOrder(order, row_index.view(num_tokens, top_k), counts, counts,
+                           torch.zeros((), dtype=torch.int64, device=device))
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    valid = (ids >= 0) & (ids < num_experts)
+    key = torch.where(valid, ids, num_experts)  # ids outside [0, num_experts) sort last
+    if drop_policy == "probs":
+        if top_k_weights is None:
+            raise ValueError("top_k_weights must be given with drop_policy='probs' and a "
+                             "capacity (the weights decide which pairs are kept), got None")
+        first = torch.argsort(top_k_weights.reshape(-1), descending=True, stable=True)
+        order = first[torch.argsort(key[first], stable=True)]
+    else:
+        order = torch.argsort(key, stable=True)
+    sorted_ids = ids[order].clamp(0, num_experts - 1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=device) - starts[sorted_ids]
+    keep = valid[order] & (rank < capacity)
+    num_rows = num_experts * capacity
+    dest = torch.where(keep, sorted_ids * capacity + rank, num_rows)
+    row_index = torch.empty_like(order).scatter_(0, order, dest)
+    # dropped pairs land in one spare slot past the rows, cut off after the scatter
+    pair_index = torch.full((num_rows + 1,), pairs, dtype=torch.int64, device=device)
+    pair_index = pair_index.scatter_(0, dest, order)[:num_rows]
+    split_sizes = torch.full((num_experts,), capacity, dtype=torch.int64, device=device)
+    dropped = pairs - keep.sum()
+    return ExpertOrder(pair_index, row_index.view(num_tokens, top_k), split_sizes, counts,
+                       dropped)
+
+
+def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torch.Tensor:
+    """``src[index]`` where ``index`` lies in ``[0, len(src)]``; ``index == len(src)`` (an
+    empty row, a dropped pair) gives zeros when ``masked`` (without it every index must be
+    below ``len(src)``). A gather: deterministic, unlike a scatter-add."""
+    if not masked:
+        return src[index]
+    n = src.shape[0]
+    valid = index < n
+    taken = src[index.clamp(max=max(n - 1, 0))]
+    return torch.where(valid.view(*valid.shape, *([1] * (src.dim() - 1))), taken,
+                       taken.new_zeros(()))
+
+
 def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
             num_experts: int) -> PermutedTokens:
     """Sort each token's top-k (token, expert) pairs by expert.
@@ -123,15 +261,10 @@ def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
         message names the argument.
     """
     _check(x, top_k_index, top_k_weights, num_experts)
-    top_k = top_k_index.shape[1]
-    expert_ids = top_k_index.reshape(-1).long()  # pair i belongs to token i // top_k
-    # ids outside [0, num_experts) (e.g. a -1 "dropped" sentinel) sort last, as padding rows
-    outside = (expert_ids < 0) | (expert_ids >= num_experts)
-    order = torch.argsort(torch.where(outside, num_experts, expert_ids), stable=True)
-    token_index = order // top_k
-    probs = None if top_k_weights is None else top_k_weights.reshape(-1)[order]
-    return PermutedTokens(x[token_index], tokens_per_expert(expert_ids, num_experts), probs,
-                          token_index)
+    order = sort_by_expert(top_k_index, num_experts)
+    token_index = order.pair_index // top_k_index.shape[1]
+    probs = None if top_k_weights is None else top_k_weights.reshape(-1)[order.pair_index]
+    return PermutedTokens(x[token_index], order.split_sizes, probs, token_index)
 
 
 def unpermute(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -4,7 +4,10 @@ Consecutive :class:`~te_ops.op.FusibleOperation` modules are grouped into one
 :class:`~te_ops.fuser.OperationFuser`; any other ``torch.nn.Module`` runs as it is, taking and
 returning one tensor. Extra inputs (split sizes, probs) follow the main input positionally, in
 op order: ``block(x, split_sizes, probs, split_sizes)`` for
-``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``.
+``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``. An extra input fed by an earlier
+op's extra output (:meth:`~te_ops.op.BasicOperation.feed_extra_input`) is not a call input:
+the container passes the producer's output to it (inside one fuser, or from one fuser to a
+later one) and does not return that output.
 
 Module hooks (``register_forward_pre_hook``, ``register_forward_hook``,
 ``register_full_backward_hook``, ...) on an op inside the container run: an op with hooks is
@@ -26,7 +29,7 @@ import torch
 from .fuser import OperationFuser
 from .ir import explain, to_dot
 from .op import BasicOperation, FusibleOperation, has_hooks
-from .signature import CallSignature
+from .signature import CallSignature, FedOutput
 from .training import backward_dw_all
 
 __all__ = ["Sequential"]
@@ -203,12 +206,20 @@ class Sequential(torch.nn.Module):
         signature = CallSignature(
             [b for g in groups if isinstance(g, OperationFuser) for b in g.basic_ops])
         self.__dict__["_signature"] = signature
-        # One fuser over every op, called as itself, no extra outputs (the MoE block): forward
-        # passes it the call's inputs as they are (what the per-op split would rebuild).
+        # An output fed both inside its fuser and to a later fuser: that fuser returns it too.
+        fuser_of: list[tuple[OperationFuser, int]] = []  # per basic op: (fuser, local index)
+        for g in groups:
+            if isinstance(g, OperationFuser):
+                fuser_of.extend((g, i) for i in range(len(g.basic_ops)))
+        for (consumer, _), source in signature.fed.items():
+            g, local = fuser_of[source.op]
+            if fuser_of[consumer][0] is not g:
+                g.signature.also_return(local, source.output)
+        # One fuser over every op, called as itself: forward passes it the call's inputs as
+        # they are (what the per-op split would rebuild); its returned outputs are ours.
         only = groups[0] if len(groups) == 1 and isinstance(groups[0], OperationFuser) else None
         self.__dict__["_only_fuser"] = (
-            (only, signature.total) if only is not None and not hooked
-            and not sum(only.num_extra_outputs) else None)
+            (only, signature.total) if only is not None and not hooked else None)
         return groups
 
     @staticmethod
@@ -244,22 +255,38 @@ class Sequential(torch.nn.Module):
         only = self.__dict__.get("_only_fuser")  # built by _groups()
         if only is not None and len(extra_inputs) == only[1]:
             return only[0](input_, *extra_inputs)
-        per_op = iter(self.__dict__["_signature"].split(extra_inputs))  # built by _groups()
+        signature = self.__dict__["_signature"]  # built by _groups()
+        per_op = signature.split(extra_inputs)
         x = input_
         extra_outputs: list[torch.Tensor] = []
+        produced: dict[tuple[int, int], Any] = {}  # an op's output fed to a later fuser
+        first = 0  # index (in the container's signature) of the fuser's first basic op
         for g in groups:
             if not isinstance(g, OperationFuser):
                 x = g(x)
                 continue
-            extra = [v for _ in g.basic_ops for v in next(per_op)]
+            extra = []
+            for i in range(len(g.basic_ops)):
+                for j, v in enumerate(per_op[first + i]):
+                    if (i, j) in g.signature.fed:
+                        continue  # wired inside the fuser
+                    extra.append(produced[(v.op, v.output)] if isinstance(v, FedOutput) else v)
             op = g.basic_ops[0]
             call = op if len(g.basic_ops) == 1 and has_hooks(op) else g
             out = call(x, *extra)
-            if sum(g.num_extra_outputs):
+            if g.signature.num_returned:
                 x, *more = out
-                extra_outputs.extend(more)
+                more = iter(more)
+                for i, flags in enumerate(g.returned_outputs):
+                    for k, r in enumerate(flags):
+                        if r:
+                            t = next(more)
+                            produced[(first + i, k)] = t
+                            if signature.returned[first + i][k]:
+                                extra_outputs.append(t)
             else:
                 x = out
+            first += len(g.basic_ops)
         return (x, *extra_outputs) if extra_outputs else x
 
     def backward_dw(self) -> None:

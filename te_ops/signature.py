@@ -7,6 +7,14 @@ about that layout: the per-op counts and names, where extra input ``k`` goes (op
 ``j``), how to split a call's extra inputs per op (with the one error message for a wrong
 count), and which inputs come from one source. The fuser, ``Sequential``, ``te_ops.graphs``
 and ``te_ops.ir`` all use it.
+
+Fed extra inputs: an op may declare that one of its extra inputs is fed by a named extra
+output of an earlier op (:meth:`te_ops.op.BasicOperation.feed_extra_input`, e.g. the MoE
+layer's fc1 ``split_sizes`` fed by ``Permute``'s ``split_sizes``). When the producer is one of
+the signature's ops, that slot is not a call input: :meth:`CallSignature.split` puts a
+:class:`FedOutput` marker there, which the fuser replaces by the producer's output when it runs,
+and the producer's output is *internal* (not returned by the call). See docs/architecture.md,
+"Extra outputs that feed later ops".
 """
 
 from __future__ import annotations
@@ -17,17 +25,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallSignature", "Slot", "same_source", "source_classes"]
+__all__ = ["CallSignature", "FedOutput", "Slot", "same_source", "source_classes"]
+
+
+@dataclass(frozen=True)
+class FedOutput:
+    """Marks an extra input fed by extra output ``output`` (named ``name``) of basic op ``op``
+    of the same signature (indices into its op list)."""
+
+    op: int
+    output: int
+    name: str | None = None
 
 
 def same_source(a: Any, b: Any) -> bool:
     """Whether two extra inputs come from one source: the same tensor object, two tensors that
     alias the same memory exactly (same device, dtype, address, shape and strides, e.g. ``t``
-    and ``t.detach()``, as reentrant activation checkpointing passes them), or equal host lists
+    and ``t.detach()``, as reentrant activation checkpointing passes them), equal host lists
     (two tensors with equal values in different memory are *not* one source: telling would
-    need a sync)."""
+    need a sync), or two :class:`FedOutput` markers of the same producer output."""
     if a is b:
         return True
+    if isinstance(a, FedOutput) or isinstance(b, FedOutput):
+        return a == b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -77,26 +97,70 @@ class CallSignature:
 
     Attributes
     ----------
-    counts : list[int]
+    op_counts : list[int]
         ``num_extra_inputs`` per op.
+    counts : list[int]
+        Per op, how many of its extra inputs the *call* gives (``op_counts`` less the slots fed
+        by an earlier op of this list).
     names : list[list[str | None]]
         Per op, the name of each extra input (``BasicOperation.extra_input_names``; ``None``
         where unnamed).
     slots : list[Slot]
-        One per extra input of a call, in call order.
+        One per extra input of a call, in call order (fed slots are not call inputs).
+    fed : dict[tuple[int, int], FedOutput]
+        ``(op, slot)`` -> the earlier op's extra output that feeds it.
+    returned : list[list[bool]]
+        Per op, per extra output, whether the call returns it (it feeds no op of this list).
+
+    Raises
+    ------
+    ValueError
+        An op's extra input is fed by an op that comes after it (or by itself).
     """
 
     def __init__(self, ops: Sequence[Any]) -> None:
         self.op_types = [type(op).__name__ for op in ops]
-        self.counts = [int(getattr(op, "num_extra_inputs", 0) or 0) for op in ops]
+        self.op_counts = [int(getattr(op, "num_extra_inputs", 0) or 0) for op in ops]
         self.names: list[list[str | None]] = []
-        for op, n in zip(ops, self.counts):
+        for op, n in zip(ops, self.op_counts):
             declared = list(op.extra_input_names()) if n else []
             self.names.append((declared + [None] * n)[:n])
+        position = {id(op): i for i, op in enumerate(ops)}
+        self.fed: dict[tuple[int, int], FedOutput] = {}
+        for i, op in enumerate(ops):
+            feeds = op.extra_input_feeds() if hasattr(op, "extra_input_feeds") else {}
+            for j, (producer, k) in feeds.items():
+                p = position.get(id(producer))
+                if p is None:
+                    continue  # the producer is outside this op list: a call input here
+                if p >= i:
+                    raise ValueError(
+                        f"ops: {type(op).__name__} (op {i})'s extra input "
+                        f"{self.names[i][j] or j!r} is fed by {type(producer).__name__} (op "
+                        f"{p}), which does not run before it; a fed input needs its producer "
+                        "earlier in the same op list")
+                self.fed[(i, j)] = FedOutput(p, k, producer.extra_output_names()[k])
+        self.counts = [n - sum((i, j) in self.fed for j in range(n))
+                       for i, n in enumerate(self.op_counts)]
+        consumed = {(f.op, f.output) for f in self.fed.values()}
+        self.returned = [[(i, k) not in consumed
+                          for k in range(int(getattr(op, "num_extra_outputs", 0) or 0))]
+                         for i, op in enumerate(ops)]
         self.slots: list[Slot] = []
         for i, names in enumerate(self.names):
             for j, name in enumerate(names):
-                self.slots.append(Slot(len(self.slots), i, j, name))
+                if (i, j) not in self.fed:
+                    self.slots.append(Slot(len(self.slots), i, j, name))
+
+    def also_return(self, op: int, output: int) -> None:
+        """Return extra output ``output`` of op ``op`` even though it feeds an op of this list
+        (a container whose later fuser takes it too)."""
+        self.returned[op][output] = True
+
+    @property
+    def num_returned(self) -> int:
+        """How many extra outputs a call returns after the main output."""
+        return sum(map(sum, self.returned))
 
     @property
     def total(self) -> int:
@@ -128,9 +192,16 @@ class CallSignature:
             )
         groups: list[tuple[Any, ...]] = []
         pos = 0
-        for n in self.counts:
-            groups.append(tuple(extra_inputs[pos:pos + n]) if extra_inputs else (None,) * n)
-            pos += n
+        for i, n in enumerate(self.op_counts):
+            group = []
+            for j in range(n):
+                fed = self.fed.get((i, j))
+                if fed is not None:
+                    group.append(fed)
+                else:
+                    group.append(extra_inputs[pos] if extra_inputs else None)
+                    pos += 1
+            groups.append(tuple(group))
         return groups
 
     def source_classes(self, extra_inputs: Sequence[Any] | None) -> tuple[int, ...]:

@@ -3,13 +3,17 @@
 from .bias import Bias
 from .grouped_linear import GroupedLinear, GroupedLinearSaved
 from .identity import Identity
+from .moe import Combine, Permute, Router
 from .swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved
 
 __all__ = [
     "Bias",
+    "Combine",
     "GroupedLinear",
     "GroupedLinearSaved",
     "Identity",
+    "Permute",
+    "Router",
     "ScaledSwiGLU",
     "SwiGLU",
     "SwiGLUSaved",
