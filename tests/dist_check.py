@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import warnings
 
 import reference as ref
@@ -165,3 +166,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The checks passed and the group is destroyed: leave without the interpreter's teardown,
+    # where gloo's background threads can abort the process ("terminate called without an
+    # active exception", seen on loaded 2-core machines) after a run whose checks all passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
