@@ -1,6 +1,5 @@
-"""Shared checks of the benchmark command-line tests: a bad argument is argparse's usage
-error (exit 2) before any work starts, and the launch configs
-``experimental/gemm_kernel_ab/large_gemm_triton.py``'s flags hand to each comparison."""
+"""Shared check of the benchmark command-line tests: a bad argument is argparse's usage
+error (exit 2) before any work starts."""
 
 from __future__ import annotations
 
@@ -18,20 +17,3 @@ def usage_error(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], 
         main(argv)
     assert info.value.code == 2
     return capsys.readouterr().err
-
-
-def large_gemm_configs(monkeypatch: pytest.MonkeyPatch, bench,
-                       argv: list[str]) -> list[tuple[str, object, object]]:
-    """``experimental/gemm_kernel_ab/large_gemm_triton.py``'s ``main(argv)`` (the module ``bench``) with CUDA
-    faked and ``compare`` replaced by a recorder: ``(gemm, cfg, fused_cfg)`` of each
-    comparison, in order (``main`` must return 0)."""
-    import torch
-
-    seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "machine_info", lambda device: {})
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "compare", lambda shape, gemm, args, cfg, fused_cfg: (
-        seen.append((gemm, cfg, fused_cfg)), {"bench": "x"})[1])
-    assert bench.main(argv) == 0
-    return seen

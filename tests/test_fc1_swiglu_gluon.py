@@ -5,13 +5,11 @@ CPU (CI): the config and argument errors, the reason on CPU, the measured rule a
 dispatch (the fused forward, ``explain()``), the sm_90 ahead-of-time compile (skipped
 without Gluon or an sm_90 ptxas: run with Triton 3.6 on the path): four partitions' register
 budgets, wgmma m64n256k16, one paired TMA load of 48 KiB per k-step, shared memory within
-227 KiB; the ``C_HALF`` + ``STAGES`` 4 config (not measured): 4 ring stages in 224-227 KiB,
-the per-half barriers, no ptxas spills, its config errors and the check of
-``benchmarks/large_gemm_triton.py --gluon-fc1``. CUDA (``@pytest.mark.cuda``, SM90): h and
+227 KiB. CUDA (``@pytest.mark.cuda``, SM90): h and
 a against the fp64 per-expert reference (N(0, 1) inputs, init-scale weights), bitwise equal
 to the two launches (``large_fprop`` / ``torch._grouped_mm``, then ``swiglu_forward``) with
 NaN garbage in x's padding rows and in the recycled output memory, skewed and empty groups,
-with and without probs, bf16 and fp16, ``SPLIT`` and ``C_HALF`` + ``STAGES`` 4; CUDA-graph
+with and without probs, bf16 and fp16; CUDA-graph
 replay with new offsets and ``torch.compile(fullgraph=True)`` bitwise equal to eager; the
 block with the rule patched to take the kernel: fused (repeated calls), the fused
 forward with the unfused backward and the unfused ops bitwise equal to the epilogue off;
@@ -26,7 +24,6 @@ import pytest
 import torch
 from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 import torch.nn.functional as F
-from bench_helpers import usage_error
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
 from fc1_dispatch_stubs import ACT, LARGE
 from fc1_dispatch_stubs import RecordingAct as _Act
@@ -47,64 +44,24 @@ from te_ops.gemm import grouped_gemm_gluon as GG
 from te_ops.gemm import grouped_gemm_large_triton as L
 
 CUDA = torch.device("cuda")
-SPLIT = {"SPLIT": True, "num_warps": 4}
-#: The 64-row output buffer and the 4-stage ring (built, compiled for sm_90; not measured).
-C4 = {**SPLIT, "C_HALF": True, "STAGES": 4}
 
 
 # ----------------------------------------------------------------------------------- CPU
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match=r"config keys must be among .* unknown \['FLAT'\]"):
         FG._resolve({"FLAT": True})
-    with pytest.raises(ValueError, match="num_warps must be 4 with SPLIT=True .* got "
-                                         "num_warps=8"):
+    with pytest.raises(ValueError, match="num_warps must be 8 .* got num_warps=4"):
+        FG._resolve({"num_warps": 4})
+    with pytest.raises(ValueError, match=r"unknown \['SPLIT'\]"):
         FG._resolve({"SPLIT": True})
+    with pytest.raises(ValueError, match="config STAGES must be an int >= 1, got 0"):
+        FG._resolve({"STAGES": 0})
+    with pytest.raises(ValueError, match=r"STAGES=4 .* needs 262144 bytes "
+                                         r"of shared memory .* more than the 230400"):
+        FG._resolve({"STAGES": 4})
+    assert FG.shared_bytes(FG.gluon_fc1_config()) == 3 * 48 * 1024 + 64 * 1024
     with pytest.raises(ValueError, match="SUB_N dividing BLOCK_N / 2, .* SUB_N=96"):
         FG._resolve({"SUB_N": 96})
-
-
-def test_half_buffer_config_errors_name_the_key():
-    """``C_HALF``: needs ``SPLIT``, a bool, ``SUB_M`` dividing the 64-row buffer; the ring +
-    output buffer must fit SM90's shared memory (4 stages only with the 64-row buffer)."""
-    with pytest.raises(ValueError, match="C_HALF=True .* needs SPLIT=True, got SPLIT=False"):
-        FG._resolve({"C_HALF": True})
-    with pytest.raises(ValueError, match="config C_HALF must be a bool, got 1"):
-        FG._resolve({**SPLIT, "C_HALF": 1})
-    with pytest.raises(ValueError, match="config STAGES must be an int >= 1, got 0"):
-        FG._resolve({**C4, "STAGES": 0})
-    with pytest.raises(ValueError, match="SUB_M dividing BLOCK_M / 2 .* BLOCK_M=128, SUB_M=128"):
-        FG._resolve({**C4, "SUB_M": 128})
-    assert FG._resolve({**SPLIT, "SUB_M": 128})["SUB_M"] == 128  # the 128-row buffer: fine
-    with pytest.raises(ValueError, match=r"STAGES=4 with C_HALF=False .* needs 262144 bytes "
-                                         r"of shared memory .* more than the 230400"):
-        FG._resolve({**SPLIT, "STAGES": 4})
-    with pytest.raises(ValueError, match=r"STAGES=5 with C_HALF=True .* needs 278528 bytes"):
-        FG._resolve({**C4, "STAGES": 5})
-    cfg = FG._resolve(C4)
-    assert FG.shared_bytes(cfg) == 4 * 48 * 1024 + 32 * 1024 <= GG.SHARED_LIMIT
-    assert FG.shared_bytes(FG.gluon_fc1_config()) == 3 * 48 * 1024 + 64 * 1024
-    assert FG.gluon_fc1_config()["C_HALF"] is False  # the measured default keeps 128 rows
-
-
-def test_bench_accepts_the_half_buffer_config(capsys, monkeypatch):
-    """``benchmarks/large_gemm_triton.py --gluon-fc1`` checks each config with
-    :func:`_resolve`: the 4-stage ``C_HALF`` config passes the argument checks (up to the
-    no-CUDA usage error), a bad combination is a usage error naming the config."""
-    import json
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experimental", "gemm_kernel_ab"))
-    import large_gemm_triton as bench
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-    def gluon_fc1_error(change):
-        return usage_error(capsys, bench.main, ["--gemms", "fc1", "--gluon-fc1",
-                                                json.dumps({"gfc1": {}, "gfc1_c4": change})])
-    assert "measuring needs CUDA" in gluon_fc1_error(C4)
-    err = gluon_fc1_error({"C_HALF": True, "STAGES": 4})
-    assert "--gluon-fc1 'gfc1_c4'" in err and "needs SPLIT=True" in err
-    assert "STAGES=4 with C_HALF=False" in gluon_fc1_error(SPLIT | {"STAGES": 4})
 
 
 def test_config_fits_the_register_file():
@@ -212,13 +169,12 @@ def _compile_sm90(config: dict | None, has_p: bool):
                                   GG.MAXNREG)
 
 
-@pytest.mark.parametrize("config, has_p", [(None, True), (None, False), ("split", True),
-                                           ("c4", True), ("c4", False)])
-def test_compiles_for_sm90_warp_specialized(config, has_p):
+@pytest.mark.parametrize("has_p", [True, False])
+def test_compiles_for_sm90_warp_specialized(has_p):
     """The worker warpgroup at ``WORKER_REGS``, the consumers raised; wgmma m64n256k16; one
     TMA transaction of x's tile + the paired (gate, up) W tile per k-step (48 KiB); the
     exponential of the SiLU in the epilogue; shared memory within 227 KiB."""
-    kernel = _compile_sm90({"split": SPLIT, "c4": C4}.get(config), has_p)
+    kernel = _compile_sm90(None, has_p)
     ptx = kernel.asm["ptx"]
     cfg = FG.gluon_fc1_config()
     regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
@@ -232,44 +188,6 @@ def test_compiles_for_sm90_warp_specialized(config, has_p):
     assert "ex2.approx" in ptx
     assert kernel.metadata.shared <= 227 * 1024
     assert "st.local" not in ptx and "ld.local" not in ptx
-
-
-def _ptxas_spill_bytes(ptx: str) -> int:
-    """Spill stores + loads that ptxas (Triton's, ``-v``, sm_90a) reports for ``ptx``."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = f"{tmp}/k.ptx"
-        with open(src, "w") as f:
-            f.write(ptx)
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o",
-                              f"{tmp}/k.cubin"], check=True, capture_output=True, text=True)
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.stderr)
-    assert found, log.stderr
-    return sum(int(a) + int(b) for a, b in found)
-
-
-@pytest.mark.parametrize("has_p", [True, False])
-def test_half_buffer_fits_a_fourth_stage(has_p):
-    """``C_HALF`` + ``STAGES`` 4: the 64-row output buffer (32 KiB) leaves room for 4 ring
-    stages of 48 KiB: shared memory >= 224 KiB and <= 227 KiB; 4 ring ``empty`` barriers
-    counting both consumer halves (2 arrivals), the 4 ``ready`` and the per-half
-    ``c_ready`` / ``c_empty`` pairs one arrival each; both consumer halves at
-    ``CONSUMER_REGS``-class budgets, the worker warpgroup at ``WORKER_REGS``; ptxas spills
-    nothing (the 3-stage configs: 4-8 bytes with probs)."""
-    kernel = _compile_sm90(C4, has_p)
-    ptx = kernel.asm["ptx"]
-    cfg = FG._resolve(C4)
-    assert FG.shared_bytes(cfg) <= kernel.metadata.shared <= 227 * 1024
-    inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)
-    assert sorted(inits) == ["1"] * (cfg["STAGES"] + 4) + ["2"] * cfg["STAGES"]
-    regs = {int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}
-    assert cfg["WORKER_REGS"] in regs and cfg["CONSUMER_REGS"] in regs and max(regs) <= 256
-    assert "st.local" not in ptx and "ld.local" not in ptx
-    assert _ptxas_spill_bytes(ptx) == 0  # the ptxas that assembled it above
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -315,15 +233,12 @@ CASES = [
     ([512] * 4, 2048, 768, 512),             # E128-like fc1 slice, no padding
 ]
 VARIANTS = [(torch.bfloat16, torch.float32, None), (torch.bfloat16, None, None),
-            (torch.bfloat16, torch.bfloat16, SPLIT), (torch.float16, torch.float32, None),
-            (torch.bfloat16, torch.float32, C4), (torch.bfloat16, None, C4),
-            (torch.float16, torch.bfloat16, C4)]
+            (torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None)]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype, probs_dtype, config", VARIANTS,
-                         ids=["bf16-p32", "bf16-nop", "bf16-pbf16-split", "fp16-p32",
-                              "bf16-p32-c4", "bf16-nop-c4", "fp16-pbf16-c4"])
+                         ids=["bf16-p32", "bf16-nop", "bf16-pbf16", "fp16-p32"])
 @pytest.mark.parametrize("sizes, m, ffn, k", CASES)
 def test_against_reference_and_bitwise_two_launches(sizes, m, ffn, k, dtype, probs_dtype,
                                                     config):

@@ -45,9 +45,9 @@ def test_default_config_is_the_paired_flat_kernel():
 def _compile(change: dict):
     pytest.importorskip("triton")  # the kernel exists only with triton
     cfg = {**L.large_config("fc1_swiglu"), **change}
-    const = {"SWIGLU": True, "HAS_P": True, "W_KN": False, "WARP_SPEC": False,
+    const = {"SWIGLU": True, "HAS_P": True, "W_KN": False,
              "GBLOCK": 8 if cfg["FLAT"] else 1,
-             **{k: cfg[k] for k in ("USE_TMA", "FLAT", "TAIL", "PAIRED", "BLOCK_M", "BLOCK_N",
+             **{k: cfg[k] for k in ("USE_TMA", "FLAT", "PAIRED", "BLOCK_M", "BLOCK_N",
                                     "BLOCK_K", "GROUP_M")}}
     return compile_for_sm90(L._large_kernel, SIGNATURE, const, cfg["num_warps"],
                             cfg["num_stages"])
@@ -113,10 +113,9 @@ def test_against_reference_and_the_two_launches_bits(dtype, with_p):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("change", [{"FLAT": False}, {"USE_TMA": False},
-                                    {"TAIL": True},
                                     {"PAIRED": False, "BLOCK_N": 128, "FLAT": False}])
 def test_schedules_loads_and_the_old_kernel_give_the_same_bits(change):
-    """The group walk, pointer loads, half-height tail tiles and stop 12's two-accumulator
+    """The group walk, pointer loads and stop 12's two-accumulator
     kernel (PAIRED=False) give the default's bits."""
     for sizes, m, n, k in CASES:
         x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)

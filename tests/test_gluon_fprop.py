@@ -41,10 +41,6 @@ def test_config_errors_name_the_key():
         GG._resolve({"SPLIT": True})
     with pytest.raises(ValueError, match="num_warps must be 8 .* got 4"):
         GG._resolve({"num_warps": 4})
-    with pytest.raises(ValueError, match=r"LAG .* must be in \[1, STAGES - 1 = 2\], got 3"):
-        GG._resolve({"LAG": 3})
-    with pytest.raises(ValueError, match=r"LAG .* got 0"):
-        GG._resolve({"LAG": 0})
     with pytest.raises(ValueError, match="C_HALF=True .* needs SPLIT=True, got SPLIT=False"):
         GG._resolve({"C_HALF": True})
     with pytest.raises(ValueError, match=r"STAGES=4 with C_HALF=False needs 262144 bytes"):
@@ -115,57 +111,14 @@ def test_compiles_for_sm90_warp_specialized(dgrad, split):
     assert "st.local" not in ptx and "ld.local" not in ptx  # no spills in the PTX
 
 
-TAIL = {"SPLIT": True, "num_warps": 4, "SKIP_TAIL": True}
-
-
-@pytest.mark.parametrize("dgrad", [False, True])
-def test_tail_variants_compile_for_sm90(dgrad):
-    """``SKIP_TAIL`` (+ ``HALF_LOAD``) and ``LAG`` 2 compile without spills within shared
-    memory; ``HALF_LOAD`` expects one half-height x block plus a W tile on the short
-    tiles' barrier; ``LAG`` 2 waits with two wgmma groups in flight."""
-    cfg = GG.gluon_config()
-    short = (cfg["BLOCK_M"] // 2 + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
-    expect = r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], "
-    for extra in ({**TAIL, "HALF_LOAD": True}, {"SKIP_TAIL": True, "HALF_LOAD": True}):
-        kernel = _compile_sm90(dgrad, extra=extra)
-        ptx = kernel.asm["ptx"]
-        assert re.search(expect + str(short), ptx)
-        assert "st.local" not in ptx and kernel.metadata.shared <= 227 * 1024
-    ptx = _compile_sm90(dgrad, extra=TAIL).asm["ptx"]
-    assert not re.search(expect + str(short), ptx)  # full-height loads only
-    assert "st.local" not in ptx
-    lag = _compile_sm90(dgrad, extra={**TAIL, "LAG": 2}).asm["ptx"]
-    assert "wgmma.wait_group.sync.aligned 2;" in lag
-    assert "wgmma.wait_group.sync.aligned 2;" not in ptx
-
-
 @pytest.mark.parametrize("dgrad", [False, True])
 def test_half_output_buffer_fits_a_fourth_stage(dgrad):
     """``C_HALF``: a 64-row output buffer (32 KiB) instead of 128 rows leaves room for a
     4-stage ring (4 x 48 KiB): within SM90's 227 KiB, no spills."""
-    kernel = _compile_sm90(dgrad, extra={**TAIL, "C_HALF": True, "STAGES": 4})
+    kernel = _compile_sm90(dgrad, extra={"SPLIT": True, "num_warps": 4, "C_HALF": True,
+                                         "STAGES": 4})
     assert 4 * 48 * 1024 + 32 * 1024 <= kernel.metadata.shared <= 227 * 1024
     assert "st.local" not in kernel.asm["ptx"]
-
-
-@pytest.mark.parametrize("dgrad", [False, True])
-def test_zero_tail_compiles_for_sm90(dgrad):
-    """``ZERO_TAIL`` on the dispatched config: compiles within shared memory; the producer
-    makes a second device-side descriptor (one more tensormap creation in the PTX than
-    without it) and waits on the ready barriers before making it (more parity waits)."""
-    cfg = {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True}
-    kernel = _compile_sm90(dgrad, extra=cfg)
-    plain = _compile_sm90(dgrad, extra=GG.DISPATCH_CONFIG)
-    assert kernel.metadata.shared <= GG.SHARED_LIMIT + 2048
-    made = kernel.asm["ptx"].count("tensormap.replace")
-    assert made > plain.asm["ptx"].count("tensormap.replace") > 0
-    waits = kernel.asm["ptx"].count("mbarrier.try_wait.parity")
-    assert waits > plain.asm["ptx"].count("mbarrier.try_wait.parity")
-
-
-def test_zero_tail_with_half_load_raises():
-    with pytest.raises(ValueError, match="ZERO_TAIL=True .* and HALF_LOAD=True"):
-        GG._resolve({**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "HALF_LOAD": True})
 
 
 @pytest.mark.parametrize("dgrad", [False, True])
@@ -388,20 +341,12 @@ def test_compile_and_graph_checks_with_gluon_dispatch(fusion, monkeypatch):
 # empty (1, 63, 64 rows; 129 = 128 + 1), one row into it (65), full (127, 128); empty groups
 # (first, middle and last), a long group, 37 padding rows (NaN in the input).
 TAIL_SIZES = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300, 0]
-TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
-                "unsplit_half_load": {"SKIP_TAIL": True, "HALF_LOAD": True},
-                "skip_lag2": {**TAIL, "LAG": 2},
-                "half_buffer": {**TAIL, "C_HALF": True, "STAGES": 4},
-                "half_buffer_lag2": {**TAIL, "C_HALF": True, "STAGES": 4, "LAG": 2,
-                                     "SKIP_TAIL": False},
+TAIL_CONFIGS = {"half_buffer": {**SPLIT, "C_HALF": True, "STAGES": 4},
                 "dispatch": GG.DISPATCH_CONFIG,  # the dispatched calls' config itself
                 # parts inside their group in one TMA store (128-row buffer), and the
-                # dispatched config with masked stores only (before stop 19)
+                # dispatched config with masked stores only
                 "tma_store": {"TMA_STORE": True},
-                "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False},
-                # tail tiles' rows past the group's end as TMA zero fill (stop 21)
-                "zero_tail": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True},
-                "zero_tail_skip": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "SKIP_TAIL": True}}
+                "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False}}
 
 
 def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:
@@ -415,11 +360,11 @@ def _poisoned_empty(numel: int, dtype: torch.dtype) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("n, k", [(384, 320), (64, 64)], ids=["k5n2", "k1n1"])
 @pytest.mark.parametrize("name", list(TAIL_CONFIGS))
-def test_tail_skip_bitwise_equal_to_grouped_mm(name, n, k):
+def test_tail_tiles_bitwise_equal_to_grouped_mm(name, n, k):
     """Every stored row of fprop and dgrad equals ``torch._grouped_mm``'s and the Triton
-    kernel's bit for bit with the tail skips on (group sizes 1, 63, 64, 65, 127, 128, 129,
-    empty groups, NaN padding rows in the input, NaN garbage in the output buffer; one and
-    several k-steps, so ``LAG`` 2 drains a one-step tile too); padding rows zero."""
+    kernel's bit for bit (group sizes 1, 63, 64, 65, 127, 128, 129, empty groups, NaN
+    padding rows in the input, NaN garbage in the output buffer; one and several k-steps);
+    padding rows zero."""
     _skip_unless_sm90()
     config = TAIL_CONFIGS[name]
     total = sum(TAIL_SIZES)
@@ -436,31 +381,5 @@ def test_tail_skip_bitwise_equal_to_grouped_mm(name, n, k):
     _poisoned_empty(m * k, dy.dtype)
     dx = GG.gluon_dgrad(dy, w, offs, config)
     assert torch.equal(dx[:total], torch._grouped_mm(dy[:total], w, offs=offs))
-    assert torch.equal(dx, L.large_dgrad(dy, w, offs))
-    assert not dx[total:].any()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("programs", [1, 2, 5])
-@pytest.mark.parametrize("name", ["zero_tail", "zero_tail_skip"])
-def test_zero_tail_rewrites_its_descriptor_bitwise(monkeypatch, name, programs):
-    """``ZERO_TAIL`` with few programs, so each takes many tail tiles in turn and rewrites
-    its descriptor slot while earlier copies may be in flight (the wait before the rewrite):
-    32 groups with tails of 1-127 rows and empty groups, several k-steps; fprop and dgrad
-    bitwise equal to the Triton kernel, padding rows zero."""
-    _skip_unless_sm90()
-    monkeypatch.setattr(GG, "grid_size", lambda *args: programs)
-    sizes = [1, 65, 3, 127, 0, 200, 63, 129] * 4
-    total = sum(sizes)
-    m, n, k = total + 37, 384, 320
-    x, w, offs = _operands(sizes, m, n, k, seed=5)
-    _poisoned_empty(m * n, x.dtype)
-    y = GG.gluon_fprop(x, w, offs, TAIL_CONFIGS[name])
-    assert torch.equal(y, L.large_fprop(x, w, offs))
-    assert not y[total:].any()
-    dy = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
-    dy[total:] = float("nan")
-    _poisoned_empty(m * k, dy.dtype)
-    dx = GG.gluon_dgrad(dy, w, offs, TAIL_CONFIGS[name])
     assert torch.equal(dx, L.large_dgrad(dy, w, offs))
     assert not dx[total:].any()

@@ -103,23 +103,19 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf
              "stride_wk": "i32"}
 
 
-@pytest.mark.parametrize("swiglu, flat, tma, dgrad, tail", [
-    (False, False, True, False, False), (True, True, True, False, False),
-    (True, False, False, False, False), (False, False, True, True, False),
-    (False, False, False, True, False), (False, True, True, False, False),
-    (False, True, False, True, False), (False, False, True, False, True),
-    (True, False, True, False, True), (False, True, True, False, True),
-    (True, True, True, False, True)])
-def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
+@pytest.mark.parametrize("swiglu, flat, tma, dgrad", [
+    (False, False, True, False), (True, True, True, False), (True, False, False, False),
+    (False, False, True, True), (False, False, False, True), (False, True, True, False),
+    (False, True, False, True)])
+def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad):
     """Ahead-of-time compile for SM90 (no GPU needed, Triton's bundled ptxas): the default
     tiles fit (3 stages of x, W tiles in shared memory), the dots are wgmma and the TMA
     variant's loads are TMA copies. ``FLAT``: Triton fused the k-loops into the tile loops
-    (one level of ``scf.for`` in the TTGIR; the group walk has two); ``TAIL``: a second
-    k-loop (the half tile) and no more shared memory than without it. Checked with Triton
+    (one level of ``scf.for`` in the TTGIR; the group walk has two). Checked with Triton
     3.6.0 (the H200's) and 3.9.0."""
     cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
     const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
-             "WARP_SPEC": False, "TAIL": tail, "GBLOCK": 8 if flat else 1,
+             "GBLOCK": 8 if flat else 1,
              "PAIRED": cfg.get("PAIRED", False),
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     kernel = _compile_sm90(const, cfg)
@@ -128,12 +124,6 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad, tail):
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert kernel.metadata.shared <= 227 * 1024
     assert for_nesting(ttgir) == (1 if flat else 2)
-    if tail and not flat:
-        assert ttgir.count("scf.for ") == 3  # group loop, full-tile and half-tile k-loops
-    if tail and not (flat and swiglu):  # the flat PAIRED fc1's half-tile loop pipelines its
-        # own (BLOCK_M / 2, BLOCK_K) x buffer: 8 KiB more (188440 bytes, Triton 3.6)
-        assert kernel.metadata.shared <= _compile_sm90({**const, "TAIL": False},
-                                                       cfg).metadata.shared
 
 
 def _compile_sm90(const: dict, cfg: dict):
@@ -143,8 +133,6 @@ def _compile_sm90(const: dict, cfg: dict):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"WARP_SPEC": True, "FLAT": False}, "WARP_SPEC=True needs FLAT=True .* got FLAT=False"),
-    ({"TAIL": True, "BLOCK_M": 16}, "TAIL=True needs an even BLOCK_M >= 32 .* got BLOCK_M=16"),
     ({"FLATTEN": True}, r"config keys must be among .* got unknown \['FLATTEN'\]"),
 ])
 def test_config_errors_name_the_key(change, match):
@@ -154,8 +142,8 @@ def test_config_errors_name_the_key(change, match):
 
 def test_flat_with_too_many_groups_takes_the_group_walk():
     assert L._resolve("fprop", {"FLAT": True}, L.FLAT_MAX_GROUPS)["FLAT"] is True
-    many = L._resolve("dgrad", {"FLAT": True, "WARP_SPEC": True}, L.FLAT_MAX_GROUPS + 1)
-    assert many["FLAT"] is False and many["WARP_SPEC"] is False
+    many = L._resolve("dgrad", {"FLAT": True}, L.FLAT_MAX_GROUPS + 1)
+    assert many["FLAT"] is False
     assert L._resolve("fc1_swiglu", None, 8) == L.large_config("fc1_swiglu")
 
 
@@ -254,19 +242,17 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     assert torch.equal(dgrad(dy, w, offs), L.large_dgrad(dy, w, offs))
 
 
-#: Row counts for the half-height tail tiles (BLOCK_M 128): remainders of 1, 64 (a half tile),
-#: 65 (a full one), 0, 127, an empty group and 40 NaN padding rows.
+#: Row counts whose last row tiles (BLOCK_M 128) hold 1, 64, 65, 0 and 127 rows, an empty
+#: group and 40 NaN padding rows.
 TAIL_CASES = [([129, 0, 192, 193, 256, 127, 30], 1167, 512, 192)]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "fc1_swiglu"])
-@pytest.mark.parametrize("change", [{"FLAT": True}, {"FLAT": True, "USE_TMA": False},
-                                    {"FLAT": False, "TAIL": True}, {"FLAT": True, "TAIL": True}])
-def test_flat_and_tail_bitwise_equal_to_the_group_walk(kind, change):
+@pytest.mark.parametrize("change", [{"FLAT": True}, {"FLAT": True, "USE_TMA": False}])
+def test_flat_bitwise_equal_to_the_group_walk(kind, change):
     """The flattened schedule (the padding rows, NaN garbage in x, in a loop that stores
-    zeros) and the half-height tail tiles (in the group walk and flattened) give the group
-    walk's bits (same k-steps per output element), zeros in the padding rows, and the fp64
+    zeros) gives the group walk's bits (same k-steps per output element), zeros in the padding rows, and the fp64
     reference's values."""
     tma = change.get("USE_TMA", True)
     for sizes, m, n, k in CASES + TAIL_CASES:
@@ -296,8 +282,7 @@ def test_flat_and_tail_bitwise_equal_to_the_group_walk(kind, change):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("change", [{}, {"FLAT": False}, {"FLAT": False, "TAIL": True},
-                                    {"FLAT": True, "TAIL": True}])
+@pytest.mark.parametrize("change", [{}, {"FLAT": False}])
 def test_bitwise_equal_to_grouped_mm(change):
     """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) bit for bit, as the benchmark
     finds at the issue-10 shapes, in each schedule (skewed and empty groups, no padding)."""

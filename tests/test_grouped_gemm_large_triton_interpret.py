@@ -6,8 +6,7 @@ Runs where triton is installed and no GPU is (the GPU runs the compiled kernel i
 bfloat16 is wrong, see ``tests/test_grouped_gemm_triton_interpret.py``). Both load variants
 (TMA descriptors and plain pointers), both schedules (groups walked in order; ``FLAT``: one
 loop over the tiles, each tile's group from a tile table in registers; many groups, one, and
-more than ``FLAT_MAX_GROUPS``), ``TAIL`` in both schedules (a group's last rows as a
-half-height row tile: remainders of 1, half a tile, half + 1, a full tile), small tiles
+more than ``FLAT_MAX_GROUPS``), small tiles
 (many tiles per group, the GROUP_M bands, more tiles than programs) and the default tiles,
 int32 and int64 offsets.
 Against a float64 per-expert ``torch.nn.functional.linear`` reference: empty groups, padding
@@ -48,7 +47,7 @@ def close(name, got, want, case):
         assert err <= 2e-3 * max(1.0, want.abs().max().item()), (name, case, err)
 
 
-def case(sizes, m, n, k, odt, cfg, tma, with_p, transposed=False, flat=False, tail=False):
+def case(sizes, m, n, k, odt, cfg, tma, with_p, transposed=False, flat=False):
     gen = torch.Generator().manual_seed(m + n + k)
     total = sum(sizes)
     x = torch.randn(m, k, generator=gen).half()
@@ -58,9 +57,9 @@ def case(sizes, m, n, k, odt, cfg, tma, with_p, transposed=False, flat=False, ta
     else:
         w = (torch.randn(len(sizes), n, k, generator=gen) * k ** -0.5).half()
     offs = torch.tensor(sizes).cumsum(0).to(odt)
-    conf = {**cfg, "USE_TMA": tma, "FLAT": flat, "TAIL": tail}
+    conf = {**cfg, "USE_TMA": tma, "FLAT": flat}
     want = reference(x, w, sizes)
-    tag = (sizes, m, n, k, odt, cfg, tma, flat, tail)
+    tag = (sizes, m, n, k, odt, cfg, tma, flat)
     y, none = L._launch(x, w, offs, None, "fprop", conf, L._large_kernel)
     assert none is None and y.shape == (m, n) and y.dtype == torch.float16, tag
     assert not y[total:].any(), tag  # zeros, not NaN
@@ -105,17 +104,6 @@ case([20, 0, 7], 30, 36, 24, torch.int64, SMALL, True, False, transposed=True)  
 x = torch.zeros(8, 17).half()
 assert L.tma_unsupported_reason(x, torch.zeros(2, 4, 17).half()) is not None
 assert L.tma_unsupported_reason(x[:, :16], torch.zeros(2, 4, 16).half()) == "x is not contiguous"
-# TAIL: 32-row tiles, a group's last row tile with <= 16 rows left runs as a 16-row tile;
-# remainders 0 (none), 1, 16 (half), 17 (full), 31; empty groups; NaN padding rows
-MID = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
-for tma, flat in ((True, False), (False, False), (True, True), (False, True)):
-    case([33, 0, 48, 16, 17, 31, 64], 250, 40, 24, torch.int32, MID, tma, True, flat=flat,
-         tail=True)
-    case([1, 0, 0], 20, 16, 16, torch.int64, MID, tma, True, flat=flat, tail=True)  # + pad
-    case([0, 0], 9, 16, 16, torch.int32, MID, tma, False, flat=flat, tail=True)  # padding only
-case([20, 0, 7], 30, 36, 24, torch.int64, MID, False, True, transposed=True, tail=True)
-case([20, 0, 7], 30, 36, 24, torch.int64, MID, False, True, transposed=True, flat=True,
-     tail=True)
 # FLAT over many groups (17 groups + padding: a 32-lane tile table), one group, and more
 # groups than FLAT_MAX_GROUPS (the launch takes the group walk: same outputs)
 sizes17 = [0, 3, 17, 1, 0, 40, 2, 5, 16, 0, 9, 33, 1, 1, 0, 7, 12]

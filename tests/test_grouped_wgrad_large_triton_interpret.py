@@ -9,10 +9,9 @@ holds as a 1-element array; so does ``grouped_gemm_large_triton``'s test); Trito
 it. Both load variants (pointer loads; TMA descriptors with the ``tl.where`` masking of the
 tail step), small tiles (several row steps, n- and k-tiles per group, more tiles than programs)
 and the default tiles, the nested and the flat schedules (per-group TMA bounds or
-``tl.where`` masks; TMA or pointer stores, whole or in two halves), int32 and int64
-offsets, two program counts, groups by decreasing rows
-and by index (``SORTED``; the flat kernel's in-register order equals ``group_order``'s stable
-argsort). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
+pointer loads' masks; TMA or pointer stores), int32 and int64 offsets, two program counts,
+groups by decreasing rows (the flat kernel's in-register order equals ``group_order``'s
+stable argsort). Against a float64 per-group ``dy_g^T @ x_g`` reference at N(0, 1)
 inputs: empty groups, a group smaller than BLOCK_M, groups ending mid-step (their tail rows are
 the next group's), padding rows of NaN, dims off the tiles, no rows; and the fp32 accumulation
 into ``out``.
@@ -69,9 +68,8 @@ def case(sizes, m, n, k, odt, cfg, tma):
 
 
 NESTED = {"FLAT": False}
-FLAT_WHERE = {"FLAT": True, "DESC_BOUNDS": False, "TMA_STORE": False}
-FLAT_SUB = {"FLAT": True, "SUBTILE": 2}  # per-group TMA bounds, subtiled TMA store
-for sched in (NESTED, {}, FLAT_WHERE, FLAT_SUB):  # {}: the default (flat, TMA store)
+FLAT_PTR_STORE = {"FLAT": True, "TMA_STORE": False}
+for sched in (NESTED, {}, FLAT_PTR_STORE):  # {}: the default (flat, TMA store)
     for tma in (False, True):
         for odt in (torch.int32, torch.int64):
             small = {**SMALL, **sched}
@@ -85,8 +83,7 @@ case([20, 0, 7], 30, 36, 17, torch.int32, SMALL, True)     # K*2 bytes not 16-al
 W._CPU_PROGRAMS = 3  # another program count: a different tile-to-program assignment
 case([70, 0, 1, 9], 85, 40, 48, torch.int32, SMALL, True)
 case([5, 40, 0, 21, 3], 75, 20, 30, torch.int64, SMALL, False)
-case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, "SORTED": False}, True)  # by index
-case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, **NESTED, "SORTED": False}, True)
+case([5, 40, 0, 21, 3], 75, 24, 32, torch.int64, {**SMALL, **NESTED}, True)
 
 
 # The flat kernel's in-register group order (``_rank_order``) against torch's stable argsort

@@ -107,10 +107,9 @@ def test_flat_accumulate_does_not_fit_sm90_shared_memory():
            "order_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "P": "i32"}
     shared = {}
     for name, kernel, extra in (
-            ("flat", W._wgrad_flat_kernel, {"DESC_BOUNDS": True, "TMA_STORE": False,
-                                            "SUBTILE": 1, "WARP_SPEC": False, "G_POW2": 8}),
+            ("flat", W._wgrad_flat_kernel, {"TMA_STORE": False, "G_POW2": 8}),
             ("nested", W._wgrad_large_kernel, {})):
-        const = {"ACCUMULATE": True, "USE_TMA": True, "SORTED": True, **extra,
+        const = {"ACCUMULATE": True, "USE_TMA": True, **extra,
                  **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
         flat_sig = {k: v for k, v in sig.items() if name == "nested" or k != "order_ptr"}
         shared[name] = compile_for_sm90(kernel, flat_sig, const, cfg["num_warps"],
@@ -157,8 +156,7 @@ def test_cuda_strided_and_int64_offsets():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", [{}, {"SUBTILE": 2}, {"DESC_BOUNDS": False},
-                                 {"TMA_STORE": False}], ids=str)
+@pytest.mark.parametrize("cfg", [{}, {"TMA_STORE": False}], ids=str)
 def test_cuda_flat_many_tiles_per_program(dtype, cfg):
     """The flat schedule where programs run many tiles of several groups (300 groups, not a
     power of 2, 1200 tiles over the SMs: descriptors change per group inside one program's

@@ -32,7 +32,6 @@ def test_gluon_dispatch_text_claims_what_was_measured(monkeypatch, features, row
     ({"STAGES": 0}, "config STAGES must be an int >= 1, got 0"),
     ({"SPLIT": 1, "num_warps": 4}, "config SPLIT must be a bool, got 1"),
     ({"C_HALF": "yes"}, "config C_HALF must be a bool, got 'yes'"),
-    ({"LAG": True}, "config LAG must be an int >= 1, got True"),
     ({"SUB_M": 2.0}, r"config SUB_M must be an int >= 1, got 2\.0"),
 ])
 def test_gluon_gemm_config_values_name_the_key(change, match):
@@ -43,9 +42,8 @@ def test_gluon_gemm_config_values_name_the_key(change, match):
 # ---------------------------------------------------------------- sm_90 AOT (Triton 3.6)
 @pytest.mark.parametrize("dgrad", [False, True], ids=["fprop", "dgrad"])
 def test_dispatch_config_itself_compiles_for_sm90(dgrad):
-    """The dispatched build (``SPLIT`` + ``C_HALF`` + 4 stages, no ``SKIP_TAIL``, ``LAG`` 1):
-    the compile tests above it cover ``C_HALF`` only with ``SKIP_TAIL`` on. Shared memory
-    between the estimate and 227 KiB, one wgmma group in flight, no spills."""
+    """The dispatched build (``SPLIT`` + ``C_HALF`` + 4 stages): shared memory between the
+    estimate and 227 KiB, one wgmma group in flight, no spills."""
     from test_gluon_fprop import _compile_sm90
 
     kernel = _compile_sm90(dgrad, extra=GG.DISPATCH_CONFIG)

@@ -31,24 +31,6 @@ two launches write them (the epilogue partition writes them before its first til
 Shared memory: the 3-stage ring of 48 KiB (x 128 x 64 + W 256 x 64, bf16) + the 64 KiB
 output tile = 208 KiB of the H200's 227 (a is stored from registers, no buffer).
 
-``C_HALF`` (with ``SPLIT``; off by default, built and compiled for sm_90 with Triton 3.6,
-**not measured**): ``grouped_gemm_gluon``'s ``C_HALF`` for this kernel. The output buffer
-holds 64 rows (32 KiB); each 64-row half of the 128 x 256 tile holds the gate and the up
-columns of its rows, so the epilogue works per half: it waits for consumer half 0's rows
-(``c_ready`` [0]), stores h's and a's rows of them, frees the buffer for half 1 (``c_empty``
-[1]), then the same for half 1, freeing it for half 0's next tile (``c_empty`` [0]). The
-consumers are ``grouped_gemm_gluon._mma_tiles`` (``_consumer_turn``: the k-steps, rounding
-and ``LAG`` 1 of ``SPLIT``'s consumer), the epilogue's per-slice math is unchanged, so h and
-a are meant to keep the bits above (the CUDA tests check it on SM90). The 32 KiB saved hold
-a 4th ring stage (``STAGES`` 4: 4 x 48 + 32 = 224 KiB), which made the plain Gluon
-fprop/dgrad 1.05-1.11x its 3-stage config at E8 / E32 (docs/benchmarks.md "Gluon
-fprop/dgrad: tail skip and a 4-stage ring"). sm_90 compile (Triton 3.6 + its
-ptxas): 229704 bytes of shared memory, consumers at 208 / 200 registers, the worker
-warpgroup at 96, no spills (the 3-stage configs: 4-8 bytes with probs). To measure:
-``benchmarks/large_gemm_triton.py --gemms fc1 --gluon-fc1 '{"gfc1": {}, "gfc1_split":
-{"SPLIT": true, "num_warps": 4}, "gfc1_c4": {"SPLIT": true, "num_warps": 4, "C_HALF": true,
-"STAGES": 4}}'`` (docs/benchmarks.md "Gluon fc1 + SwiGLU epilogue").
-
 Auto dispatch (``te_ops.gemm.fc1_swiglu``) takes it where the Gluon ``fc1_swiglu`` row of
 :mod:`te_ops.gemm.rules` holds; ``gluon_fc1_swiglu`` is the op ``te_ops::grouped_fc1_swiglu_gluon``
 under a trace (a ``custom_op``: ``wrap_triton`` takes Triton ``JITFunction`` kernels only).
@@ -79,26 +61,21 @@ __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
 
 def gluon_fc1_config() -> dict[str, int | bool]:
     """Launch parameters: 128 x (128 gate + 128 up) x 64 tiles, ``GROUP_M`` 8, a 3-stage
-    ring, 8 consumer warps (or ``SPLIT``: two 4-warp consumer partitions, ``num_warps`` 4,
-    ``CONSUMER_REGS`` for the second), a 2-warp epilogue partition reading (``SUB_M``,
-    ``SUB_N``) slices of the gate and the up half (the 128B swizzle of the output tile
+    ring, 8 consumer warps (two warpgroups, 64 rows each), a 2-warp epilogue partition
+    reading (``SUB_M``, ``SUB_N``) slices of the gate and the up half (the 128B swizzle of the output tile
     allows row slices of >= 8 rows), ``WORKER_REGS`` registers per thread for the producer's
     and the epilogue's warpgroup (``GG.MAXNREG`` for the function, as
     ``grouped_gemm_gluon``). ``WORKER_REGS`` 96: ptxas (Triton 3.6, sm_90a) spills 4 bytes
     there, 64 bytes at 88 and 788 bytes at 64 (the SiLU slices of the epilogue); the
-    consumer warps keep >= 200 (their 128 accumulator registers fit under MAXNREG 168).
-    ``C_HALF`` (off; with ``SPLIT``): a 64-row output buffer the two consumer halves fill in
-    turn, which leaves room for ``STAGES`` 4 (module docstring; not measured)."""
+    consumer warps keep >= 200 (their 128 accumulator registers fit under MAXNREG 168)."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
-            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "SUB_N": 128, "WORKER_REGS": 96,
-            "SPLIT": False, "CONSUMER_REGS": 208, "C_HALF": False}
+            "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "SUB_N": 128, "WORKER_REGS": 96}
 
 
 def _resolve(config: dict | None) -> dict:
     """:func:`gluon_fc1_config` updated by ``config``, checked: known keys only, values of
-    their defaults' kind (bools for ``SPLIT`` / ``C_HALF``, ints >= 1 else:
-    ``check_config_values``), ``SPLIT`` with 4 warps, else 8; ``C_HALF`` needs ``SPLIT``;
-    ``SUB_M`` dividing the output buffer's rows; ring + output buffer within
+    their defaults' kind (ints >= 1: ``check_config_values``), ``num_warps`` 8, ``SUB_M``
+    dividing the output buffer's rows; ring + output buffer within
     ``grouped_gemm_gluon.SHARED_LIMIT`` (:func:`shared_bytes`). Raises ``ValueError``
     naming the key and the values otherwise."""
     cfg = gluon_fc1_config()
@@ -107,24 +84,17 @@ def _resolve(config: dict | None) -> dict:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got unknown {unknown}")
     cfg.update(config or {})
     check_config_values(cfg, gluon_fc1_config())
-    want = 4 if cfg["SPLIT"] else 8
-    if cfg["num_warps"] != want:
-        raise ValueError(f"config num_warps must be {want} with SPLIT={cfg['SPLIT']} (one "
-                         f"warpgroup per 64 rows), got num_warps={cfg['num_warps']}")
+    if cfg["num_warps"] != 8:
+        raise ValueError(f"config num_warps must be 8 (one warpgroup per 64 rows), got "
+                         f"num_warps={cfg['num_warps']}")
     if cfg["BLOCK_N"] % 2 or cfg["BLOCK_M"] % cfg["SUB_M"] or (cfg["BLOCK_N"] // 2) % cfg["SUB_N"]:
         raise ValueError(f"config needs an even BLOCK_N (gate + up halves), SUB_M dividing "
                          f"BLOCK_M and SUB_N dividing BLOCK_N / 2, got BLOCK_N="
                          f"{cfg['BLOCK_N']}, BLOCK_M={cfg['BLOCK_M']}, SUB_M={cfg['SUB_M']}, "
                          f"SUB_N={cfg['SUB_N']}")
-    if cfg["C_HALF"] and not cfg["SPLIT"]:
-        raise ValueError("config C_HALF=True (a 64-row output buffer the two consumer "
-                         "partitions fill in turn) needs SPLIT=True, got SPLIT=False")
-    if cfg["C_HALF"] and (cfg["BLOCK_M"] // 2) % cfg["SUB_M"]:
-        raise ValueError(f"config C_HALF=True needs SUB_M dividing BLOCK_M / 2 (the buffer's "
-                         f"rows), got BLOCK_M={cfg['BLOCK_M']}, SUB_M={cfg['SUB_M']}")
     need = shared_bytes(cfg)
     if need > GG.SHARED_LIMIT:
-        raise ValueError(f"config STAGES={cfg['STAGES']} with C_HALF={cfg['C_HALF']} "
+        raise ValueError(f"config STAGES={cfg['STAGES']} "
                          f"(BLOCK_M={cfg['BLOCK_M']}, BLOCK_N={cfg['BLOCK_N']}, BLOCK_K="
                          f"{cfg['BLOCK_K']}) needs {need} bytes of shared memory (ring + "
                          f"output buffer, 16-bit dtypes), more than the {GG.SHARED_LIMIT} "
@@ -135,9 +105,9 @@ def _resolve(config: dict | None) -> dict:
 def shared_bytes(cfg: dict) -> int:
     """Shared memory of the launch in bytes (16-bit dtypes), barriers and the compiler's
     scratch aside: the ring (``STAGES`` x (BLOCK_M x tile + the paired gate/up W1 tile of
-    BLOCK_N rows) x BLOCK_K) and the output buffer (BLOCK_M or, ``C_HALF``, BLOCK_M / 2 rows
-    x BLOCK_N): the layout of ``grouped_gemm_gluon``'s, so its ``_shared_bytes``."""
-    return GG._shared_bytes(cfg)
+    BLOCK_N rows) x BLOCK_K) and the output buffer (BLOCK_M rows x BLOCK_N): the layout of
+    ``grouped_gemm_gluon``'s, so its ``_shared_bytes``."""
+    return GG._shared_bytes({**cfg, "C_HALF": False})
 
 
 def gluon_fc1_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
@@ -224,13 +194,9 @@ if gluon is not None:
     def _epilogue(c_buf, c_ready, c_empty, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, G, P,
                   HAS_P: gl.constexpr, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
                   HALF: gl.constexpr, GROUP_M: gl.constexpr, SUB_M: gl.constexpr,
-                  SUB_N: gl.constexpr, EPI_WARPS: gl.constexpr, C_HALF: gl.constexpr):
+                  SUB_N: gl.constexpr, EPI_WARPS: gl.constexpr):
         """Padding rows first (h = 0, a from zeros), then per tile: h's gate / up slices
-        from ``c_buf`` to h, a to a; frees ``c_buf`` after the last slice is read.
-        ``C_HALF``: ``c_buf`` holds 64 rows; waits for half 0's rows (``c_ready`` [0]), stores
-        them, frees the buffer for half 1 (``c_empty`` [1]), waits for half 1's rows
-        (``c_ready`` [1]), stores them, frees it for half 0's next tile (``c_empty`` [0]):
-        ``grouped_gemm_gluon._epilogue``'s protocol."""
+        from ``c_buf`` to h, a to a; frees ``c_buf`` after the last slice is read."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(F, HALF)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB_N, SUB_N // 8],
@@ -248,38 +214,12 @@ if gluon is not None:
         t = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = GG._tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
-            if C_HALF:
-                HALF_M: gl.constexpr = BLOCK_M // 2
-                mbarrier.wait(c_ready.index(0), t & 1)
-                _swiglu_buf(c_buf, h_ptr, a_ptr, p_ptr, m0, end, pn, F, HAS_P, HALF_M,
-                            HALF, SUB_M, SUB_N, layout)
-                gl.thread_barrier()  # every epilogue warp has read half 0's rows
-                mbarrier.arrive(c_empty.index(1))
-                mbarrier.wait(c_ready.index(1), t & 1)
-                _swiglu_buf(c_buf, h_ptr, a_ptr, p_ptr, m0 + HALF_M, end, pn, F, HAS_P,
-                            HALF_M, HALF, SUB_M, SUB_N, layout)
-                gl.thread_barrier()  # every epilogue warp has read half 1's rows
-                mbarrier.arrive(c_empty.index(0))
-            else:
-                mbarrier.wait(c_ready, t & 1)
-                _swiglu_buf(c_buf, h_ptr, a_ptr, p_ptr, m0, end, pn, F, HAS_P, BLOCK_M,
-                            HALF, SUB_M, SUB_N, layout)
-                gl.thread_barrier()  # every epilogue warp has read c_buf
-                mbarrier.arrive(c_empty)
+            mbarrier.wait(c_ready, t & 1)
+            _swiglu_buf(c_buf, h_ptr, a_ptr, p_ptr, m0, end, pn, F, HAS_P, BLOCK_M,
+                        HALF, SUB_M, SUB_N, layout)
+            gl.thread_barrier()  # every epilogue warp has read c_buf
+            mbarrier.arrive(c_empty)
             t += 1
-
-    @gluon.jit
-    def _consumer_turn(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_free, offs_ptr, M, N,
-                       K, G, P, GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       WARPS: gl.constexpr, HALF: gl.constexpr, SECOND_TURN: gl.constexpr):
-        """``C_HALF``'s consumer half ``HALF``: ``grouped_gemm_gluon._mma_tiles`` (the plain
-        fprop's k-steps, ``LAG`` 1, no ``SKIP_TAIL``) of rows [64 HALF, 64 HALF + 64) of
-        each tile into the shared 64-row ``c_buf``, its own ``c_ready`` / ``c_free`` pair;
-        ``SECOND_TURN`` (half 1) waits for the epilogue to have read half 0's rows."""
-        GG._mma_tiles(a_bufs, b_bufs, c_buf, None, ready, empty, c_ready, c_free, offs_ptr, M,
-                      N, K, G, P, False, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS,
-                      HALF, BLOCK_M // 2, False, 1, SECOND_TURN)
 
     @gluon.jit
     def _fc1_swiglu_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, K, G, P,
@@ -288,13 +228,10 @@ if gluon is not None:
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                            STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                            SUB_M: gl.constexpr, SUB_N: gl.constexpr,
-                           WORKER_REGS: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, SPLIT: gl.constexpr,
-                           C_HALF: gl.constexpr, num_warps: gl.constexpr):
+                           WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """h[rows of g] = x[rows of g] @ W1[g]^T (h (M, 2F)), a = SiLU(h[:, :F]) * h[:, F:]
         (* p) (a (M, F)); rows past offsets[G-1]: h = 0, a from zeros. Allocates the ring,
-        the output tile (``C_HALF``: 64 rows, a c_ready / c_empty pair per consumer half)
-        and the barriers, then forks the partitions."""
+        the output tile and the barriers, then forks the partitions."""
         HALF: gl.constexpr = BLOCK_N // 2
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -307,68 +244,30 @@ if gluon is not None:
                                             block_shape=[1, 2, HALF, BLOCK_K], layout=w_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 2, HALF, BLOCK_K], w_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_layout)
-        C_ROWS: gl.constexpr = BLOCK_M // 2 if C_HALF else BLOCK_M
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], dtype)
-        c_buf = gl.allocate_shared_memory(dtype, [C_ROWS, BLOCK_N], c_layout)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        c_buf = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        arrivals: gl.constexpr = 2 if SPLIT else 1  # consumer partitions
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=arrivals)
-        if C_HALF:  # a (c_ready, c_empty) pair per consumer half, one arrival each
-            c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            c_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(c_ready.index(i), count=1)
-                mbarrier.init(c_empty.index(i), count=1)
-        else:
-            c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(c_ready, count=arrivals)
-            mbarrier.init(c_empty, count=1)
+            mbarrier.init(empty.index(i), count=1)
+        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(c_ready, count=1)
+        mbarrier.init(c_empty, count=1)
         # The consumer is grouped_gemm_gluon's: N = 2F gives its tile count cdiv(2F, BLOCK_N)
         # = cdiv(F, HALF), and the ring slot [1, 2, HALF, BLOCK_K] reshapes to
         # [BLOCK_N, BLOCK_K] (gate rows, then up rows).
-        if C_HALF:  # (with SPLIT) both halves' rows pass through one 64-row buffer in turn
-            gl.warp_specialize([
-                (_consumer_turn, (a_bufs, b_bufs, c_buf, ready, empty, c_ready.index(0),
-                                  c_empty.index(0), offs_ptr, M, 2 * F, K, G, P, GBLOCK,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, 0, False)),
-                (_consumer_turn, (a_bufs, b_bufs, c_buf, ready, empty, c_ready.index(1),
-                                  c_empty.index(1), offs_ptr, M, 2 * F, K, G, P, GBLOCK,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, 1, True)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, F, K,
-                             G, P, GBLOCK, BLOCK_M, HALF, BLOCK_K, GROUP_M, STAGES)),
-                (_epilogue, (c_buf, c_ready, c_empty, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, G,
-                             P, HAS_P, GBLOCK, BLOCK_M, HALF, GROUP_M, SUB_M, SUB_N,
-                             EPI_WARPS, True)),
-            ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
-        elif SPLIT:
-            gl.warp_specialize([
-                (GG._consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
-                                offs_ptr, M, 2 * F, K, G, P, False, GBLOCK, BLOCK_M, BLOCK_N,
-                                BLOCK_K, STAGES, num_warps, 0, BLOCK_M // 2)),
-                (GG._consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
-                                offs_ptr, M, 2 * F, K, G, P, False, GBLOCK, BLOCK_M, BLOCK_N,
-                                BLOCK_K, STAGES, num_warps, 1, BLOCK_M // 2)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, F, K,
-                             G, P, GBLOCK, BLOCK_M, HALF, BLOCK_K, GROUP_M, STAGES)),
-                (_epilogue, (c_buf, c_ready, c_empty, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, G,
-                             P, HAS_P, GBLOCK, BLOCK_M, HALF, GROUP_M, SUB_M, SUB_N,
-                             EPI_WARPS, False)),
-            ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
-        else:
-            gl.warp_specialize([
-                (GG._consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
-                                offs_ptr, M, 2 * F, K, G, P, False, GBLOCK, BLOCK_M, BLOCK_N,
-                                BLOCK_K, STAGES, num_warps, 0, BLOCK_M)),
-                (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, F, K,
-                             G, P, GBLOCK, BLOCK_M, HALF, BLOCK_K, GROUP_M, STAGES)),
-                (_epilogue, (c_buf, c_ready, c_empty, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, G,
-                             P, HAS_P, GBLOCK, BLOCK_M, HALF, GROUP_M, SUB_M, SUB_N,
-                             EPI_WARPS, False)),
-            ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+        gl.warp_specialize([
+            (GG._consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
+                            offs_ptr, M, 2 * F, K, G, P, False, GBLOCK, BLOCK_M, BLOCK_N,
+                            BLOCK_K, STAGES, num_warps, 0, BLOCK_M)),
+            (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, F, K,
+                         G, P, GBLOCK, BLOCK_M, HALF, BLOCK_K, GROUP_M, STAGES)),
+            (_epilogue, (c_buf, c_ready, c_empty, h_ptr, a_ptr, p_ptr, offs_ptr, M, F, G,
+                         P, HAS_P, GBLOCK, BLOCK_M, HALF, GROUP_M, SUB_M, SUB_N,
+                         EPI_WARPS)),
+        ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

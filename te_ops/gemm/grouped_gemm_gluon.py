@@ -30,32 +30,16 @@ Config switches (:func:`gluon_config`; the dispatched calls use :data:`DISPATCH_
   ring stage (``STAGES`` = 4: 4 x 48 + 32 KiB = 224 KiB): the loads run one more k-step
   ahead of the wgmmas, which measured 1.05-1.11x the 3-stage ``SPLIT`` config at the long
   k-loops of E8 and E32 (1.00-1.03x at E128);
-* ``SKIP_TAIL`` (with ``SPLIT``): the producer writes each tile's row count into shared
-  memory with its first k-step (before the arrival the consumers wait on); a consumer half
-  whose 64 rows all lie past the group's end (a tail tile of <= 64 rows) issues no wgmma and
-  only waits for and releases the slots (the barrier protocol unchanged); the epilogue
-  reads no slice past the group's end (without ``SPLIT``, only that applies).
-  ``HALF_LOAD``: the producer loads only the first 64 rows of x for such tiles (the other
-  half keeps stale rows, which reach only accumulator rows that are never stored).
-  ``SKIP_TAIL`` measured 0.95-1.02x the same config without it, ``HALF_LOAD`` 0.99-1.01x
-  (interleaved): not dispatched;
 * ``TMA_STORE``: the epilogue stores a buffered part (64 rows with ``C_HALF``, else 128)
   that lies inside its group with one TMA store from the shared buffer (a device-side
   descriptor of y as (M, N)) and waits for it before freeing the buffer; tail parts and the
   padding rows keep the masked register stores. The consumers fence the proxy
   (``fence_async_shared``) before handing the buffer over. Where y's rows are not a
   multiple of 16 bytes (``N`` * element size; a TMA descriptor's stride must be) the launch
-  turns it off (:func:`_launch_args`);
-* ``LAG``: wgmmas in flight per consumer (a slot is released ``LAG`` k-steps after its
-  wgmma was issued); 2 measured slower: 0.62-0.80x with 3 stages, 0.96-1.00x with 4.
-* ``ZERO_TAIL`` (not dispatched): the producer loads a tail tile's x rows (the
-  group's last row tile) through a device-side descriptor whose row count ends at the
-  group's end, so the rows past it arrive as TMA's zero fill instead of the next group's
-  rows (as CUTLASS's per-group descriptors do). Stored rows are bitwise unchanged (CUDA tail
-  tests). The aim was the tensor cores' energy at the 700 W cap; whole steps at the cap
-  (``benchmarks/dispatch_ab.py``, H200, 3 rounds) measured 1.002x at E8 and 1.002-1.003x at
-  E32, within the spread (docs/benchmarks.md "Zero-filled tail rows"). Not with
-  ``HALF_LOAD``.
+  turns it off (:func:`_launch_args`).
+
+One wgmma is in flight per consumer (the slot of the previous k-step is released as soon as
+its wgmma completed).
 
 Same schedule as the Triton kernel's ``FLAT`` one: the tiles of all groups numbered group
 after group (``cdiv(rows_g, 128) * cdiv(N, 256)`` per group, in ``GROUP_M``-row-tile bands),
@@ -126,8 +110,7 @@ GLUON_MAX_GROUPS = 1024
 #: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
 #: interleaved). ``TMA_STORE``: in power-capped blocks of back-to-back
 #: calls (``benchmarks/sustained_gemm.py``, one H200 run) 1.02-1.08x without it at E128,
-#: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal. Not ``SKIP_TAIL`` (0.95-1.02x
-#: interleaved; 0.84-1.02x in power-capped blocks).
+#: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal.
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4, "TMA_STORE": True}
 
@@ -143,12 +126,11 @@ def gluon_config() -> dict[str, int]:
     65536). 12 warps in all, so ptxas compiles every partition under :data:`MAXNREG` (it
     allocates registers for the whole function; ``setmaxnreg`` only moves them at run time,
     and 16 warps would cap the wgmma's 128 accumulator registers at 128 in all). Off by
-    default: ``SPLIT``, ``C_HALF``, ``SKIP_TAIL``, ``HALF_LOAD``, ``TMA_STORE``, ``ZERO_TAIL``;
-    ``LAG`` 1 (module docstring)."""
+    default: ``SPLIT``, ``C_HALF``, ``TMA_STORE`` (module docstring; :data:`DISPATCH_CONFIG`
+    sets them). One wgmma in flight per consumer."""
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "STAGES": 3,
             "num_warps": 8, "EPI_WARPS": 2, "SUB_M": 8, "WORKER_REGS": 48, "SPLIT": False,
-            "CONSUMER_REGS": 232, "SKIP_TAIL": False, "HALF_LOAD": False, "LAG": 1,
-            "C_HALF": False, "TMA_STORE": False, "ZERO_TAIL": False}
+            "CONSUMER_REGS": 232, "C_HALF": False, "TMA_STORE": False}
 
 
 def _resolve(config: dict | None) -> dict:
@@ -156,7 +138,7 @@ def _resolve(config: dict | None) -> dict:
     consumer partitions, each 64 rows of the tile, ``CONSUMER_REGS`` for the second) needs
     ``num_warps`` 4 (the default partition is the first half); the switches bools, the sizes
     and counts ints >= 1 (``check_config_values``); ``C_HALF`` needs ``SPLIT``;
-    ``LAG`` in [1, STAGES - 1]; ring + output buffer within :data:`SHARED_LIMIT`. Raises
+    ring + output buffer within :data:`SHARED_LIMIT`. Raises
     ``ValueError`` naming the key otherwise."""
     cfg = gluon_config()
     unknown = sorted(set(config or {}) - set(cfg))
@@ -173,13 +155,6 @@ def _resolve(config: dict | None) -> dict:
     if cfg["C_HALF"] and not cfg["SPLIT"]:
         raise ValueError("config C_HALF=True (a 64-row output buffer the two consumer "
                          "partitions fill in turn) needs SPLIT=True, got SPLIT=False")
-    if cfg["ZERO_TAIL"] and cfg["HALF_LOAD"]:
-        raise ValueError("config ZERO_TAIL=True (tail tiles' x rows past the group's end "
-                         "zero-filled) and HALF_LOAD=True (half-height x blocks for short "
-                         "tiles) load tail tiles differently; got both True")
-    if not 1 <= cfg["LAG"] < cfg["STAGES"]:
-        raise ValueError(f"config LAG (wgmmas in flight) must be in [1, STAGES - 1 = "
-                         f"{cfg['STAGES'] - 1}], got {cfg['LAG']}")
     need = _shared_bytes(cfg)
     if need > SHARED_LIMIT:
         raise ValueError(f"config STAGES={cfg['STAGES']} with C_HALF={cfg['C_HALF']} needs "
@@ -269,34 +244,20 @@ if gluon is not None:
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr):
         """TMA loads of every k-step of the program's tiles into the ring, in tile order
-        (:func:`_load_tiles` without ``SKIP_TAIL`` / ``HALF_LOAD``; the signature the Gluon
-        epilogue kernels, ``fc1_swiglu_gluon`` and ``dgrad_dswiglu_gluon``, call)."""
+        (:func:`_load_tiles`; the signature the Gluon epilogue kernels, ``fc1_swiglu_gluon``
+        and ``dgrad_dswiglu_gluon``, call)."""
         _load_tiles(x_desc, x_desc, w_desc, a_bufs, b_bufs, None, ready, empty, offs_ptr, M,
                     N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                    False, False, None, False)
+                    None)
 
     @gluon.jit
     def _load_tiles(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, offs_ptr,
                     M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, SKIP_TAIL: gl.constexpr,
-                    HALF_LOAD: gl.constexpr, x_ptr, ZERO_TAIL: gl.constexpr):
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, x_ptr):
         """TMA loads of every k-step of the program's tiles into the ring, in tile order.
-        ``SKIP_TAIL``: with a tile's first k-step it writes the tile's row count (rows of
-        the group in it, 1..BLOCK_M) into ``rows_buf`` at that slot, before the arrival
-        that the consumers wait for (the arrive releases it), so the consumers learn it
-        without a table lookup of their own. ``HALF_LOAD``: a tile whose rows end in its
-        first half loads only that half of x's rows (``xh_desc``, BLOCK_M / 2-row blocks)
-        into the slot's first half; the second half keeps stale data, which reaches only
-        accumulator rows past the group's end (a wgmma row depends on its A row only),
-        never stored. ``ZERO_TAIL``: a tile whose rows end inside it (the group's last row
-        tile) loads x through a descriptor made for it on the device whose row count ends at
-        the group's end, so TMA fills the rows past it with zeros instead of reading the next
-        group's rows (a zero row costs the tensor cores less energy, docs/benchmarks.md "GEMM
-        time at the cap depends on the data"; the stored rows are the same bits). The
-        descriptor takes one 128-byte global-scratch slot per program; before it is rewritten
-        the loads in flight (the last ``min(it, STAGES)`` ring steps, which may still read the
-        previous one) are waited for, as in ``grouped_wgrad_gluon._loader``."""
+        ``xh_desc``, ``rows_buf`` and ``x_ptr`` are not read: the kernel passes them so that
+        the partition's arguments stay those of the measured kernel."""
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, 1)
@@ -304,55 +265,24 @@ if gluon is not None:
         it = 0
         for tile in range(pid, n_tiles, P):
             g, m0, end, pn = _tile_at(ends, tile, offs_ptr, M, tiles_n, BLOCK_M, GROUP_M)
-            short = m0 + BLOCK_M // 2 >= end
-            rows = gl.minimum(end - m0, BLOCK_M).to(gl.int32)
             m0 = m0.to(gl.int32)
             n0 = pn * BLOCK_N
-            if ZERO_TAIL and rows < BLOCK_M:  # the group's last row tile: zeros past `end`
-                for i in range(gl.minimum(it, STAGES)):  # copies that may read the
-                    done = it - 1 - i                     # previous tail descriptor
-                    mbarrier.wait(ready.index(done % STAGES), (done // STAGES) & 1)
-                tail_desc = tma.make_tensor_descriptor(
-                    x_ptr, shape=[end.to(gl.int32), K], strides=[K, 1],
-                    block_shape=[BLOCK_M, BLOCK_K], layout=a_bufs.type.layout)
-                it = _load_steps(tail_desc, tail_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
-                                 empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, STAGES, SKIP_TAIL, False)
-            else:
-                it = _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
-                                 empty, it, g, m0, n0, rows, short, K, W_KN, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, STAGES, SKIP_TAIL, HALF_LOAD)
+            it = _load_steps(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, g, m0, n0, K,
+                             W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
     @gluon.jit
-    def _load_steps(x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready, empty, it, g,
-                    m0, n0, rows, short, K, W_KN: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr):
+    def _load_steps(x_desc, w_desc, a_bufs, b_bufs, ready, empty, it, g, m0, n0, K,
+                    W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
         """One tile's k-steps of :func:`_load_tiles` (ring iterations ``it``..): x's row
-        block through ``x_desc`` (``HALF_LOAD`` on a short tile: half of it through
-        ``xh_desc``) and W's tile; returns the next ring iteration."""
+        block and W's tile; returns the next ring iteration."""
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * 2
-        short_bytes: gl.constexpr = (BLOCK_M // 2 + BLOCK_N) * BLOCK_K * 2
-        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         for k0 in range(0, K, BLOCK_K):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            if SKIP_TAIL:
-                if k0 == 0:
-                    rows_buf.index(s).store(gl.full([1], rows, gl.int32, flag_layout))
-                    gl.thread_barrier()  # the warp's store before the releasing arrive
-            if HALF_LOAD:
-                if short:
-                    mbarrier.expect(bar, short_bytes)
-                    tma.async_copy_global_to_shared(
-                        xh_desc, [m0, k0], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
-                else:
-                    mbarrier.expect(bar, nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
-            else:
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, a_bufs.index(s))
             if W_KN:
                 tma.async_copy_global_to_shared(w_desc, [g, k0, n0], bar, b_bufs.index(s))
             else:
@@ -364,9 +294,9 @@ if gluon is not None:
     def _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase, K, it,
                   W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                  HALF: gl.constexpr, ROWS: gl.constexpr, LAG: gl.constexpr):
-        """One tile's k-steps (ring iterations ``it``..), ``LAG`` wgmmas in flight (the slot
-        of the k-step ``LAG`` back is released once its wgmma completed); the rounded
+                  HALF: gl.constexpr, ROWS: gl.constexpr):
+        """One tile's k-steps (ring iterations ``it``..), one wgmma in flight (the slot
+        of the previous k-step is released once its wgmma completed); the rounded
         accumulator into ``out_buf`` once the epilogue freed it (``c_free`` at parity
         ``free_phase``). Returns the next ring iteration."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -381,34 +311,19 @@ if gluon is not None:
                 b = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             a = a_bufs.index(s).slice(HALF * ROWS, ROWS)
             acc = warpgroup_mma(a, b, acc, use_acc=k0 > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=LAG, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if ROWS == BLOCK_M:
-                gl.thread_barrier()  # both warpgroups' wgmma LAG steps back done
-            mbarrier.arrive(empty.index((it + STAGES - LAG) % STAGES), pred=k0 >= LAG * BLOCK_K)
+                gl.thread_barrier()  # both warpgroups' previous wgmma done
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k0 >= BLOCK_K)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if ROWS == BLOCK_M:
             gl.thread_barrier()
-        for j in gl.static_range(LAG):  # the last LAG k-steps' slots (those that exist)
-            mbarrier.arrive(empty.index((it + STAGES - 1 - j) % STAGES), pred=K > j * BLOCK_K)
+        # the last k-step's slot (where there is one)
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=K > 0)
         out = acc.to(out_buf.dtype)
         mbarrier.wait(c_free, free_phase)
         out_buf.store(out)
-        return it
-
-    @gluon.jit
-    def _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr):
-        """A tile half past the group's end (``SKIP_TAIL``): no wgmma; each k-step's slot is
-        waited for (so this partition never releases a slot of a later ring round before the
-        other consumer released the earlier one) and released at once; the output buffer's
-        turn is kept (``c_free``). Returns the next ring iteration."""
-        for _k0 in range(0, K, BLOCK_K):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            mbarrier.arrive(empty.index(s))
-            it += 1
-        mbarrier.wait(c_free, free_phase)
         return it
 
     @gluon.jit
@@ -418,20 +333,19 @@ if gluon is not None:
                   WARPS: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr):
         """wgmma over the ring's slots, one in flight; the rounded tile into ``c_buf``
         (BLOCK_M rows; ``c_ready`` counts the consumer partitions, ``c_empty`` the
-        epilogue's): :func:`_mma_tiles` without ``SKIP_TAIL``, ``LAG`` 1, rows
-        [HALF * ROWS, (HALF + 1) * ROWS) of the buffer. The signature the Gluon epilogue
+        epilogue's): :func:`_mma_tiles` of rows [HALF * ROWS, (HALF + 1) * ROWS) of the
+        buffer. The signature the Gluon epilogue
         kernels (``fc1_swiglu_gluon``, ``dgrad_dswiglu_gluon``) call."""
         _mma_tiles(a_bufs, b_bufs, c_buf.slice(HALF * ROWS, ROWS), None, ready, empty,
                    c_ready, c_empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
-                   BLOCK_K, STAGES, WARPS, HALF, ROWS, False, 1, False)
+                   BLOCK_K, STAGES, WARPS, HALF, ROWS, False)
 
     @gluon.jit
     def _mma_tiles(a_bufs, b_bufs, out_buf, rows_buf, ready, empty, c_ready, c_free, offs_ptr,
                    M, N, K, G, P, W_KN: gl.constexpr, GBLOCK: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    STAGES: gl.constexpr, WARPS: gl.constexpr, HALF: gl.constexpr,
-                   ROWS: gl.constexpr, SKIP_TAIL: gl.constexpr, LAG: gl.constexpr,
-                   SECOND_TURN: gl.constexpr):
+                   ROWS: gl.constexpr, SECOND_TURN: gl.constexpr):
         """A consumer partition: the program's tiles (:func:`_mma_tile`), each rounded into
         ``out_buf`` (ROWS rows), then an arrival on ``c_ready``.
         ``ROWS`` = BLOCK_M: one partition of ``WARPS`` = 8 warps computes the whole tile
@@ -439,9 +353,8 @@ if gluon is not None:
         ``ROWS`` = BLOCK_M / 2 (``SPLIT``): this partition (4 warps) computes rows
         [HALF * ROWS, (HALF + 1) * ROWS) of each tile and arrives by itself (the ring's
         barriers count two arrivals), so the two halves need no common sync.
-        ``SKIP_TAIL``: where the tile's row count (``rows_buf``, written by the producer
-        with the tile's first k-step) is <= HALF * ROWS, this half's rows all lie past the
-        group's end: it issues no wgmma and only releases the slots (:func:`_drain_tile`).
+        ``rows_buf`` is not read (the kernel passes it: the partition's arguments stay
+        those of the measured kernel).
         ``c_free`` frees ``out_buf`` once per tile: after the epilogue read the previous
         tile's rows, or (``SECOND_TURN``: ``C_HALF``'s second half, whose buffer half 0
         shares) after it read this tile's first half."""
@@ -449,7 +362,6 @@ if gluon is not None:
         tiles_n = gl.cdiv(N, BLOCK_N)
         ends = _tile_table(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK, WARPS)
         n_tiles = gl.max(ends, 0)
-        flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         it = 0
         t = 0
         for _tile in range(pid, n_tiles, P):
@@ -457,21 +369,9 @@ if gluon is not None:
                 free_phase = t & 1
             else:
                 free_phase = (t & 1) ^ 1
-            if SKIP_TAIL:
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                rows = gl.max(rows_buf.index(s).load(flag_layout), 0)
-                if rows > HALF * ROWS:
-                    it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free,
-                                   free_phase, K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                   WARPS, HALF, ROWS, LAG)
-                else:
-                    it = _drain_tile(ready, empty, c_free, free_phase, K, it, BLOCK_K,
-                                     STAGES)
-            else:
-                it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase,
-                               K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
-                               ROWS, LAG)
+            it = _mma_tile(a_bufs, b_bufs, out_buf, ready, empty, c_free, free_phase,
+                           K, it, W_KN, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, HALF,
+                           ROWS)
             # the buffer's generic-proxy stores before a TMA store (async proxy) reads them
             # (``TMA_STORE``; one fence per tile otherwise unused)
             fence_async_shared()
@@ -491,24 +391,18 @@ if gluon is not None:
 
     @gluon.jit
     def _store_buf(c_buf, y_ptr, m0, end, n0, N, FIRST: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, SKIP_TAIL: gl.constexpr,
-                   layout: gl.constexpr):
+                   BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, layout: gl.constexpr):
         """Rows [FIRST, FIRST + ROWS) of ``c_buf`` to y's rows m0.. (below ``end``) in
-        ``SUB_M``-row slices (``SKIP_TAIL``: the slices past ``end`` are not read)."""
+        ``SUB_M``-row slices."""
         for i in gl.static_range(ROWS // SUB_M):
             r0 = m0 + i * SUB_M
-            if SKIP_TAIL:
-                if r0 < end:
-                    vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
-                    _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
-            else:
-                vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
-                _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
+            vals = c_buf.slice(FIRST + i * SUB_M, SUB_M).load(layout)
+            _store_rows(y_ptr, vals, r0, end, n0, N, SUB_M, BLOCK_N, layout)
 
     @gluon.jit
     def _store_part(c_buf, y_desc, y_ptr, m0, end, n0, N, ROWS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, SKIP_TAIL: gl.constexpr,
-                    TMA_STORE: gl.constexpr, layout: gl.constexpr):
+                    BLOCK_N: gl.constexpr, SUB_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                    layout: gl.constexpr):
         """``c_buf``'s ROWS rows to y's rows m0..: with ``TMA_STORE``, where all ROWS rows
         lie before the group's ``end``, one TMA store (waited for before the caller frees
         the buffer), else :func:`_store_buf`'s masked slices."""
@@ -518,17 +412,15 @@ if gluon is not None:
                                                 c_buf)
                 tma.store_wait(0)
             else:
-                _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, SKIP_TAIL,
-                           layout)
+                _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, layout)
         else:
-            _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, SKIP_TAIL,
-                       layout)
+            _store_buf(c_buf, y_ptr, m0, end, n0, N, 0, ROWS, BLOCK_N, SUB_M, layout)
 
     @gluon.jit
     def _epilogue(c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P,
                   GBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   GROUP_M: gl.constexpr, SUB_M: gl.constexpr, EPI_WARPS: gl.constexpr,
-                  SKIP_TAIL: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr):
+                  C_HALF: gl.constexpr, TMA_STORE: gl.constexpr):
         """Padding rows' zeros first, then each tile's rows from ``c_buf`` to y (``C_HALF``:
         half 0's rows, then half 1's, each freeing the buffer for the other half;
         ``TMA_STORE``: parts that lie inside their group in one TMA store each)."""
@@ -557,16 +449,16 @@ if gluon is not None:
             if C_HALF:
                 mbarrier.wait(c_ready.index(0), t & 1)
                 _store_part(c_buf, y_desc, y_ptr, m0, end, pn * BLOCK_N, N, HALF_M, BLOCK_N,
-                            SUB_M, SKIP_TAIL, TMA_STORE, layout)
+                            SUB_M, TMA_STORE, layout)
                 gl.thread_barrier()  # every epilogue warp has read c_buf
                 mbarrier.arrive(c_free.index(1))
                 mbarrier.wait(c_ready.index(1), t & 1)
                 _store_part(c_buf, y_desc, y_ptr, m0 + HALF_M, end, pn * BLOCK_N, N, HALF_M,
-                            BLOCK_N, SUB_M, SKIP_TAIL, TMA_STORE, layout)
+                            BLOCK_N, SUB_M, TMA_STORE, layout)
             else:
                 mbarrier.wait(c_ready.index(0), t & 1)
                 _store_part(c_buf, y_desc, y_ptr, m0, end, pn * BLOCK_N, N, BLOCK_M, BLOCK_N,
-                            SUB_M, SKIP_TAIL, TMA_STORE, layout)
+                            SUB_M, TMA_STORE, layout)
             gl.thread_barrier()  # every epilogue warp has read c_buf
             mbarrier.arrive(c_free.index(0))
             t += 1
@@ -578,9 +470,8 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, SUB_M: gl.constexpr,
                       WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr, SKIP_TAIL: gl.constexpr, HALF_LOAD: gl.constexpr,
-                      LAG: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr,
-                      ZERO_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                      SPLIT: gl.constexpr, C_HALF: gl.constexpr, TMA_STORE: gl.constexpr,
+                      num_warps: gl.constexpr):
         """y[rows of g] = x[rows of g] @ B_g with B_g = W[g]^T (W (G, N, K)) or, ``W_KN``,
         W[g] read as (K_red, N_out); rows past offsets[G-1] zero. Allocates the ring, the
         output tile and the barriers, then forks the partitions."""
@@ -588,14 +479,7 @@ if gluon is not None:
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                             block_shape=[BLOCK_M, BLOCK_K], layout=x_layout)
-        if HALF_LOAD:  # half-height x blocks for tiles whose rows end in their first half
-            xh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-                [BLOCK_M // 2, BLOCK_K], dtype)
-            xh_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
-                                                 block_shape=[BLOCK_M // 2, BLOCK_K],
-                                                 layout=xh_layout)
-        else:
-            xh_desc = x_desc
+        xh_desc = x_desc
         if W_KN:
             w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [1, BLOCK_K, BLOCK_N], dtype)
@@ -616,6 +500,7 @@ if gluon is not None:
         C_ROWS: gl.constexpr = BLOCK_M // 2 if C_HALF else BLOCK_M
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, BLOCK_N], dtype)
         c_buf = gl.allocate_shared_memory(dtype, [C_ROWS, BLOCK_N], c_layout)
+        # not read by the partitions; kept: the measured kernel's shared-memory layout
         rows_buf = gl.allocate_shared_memory(gl.int32, [STAGES, 1],
                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -642,31 +527,28 @@ if gluon is not None:
             gl.warp_specialize([
                 (_mma_tiles, (a_bufs, b_bufs, out0, rows_buf, ready, empty, c_ready.index(0),
                               c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
-                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, ROWS, SKIP_TAIL, LAG,
-                              False)),
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, ROWS, False)),
                 (_mma_tiles, (a_bufs, b_bufs, out1, rows_buf, ready, empty,
                               c_ready.index(second), c_free.index(second), offs_ptr, M, N, K,
                               G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                              num_warps, 1, ROWS, SKIP_TAIL, LAG, C_HALF)),
+                              num_warps, 1, ROWS, C_HALF)),
                 (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, STAGES, SKIP_TAIL, HALF_LOAD, x_ptr,
-                               ZERO_TAIL)),
+                               BLOCK_K, GROUP_M, STAGES, x_ptr)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, C_HALF,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, C_HALF,
                              TMA_STORE)),
             ], [num_warps, 1, EPI_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_tiles, (a_bufs, b_bufs, c_buf, rows_buf, ready, empty, c_ready.index(0),
                               c_free.index(0), offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M,
-                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, BLOCK_M, False, LAG,
-                              False)),
+                              BLOCK_N, BLOCK_K, STAGES, num_warps, 0, BLOCK_M, False)),
                 (_load_tiles, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, rows_buf, ready,
                                empty, offs_ptr, M, N, K, G, P, W_KN, GBLOCK, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, STAGES, False, HALF_LOAD, x_ptr, ZERO_TAIL)),
+                               BLOCK_K, GROUP_M, STAGES, x_ptr)),
                 (_epilogue, (c_buf, c_ready, c_free, y_ptr, offs_ptr, M, N, K, G, P, GBLOCK,
-                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, SKIP_TAIL, False,
+                             BLOCK_M, BLOCK_N, GROUP_M, SUB_M, EPI_WARPS, False,
                              TMA_STORE)),
             ], [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 

@@ -31,18 +31,10 @@ most :data:`FLAT_MAX_GROUPS`), a tile's group is the count of lanes <= tile, and
 runs to K for every tile, so Triton's FuseNestedLoops pass fuses the two loops into one
 software-pipelined loop (TTGIR: one level of ``scf.for``, in which the TMA loads run ahead
 across tile boundaries). The padding rows' tiles follow in a plain loop that stores zeros
-(no k-step). Measured 0.99-1.12x the group walk at the issue-10 shapes (1.05-1.12x at E128,
-1.01-1.03x at E32, 0.99-1.02x at E8) and 1.01-1.24x at 32-128 rows per group, bitwise equal
-(H200, 2026-11-30, two runs, docs/benchmarks.md). ``FLAT=False``:
+(no k-step). ``FLAT=False``:
 each program walks the groups in order (a ``while`` over the group's tiles inside a loop over
-groups: Triton fuses nothing, the pipeline drains at every tile). ``WARP_SPEC`` passes
-``warp_specialize=True`` to the flattened loop: Triton 3.6 compiles it but builds no
-warp-specialized partitions on SM90 (the same code as without it). ``TAIL``: a group's last
-row tile with at most ``BLOCK_M / 2`` rows runs as a ``BLOCK_M / 2``-row tile (less wgmma work
-on the empty rows); under ``FLAT`` those half tiles get their own flattened loop after the
-full ones, in the group walk a branch picks the tile height. Not a default: under ``FLAT``
-it measured 0.94-1.03x ``FLAT`` alone (in the group walk 0.97-1.07x the walk alone), though
-it removes the empty rows' wgmma work (6.6 % of it at E32, 11.7 % at E128 -> 3.1 %, 5.9 %).
+groups: Triton fuses nothing, the pipeline drains at every tile; what the launch runs above
+:data:`FLAT_MAX_GROUPS` groups).
 Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" of Triton's
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
@@ -116,13 +108,13 @@ def large_config(kind: str) -> dict[str, int | bool]:
     (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why te_ops' GEMMs timed
     slower than the peer's"; for fc1 + SwiGLU one ``PAIRED`` accumulator of 128 gate + 128 up
     columns, module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
-    the flattened schedule (``FLAT``, measured faster, module docstring); no ``WARP_SPEC``, no
-    ``TAIL``. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says
-    the operands cannot take it. ``PAIRED`` is a key of ``"fc1_swiglu"`` only."""
+    the flattened schedule (``FLAT``, measured faster than the group walk). ``USE_TMA`` is
+    dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot take
+    it. ``PAIRED`` is a key of ``"fc1_swiglu"`` only."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-           "FLAT": True, "WARP_SPEC": False, "TAIL": False, "num_warps": 8, "num_stages": 3}
+           "FLAT": True, "num_warps": 8, "num_stages": 3}
     if kind == "fc1_swiglu":
         cfg["PAIRED"] = True
     return cfg
@@ -148,9 +140,8 @@ def check_config_values(cfg: dict, defaults: dict) -> None:
 
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: known keys, values of
-    their defaults' kind (:func:`check_config_values`), ``WARP_SPEC`` needs
-    ``FLAT``, ``TAIL`` an even ``BLOCK_M`` of at least 32 (half tiles of at least 16 rows,
-    wgmma's minimum), ``PAIRED`` an even ``BLOCK_N`` of at least 16. ``FLAT`` with more than
+    their defaults' kind (:func:`check_config_values`), ``PAIRED`` an even ``BLOCK_N`` of at
+    least 16. ``FLAT`` with more than
     :data:`FLAT_MAX_GROUPS` groups runs the group walk instead (the same tiles and k-steps;
     the in-register tile table would take too many registers). A new dict each call."""
     if config is None:
@@ -167,13 +158,7 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
                          f"unknown {unknown}")
     check_config_values(cfg, large_config(kind))
     if cfg["FLAT"] and groups > FLAT_MAX_GROUPS:
-        cfg["FLAT"] = cfg["WARP_SPEC"] = False
-    if cfg["WARP_SPEC"] and not cfg["FLAT"]:
-        raise ValueError("config WARP_SPEC=True needs FLAT=True (it applies to the flattened "
-                         "tile loop), got FLAT=False")
-    if cfg["TAIL"] and (cfg["BLOCK_M"] < 32 or cfg["BLOCK_M"] % 2):
-        raise ValueError(f"config TAIL=True needs an even BLOCK_M >= 32 (half tiles of >= 16 "
-                         f"rows), got BLOCK_M={cfg['BLOCK_M']}")
+        cfg["FLAT"] = False
     if cfg.get("PAIRED") and (cfg["BLOCK_N"] < 16 or cfg["BLOCK_N"] % 2):
         raise ValueError(f"config PAIRED=True needs an even BLOCK_N >= 16 (gate and up halves "
                          f"of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
@@ -391,33 +376,19 @@ if triton is not None:
                      out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _row_tiles(rows, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
-        """(full-height row tiles, half-height row tiles) of a group of ``rows`` rows: with
-        TAIL a remainder of at most BLOCK_M / 2 rows is one half tile, else every row tile
-        is full (the last one partly empty)."""
-        full = (rows + BLOCK_M - 1) // BLOCK_M
-        if TAIL:
-            rem = rows % BLOCK_M
-            half = ((rem > 0) & (rem <= BLOCK_M // 2)).to(full.dtype)
-            return full - half, half
-        return full, full * 0
-
-    @triton.jit
-    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, TAIL: tl.constexpr,
-                   GBLOCK: tl.constexpr):
-        """The ``FLAT`` schedule's tile tables in registers (int64, GBLOCK >= G lanes): lane
-        g < G holds the cumulative count of full-height tiles of groups 0..g, and of their
-        half-height tail tiles (:func:`_row_tiles`); rows clamped as :func:`_group_rows`;
-        lanes past G - 1 hold the totals. The padding rows are not in the tables."""
+    def _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M: tl.constexpr, GBLOCK: tl.constexpr):
+        """The ``FLAT`` schedule's tile table in registers (int64, GBLOCK >= G lanes): lane
+        g < G holds the cumulative count of tiles of groups 0..g; rows clamped as
+        :func:`_group_rows`; lanes past G - 1 hold the total. The padding rows are not in the
+        table."""
         gi = tl.arange(0, GBLOCK)
         real = gi < G
         end = tl.load(offs_ptr + gi, mask=real, other=0).to(tl.int64)
         end = tl.minimum(tl.maximum(end, 0), M)
         start = tl.load(offs_ptr + gi - 1, mask=(gi > 0) & real, other=0).to(tl.int64)
         start = tl.minimum(tl.maximum(start, 0), end)
-        full, half = _row_tiles(end - start, BLOCK_M, TAIL)
-        return (tl.cumsum(tl.where(real, full * tiles_n, 0), 0),
-                tl.cumsum(tl.where(real, half * tiles_n, 0), 0))
+        full = (end - start + BLOCK_M - 1) // BLOCK_M
+        return tl.cumsum(tl.where(real, full * tiles_n, 0), 0)
 
     @triton.jit
     def _group_of(ends, tile):
@@ -429,8 +400,7 @@ if triton is not None:
     def _large_kernel(x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, offs_ptr, M, N, K, G, P,
                       stride_wg, stride_wn, stride_wk,
                       SWIGLU: tl.constexpr, HAS_P: tl.constexpr, USE_TMA: tl.constexpr,
-                      W_KN: tl.constexpr, FLAT: tl.constexpr, WARP_SPEC: tl.constexpr,
-                      TAIL: tl.constexpr, GBLOCK: tl.constexpr,
+                      W_KN: tl.constexpr, FLAT: tl.constexpr, GBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, PAIRED: tl.constexpr):
         """Plain (SWIGLU=False): h[m, n] = sum_k x[m, k] W[g, n, k], h (M, N). SWIGLU: N = F
@@ -438,27 +408,20 @@ if triton is not None:
         x (M, K) contiguous; h, a contiguous; P programs; group G = the padding rows.
         FLAT: one ``tl.range(flatten=True)`` loop over this program's tiles of groups
         0..G-1 (the group of a tile: the count of ``_tile_ends`` lanes <= tile, GBLOCK >= G
-        lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops
-        (``WARP_SPEC``: ask for warp specialization of that loop too); with TAIL a second
-        such loop over the groups' half-height last row tiles; then a loop over the padding
-        rows' tiles that stores zeros (no k-step, no read of those rows). Else each program
-        walks the groups in order (no table); TAIL there: a row tile with at most
-        BLOCK_M / 2 rows of its group left runs as a BLOCK_M / 2-row tile (a branch between
-        two k-loops). The tile numbering runs round robin over the programs throughout."""
+        lanes), whose k-loop bound is K for every tile, so Triton fuses the two loops; then a
+        loop over the padding rows' tiles that stores zeros (no k-step, no read of those
+        rows). Else each program walks the groups in order (no table). The tile numbering
+        runs round robin over the programs throughout."""
         pid = tl.program_id(0)
         if SWIGLU:
             h_cols = 2 * N
         else:
             h_cols = N
         x_desc = None
-        x_half = None
         w_desc = None
         if USE_TMA:
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
-            if TAIL:
-                x_half = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
-                                                   block_shape=[BLOCK_M // 2, BLOCK_K])
             if W_KN:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N],
                                                    strides=[stride_wg, stride_wk, 1],
@@ -478,12 +441,12 @@ if triton is not None:
             COL_N: tl.constexpr = BLOCK_N
         tiles_n = tl.cdiv(N, COL_N)
         if FLAT:
-            ends, half_ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, TAIL, GBLOCK)
+            ends = _tile_ends(offs_ptr, M, G, tiles_n, BLOCK_M, GBLOCK)
             n_full = tl.max(ends, 0)
-            for tile in tl.range(pid, n_full, P, flatten=True, warp_specialize=WARP_SPEC):
+            for tile in tl.range(pid, n_full, P, flatten=True):
                 g, base = _group_of(ends, tile)  # g < G: the padding is not in the table
                 start, end = _group_rows(offs_ptr, g, G, M)  # clamped
-                tiles_m, _ = _row_tiles(end - start, BLOCK_M, TAIL)
+                tiles_m = (end - start + BLOCK_M - 1) // BLOCK_M
                 pm, pn = _tile_of((tile - base).to(tl.int32), tiles_m.to(tl.int32), tiles_n,
                                   GROUP_M)
                 _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end,
@@ -491,17 +454,6 @@ if triton is not None:
                       stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M, BLOCK_N, BLOCK_K,
                       PAIRED)
             first = (pid + P - n_full % P) % P  # the tile numbering goes on round robin
-            if TAIL:  # the groups' half-height last row tiles, one per (group, column tile)
-                n_half = tl.max(half_ends, 0)
-                for tile in tl.range(first, n_half, P, flatten=True):
-                    g, base = _group_of(half_ends, tile)
-                    start, end = _group_rows(offs_ptr, g, G, M)
-                    m0 = start + (end - start) // BLOCK_M * BLOCK_M
-                    _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, K, end, m0,
-                          (tile - base).to(tl.int32), N, K, h_cols, stride_wg, stride_wn,
-                          stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2, BLOCK_N,
-                          BLOCK_K, PAIRED)
-                first = (first + P - n_half % P) % P
             pad_start, pad_end = _group_rows(offs_ptr, G, G, M)
             pad_tiles = ((pad_end - pad_start + BLOCK_M - 1) // BLOCK_M * tiles_n).to(tl.int32)
             for tile in range(first, pad_tiles, P):  # padding rows: zeros, no k-step
@@ -520,22 +472,10 @@ if triton is not None:
                 while tile < base + count:
                     pm, pn = _tile_of(tile - base, tiles_m, tiles_n, GROUP_M)
                     m0 = start + pm * BLOCK_M
-                    if TAIL:
-                        if end - m0 <= BLOCK_M // 2:  # the group's last rows: a half tile
-                            _tile(x_half, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
-                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M // 2,
-                                  BLOCK_N, BLOCK_K, PAIRED)
-                        else:
-                            _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
-                                  end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                                  stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, PAIRED)
-                    else:
-                        _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
-                              end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
-                              stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
-                              BLOCK_N, BLOCK_K, PAIRED)
+                    _tile(x_desc, w_desc, x_ptr, w_ptr, h_ptr, a_ptr, p_ptr, g, k_end,
+                          end, m0, pn, N, K, h_cols, stride_wg, stride_wn,
+                          stride_wk, SWIGLU, HAS_P, USE_TMA, W_KN, BLOCK_M,
+                          BLOCK_N, BLOCK_K, PAIRED)
                     tile += P
                 base += count
 
@@ -614,8 +554,8 @@ def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     ------
     ValueError
         Shapes, dtypes or devices of the arguments do not match (the message names them);
-        ``config`` has an unknown key, ``WARP_SPEC`` without ``FLAT`` or ``TAIL`` with a
-        ``BLOCK_M`` below 32 or odd (also where no launch is needed).
+        ``config`` has an unknown key or a value not of its default's kind (also where no
+        launch is needed).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """

@@ -36,8 +36,7 @@ graph-safe). The nested schedule (the accumulate launch) takes the ``order`` tab
 stable ``torch.argsort`` of the split sizes on the device (:func:`group_order`: a few small
 torch kernels per call). The order decides only which program computes which tile, never a
 tile's sum (each tile's row steps run in one program, in row order), so the outputs are the
-same bits in any order. ``SORTED=False`` (a launch constexpr) takes the groups in index
-order instead, so the benchmark can weigh that cost against the balance it buys. Inside a
+same bits in any order. Inside a
 group the k-tile runs fastest, so the programs of one wave share the same dy column slab
 and sweep x's rows together (L2 reuse); a band order (``GROUP_M`` of the fprop module)
 matters less here than this load balance.
@@ -90,11 +89,11 @@ def large_wgrad_config() -> dict[str, int | bool]:
     """Default launch parameters, not yet tuned (``benchmarks/large_gemm_triton.py --sweep
     --gemms fc1_wgrad,fc2_wgrad`` is the tuning run): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
     the tile of torch's CUTLASS kernel), 64 rows per step, 8 warps, 3 stages (3 x 48 KiB of
-    shared memory), TMA loads, groups by decreasing rows (``SORTED``). ``USE_TMA`` is dropped
-    by the launch where :func:`tma_unsupported_reason` says the operands cannot take it."""
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "SORTED": True,
-            "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True, "SUBTILE": 1,
-            "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}
+    shared memory), TMA loads (per-group descriptor bounds in the flat schedule), a TMA-store
+    epilogue. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says
+    the operands cannot take it, ``TMA_STORE`` where the launch cannot store through TMA."""
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True, "FLAT": True,
+            "TMA_STORE": True, "num_warps": 8, "num_stages": 3}
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -214,12 +213,11 @@ if triton is not None:
     @triton.jit
     def _wgrad_large_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, order_ptr, M, N, K, G, P,
                             ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
-                            SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """out[g, n, k] (=, or += with ACCUMULATE) sum over group g's rows m of
         dy[m, n] * x[m, k]; x (M, K), dy (M, N), out (G, N, K) contiguous; offs (G,)
-        cumulative group ends; order (G,) int64 groups by decreasing rows (SORTED; else
-        unread, groups in index order); P programs."""
+        cumulative group ends; order (G,) int64 groups by decreasing rows; P programs."""
         pid = tl.program_id(0)
         x_desc = None
         dy_desc = None
@@ -233,10 +231,7 @@ if triton is not None:
         tile = pid
         base = 0
         for rank in range(0, G):  # walk the groups in order; this program's tiles in each
-            if SORTED:
-                g = tl.load(order_ptr + rank)
-            else:
-                g = rank
+            g = tl.load(order_ptr + rank)
             start = tl.load(offs_ptr + tl.maximum(g - 1, 0))
             start = tl.where(g == 0, 0, start)
             # offsets past M, negative or decreasing: 0 <= start <= end <= M, rows of x only
@@ -270,17 +265,14 @@ if triton is not None:
 
     @triton.jit
     def _rank_info(offs_ptr, ranks, lanes, tile, per_group, tiles_k, M,
-                   SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr):
         """Group, its clamped rows [start, end), its row steps (>= 1) and the (n, k) tile
-        indices of the flat schedule's tile ``tile``; ``ranks`` (SORTED): the groups by
+        indices of the flat schedule's tile ``tile``; ``ranks``: the groups by
         rank in registers (:func:`_rank_order`; the lane of this rank is picked out with
         a masked sum over ``lanes``, the lane indices)."""
         rank = tile // per_group
         local = tile % per_group
-        if SORTED:
-            g = tl.sum(tl.where(lanes == rank, ranks, 0), 0)
-        else:
-            g = rank
+        g = tl.sum(tl.where(lanes == rank, ranks, 0), 0)
         end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)  # clamped before the
         start = tl.load(offs_ptr + tl.maximum(g - 1, 0))  # cast: int64 offsets past 2**31
         start = tl.minimum(tl.maximum(tl.where(g == 0, 0, start), 0), end).to(tl.int32)
@@ -291,19 +283,16 @@ if triton is not None:
     @triton.jit
     def _wgrad_flat_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, M, N, K, G, P,
                            ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr,
-                           SORTED: tl.constexpr, DESC_BOUNDS: tl.constexpr,
-                           TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-                           WARP_SPEC: tl.constexpr, G_POW2: tl.constexpr,
+                           TMA_STORE: tl.constexpr, G_POW2: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         """The ``FLAT`` schedule of :func:`_wgrad_large_kernel` (same tiles, same order, same
         results): one loop over this program's row steps of all its tiles, so Triton's
         software pipeliner overlaps a tile's epilogue with the next tile's first loads.
-        ``SORTED``: each program sorts the groups by decreasing rows itself
-        (:func:`_rank_order`, in registers; no ``order`` table).
-        ``DESC_BOUNDS`` (TMA only): per-group descriptors whose row count ends at the
-        group's end, so TMA fills the tail step's rows past it with zeros (no ``tl.where``
-        on the loaded tiles); else every step masks rows >= end with ``tl.where``.
+        Each program sorts the groups by decreasing rows itself (:func:`_rank_order`, in
+        registers; no ``order`` table). ``USE_TMA``: per-group descriptors whose row count
+        ends at the group's end, so TMA fills the tail step's rows past it with zeros (no
+        ``tl.where`` on the loaded tiles); pointer loads mask rows >= end.
         ``TMA_STORE``: dW tiles leave through a TMA store (not with ACCUMULATE)."""
         pid = tl.program_id(0)
         tiles_k = tl.cdiv(K, BLOCK_K)
@@ -312,10 +301,7 @@ if triton is not None:
         # steps, over all ranks at once (vector ops, no loop)
         r = tl.arange(0, G_POW2).to(tl.int64)  # 64-bit: the counts are summed products
         valid = r < G
-        if SORTED:
-            gr = _rank_order(offs_ptr, r, valid, M, G_POW2)
-        else:
-            gr = r.to(tl.int32)
+        gr = _rank_order(offs_ptr, r, valid, M, G_POW2)
         end_r = tl.minimum(tl.maximum(tl.load(offs_ptr + gr, mask=valid, other=0), 0), M)
         start_r = tl.load(offs_ptr + tl.maximum(gr - 1, 0), mask=valid, other=0)
         start_r = tl.minimum(tl.maximum(tl.where(gr == 0, 0, start_r), 0), end_r).to(tl.int32)
@@ -328,7 +314,7 @@ if triton is not None:
 
         x_desc = None
         dy_desc = None
-        if USE_TMA:  # whole-tensor descriptors (DESC_BOUNDS: replaced per tile below)
+        if USE_TMA:  # whole-tensor descriptors (replaced per group below)
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
             dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[N, 1],
@@ -337,7 +323,7 @@ if triton is not None:
         if TMA_STORE:
             out_desc = tl.make_tensor_descriptor(out_ptr, shape=[G, N, K],
                                                  strides=[N * K, K, 1],
-                                                 block_shape=[1, BLOCK_N, BLOCK_K // SUBTILE])
+                                                 block_shape=[1, BLOCK_N, BLOCK_K])
         tile = pid - P
         kk = -1
         steps = 0
@@ -348,13 +334,13 @@ if triton is not None:
         pk = 0
         desc_g = -1
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for _ in tl.range(0, total, warp_specialize=WARP_SPEC):
+        for _ in tl.range(0, total):
             kk = tl.where(kk == steps - 1, 0, kk + 1)
             if kk == 0:
                 tile += P
                 g, start, end, steps, pn, pk = _rank_info(offs_ptr, gr, r, tile, per_group,
-                                                          tiles_k, M, SORTED, BLOCK_M)
-                if USE_TMA and DESC_BOUNDS and g != desc_g:  # a new group: new bounds
+                                                          tiles_k, M, BLOCK_M)
+                if USE_TMA and g != desc_g:  # a new group: new bounds
                     desc_g = g
                     # an empty group reads row 0 (inside x and dy) and stores zeros
                     base = tl.where(end > start, start, 0).to(tl.int64)
@@ -366,7 +352,7 @@ if triton is not None:
                         dy_ptr + base * N, shape=[rows, N], strides=[N, 1],
                         block_shape=[BLOCK_M, BLOCK_N])
             m0 = start + kk * BLOCK_M
-            if USE_TMA and DESC_BOUNDS:
+            if USE_TMA:
                 d = dy_desc.load([kk * BLOCK_M, pn * BLOCK_N])
                 xa = x_desc.load([kk * BLOCK_M, pk * BLOCK_K])
             else:
@@ -375,16 +361,9 @@ if triton is not None:
                                    BLOCK_K)
             acc = tl.dot(tl.trans(d), xa, acc)
             if kk == steps - 1:
-                if USE_TMA and DESC_BOUNDS:  # an empty group read one row of its neighbour: zeros
+                if USE_TMA:  # an empty group read one row of its neighbour: zeros
                     acc = tl.where(end > start, acc, 0.0)
-                if TMA_STORE and SUBTILE == 2:  # two (BLOCK_N, BLOCK_K / 2) stores
-                    res = acc.to(out_ptr.dtype.element_ty)
-                    left, right = res.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
-                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
-                                   left.reshape(1, BLOCK_N, BLOCK_K // 2))
-                    out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K + BLOCK_K // 2],
-                                   right.reshape(1, BLOCK_N, BLOCK_K // 2))
-                elif TMA_STORE:
+                if TMA_STORE:
                     out_desc.store([g, pn * BLOCK_N, pk * BLOCK_K],
                                    acc.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_N,
                                                                             BLOCK_K))
@@ -428,11 +407,11 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         from .grouped_gemm_large_triton import _ensure_allocator
 
         _ensure_allocator()
-    if flat:  # the group order is the kernel's own (SORTED: sorted in registers)
+    if flat:  # the group order is the kernel's own (sorted in registers)
         launch(wrap(_wgrad_flat_kernel) if wrap is not None else _wgrad_flat_kernel, grid,
                x, dy, out, offsets, m, n, k, groups, grid[0], **cfg)
         return out
-    order = group_order(offsets) if cfg["SORTED"] else offsets
+    order = group_order(offsets)
     launch(wrap(_wgrad_large_kernel) if wrap is not None else _wgrad_large_kernel, grid, x,
            dy, out, offsets, order, m, n, k, groups, grid[0], ACCUMULATE=accumulate, **cfg)
     return out
@@ -451,9 +430,7 @@ def _launch_plan(x: torch.Tensor, dy: torch.Tensor, groups: int, tma: bool,
     if not tma:
         cfg["USE_TMA"] = False
     flat = cfg.pop("FLAT", False)
-    flat_keys = {"DESC_BOUNDS": cfg.pop("DESC_BOUNDS", True),
-                 "TMA_STORE": cfg.pop("TMA_STORE", False),
-                 "SUBTILE": cfg.pop("SUBTILE", 1), "WARP_SPEC": cfg.pop("WARP_SPEC", False)}
+    flat_keys = {"TMA_STORE": cfg.pop("TMA_STORE", False)}
     flat = flat and not accumulate  # the accumulate launch keeps the nested schedule
     if flat_keys["TMA_STORE"] and (accumulate or not cfg["USE_TMA"]
                                    or k * x.element_size() % 16):  # out: x's dtype
