@@ -1,13 +1,13 @@
 """fc1's persistent fprop with the SwiGLU in its epilogue, ``PAIRED`` (one gate + up accumulator,
-``kernels/grouped_gemm_large_triton.py``), the default of ``large_fc1_swiglu`` since stop 15.
+``te_ops/gemm/grouped_gemm_large_triton.py``), what ``large_fc1_swiglu`` runs.
 
 CPU (CI): the config and its error, the SM90 compile (one flattened loop, one wgmma chain per
 k-step, one W TMA load through the (G, 2, F, K) view, shared memory within 227 KiB, no local
 memory in the PTX). The interpreter run is in ``tests/test_grouped_gemm_large_triton_interpret.py``.
 CUDA: against the fp64 per-expert reference (x ~ N(0, 1), weights at init scale, bf16 and
 fp16, with and without probs, NaN garbage in the padding rows), ``h`` bitwise the plain
-persistent fprop's and ``a`` bitwise the Triton SwiGLU forward's on that ``h``, the old
-two-accumulator kernel's bits, CUDA-graph replay with new split sizes and
+persistent fprop's and ``a`` bitwise the Triton SwiGLU forward's on that ``h``, the group
+walk's and the pointer loads' bits, CUDA-graph replay with new split sizes and
 ``torch.compile(fullgraph=True)`` bitwise equal to eager.
 """
 
@@ -33,13 +33,13 @@ CUDA = torch.device("cuda")
 # ----------------------------------------------------------------------------------- CPU
 def test_default_config_is_the_paired_flat_kernel():
     cfg = L.large_config("fc1_swiglu")
-    assert cfg["PAIRED"] is True and cfg["FLAT"] is True and cfg["BLOCK_N"] == 256
-    assert "PAIRED" not in L.large_config("fprop")  # a plain tile there
-    with pytest.raises(ValueError, match="PAIRED=True needs an even BLOCK_N >= 16 .* "
+    assert cfg["FLAT"] is True and cfg["BLOCK_N"] == 256
+    assert "PAIRED" not in cfg  # the launch sets it for fc1_swiglu
+    with pytest.raises(ValueError, match="BLOCK_N of fc1_swiglu must be even and >= 16 .* "
                                          "got BLOCK_N=8"):
         L._resolve("fc1_swiglu", {"BLOCK_N": 8}, 4)
     with pytest.raises(ValueError, match=r"unknown \['PAIRED'\]"):
-        L._resolve("fprop", {"PAIRED": True}, 4)
+        L._resolve("fc1_swiglu", {"PAIRED": False}, 4)
 
 
 def _compile(change: dict):
@@ -47,7 +47,8 @@ def _compile(change: dict):
     cfg = {**L.large_config("fc1_swiglu"), **change}
     const = {"SWIGLU": True, "HAS_P": True, "W_KN": False,
              "GBLOCK": 8 if cfg["FLAT"] else 1,
-             **{k: cfg[k] for k in ("USE_TMA", "FLAT", "PAIRED", "BLOCK_M", "BLOCK_N",
+             "PAIRED": True,
+             **{k: cfg[k] for k in ("USE_TMA", "FLAT", "BLOCK_M", "BLOCK_N",
                                     "BLOCK_K", "GROUP_M")}}
     return compile_for_sm90(L._large_kernel, SIGNATURE, const, cfg["num_warps"],
                             cfg["num_stages"])
@@ -112,11 +113,9 @@ def test_against_reference_and_the_two_launches_bits(dtype, with_p):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("change", [{"FLAT": False}, {"USE_TMA": False},
-                                    {"PAIRED": False, "BLOCK_N": 128, "FLAT": False}])
-def test_schedules_loads_and_the_old_kernel_give_the_same_bits(change):
-    """The group walk, pointer loads and stop 12's two-accumulator
-    kernel (PAIRED=False) give the default's bits."""
+@pytest.mark.parametrize("change", [{"FLAT": False}, {"USE_TMA": False}])
+def test_schedules_and_loads_give_the_same_bits(change):
+    """The group walk and pointer loads give the default's bits."""
     for sizes, m, n, k in CASES:
         x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)
         want = L.large_fc1_swiglu(x, w, offs, probs)

@@ -116,7 +116,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(swiglu, flat, tma, dgrad):
     cfg = L.large_config("fc1_swiglu" if swiglu else "dgrad" if dgrad else "fprop")
     const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": tma, "FLAT": flat, "W_KN": dgrad,
              "GBLOCK": 8 if flat else 1,
-             "PAIRED": cfg.get("PAIRED", False),
+             "PAIRED": swiglu,
              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     kernel = _compile_sm90(const, cfg)
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]

@@ -230,7 +230,7 @@ def test_pointer_loads_use_int64_offsets(kind, schedule):
     swiglu = kind == "fc1_swiglu"
     cfg = L.large_config(kind)
     const = {"SWIGLU": swiglu, "HAS_P": swiglu, "USE_TMA": False, "W_KN": kind == "dgrad",
-             "GBLOCK": 128 if schedule.get("FLAT") else 1, "PAIRED": cfg.get("PAIRED", False),
+             "GBLOCK": 128 if schedule.get("FLAT") else 1, "PAIRED": swiglu,
              **{k: cfg[k] for k in ("FLAT", "BLOCK_M", "BLOCK_N",
                                     "BLOCK_K", "GROUP_M")}, **schedule}
     ttir = _ttir(L._large_kernel, _SIG, const)

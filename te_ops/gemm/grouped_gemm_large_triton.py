@@ -39,20 +39,16 @@ Inside a group, tiles go in ``GROUP_M``-row-tile bands (the "grouped ordering" o
 matmul tutorials) so that concurrently running programs share the same weight tiles in L2.
 ``tl.dot`` (wgmma on SM90), fp32 accumulation, output in the operands' dtype (bf16/fp16).
 
-fc1 + SwiGLU, ``PAIRED`` (the default): structurally the plain fprop. W1
+fc1 + SwiGLU, ``PAIRED`` (the launch sets it for fc1 + SwiGLU only): structurally the plain
+fprop. W1
 (G, 2F, K) is read through its (G, 2, F, K) view (TMA block [1, 2, BLOCK_N/2, BLOCK_K]: gate
 rows [n0, n0 + BLOCK_N/2) and up rows [F + n0, ...) in one load, reshaped to (BLOCK_N,
 BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BLOCK_N)
 accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2), permute,
 ``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
 ``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
-:func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). ``PAIRED=False``
-is the earlier kernel: a gate and an up accumulator of BLOCK_N columns each, two W loads and two
-dots per k-step (0.88-0.97x fprop + SwiGLU in the group walk; with ``FLAT`` 0.59x at E8:
-ptxas serializes the two wgmma chains, warning C7515, "non wgmma instructions defining
-accumulator registers of a wgmma between start and end of the pipeline stage", plus
-2 KB of spills reloaded inside the k-loop). ``PAIRED`` compiles to the plain fprop's loop (one
-wgmma chain, no C7515) with 2 KB of spills (ptxas, Triton 3.6; the plain fprop's 0.6 KB stay
+:func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). It compiles to
+the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6; the plain fprop's 0.6 KB stay
 outside the k-loop, some of these are reloaded in it) and measured 0.97-0.99x fprop + the
 SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
 memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the next tile's
@@ -106,18 +102,15 @@ def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
     ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
     (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why te_ops' GEMMs timed
-    slower than the peer's"; for fc1 + SwiGLU one ``PAIRED`` accumulator of 128 gate + 128 up
-    columns, module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
+    slower than the peer's"; for fc1 + SwiGLU one accumulator of 128 gate + 128 up columns,
+    ``PAIRED`` in the module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
     the flattened schedule (``FLAT``, measured faster than the group walk). ``USE_TMA`` is
     dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot take
-    it. ``PAIRED`` is a key of ``"fc1_swiglu"`` only."""
+    it."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
-    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
-           "FLAT": True, "num_warps": 8, "num_stages": 3}
-    if kind == "fc1_swiglu":
-        cfg["PAIRED"] = True
-    return cfg
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
+            "FLAT": True, "num_warps": 8, "num_stages": 3}
 
 
 #: :func:`_resolve`'s result without a ``config``, per (kind, groups past FLAT_MAX_GROUPS):
@@ -140,8 +133,8 @@ def check_config_values(cfg: dict, defaults: dict) -> None:
 
 def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | bool]:
     """:func:`large_config` of ``kind`` updated by ``config``, checked: known keys, values of
-    their defaults' kind (:func:`check_config_values`), ``PAIRED`` an even ``BLOCK_N`` of at
-    least 16. ``FLAT`` with more than
+    their defaults' kind (:func:`check_config_values`), for ``"fc1_swiglu"`` an even
+    ``BLOCK_N`` of at least 16 (``PAIRED``). ``FLAT`` with more than
     :data:`FLAT_MAX_GROUPS` groups runs the group walk instead (the same tiles and k-steps;
     the in-register tile table would take too many registers). A new dict each call."""
     if config is None:
@@ -159,9 +152,9 @@ def _resolve(kind: str, config: dict | None, groups: int) -> dict[str, int | boo
     check_config_values(cfg, large_config(kind))
     if cfg["FLAT"] and groups > FLAT_MAX_GROUPS:
         cfg["FLAT"] = False
-    if cfg.get("PAIRED") and (cfg["BLOCK_N"] < 16 or cfg["BLOCK_N"] % 2):
-        raise ValueError(f"config PAIRED=True needs an even BLOCK_N >= 16 (gate and up halves "
-                         f"of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
+    if kind == "fc1_swiglu" and (cfg["BLOCK_N"] < 16 or cfg["BLOCK_N"] % 2):
+        raise ValueError(f"config BLOCK_N of fc1_swiglu must be even and >= 16 (gate and up "
+                         f"halves of one accumulator), got BLOCK_N={cfg['BLOCK_N']}")
     return cfg
 
 
@@ -320,9 +313,9 @@ if triton is not None:
               PAIRED: tl.constexpr):
         """One output tile: rows [m0, m0 + TILE_M) of group ``g`` (rows up to ``end``),
         column tile ``pn``, k-steps up to ``k_end`` (K; 0 for the padding group, which then
-        stores zeros). ``PAIRED`` (SWIGLU): one (TILE_M, BLOCK_N) accumulator whose halves
-        are h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), one W load and one dot
-        per k-step (:func:`_load_w_pair`), split in the epilogue."""
+        stores zeros). ``PAIRED`` (set with SWIGLU, which needs it): one (TILE_M, BLOCK_N)
+        accumulator whose halves are h's gate and up column tiles ``pn`` (BLOCK_N/2 wide),
+        one W load and one dot per k-step (:func:`_load_w_pair`), split in the epilogue."""
         rows = m0 + tl.arange(0, TILE_M)
         row_ok = rows < end
         acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
@@ -341,10 +334,6 @@ if triton is not None:
                 wt = _load_w(w_desc, w_ptr, g, pn * BLOCK_N, k0, N, K, stride_wg, stride_wn,
                              stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
             acc = tl.dot(xa, wt, acc)
-            if SWIGLU and not PAIRED:
-                wu = _load_w(w_desc, w_ptr, g, N + pn * BLOCK_N, k0, 2 * N, K, stride_wg,
-                             stride_wn, stride_wk, USE_TMA, W_KN, BLOCK_N, BLOCK_K)
-                acc_u = tl.dot(xa, wu, acc_u)
         if PAIRED:
             gate, up = _split_pair(acc, TILE_M, BLOCK_N)
             _epilogue(gate, up, h_ptr, a_ptr, p_ptr, rows, row_ok, pn, N, h_cols, SWIGLU,
@@ -526,7 +515,7 @@ def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
     groups = weights.shape[0]
     n_rows = weights.shape[2] if dgrad else weights.shape[1]
     n = n_rows // 2 if kind == "fc1_swiglu" else n_rows
-    paired = bool(cfg.get("PAIRED", False))  # a key of "fc1_swiglu" only
+    paired = kind == "fc1_swiglu"  # one gate + up accumulator
     col_n = cfg["BLOCK_N"] // 2 if paired else cfg["BLOCK_N"]  # h's column tile
     grid = (grid_size(x.device, m, groups, n, cfg["BLOCK_M"], col_n),)
     # (stride of W along the output columns, along the reduction): dgrad reads W (G, N, K)
@@ -536,7 +525,7 @@ def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
     rest = (m, n, k, groups, grid[0], weights.stride(0), stride_n, stride_k)
     kwargs = dict(SWIGLU=kind == "fc1_swiglu", HAS_P=has_p, W_KN=dgrad,
                   GBLOCK=next_power_of_2(groups) if cfg["FLAT"] else 1,
-                  **{**cfg, "PAIRED": paired})
+                  PAIRED=paired, **cfg)
     return grid, rest, kwargs
 
 
