@@ -148,6 +148,19 @@ def test_flat_with_too_many_groups_takes_the_group_walk():
 
 
 # ---------------------------------------------------------------------------------- CUDA
+def fprop_with(x, w, offs, config):
+    """The persistent fprop with launch parameters ``config`` (keys of ``large_config``)."""
+    return L._launch(x, w, offs, None, "fprop", config, L._large_kernel)[0]
+
+
+def dgrad_with(dy, w, offs, config):
+    return L._launch(dy, w, offs, None, "dgrad", config, L._large_kernel)[0]
+
+
+def fc1_with(x, w, offs, probs, config):
+    return L._launch(x, w, offs, probs, "fc1_swiglu", config, L._large_kernel)
+
+
 CASES = [
     ([300, 0, 17, 129], 460, 384, 256),      # empty group, 14 padding rows, skew
     ([1000, 3, 0, 0, 250], 1300, 200, 136),  # dims off the tiles
@@ -165,7 +178,7 @@ LOADS = [(True, False), (False, False), (True, True)]  # (USE_TMA, FLAT)
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
 def test_fprop_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
     x, w, offs, _ = grouped_operands(sizes, m, n, k, dtype)
-    y = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": flat})
+    y = fprop_with(x, w, offs, {"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not y[total:].any()
@@ -185,7 +198,7 @@ def test_dgrad_against_fp64_reference(dtype, tma, flat, sizes, m, n, k):
     dy = torch.randn(m, n, generator=gen, device=CUDA).to(dtype)
     total = sum(sizes)
     dy[total:] = float("nan")
-    dx = L.large_dgrad(dy, w, offs, config={"USE_TMA": tma, "FLAT": flat})
+    dx = dgrad_with(dy, w, offs, {"USE_TMA": tma, "FLAT": flat})
     assert dx.shape == (m, k) and dx.dtype == dtype
     assert not dx[total:].any()
     err = ((dx.double() - per_expert_linear_fp64(dy, w.transpose(1, 2), sizes)).abs().max().item()
@@ -204,7 +217,7 @@ def test_fc1_swiglu_against_reference_and_swiglu_bits(dtype, tma, flat, with_p, 
 
     x, w, offs, probs = grouped_operands(sizes, m, n, k, dtype)
     p = probs if with_p else None
-    h, a = L.large_fc1_swiglu(x, w, offs, p, config={"USE_TMA": tma, "FLAT": flat})
+    h, a = fc1_with(x, w, offs, p, {"USE_TMA": tma, "FLAT": flat})
     total = sum(sizes)
     assert not h[total:].any() and not a[total:].any()
     assert torch.equal(a, st._forward(h, p, st._fwd_kernel))
@@ -220,7 +233,7 @@ def test_non_contiguous_weights_take_pointer_loads():
     x, w, offs, _ = grouped_operands([100, 60], 170, 256, 128, torch.bfloat16, transposed=True)
     assert L.tma_unsupported_reason(x, w) is not None
     y = L.large_fprop(x, w, offs)
-    assert torch.equal(y, L.large_fprop(x, w.contiguous(), offs, config={"USE_TMA": False}))
+    assert torch.equal(y, fprop_with(x, w.contiguous(), offs, {"USE_TMA": False}))
 
 
 @pytest.mark.cuda
@@ -229,7 +242,7 @@ def test_graph_replay_and_compile_bitwise_equal_to_eager():
     offsets), and under torch.compile(fullgraph=True): bitwise the eager values."""
     x, w, offs, probs = grouped_operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
     want = L.large_fc1_swiglu(x, w, offs, probs)
-    flat = L.large_fc1_swiglu(x, w, offs, probs, config={"FLAT": True})
+    flat = fc1_with(x, w, offs, probs, {"FLAT": True})
     assert torch.equal(flat[0], want[0]) and torch.equal(flat[1], want[1])  # same k-steps
     assert_replay_with_new_offsets_equal_to_eager(L.large_fc1_swiglu, x, w, offs, probs)
     compiled = torch.compile(lambda *a: L.large_fc1_swiglu(*a), fullgraph=True)
@@ -252,8 +265,8 @@ TAIL_CASES = [([129, 0, 192, 193, 256, 127, 30], 1167, 512, 192)]
 @pytest.mark.parametrize("change", [{"FLAT": True}, {"FLAT": True, "USE_TMA": False}])
 def test_flat_bitwise_equal_to_the_group_walk(kind, change):
     """The flattened schedule (the padding rows, NaN garbage in x, in a loop that stores
-    zeros) gives the group walk's bits (same k-steps per output element), zeros in the padding rows, and the fp64
-    reference's values."""
+    zeros) gives the group walk's bits (same k-steps per output element), zeros in the
+    padding rows, and the fp64 reference's values."""
     tma = change.get("USE_TMA", True)
     for sizes, m, n, k in CASES + TAIL_CASES:
         x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)
@@ -261,17 +274,16 @@ def test_flat_bitwise_equal_to_the_group_walk(kind, change):
         if kind == "dgrad":
             x = torch.randn(m, n, device=CUDA).to(torch.bfloat16)
             x[total:] = float("nan")
-            got = L.large_dgrad(x, w, offs, config=change)
-            want = L.large_dgrad(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
+            got = dgrad_with(x, w, offs, change)
+            want = dgrad_with(x, w, offs, {"USE_TMA": tma, "FLAT": False})
             ref = per_expert_linear_fp64(x, w.transpose(1, 2), sizes)
         elif kind == "fprop":
-            got = L.large_fprop(x, w, offs, config=change)
-            want = L.large_fprop(x, w, offs, config={"USE_TMA": tma, "FLAT": False})
+            got = fprop_with(x, w, offs, change)
+            want = fprop_with(x, w, offs, {"USE_TMA": tma, "FLAT": False})
             ref = per_expert_linear_fp64(x, w, sizes)
         else:
-            got, a = L.large_fc1_swiglu(x, w, offs, probs, config=change)
-            want, a_want = L.large_fc1_swiglu(x, w, offs, probs,
-                                              config={"USE_TMA": tma, "FLAT": False})
+            got, a = fc1_with(x, w, offs, probs, change)
+            want, a_want = fc1_with(x, w, offs, probs, {"USE_TMA": tma, "FLAT": False})
             assert torch.equal(a, a_want) and not a[total:].any(), (sizes, change)
             ref = per_expert_linear_fp64(x, w, sizes)
         assert torch.equal(got, want), (sizes, change)
@@ -290,8 +302,8 @@ def test_bitwise_equal_to_grouped_mm(change):
         pytest.skip("this torch has no _grouped_mm")
     sizes = [300, 0, 17, 195, 64, 600]
     x, w, offs, _ = grouped_operands(sizes, sum(sizes), 512, 256, torch.bfloat16)
-    assert torch.equal(L.large_fprop(x, w, offs, config=change),
+    assert torch.equal(fprop_with(x, w, offs, change),
                        torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
     dy = torch.randn(sum(sizes), 512, device=CUDA).to(torch.bfloat16)
-    assert torch.equal(L.large_dgrad(dy, w, offs, config=change),
+    assert torch.equal(dgrad_with(dy, w, offs, change),
                        torch._grouped_mm(dy, w, offs=offs))

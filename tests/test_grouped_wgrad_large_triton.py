@@ -211,7 +211,7 @@ CASES = [
 @pytest.mark.parametrize("sizes, m, n, k", CASES)
 def test_wgrad_against_fp64_reference(dtype, tma, sizes, m, n, k):
     x, dy, offs = _operands(sizes, m, n, k, dtype)
-    dw = W.large_wgrad(x, dy, offs, config={"USE_TMA": tma})
+    dw = W._launch(x, dy, offs, None, {"USE_TMA": tma})
     assert dw.shape == (len(sizes), n, k) and dw.dtype == dtype
     _assert_close(dw, _reference(x, dy, sizes), dtype)
     for g, size in enumerate(sizes):
@@ -226,7 +226,7 @@ def test_accumulate_into_fp32_out(tma):
     x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
     main_grad = torch.randn(len(sizes), n, k, device=CUDA)
     before = main_grad.clone()
-    got = W.large_wgrad(x, dy, offs, config={"USE_TMA": tma}, out=main_grad)
+    got = W._launch(x, dy, offs, main_grad, {"USE_TMA": tma})
     assert got is main_grad
     want = before.double() + _reference(x, dy, sizes)
     assert (main_grad.double() - want).abs().max().item() <= 1e-3
@@ -236,13 +236,13 @@ def test_accumulate_into_fp32_out(tma):
 @pytest.mark.cuda
 @pytest.mark.parametrize("tma", [True, False])
 def test_non_contiguous_operands_give_the_same_bits(tma):
-    """Column-major views of x and dy (the TMA gate refuses them; ``large_wgrad`` makes them
+    """Column-major views of x and dy (the TMA gate refuses them; the launch makes them
     contiguous first) give the contiguous operands' result bit for bit."""
     x, dy, offs = _operands([100, 60], 170, 256, 128, torch.bfloat16)
     xt, dyt = x.t().contiguous().t(), dy.t().contiguous().t()
     assert W.tma_unsupported_reason(xt, dy) == "x is not contiguous"
     cfg = {"USE_TMA": tma}
-    assert torch.equal(W.large_wgrad(xt, dyt, offs, cfg), W.large_wgrad(x, dy, offs, cfg))
+    assert torch.equal(W._launch(xt, dyt, offs, None, cfg), W._launch(x, dy, offs, None, cfg))
 
 
 @pytest.mark.cuda
@@ -313,14 +313,14 @@ def test_flat_schedule_against_fp64_reference(cfg, sizes, m, n, k):
     """The flat schedule (NaN padding rows, empty groups, groups ending inside a row step)
     against the fp64 reference, and bitwise equal to the nested schedule."""
     x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
-    dw = W.large_wgrad(x, dy, offs, config=cfg)
+    dw = W._launch(x, dy, offs, None, cfg)
     _assert_close(dw, _reference(x, dy, sizes), torch.bfloat16)
     for g, size in enumerate(sizes):
         if size == 0:
             assert not dw[g].any()
     nested = {**cfg, "FLAT": False}
     nested.pop("TMA_STORE", None)
-    assert torch.equal(dw, W.large_wgrad(x, dy, offs, config=nested))
+    assert torch.equal(dw, W._launch(x, dy, offs, None, nested))
 
 
 @pytest.mark.cuda
@@ -330,9 +330,8 @@ def test_flat_schedule_is_not_used_to_accumulate():
     sizes, m, n, k = [300, 0, 17, 129], 460, 384, 256
     x, dy, offs = _operands(sizes, m, n, k, torch.bfloat16)
     main_grad = torch.randn(len(sizes), n, k, device=CUDA)
-    flat = W.large_wgrad(x, dy, offs, config={"FLAT": True}, out=main_grad.clone())
-    assert torch.equal(flat, W.large_wgrad(x, dy, offs, config={"FLAT": False},
-                                           out=main_grad.clone()))
+    flat = W._launch(x, dy, offs, main_grad.clone(), {"FLAT": True})
+    assert torch.equal(flat, W._launch(x, dy, offs, main_grad.clone(), {"FLAT": False}))
 
 
 @pytest.mark.cuda
@@ -342,12 +341,12 @@ def test_flat_schedule_graph_replay_bitwise_equal_to_eager():
     cfg = {"FLAT": True}
     x, dy, offs = _operands([300, 0, 200], 520, 512, 256, torch.bfloat16)
     static_offs = offs.clone()
-    W.large_wgrad(x, dy, static_offs, config=cfg)
+    W._launch(x, dy, static_offs, None, cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = W.large_wgrad(x, dy, static_offs, config=cfg)
+        out = W._launch(x, dy, static_offs, None, cfg)
     for sizes in ([10, 400, 90], [0, 0, 500], [493, 7, 0]):  # rows 500: NaN padding
         new = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
         static_offs.copy_(new)
         graph.replay()
-        assert torch.equal(out, W.large_wgrad(x, dy, new, config=cfg))
+        assert torch.equal(out, W._launch(x, dy, new, None, cfg))

@@ -150,7 +150,7 @@ def test_cuda_strided_and_int64_offsets():
     big = torch.tensor([300, 2 ** 32 + 5], device="cuda", dtype=torch.int64)
     ref = _fp64_wgrad(xs, dys, [(0, 300), (300, 510)])
     for flat in (True, False):
-        got = W.large_wgrad(xs, dys, big, config={"FLAT": flat}).double()
+        got = W._launch(xs, dys, big, None, {"FLAT": flat}).double()
         assert ((got - ref).abs() - 2.0 ** -8 * ref.abs()).max().item() <= 1e-2, flat
 
 
@@ -167,10 +167,9 @@ def test_cuda_flat_many_tiles_per_program(dtype, cfg):
     gen = torch.Generator().manual_seed(3)
     sizes = [int(s) for s in torch.randint(0, 5, (300,), generator=gen) ** 3]  # 0..64
     x, dy, offs = _cuda_operands(sizes, sum(sizes) + 40, 256, 512, dtype)
-    dw = W.large_wgrad(x, dy, offs, config={"FLAT": True, **cfg})
+    dw = W._launch(x, dy, offs, None, {"FLAT": True, **cfg})
     ends = offs.tolist()
     ref = _fp64_wgrad(x, dy, list(zip([0] + ends[:-1], ends)))
     rel = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
     assert ((dw.double() - ref).abs() - rel * ref.abs()).max().item() <= 1e-2
-    assert torch.equal(dw, W.large_wgrad(x, dy, offs, config={"FLAT": False,
-                                                              "TMA_STORE": False}))
+    assert torch.equal(dw, W._launch(x, dy, offs, None, {"FLAT": False, "TMA_STORE": False}))

@@ -173,13 +173,13 @@ def test_flat_wgrad_order_with_bad_offsets_and_many_groups_interpreted():
 
 @pytest.mark.cuda
 def test_wgrad_entry_point_rejects_an_accumulate_config_on_the_gpu():
-    """The public entry point on the GPU: a config with ``ACCUMULATE`` raises (it ran an
-    accumulation into the uninitialised output) and the default call still runs."""
+    """The launch on the GPU: a config with ``ACCUMULATE`` raises (it ran an accumulation
+    into the uninitialised output) and the default call still runs."""
     x = torch.randn(256, 128, device="cuda").bfloat16()
     dy = torch.randn(256, 64, device="cuda").bfloat16()
     offs = torch.tensor([100, 256], device="cuda")
     with pytest.raises(ValueError, match=r"got unknown \['ACCUMULATE'\]"):
-        W.large_wgrad(x, dy, offs, config={"ACCUMULATE": True})
+        W._launch(x, dy, offs, None, {"ACCUMULATE": True})
     want = torch.stack([dy[:100].float().t() @ x[:100].float(),
                         dy[100:].float().t() @ x[100:].float()])
     torch.testing.assert_close(W.large_wgrad(x, dy, offs).float(), want, rtol=1.6e-2,

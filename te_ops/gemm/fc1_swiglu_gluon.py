@@ -62,9 +62,9 @@ __all__ = ["gluon_fc1_swiglu", "gluon_fc1_dispatched", "gluon_fc1_config",
 def gluon_fc1_config() -> dict[str, int | bool]:
     """Launch parameters: 128 x (128 gate + 128 up) x 64 tiles, ``GROUP_M`` 8, a 3-stage
     ring, 8 consumer warps (two warpgroups, 64 rows each), a 2-warp epilogue partition
-    reading (``SUB_M``, ``SUB_N``) slices of the gate and the up half (the 128B swizzle of the output tile
-    allows row slices of >= 8 rows), ``WORKER_REGS`` registers per thread for the producer's
-    and the epilogue's warpgroup (``GG.MAXNREG`` for the function, as
+    reading (``SUB_M``, ``SUB_N``) slices of the gate and the up half (the 128B swizzle of the
+    output tile allows row slices of >= 8 rows), ``WORKER_REGS`` registers per thread for
+    the producer's and the epilogue's warpgroup (``GG.MAXNREG`` for the function, as
     ``grouped_gemm_gluon``). ``WORKER_REGS`` 96: ptxas (Triton 3.6, sm_90a) spills 4 bytes
     there, 64 bytes at 88 and 788 bytes at 64 (the SiLU slices of the epilogue); the
     consumer warps keep >= 200 (their 128 accumulator registers fit under MAXNREG 168)."""
@@ -294,7 +294,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
 
 
 def gluon_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                     probs: torch.Tensor | None = None, config: dict | None = None
+                     probs: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's grouped fprop with the (Scaled)SwiGLU forward in the warp-specialized epilogue.
 
@@ -306,15 +306,14 @@ def gluon_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
     then up rows; k-contiguous, 16-byte-aligned strides), offsets (G,) int32/int64 cumulative
     group ends on x's device, probs (M,) any float dtype or ``None`` -> (h (M, 2F), a (M, F))
     in x's dtype; rows past ``offsets[-1]`` have h = 0 and a computed from those zeros.
-    ``config`` overrides :func:`gluon_fc1_config` (benchmarks). Under a ``torch.compile``
-    trace the call is the op ``te_ops::grouped_fc1_swiglu_gluon``, which runs
-    ``large_fc1_swiglu`` (same bits) where :func:`gluon_fc1_unsupported_reason` rules the
-    operands out at run time.
+    Launch parameters: :func:`gluon_fc1_config`. Under a ``torch.compile`` trace the call is
+    the op ``te_ops::grouped_fc1_swiglu_gluon``, which runs ``large_fc1_swiglu`` (same bits)
+    where :func:`gluon_fc1_unsupported_reason` rules the operands out at run time.
 
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices do not match (as ``large_fc1_swiglu``), or a bad config.
+        Shapes, dtypes or devices do not match (as ``large_fc1_swiglu``).
     RuntimeError
         The kernel cannot run here (:func:`gluon_fc1_unsupported_reason`, eager calls).
     """
@@ -322,9 +321,9 @@ def gluon_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
     x = x.contiguous()
     offsets = offsets.contiguous()
     probs = None if probs is None else probs.contiguous()
-    if tracing() and config is None:
+    if tracing():
         return torch.ops.te_ops.grouped_fc1_swiglu_gluon(x, weights, offsets, probs)
-    return _launch(x, weights, offsets, probs, config)
+    return _launch(x, weights, offsets, probs, None)
 
 
 def gluon_fc1_dispatched(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

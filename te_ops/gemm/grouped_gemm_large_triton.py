@@ -48,9 +48,9 @@ accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2
 ``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
 ``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
 :func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). It compiles to
-the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6; the plain fprop's 0.6 KB stay
-outside the k-loop, some of these are reloaded in it) and measured 0.97-0.99x fprop + the
-SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
+the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6; the plain
+fprop's 0.6 KB stay outside the k-loop, some of these are reloaded in it) and measured
+0.97-0.99x fprop + the SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
 memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the next tile's
 MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
 
@@ -100,13 +100,13 @@ FLAT_MAX_GROUPS = 1024
 
 def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
-    ``benchmarks/large_gemm_triton.py --sweep`` is the tuning run): 128 x 256 output tiles
-    (torch's CUTLASS kernel uses 128x256x64 here, docs/benchmarks.md "Why te_ops' GEMMs timed
-    slower than the peer's"; for fc1 + SwiGLU one accumulator of 128 gate + 128 up columns,
-    ``PAIRED`` in the module docstring), 64 k per step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads,
-    the flattened schedule (``FLAT``, measured faster than the group walk). ``USE_TMA`` is
-    dropped by the launch where :func:`tma_unsupported_reason` says the operands cannot take
-    it."""
+    the tuning run: ``experimental/gemm_kernel_ab/large_gemm_triton.py --sweep`` at commit
+    f0b8839): 128 x 256 output tiles (torch's CUTLASS kernel uses 128x256x64 here,
+    docs/benchmarks.md "Why te_ops' GEMMs timed slower than the peer's"; for fc1 + SwiGLU one
+    accumulator of 128 gate + 128 up columns, ``PAIRED`` in the module docstring), 64 k per
+    step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the flattened schedule (``FLAT``,
+    measured faster than the group walk). ``USE_TMA`` is dropped by the launch where
+    :func:`tma_unsupported_reason` says the operands cannot take it."""
     if kind not in ("fprop", "dgrad", "fc1_swiglu"):
         raise ValueError(f"kind must be 'fprop', 'dgrad' or 'fc1_swiglu', got {kind!r}")
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "USE_TMA": True,
@@ -529,34 +529,32 @@ def _launch_plan(x: torch.Tensor, weights: torch.Tensor, kind: str, cfg: dict,
     return grid, rest, kwargs
 
 
-def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                config: dict | None = None) -> torch.Tensor:
+def large_fprop(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
     """``y_g = x_g @ W_g^T`` with the persistent kernel.
 
     Shapes: x (M, K) bf16/fp16 on CUDA, weights (G, N, K) any strides (TMA loads need them
     k-contiguous, else pointer loads), offsets (G,) int32/int64 cumulative group ends on x's
-    device -> y (M, N) in x's dtype; rows past ``offsets[-1]`` are zero. ``config`` overrides
-    keys of :func:`large_config` (benchmarks). Under a ``torch.compile`` trace the call is the
-    op ``te_ops::grouped_gemm_large``.
+    device -> y (M, N) in x's dtype; rows past ``offsets[-1]`` are zero. Launch parameters:
+    :func:`large_config`. Under a ``torch.compile`` trace the call is the op
+    ``te_ops::grouped_gemm_large``.
 
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them);
-        ``config`` has an unknown key or a value not of its default's kind (also where no
-        launch is needed).
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
     _check(x, weights, offsets, None, swiglu=False)
     x = x.contiguous()
-    if tracing() and config is None:
+    if tracing():
         return torch.ops.te_ops.grouped_gemm_large(x, weights, offsets)
-    return _launch(x, weights, offsets, None, "fprop", config, _large_kernel)[0]
+    return _launch(x, weights, offsets, None, "fprop", None, _large_kernel)[0]
 
 
-def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                config: dict | None = None) -> torch.Tensor:
+def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
     """``dx_g = dy_g @ W_g`` with the persistent kernel (the fprop kernel reading W as
     (G, K_red, N_out), n-contiguous: ``W_KN``).
 
@@ -572,13 +570,13 @@ def large_dgrad(dy: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     """
     _check(dy, weights, offsets, None, swiglu=False, dgrad=True)
     dy = dy.contiguous()
-    if tracing() and config is None:
+    if tracing():
         return torch.ops.te_ops.grouped_dgrad_large(dy, weights, offsets)
-    return _launch(dy, weights, offsets, None, "dgrad", config, _large_kernel)[0]
+    return _launch(dy, weights, offsets, None, "dgrad", None, _large_kernel)[0]
 
 
 def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                     probs: torch.Tensor | None = None, config: dict | None = None
+                     probs: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``te_ops.gemm.fc1_swiglu``
     runs it where the Gluon ``fc1_swiglu`` rules row holds but the Gluon kernel's operands rule
@@ -603,9 +601,9 @@ def large_fc1_swiglu(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tens
     _check(x, weights, offsets, probs, swiglu=True)
     x = x.contiguous()
     probs = None if probs is None else probs.contiguous()
-    if tracing() and config is None:
+    if tracing():
         return torch.ops.te_ops.grouped_fc1_swiglu_large(x, weights, offsets, probs)
-    h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", config, _large_kernel)
+    h, a = _launch(x, weights, offsets, probs, "fc1_swiglu", None, _large_kernel)
     return h, a
 
 

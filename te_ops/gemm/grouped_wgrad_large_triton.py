@@ -6,7 +6,7 @@ where a ``triton_persistent`` wgrad row of ``te_ops.gemm.rules`` holds: auto at 
 per group on SM90 in bf16, where the flat schedule measured 1.01-1.09x
 ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at 512-2048 rows, where auto
 keeps CUTLASS), and the forced rows (``TE_OPS_GROUPED_GEMM_BACKEND=triton``) from 512
-(``benchmarks/large_gemm_triton.py``,
+(``experimental/gemm_kernel_ab/large_gemm_triton.py`` at commit f0b8839,
 docs/benchmarks.md). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
 dgrad). The schedule, masking and stores below describe the nested schedule
 (``FLAT=False``, the accumulate launch); the default ``FLAT`` one is
@@ -86,8 +86,9 @@ _CPU_PROGRAMS = 4
 
 
 def large_wgrad_config() -> dict[str, int | bool]:
-    """Default launch parameters, not yet tuned (``benchmarks/large_gemm_triton.py --sweep
-    --gemms fc1_wgrad,fc2_wgrad`` is the tuning run): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
+    """Default launch parameters, not yet tuned (the tuning run:
+    ``experimental/gemm_kernel_ab/large_gemm_triton.py --sweep --gemms fc1_wgrad,fc2_wgrad``
+    at commit f0b8839): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
     the tile of torch's CUTLASS kernel), 64 rows per step, 8 warps, 3 stages (3 x 48 KiB of
     shared memory), TMA loads (per-group descriptor bounds in the flat schedule), a TMA-store
     epilogue. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says
@@ -442,7 +443,7 @@ def _launch_plan(x: torch.Tensor, dy: torch.Tensor, groups: int, tma: bool,
 
 
 def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-                config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``dW_g = dy_g^T @ x_g`` with the persistent kernel (module docstring: when dispatched).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (te_ops'
@@ -452,27 +453,25 @@ def large_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     cumulative group ends on x's device, ``offsets[-1] <= M`` (rows past it are padding and
     do not contribute, whatever they hold) -> dW (G, N, K) in x's dtype, zeros for an empty
     group. With ``out`` (fp32 (G, N, K) contiguous, e.g. Megatron's ``main_grad``): ``out +=``
-    the fp32 sums (rounded once, to fp32) and ``out`` is returned. ``config`` overrides keys
-    of :func:`large_wgrad_config` (benchmarks). Under a ``torch.compile`` trace the call is
-    the op ``te_ops::grouped_wgrad_large`` (``..._accumulate`` with ``out``).
+    the fp32 sums (rounded once, to fp32) and ``out`` is returned. Launch parameters:
+    :func:`large_wgrad_config`. Under a ``torch.compile`` trace the call is the op
+    ``te_ops::grouped_wgrad_large`` (``..._accumulate`` with ``out``).
 
     Raises
     ------
     ValueError
-        Shapes, dtypes or devices of the arguments do not match (the message names them);
-        ``config`` has a key that is not :func:`large_wgrad_config`'s (also where no
-        launch is needed).
+        Shapes, dtypes or devices of the arguments do not match (the message names them).
     RuntimeError
         The kernel cannot run here (not CUDA, dtype, no Triton; the reason is given).
     """
     _check(x, dy, offsets, out)
     x, dy = x.contiguous(), dy.contiguous()
-    if tracing() and config is None:
+    if tracing():
         if out is None:
             return torch.ops.te_ops.grouped_wgrad_large(x, dy, offsets)
         torch.ops.te_ops.grouped_wgrad_large_accumulate(x, dy, offsets, out)
         return out
-    return _launch(x, dy, offsets, out, config)
+    return _launch(x, dy, offsets, out, None)
 
 
 def check_wgrad_operands(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> None:
