@@ -50,9 +50,9 @@ accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2
 :func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). It compiles to
 the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6; the plain
 fprop's 0.6 KB stay outside the k-loop, some of these are reloaded in it) and measured
-0.97-0.99x fprop + the SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost about what the
-memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the next tile's
-MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
+0.97-0.99x fprop + the SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost
+about what the memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the
+next tile's MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
 
 Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
 (device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
