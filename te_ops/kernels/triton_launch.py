@@ -166,7 +166,7 @@ class _Runtime:
         return triton.knobs
 
     def device(self) -> int:
-        return torch.cuda.current_device()
+        return torch._C._cuda_getDevice()  # torch.cuda.current_device() without its re-init
 
     def stream(self, device: int) -> int:
         return triton.runtime.driver.active.get_current_stream(device)
@@ -257,6 +257,10 @@ class DirectLauncher:
     def __call__(self, grid: tuple, *args: Any, **kwargs: Any) -> None:
         """Launch on ``grid`` (a tuple of 1-3 ints; another grid, e.g. a callable, takes the
         normal launch) with the kernel's arguments."""
+        self.run(grid, args, kwargs)
+
+    def run(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        """:meth:`__call__` with the arguments as a tuple and a dict (no repacking)."""
         if self.reason is not None:
             return self._fallback(self.reason, grid, args, kwargs)
         if type(grid) is not tuple:  # a callable grid(meta) or a list: Triton's own handling
@@ -290,7 +294,12 @@ class DirectLauncher:
             # (and it would keep the tensor alive); other values may be unhashable.
             return self._fallback("a keyword argument of another kind", grid, args, kwargs)
         device = self.runtime.device()
-        key = self._key(grid, device, types, plan, args, tensors, kwargs, kw_types, knobs)
+        comp = knobs.compilation
+        # Values with their types: True == 1 == 1.0 (one hash), which Triton compiles apart.
+        key = (grid, device, types, plan[1](args), tuple(map(_DTYPE, tensors)),
+               tuple(kwargs.items()), kw_types, rt.debug,
+               getattr(comp, "instrumentation_mode", None),
+               getattr(comp, "fpsan_homomorphic_casts", None))
         entry = self.cache.get(key, False)
         if entry is False:
             compiled = self._fallback("first launch of this key", grid, args, kwargs)
@@ -307,16 +316,6 @@ class DirectLauncher:
         compiled.run(grid[0], g1, g2, self.runtime.stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
         return None
-
-    @staticmethod
-    def _key(grid: tuple, device: int, types: tuple, plan: tuple, args: tuple, tensors: tuple,
-             kwargs: dict, kw_types: tuple, knobs: Any) -> tuple:
-        comp = knobs.compilation
-        # Values with their types: True == 1 == 1.0 (one hash), which Triton compiles apart.
-        return (grid, device, types, plan[1](args), tuple(map(_DTYPE, tensors)),
-                tuple(kwargs.items()), kw_types, knobs.runtime.debug,
-                getattr(comp, "instrumentation_mode", None),
-                getattr(comp, "fpsan_homomorphic_casts", None))
 
     def _entry(self, compiled: Any, n_args: int, kwargs: dict) -> tuple | None:
         """(compiled kernel, the bound values after the positional ones), or ``None`` when
@@ -384,4 +383,4 @@ def _launch_here(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
     launcher = _LAUNCHERS.get(id(kernel))
     if launcher is None or launcher.kernel is not kernel:
         launcher = direct_launcher(kernel)
-    launcher(grid, *args, **kwargs)
+    launcher.run(grid, args, kwargs)
