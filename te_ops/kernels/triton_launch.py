@@ -31,7 +31,8 @@ when full: every distinct integer value is a key).
 
 The normal launch (``kernel[grid](*args, **kwargs)``) runs instead whenever the shortcut does not
 apply: the kernel is not a plain ``triton.runtime.jit.JITFunction`` (``wrap_triton`` under
-``torch.compile``, the interpreter under ``TRITON_INTERPRET=1``), it has pre-run hooks,
+``torch.compile``, the interpreter under ``TRITON_INTERPRET=1``, Gluon's ``GluonJITFunction``,
+whose launch layout this cache has not been checked against), it has pre-run hooks,
 a global value it read changed since compilation (``JITFunction.run`` raises then), a launch
 hook (e.g. the Triton profiler) is installed, an argument is of another kind or a tensor is not
 16-byte aligned, a keyword value is not an int, bool, float, ``None`` or string (a tensor, a
