@@ -1,5 +1,5 @@
 """fc1's persistent fprop with the SwiGLU in its epilogue, ``PAIRED`` (one gate + up accumulator,
-``kernels/grouped_gemm_large_triton.py``), the default of ``large_fc1_swiglu`` since stop 15.
+``kernels/grouped_gemm_large_triton.py``), the default of ``large_fc1_swiglu``.
 
 CPU (CI): the config and its error, the SM90 compile (one flattened loop, one wgmma chain per
 k-step, one W TMA load through the (G, 2, F, K) view, shared memory within 227 KiB, no local
@@ -116,7 +116,7 @@ def test_against_reference_and_the_two_launches_bits(dtype, with_p):
                                     {"TAIL": True},
                                     {"PAIRED": False, "BLOCK_N": 128, "FLAT": False}])
 def test_schedules_loads_and_the_old_kernel_give_the_same_bits(change):
-    """The group walk, pointer loads, half-height tail tiles and stop 12's two-accumulator
+    """The group walk, pointer loads, half-height tail tiles and two-accumulator
     kernel (PAIRED=False) give the default's bits."""
     for sizes, m, n, k in CASES:
         x, w, offs, probs = grouped_operands(sizes, m, n, k, torch.bfloat16)

@@ -174,7 +174,7 @@ def test_tma_store_epilogue_compiles_for_sm90(dgrad, c_half):
     """``TMA_STORE``: the epilogue issues a TMA store (a 2-D bulk tensor copy from shared
     memory) beside its masked stores for the tail parts, and the consumers fence the proxy
     before handing the buffer over; no spills, within shared memory."""
-    assert GG.DISPATCH_CONFIG["TMA_STORE"] is True  # the dispatched config (stop 19)
+    assert GG.DISPATCH_CONFIG["TMA_STORE"] is True  # the dispatched config
     extra = GG.DISPATCH_CONFIG if c_half else {"TMA_STORE": True}
     ptx = _compile_sm90(dgrad, extra=extra).asm["ptx"]
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
@@ -396,10 +396,10 @@ TAIL_CONFIGS = {"skip": TAIL, "skip_half_load": {**TAIL, "HALF_LOAD": True},
                                      "SKIP_TAIL": False},
                 "dispatch": GG.DISPATCH_CONFIG,  # the dispatched calls' config itself
                 # parts inside their group in one TMA store (128-row buffer), and the
-                # dispatched config with masked stores only (before stop 19)
+                # dispatched config with masked stores only (before)
                 "tma_store": {"TMA_STORE": True},
                 "dispatch_masked_stores": {**GG.DISPATCH_CONFIG, "TMA_STORE": False},
-                # tail tiles' rows past the group's end as TMA zero fill (stop 21)
+                # tail tiles' rows past the group's end as TMA zero fill
                 "zero_tail": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True},
                 "zero_tail_skip": {**GG.DISPATCH_CONFIG, "ZERO_TAIL": True, "SKIP_TAIL": True}}
 

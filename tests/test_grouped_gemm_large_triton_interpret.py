@@ -126,7 +126,7 @@ L.FLAT_MAX_GROUPS = 3
 case([3, 0, 5, 1], 12, 40, 24, torch.int32, SMALL, True, True, flat=True)
 L.FLAT_MAX_GROUPS = 1024
 # fc1 PAIRED (the default: one gate + up accumulator, W1 through its (G, 2, F, K) view) against
-# the plain fprop's h bit for bit (h's 32-column tiles there, 16 + 16 here) and stop 12's
+# the plain fprop's h bit for bit (h's 32-column tiles there, 16 + 16 here) and the
 # two-accumulator kernel (PAIRED=False); F = 20 is off the 16-column halves
 gen = torch.Generator().manual_seed(5)
 x = torch.randn(35, 24, generator=gen).half()

@@ -1,10 +1,10 @@
-"""Review of stop 14's persistent fprop / dgrad schedule (``FLAT`` default, ``TAIL``,
+"""Review of persistent fprop / dgrad schedule (``FLAT`` default, ``TAIL``,
 ``WARP_SPEC``; ``kernels/grouped_gemm_large_triton.py``) and its benchmark flags.
 
 * A bad launch config raises also where the launch returns early (no rows, no columns, no
   groups, K = 0): ``_launch`` checked it only on the path that launches.
 * ``benchmarks/large_gemm_triton.py --config-override`` changed the wgrad GEMMs' config too
-  (fprop / dgrad keys reached ``large_wgrad``: ``FLAT=False`` silently timed stop 13's nested
+  (fprop / dgrad keys reached ``large_wgrad``: ``FLAT=False`` silently timed nested
   wgrad as "triton", an fprop-only key failed the run on the GPU), and neither it nor
   ``--variants`` was checked before the GPU work; nor was ``--sweep-filter`` (one that
   matches no config, e.g. ``FLAT=true``, swept nothing and compared the defaults).
@@ -95,7 +95,7 @@ def test_bad_override_or_variant_is_a_usage_error_before_gpu_work(monkeypatch, c
 
 def test_sweep_varies_the_default_schedule():
     """``--sweep`` tunes around the defaults: each key changed alone from ``large_config``
-    (FLAT since stop 14; the sweep's base was still the group walk, so every tile / warps /
+    (FLAT; the sweep's base was still the group walk, so every tile / warps /
     stages / GROUP_M change was timed on the walk only), and the fused kernel's default (since
     stop 15 the fprop's tiles and schedule, ``PAIRED``, which the sweep leaves on) is among
     its configs."""

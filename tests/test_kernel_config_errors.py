@@ -1,4 +1,4 @@
-"""A new user's checks of the stop-15 features on CPU: the epilogue variables' ``explain()``
+"""CPU checks of the epilogue variables' ``explain()``
 text and the benchmark flags of the fused kernels' launch configs."""
 
 from __future__ import annotations
