@@ -182,7 +182,7 @@ def test_columnwise_copy_from_recorded_amax_has_the_same_bytes_and_layout(shape,
     """The CPU column-wise weights copy made from a recorded amax is the copy made from the
     weights alone: same bytes, same scales and the same contiguous (G, K, N) layout (a strided
     copy sent the dgrad GEMM down another CPU matmul path, which summed 1 ulp differently on
-    AVX2 machines: found on such a machine, stop 19)."""
+    AVX2 machines: found on such a machine)."""
     q = Float8CurrentScalingQuantizer(rowwise=False, columnwise=True)
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(*shape, generator=gen).to(dtype)

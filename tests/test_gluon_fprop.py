@@ -127,7 +127,7 @@ def test_tma_store_epilogue_compiles_for_sm90(dgrad, c_half):
     """``TMA_STORE``: the epilogue issues a TMA store (a 2-D bulk tensor copy from shared
     memory) beside its masked stores for the tail parts, and the consumers fence the proxy
     before handing the buffer over; no spills, within shared memory."""
-    assert GG.DISPATCH_CONFIG["TMA_STORE"] is True  # the dispatched config (stop 19)
+    assert GG.DISPATCH_CONFIG["TMA_STORE"] is True  # the dispatched config
     extra = GG.DISPATCH_CONFIG if c_half else {"TMA_STORE": True}
     ptx = _compile_sm90(dgrad, extra=extra).asm["ptx"]
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx

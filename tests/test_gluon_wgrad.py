@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon grouped wgrad (``kernels/grouped_wgrad_gluon.py``, stop 16).
+"""The warp-specialized Gluon grouped wgrad (``kernels/grouped_wgrad_gluon.py``).
 
 CPU (CI, with or without Triton): the config, argument errors, the gate's reasons, the fake
 kernel of ``te_ops::grouped_wgrad_gluon`` and its trace under ``torch.compile(fullgraph=True)``;
@@ -13,7 +13,7 @@ CUDA-graph replay with changed offsets and ``torch.compile(fullgraph=True)`` bit
 eager. The default and ping-pong CUDA cases passed on the H200 (docs/benchmarks.md); the
 subtiled-epilogue ones (``epi2``, ``epi4``) have not run there as tests: the same cases in
 ``benchmarks/gluon_wgrad.py --check`` did (bitwise equal to ``_grouped_mm``,
-h200_gluon_wgrad_tune_2026-11-30_stop16.jsonl).
+h200_gluon_wgrad_tune_2026-11-30.jsonl).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PINGPONG = {"CONSUMERS": 2, "num_warps": 4, "BLOCK_K": 128, "STAGES": 4}
 EPI2 = {"STAGES": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
 EPI4 = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
 #: tile order in bands of GROUP_N dW row tiles (the default 8; 3: bands that do not divide
-#: the row tiles; 1: a whole row of tiles at a time, the order before stop 19)
+#: the row tiles; 1: a whole row of tiles at a time, the earlier order)
 GN3 = {"GROUP_N": 3}
 GN1 = {"GROUP_N": 1}
 
@@ -46,7 +46,7 @@ def test_config_keys_and_default():
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"], cfg["num_warps"]) == (
         128, 256, 1, 8)
     assert (cfg["STAGES"], cfg["EPI_SPLIT"], cfg["EPI_BUFS"]) == (3, 1, 1)  # whole-tile store
-    assert cfg["GROUP_N"] == 8  # tile bands of 8 dW row tiles (stop 19)
+    assert cfg["GROUP_N"] == 8  # tile bands of 8 dW row tiles
 
 
 @pytest.mark.parametrize("config, match", [
@@ -305,10 +305,10 @@ def test_compile_fullgraph_equals_eager():
 @pytest.mark.parametrize("config", [{}, EPI4], ids=["default", "epi4_stages4"])
 def test_sm90_compile_takes_three_descriptor_slots(config):
     """Global scratch per program: x's and dy's per-group descriptors (made in the loader's
-    per-group loop, carried by no loop) and the output's, 128 bytes each (stop 18: 640 bytes
+    per-group loop, carried by no loop) and the output's, 128 bytes each (640 bytes
     before, with two loop seeds). Triton's launcher takes programs x this from the torch
     allocator; it is live at the step's memory peak when this wgrad is the last GEMM of the
     backward (docs/benchmarks.md, "Energy per step at the power cap; peak memory at the KiB
-    scale (stop 18)")."""
+    scale")."""
     kernel = _compile_sm90(config)
     assert kernel.metadata.global_scratch_size == 3 * 128

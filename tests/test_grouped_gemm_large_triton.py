@@ -3,7 +3,7 @@
 CPU (CI, with or without triton): the config and argument errors, the TMA gate's reasons, the
 program count. The interpreter run of the kernel is in
 ``tests/test_grouped_gemm_large_triton_interpret.py``. CUDA (``@pytest.mark.cuda``, not yet run
-on the H200 when written, stop 12): fprop and fc1 + SwiGLU against an fp64 per-expert
+on the H200 when written): fprop and fc1 + SwiGLU against an fp64 per-expert
 ``torch.nn.functional.linear`` reference at N(0, 1) inputs and init-scale weights (bf16, fp16;
 TMA and pointer loads; padding rows over NaN garbage; empty and skewed groups; dims off the
 tiles), ``a`` bitwise equal to the Triton SwiGLU forward on the kernel's ``h``, a shape of each

@@ -122,7 +122,7 @@ def test_backend_choice_is_not_cached_before_the_probe(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_CHOICES", {})
     monkeypatch.setattr(grouped_gemm, "_PROBE_CACHE", {})
     grouped_gemm.select_backend(torch.device("meta"), torch.float16, 16, 16, True)
-    # (the key's head, not the whole key: its tail grows with the dispatch rules; stop 16
+    # (the key's head, not the whole key: its tail grows with the dispatch rules
     # added the Gluon kinds, which a hard-coded 9-tuple never matched)
     cached = any(k[:5] == (torch.device("meta"), torch.float16, 16, 16, True)
                  for k in grouped_gemm._CHOICES)

@@ -13,7 +13,7 @@ group order, the entry points' host caches): faults found and their fixes.
    answered a CPU device with the current CUDA device's SM count and capability (its index
    is ``None``, which they read as "the current CUDA device"): a silent wrong answer. They
    now raise ``ValueError`` naming ``device`` for a device that is not CUDA.
-3. The persistent wgrad's ``config`` was never checked, and stop 15's ``_launch_plan`` puts
+3. The persistent wgrad's ``config`` was never checked, and ``_launch_plan`` puts
    ``ACCUMULATE=False`` *before* the config's keys for the flat schedule: a config holding
    ``ACCUMULATE`` (before: a duplicate-keyword ``TypeError`` at the launch) now turned the
    launch into an accumulation into the uninitialised output (garbage, silently), and a

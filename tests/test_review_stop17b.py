@@ -12,11 +12,11 @@ from te_ops.gemm import grouped_gemm_gluon as GG
 # ------------------------------------------------------------------------ dispatch text
 @pytest.mark.parametrize("features, rows, kinds", [
     ((4096, 28672), "2048", ("fprop", "dgrad")),
-    ((7168, 4096), "1024", ("dgrad",)),  # E32 fc1: its fprop back in Triton (stop 20)
+    ((7168, 4096), "1024", ("dgrad",)),  # E32 fc1: its fprop back in Triton
     ((768, 2048), "512", ("fprop", "dgrad"))])
 def test_gluon_dispatch_text_claims_what_was_measured(monkeypatch, features, rows, kinds):
     """The stop-17 entries (E8 / E32) measured 1.006-1.037x the Triton kernel: the choice's
-    reason must not say ">= 1.03x" (stop 16's threshold); it names the rule's entries."""
+    reason must not say ">= 1.03x" (threshold); it names the rule's entries."""
     from te_ops.gemm import dispatch as grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)

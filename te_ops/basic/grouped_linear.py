@@ -25,6 +25,7 @@ from ..gemm import (
     grouped_dgrad,
     grouped_fprop,
     grouped_mm_operand_reason,
+    grouped_mm_operands,
     select_backend,
     stack_weights,
 )
@@ -752,8 +753,17 @@ class GroupedLinear(BasicOperation):
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
                         quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
                                          rowwise=True))
-        self._record_operand_alignment(backend, operands)
-        y = grouped_fprop(*operands, splits, backend)
+        x_op, w_op = operands
+        if (backend.name != "loop" and type(x_op) is torch.Tensor
+                and isinstance(w_op, torch.Tensor) and not is_quantized(w_op)):
+            # the plain operands checked (and copied where misaligned) once, for the GEMM
+            # and for explain()'s record
+            (x_op, w_op), reasons = grouped_mm_operands(("input", x_op), ("weight", w_op))
+            self._record_alignment_reasons(reasons)
+            y = grouped_fprop(x_op, w_op, splits, backend, aligned=True)
+        else:
+            self._record_operand_alignment(backend, operands)
+            y = grouped_fprop(*operands, splits, backend)
         if self.has_bias:
             y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
@@ -768,6 +778,11 @@ class GroupedLinear(BasicOperation):
         reasons = [] if backend.name == "loop" else [
             r for name, t in zip(("input", "weight"), operands)
             if isinstance(t, torch.Tensor) and (r := grouped_mm_operand_reason(name, t))]
+        self._record_alignment_reasons(reasons)
+
+    def _record_alignment_reasons(self, reasons: list[str]) -> None:
+        """Record (or, with no ``reasons``, drop) the note that fprop's grouped GEMM copies
+        its misaligned operands."""
         records = self.__dict__.setdefault("_dispatch_records", {})
         if reasons:
             self.record_dispatch("grouped GEMM operands", "; ".join(reasons) + ": copied to a "

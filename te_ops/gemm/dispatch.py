@@ -577,16 +577,18 @@ def _zero_padding(out: torch.Tensor, splits: GroupedSplits) -> torch.Tensor:
 
 
 def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
-                  backend: BackendChoice) -> torch.Tensor:
+                  backend: BackendChoice, aligned: bool = False) -> torch.Tensor:
     """``y_g = x_g @ W_g^T`` for every group.
 
     Shapes: x (M, K), weights (G, N, K) → y (M, N), same dtype as x; padding rows are zero.
     Quantized operands (a recipe's ``QuantizedTensorStorage``) go to the scaled GEMMs of
-    ``te_ops.quantization.gemm`` (same for dgrad and wgrad).
+    ``te_ops.quantization.gemm`` (same for dgrad and wgrad). ``aligned``: the plain operands
+    come from :func:`grouped_mm_operands` already (the caller recorded its reasons), so they
+    are not checked again.
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
-    if backend.name != "loop":  # misaligned views are copied (grouped_mm_operands)
+    if backend.name != "loop" and not aligned:  # misaligned views are copied
         (x, weights), _ = grouped_mm_operands(("x", x), ("weights", weights))
     if "fprop" in backend.triton_kinds:
         return triton_fprop(x, weights, splits.offsets)

@@ -49,7 +49,7 @@ from .grouped_gemm_large_triton import (
     grid_size,
     large_fc1_swiglu,
 )
-from ..kernels.triton_launch import next_power_of_2
+from ..kernels.triton_launch import launch, next_power_of_2
 
 gluon = GG.gluon
 if gluon is not None:
@@ -287,9 +287,9 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
     _ensure_allocator()
     grid = (grid_size(x.device, m, groups, ffn, cfg["BLOCK_M"], cfg["BLOCK_N"] // 2),)
     p = probs if probs is not None else x
-    _fc1_swiglu_kernel[grid](x, weights, h, a, p, offsets, m, ffn, k, groups, grid[0],
-                             weights.stride(0), weights.stride(1), HAS_P=probs is not None,
-                             GBLOCK=max(next_power_of_2(groups), 1), maxnreg=GG.MAXNREG, **cfg)
+    launch(_fc1_swiglu_kernel, grid, x, weights, h, a, p, offsets, m, ffn, k, groups, grid[0],
+           weights.stride(0), weights.stride(1), HAS_P=probs is not None,
+           GBLOCK=max(next_power_of_2(groups), 1), maxnreg=GG.MAXNREG, **cfg)
     return h, a
 
 

@@ -81,7 +81,7 @@ from .grouped_gemm_large_triton import (
     large_fprop,
     tma_unsupported_reason,
 )
-from ..kernels.triton_launch import next_power_of_2
+from ..kernels.triton_launch import launch, next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
     import triton
@@ -588,7 +588,7 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, dgrad
         raise RuntimeError(f"the Gluon grouped GEMM cannot run: {why}")
     _ensure_allocator()
     grid, rest, kwargs = _launch_args(x, weights, dgrad, cfg)
-    _gluon_kernel[grid](x, weights, y, offsets, *rest, **kwargs)
+    launch(_gluon_kernel, grid, x, weights, y, offsets, *rest, **kwargs)
     return y
 
 

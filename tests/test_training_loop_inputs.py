@@ -1,4 +1,4 @@
-"""A new user's CPU checks of training-loop integration and input validation (stop 16):
+"""CPU checks of training-loop integration and input validation:
 each test is a fault a user hit, compared against the independent fp64 reference."""
 
 from __future__ import annotations

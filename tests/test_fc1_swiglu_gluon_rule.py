@@ -1,4 +1,4 @@
-"""Review of stop 17 (the Gluon fc1 + SwiGLU epilogue, ``kernels/fc1_swiglu_gluon.py``, and
+"""The Gluon fc1 + SwiGLU epilogue, ``kernels/fc1_swiglu_gluon.py``, and
 its dispatch in ``fused/fc1_epilogue.py``).
 
 * The rule ``GLUON_FC1_RULE`` was measured on SM90 in bfloat16 only; it was keyed on the

@@ -1,5 +1,5 @@
-"""A new user's checks of the stop-15 features on CPU: the epilogue variables' ``explain()``
-text and the fused kernels' launch config checks."""
+"""CPU checks of the epilogue variables' ``explain()`` text and of the fused kernels' launch
+config checks."""
 
 from __future__ import annotations
 

@@ -369,7 +369,7 @@ def test_example_progress_variable_is_checked_by_the_example(monkeypatch):
 @pytest.mark.parametrize("name,closest", [
     ("TE_OPS_FUSE_GROUPED_MLP_FORWRD", "TE_OPS_FUSE_GROUPED_MLP_FORWARD"),
     ("TE_OPS_FUSIONS", "TE_OPS_FUSION"),
-    # stop 18 (a new user's trial): any case or spacing of "TE_OPS" counts, matched to the
+    # any case or spacing of "TE_OPS" counts, matched to the
     # closest name ignoring case (before: no warning, or one naming no variable)
     ("TE_OPS_graph_safe", "TE_OPS_GRAPH_SAFE"),
     ("te_ops_fusion", "TE_OPS_FUSION"),

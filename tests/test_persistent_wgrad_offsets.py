@@ -1,4 +1,4 @@
-"""Review of stop 14 (the flat-schedule persistent wgrad): faults found and their fixes.
+"""The flat-schedule persistent wgrad: offsets and shared-memory edge cases.
 
 1. Offsets that are not contiguous (a strided view of the cumulative ends): every Triton
    grouped GEMM launch passed the tensor to its kernel, which reads ``offs_ptr + g``, so
@@ -20,7 +20,7 @@ import torch
 from interpret import interpreter_marks, run_interpreted
 from sm90_compile import compile_for_sm90
 
-_INTERPRETER = interpreter_marks("tests/test_review_stop14_wgrad.py (the cuda tests)")
+_INTERPRETER = interpreter_marks("tests/test_persistent_wgrad_offsets.py (the cuda tests)")
 
 SCRIPT = r'''
 import torch
@@ -160,7 +160,7 @@ def test_cuda_strided_and_int64_offsets():
 def test_cuda_flat_many_tiles_per_program(dtype, cfg):
     """The flat schedule where programs run many tiles of several groups (300 groups, not a
     power of 2, 1200 tiles over the SMs: descriptors change per group inside one program's
-    pipelined loop; stop 14's GPU cases had at most one tile per program), with empty groups,
+    pipelined loop; GPU cases had at most one tile per program), with empty groups,
     skewed sizes and NaN padding: the fp64 reference and the nested schedule's bits."""
     from te_ops.gemm import grouped_wgrad_large_triton as W
 

@@ -1,4 +1,4 @@
-"""Faults a new user found at stop 18 (README-driven use on CPU, bad and edge inputs).
+"""README-driven use on CPU: bad and edge inputs.
 
 Each test names the kind of fault it guards against; values are compared with the float64
 per-expert reference of ``tests/reference.py``.
@@ -111,7 +111,7 @@ def test_repeated_call_grad_of_first_order_grad_raises():
 # at all, and TE_OPS_graph_safe got one without the closest name (compared case-sensitively);
 # each has no effect, so the user's setting was silently ignored.
 
-# (the cases are in tests/test_issue7_faults.py::test_misspelled_variable_warns_with_closest_name)
+# (the cases are in tests/test_autograd_and_input_faults.py::test_misspelled_variable_warns_with_closest_name)
 
 
 @pytest.mark.parametrize("name", ["TRAIN_MOE_PROGRESS", "MY_TE_OPS_FUSION", "TEX_OPS"])

@@ -1,4 +1,4 @@
-"""Findings of a new-user review of stop 12 (fc1 recompute, fc1 epilogue, bound launches,
+"""Regression tests (fc1 recompute, fc1 epilogue, bound launches,
 the Sequential shortcut, GroupedLinearSaved.load); one test per finding, CPU only.
 
 Each test compares against what the call actually did (the tensors autograd saved, counted

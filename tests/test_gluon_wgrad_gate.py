@@ -1,4 +1,4 @@
-"""Review of stop 16 (the Gluon wgrad and its dispatch): regression tests of the defects found.
+"""The Gluon wgrad's gate and dispatch: regression tests.
 
 * The Gluon launch went straight to ``kernel[grid]``: Triton launches on the *current* CUDA
   device, so x on ``cuda:1`` while ``cuda:0`` is current ran the kernel (and allocated its

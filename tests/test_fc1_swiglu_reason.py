@@ -1,4 +1,4 @@
-"""Review of stop 16's merged dispatch (the two Gluon families in one ``BackendChoice``):
+"""The merged dispatch (the two Gluon families in one ``BackendChoice``):
 regression tests of the defects found.
 
 * ``fc1_swiglu_reason`` (recorded for ``explain()`` as "fc1 SwiGLU epilogue") said fc1's

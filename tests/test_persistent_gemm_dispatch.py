@@ -1,4 +1,4 @@
-"""Review of the stop-13 dispatch of the persistent many-rows Triton GEMMs (``large_kinds``).
+"""The dispatch of the persistent many-rows Triton GEMMs (``large_kinds``).
 
 CPU (CI), with CUDA pieces faked as in ``test_large_gemm_dispatch.py``:
 
@@ -154,7 +154,7 @@ class _Act:
 
 def test_fc1_swiglu_reason_names_the_persistent_kernel(monkeypatch):
     """fc1's fprop in the persistent kernel (auto at >= 32 rows per group, or forced): auto
-    does not take the epilogue (measured slower there, stop 15), and the reason says why (not
+    does not take the epilogue (measured slower there), and the reason says why (not
     "does not run in Triton"); ``1`` takes the persistent kernel's fused launch (same bits)."""
     for choice in (FORCED_LARGE, BackendChoice("triton", "auto", True,
                                                large_kinds=("fprop", "dgrad"))):
