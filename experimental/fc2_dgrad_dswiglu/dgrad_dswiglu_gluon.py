@@ -49,8 +49,7 @@ the bottleneck (3x slower at E128, H200); staging probs in shared memory once pe
 changed nothing measurable.
 
 Speed (H200, bf16, 2026-11-30, ``benchmarks/large_gemm_triton.py --gemms fc2_dswiglu
---gluon``, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue
-(stop 17)"): 1.14-1.30x the Triton fused kernel, but 0.73x (E8 T16384 H4096 FF14336), 0.76x
+--gluon``, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue"): 1.14-1.30x the Triton fused kernel, but 0.73x (E8 T16384 H4096 FF14336), 0.76x
 (E32 T32768 H7168 FF2048) and 0.93x (E128 T65536 H2048 FF768) the two launches: at these
 tiles the GEMM alone is slower than the plain dgrad at 128 x 256 (at 128 x 128: 4.10 against
 2.65 ms at E8), and the epilogue's traffic and issue slots still slow the mainloop. So

@@ -25,8 +25,7 @@ Which kernel runs the fused launch (:func:`dswiglu_kernel`, ``TE_OPS_FC2_DSWIGLU
 under ``auto`` the warp-specialized Gluon kernel (``kernels/dgrad_dswiglu_gluon.py``; the
 same bits: dh and a the two launches', dprobs the same deterministic partial sums) where it
 can run (SM90, Triton's Gluon API, TMA-aligned operands), else the persistent Triton one.
-Measured (docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue
-(stop 17)"): the Gluon kernel 1.14-1.30x the Triton fused kernel at the three issue-10 shapes,
+Measured (docs/benchmarks.md "fc2 dgrad + dSwiGLU in a warp-specialized Gluon epilogue"): the Gluon kernel 1.14-1.30x the Triton fused kernel at the three issue-10 shapes,
 but still 0.73-0.93x the two launches, so ``auto`` of ``TE_OPS_FC2_DSWIGLU_EPILOGUE`` stays
 off.
 
@@ -60,7 +59,7 @@ _KIND = FC2_EPILOGUE
 #: T32768 H7168 FF2048 (1024), 0.74x at E128 T65536 H2048 FF768 (512) and 0.57x at E128
 #: T16384 (128), best launch config of each; the epilogue's h loads and dh / a stores do not
 #: overlap the GEMM (one program per SM, no warp specialization on SM90 in Triton 3.6). The
-#: warp-specialized Gluon kernel (stop 17, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a
+#: warp-specialized Gluon kernel (an earlier change, docs/benchmarks.md "fc2 dgrad + dSwiGLU in a
 #: warp-specialized Gluon epilogue") measured 0.73x (E8), 0.76x (E32) and 0.93x (E128) the
 #: two launches: still never.
 AUTO_MIN_ROWS_PER_GROUP: float = float("inf")

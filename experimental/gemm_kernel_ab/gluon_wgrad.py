@@ -1,5 +1,5 @@
 """The warp-specialized Gluon grouped wgrad against ``torch._grouped_mm`` and te_ops' Triton
-wgrad (CUDA, SM90, bf16; stop 16 of issue 10).
+wgrad (CUDA, SM90, bf16; an earlier change of issue 10).
 
 For the issue-10 shapes (``large_gemm_triton.SHAPES``; ``--shapes`` may name its
 ``MID_SHAPES``) and the two wgrads (``fc1_wgrad``: x (T, H), dh (T, 2FF) -> (E, 2FF, H);

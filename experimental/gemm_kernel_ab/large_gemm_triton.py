@@ -159,7 +159,7 @@ SWEEP = [{**_BASE, **change} for change in (
 #: ``large_wgrad_config()`` (the flat schedule with per-group TMA bounds and a TMA-store
 #: epilogue; dW tile BLOCK_N x BLOCK_K, BLOCK_M rows per step; every one fits SM90's shared
 #: memory, stages plus the epilogue tile, and the fp32 accumulator stays <= 128 registers
-#: per thread). ``FLAT=False`` is stop 13's nested schedule (a k-loop per tile).
+#: per thread). ``FLAT=False`` is the nested schedule (a k-loop per tile).
 _WGRAD_BASE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "USE_TMA": True,
                "SORTED": True, "FLAT": True, "DESC_BOUNDS": True, "TMA_STORE": True,
                "SUBTILE": 1, "WARP_SPEC": False, "num_warps": 8, "num_stages": 3}

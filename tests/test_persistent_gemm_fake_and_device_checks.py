@@ -1,4 +1,4 @@
-"""Review of stop 15 (bound call sites of the persistent GEMMs, the flat wgrad's in-kernel
+"""The persistent GEMMs' host checks (the flat wgrad's in-kernel
 group order, the entry points' host caches): faults found and their fixes.
 
 1. The fake-tensor test of the persistent kernels' TMA gates (``_fake`` in
@@ -8,7 +8,7 @@ group order, the entry points' host caches): faults found and their fixes.
    Python type is ``torch.Tensor``) around a FakeTensor is fake (``is_fake`` unwraps it), so
    ``tma_unsupported_reason`` read its data pointer, which raises ("Cannot access data
    pointer of Tensor that doesn't have storage"), where it read the storage offset before
-   stop 15. The shortcut now also leaves out functorch-wrapped tensors.
+   an earlier change. The shortcut now also leaves out functorch-wrapped tensors.
 2. ``triton_launch.sm_count`` / ``capability`` (public, in ``__all__``) took any device and
    answered a CPU device with the current CUDA device's SM count and capability (its index
    is ``None``, which they read as "the current CUDA device"): a silent wrong answer. They

@@ -1,4 +1,4 @@
-"""Review of the persistent many-rows Triton grouped GEMMs: edge inputs.
+"""The persistent many-rows Triton grouped GEMMs: edge inputs.
 
 * No groups (weights (0, N, K), offsets (0,)) with rows: every row is padding (the kernel
   read ``offsets[0]`` and ``offsets[-1]`` of an empty tensor: a segfault in the interpreter).

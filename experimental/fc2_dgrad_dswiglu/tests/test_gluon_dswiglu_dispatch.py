@@ -1,7 +1,7 @@
-"""Review of stop 17's Gluon merges (gtail17: the 4-stage ``C_HALF`` fprop/dgrad and its
+"""Review of the Gluon merges (gtail17: the 4-stage ``C_HALF`` fprop/dgrad and its
 dispatch; gdsw17: the Gluon fc2 dgrad + dSwiGLU kernel and ``TE_OPS_FC2_DSWIGLU_KERNEL``).
 
-CPU: the dispatch text claims no speed-up the stop-17 rule entries were not measured at; the
+CPU: the dispatch text claims no speed-up the rule entries were not measured at; the
 Gluon fprop/dgrad config rejects values of the wrong kind naming the key; the dSwiGLU kernel's
 config rejects launches over SM90's shared memory (and the benchmark's ``--gluon`` turns that
 into a usage error); ``explain()`` says why the fused launch runs the Triton kernel under
@@ -31,11 +31,11 @@ N128 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "WORKER_REGS": 128,
 # ------------------------------------------------------------------ gtail17: dispatch text
 @pytest.mark.parametrize("features, rows, kinds", [
     ((4096, 28672), "2048", ("fprop", "dgrad")),
-    ((7168, 4096), "1024", ("dgrad",)),  # E32 fc1: its fprop back in Triton (stop 20)
+    ((7168, 4096), "1024", ("dgrad",)),  # E32 fc1: its fprop back in Triton
     ((768, 2048), "512", ("fprop", "dgrad"))])
 def test_gluon_dispatch_text_claims_what_was_measured(monkeypatch, features, rows, kinds):
-    """The stop-17 entries (E8 / E32) measured 1.006-1.037x the Triton kernel: the choice's
-    reason must not say ">= 1.03x" (stop 16's threshold); it names the rule's entries."""
+    """The entries (E8 / E32) measured 1.006-1.037x the Triton kernel: the choice's
+    reason must not say ">= 1.03x" (the threshold); it names the rule's entries."""
     from te_ops.gemm import dispatch as grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "large_auto_reason", lambda *a: None)

@@ -15,7 +15,7 @@ from te_ops.gemm import grouped_gemm_gluon as GG
     ((7168, 4096), "1024", ("dgrad",)),  # E32 fc1: its fprop back in Triton
     ((768, 2048), "512", ("fprop", "dgrad"))])
 def test_gluon_dispatch_text_claims_what_was_measured(monkeypatch, features, rows, kinds):
-    """The stop-17 entries (E8 / E32) measured 1.006-1.037x the Triton kernel: the choice's
+    """The entries (E8 / E32) measured 1.006-1.037x the Triton kernel: the choice's
     reason must not say ">= 1.03x" (threshold); it names the rule's entries."""
     from te_ops.gemm import dispatch as grouped_gemm
 
