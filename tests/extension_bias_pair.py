@@ -1,12 +1,5 @@
-"""A fusion as a fused-op file: the forward of Bias -> Bias into one buffer (the docs' example).
-
-In te_ops it would be ``te_ops/fused/bias_pair.py`` ending in
-``register_forward_fusion(fuse_bias_pair_forward, name="bias_pair_forward")`` and imported by
-one line of ``te_ops/fused/__init__.py``; here tests/test_extension_examples.py registers it
-for its tests only (other tests' Bias -> Bias blocks stay unfused).
-"""
-
-from __future__ import annotations
+"""A fusion: Bias -> Bias forward in one buffer. In te_ops: te_ops/fused/bias_pair.py, ending
+in ``register_forward_fusion(fuse_bias_pair_forward, name="bias_pair_forward")``."""
 
 import te_ops
 from te_ops.fuser import match_window
@@ -16,8 +9,7 @@ BIAS_PAIR = [("the first Bias", te_ops.Bias), ("the second Bias", te_ops.Bias)]
 
 
 class ForwardBiasPair(FusedOperation):
-    """Forward of Bias -> Bias: ``(x + b1) + b2``, the unfused order (``x + (b1 + b2)`` rounds
-    differently), the second add in place; the unfused Bias backward pairs with it."""
+    """``(x + b1) + b2``, the unfused order; the unfused Bias backward pairs with it."""
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
         first, second = self.basic_ops
@@ -26,7 +18,6 @@ class ForwardBiasPair(FusedOperation):
 
 
 def fuse_bias_pair_forward(ops, *, recipe=None, info):
-    """Replace each Bias -> Bias window of ``ops`` with :class:`ForwardBiasPair`."""
     out, i = [], 0
     while i < len(ops):
         window, reason = match_window(ops, i, BIAS_PAIR)
