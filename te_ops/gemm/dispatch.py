@@ -33,6 +33,12 @@ Backends
     every kind in Triton, a wgrad into an fp32 ``main_grad`` in ``torch._grouped_mm`` where
     that runs, ``gemm/wgrad_into.py``).
 
+registered kernels
+    Kernels of :mod:`te_ops.gemm.registry`, under auto, per GEMM kind whose first holding and
+    available rules row names one, on any device the row's ``device`` / ``arch`` allow (the
+    table is read for them only while some kernel is registered; :func:`_with_registered`);
+    ``BackendChoice.registered`` says which kinds, ``name`` the backend of the others.
+
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``te_ops.kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
@@ -303,7 +309,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
 
     Under auto (``TE_OPS_GROUPED_GEMM_BACKEND`` unset) on CUDA where the measured rules can
     apply (:func:`_measured_on`), each GEMM kind runs in the kernel of its row of
-    :data:`te_ops.gemm.rules.RULES` (``torch._grouped_mm`` where none holds).
+    :data:`te_ops.gemm.rules.RULES` (``torch._grouped_mm`` where none holds); on any device,
+    a kind whose first holding row names a registered kernel runs in it.
 
     Parameters
     ----------

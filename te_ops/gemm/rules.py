@@ -5,8 +5,10 @@ grouped linear, or ``fc1_swiglu``: fc1's fprop with the (Scaled)SwiGLU forward i
 the GPU architecture (compute-capability major), the operand dtypes, a range of average rows
 per group (padding included) and ranges of the layer's ``in_features`` / ``out_features``.
 :func:`choose` returns the first row whose box holds the call and whose kernel can run here
-(``available``); no row means ``torch._grouped_mm`` for a GEMM kind and two launches (fc1's
-GEMM, then the activation) for ``fc1_swiglu``.
+(``available``); no row means ``torch._grouped_mm`` for a GEMM kind (the loop backend where
+that cannot run) and two launches (fc1's GEMM, then the activation) for ``fc1_swiglu``. A row
+holds on its ``device`` type (``"cuda"`` unless it says otherwise; ``None``: any device) and,
+on CUDA, its ``arch``; a row may name a kernel registered with :mod:`te_ops.gemm.registry`.
 
 Every range is half-open, ``lo <= value < hi``; :func:`at_most`, :func:`above` and
 :func:`between` write closed / open edges exactly. A row holds where it was measured faster
