@@ -403,6 +403,7 @@ def _with_registered(choice: BackendChoice, device: torch.device, dtype: torch.d
     graph_safe = (device_split_sizes
                   and all(registry.get(r.kernel).graph_safe for r in mine.values())
                   and (choice.graph_safe or len(mine) == len(_KINDS)))
+
     def rest(kinds: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(k for k in kinds if k not in mine)
 
