@@ -141,3 +141,30 @@ def test_loop_mm_is_bitwise_the_default_backend(monkeypatch, split, fusion):
     assert "fprop/dgrad/wgrad in the registered kernel loop_mm" in text
     for a, b in zip(picked, default):
         assert torch.equal(a, b)
+
+
+def test_register_kernel_rejects_bad_registrations():
+    with pytest.raises(ValueError, match="name 'gluon' is taken"):
+        register_kernel("gluon", fprop=REGISTRATION["fprop"])
+    with pytest.raises(ValueError, match="must run at least one of fprop, dgrad, wgrad"):
+        register_kernel("nothing")
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        register_kernel("", fprop=REGISTRATION["fprop"])
+    with pytest.raises(KeyError, match="no GEMM kernel 'loop_mm' is registered"):
+        unregister_kernel("loop_mm")
+    register_kernel("loop_mm", **REGISTRATION)
+    try:
+        with pytest.raises(ValueError, match="name 'loop_mm' is taken"):
+            register_kernel("loop_mm", **REGISTRATION)
+    finally:
+        unregister_kernel("loop_mm")
+
+
+def test_a_choice_whose_kernel_was_unregistered_raises(loop_mm):
+    choice = select_backend(torch.device("cpu"), torch.float32, 16, 32, True, 4.0)
+    unregister_kernel("loop_mm")
+    try:
+        with pytest.raises(RuntimeError, match="'loop_mm' chosen for fprop is no longer"):
+            choice.registered_kernel("fprop")
+    finally:
+        register_kernel("loop_mm", **REGISTRATION)  # the fixture unregisters it
