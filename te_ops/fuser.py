@@ -28,6 +28,7 @@ change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -273,15 +274,26 @@ def _run_pass(kind: str, ops: list[FusibleOperation], recipe: Any, info: PlanInf
         if fusion.kind != kind:
             continue
         info._current = fusion.name
-        if not enabled:
-            info.note("TE_OPS_FUSION=0 turns every fusion off")
-            continue
-        if fusion.env_var is not None and not env.read_bool(fusion.env_var):
-            info.note(f"{fusion.env_var}=0")
-            continue
-        ops = fusion.func(ops, recipe=recipe, info=info)
+        off = ("TE_OPS_FUSION=0 turns every fusion off" if not enabled
+               else f"{fusion.env_var}=0" if fusion.env_var is not None
+               and not env.read_bool(fusion.env_var) else None)
+        if off is None:
+            ops = fusion.func(ops, recipe=recipe, info=info)
+        elif _would_fuse(fusion, ops, recipe, info):  # noted only where its pattern is
+            info.note(off)
     info._current = ""
     return ops
+
+
+def _would_fuse(fusion: Fusion, ops: list[FusibleOperation], recipe: Any, info: PlanInfo
+                ) -> bool:
+    """Whether ``fusion`` (switched off) finds its pattern in ``ops``: it would replace an op,
+    or it notes why not. It runs on a scratch copy of ``info``; its result and notes are
+    discarded."""
+    scratch = dataclasses.replace(info, notes=[])
+    fused = fusion.func(list(ops), recipe=recipe, info=scratch)
+    return (bool(scratch.notes) or len(fused) != len(ops)
+            or any(a is not b for a, b in zip(fused, ops)))
 
 
 class OperationFuser:

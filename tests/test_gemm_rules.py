@@ -196,7 +196,7 @@ def test_ranges_helpers():
 
 @pytest.mark.parametrize("field,value,message", [
     ("kind", "fc2_dswiglu", "Rule kind must be one of"),
-    ("kernel", "cutlass", "Rule kernel must be one of"),
+    ("kernel", "", "Rule kernel must be a kernel's name"),
     ("mode", "sometimes", "Rule mode must be 'auto' or 'forced'"),
     ("rows", (8.0, 8.0), "Rule rows must be a range"),
 ])
@@ -205,6 +205,29 @@ def test_bad_rule_raises_naming_the_field(field, value, message):
     args[field] = value
     with pytest.raises(ValueError, match=message):
         Rule(**args)
+
+
+def test_choose_rejects_a_holding_row_that_names_an_unknown_kernel():
+    table = (Rule("fprop", "cutlass", (0.0, math.inf), "x"),)
+    with pytest.raises(ValueError, match="names kernel 'cutlass', which is neither built-in nor"):
+        choose("fprop", 8.0, 1, 1, arch=9, dtype=BF16, table=table)
+    assert choose("dgrad", 8.0, 1, 1, arch=9, dtype=BF16, table=table) is None  # not held
+
+
+def test_device_field_limits_rows_to_their_device_type():
+    cuda_row = Rule("fprop", "gluon", (0.0, math.inf), "x", arch=None)
+    any_row = Rule("fprop", "gluon", (0.0, math.inf), "x", arch=None, device=None)
+    sm9_any_device = Rule("fprop", "gluon", (0.0, math.inf), "x", device=None)
+    for device in ("cpu", "meta"):
+        assert not cuda_row.holds("auto", None, BF16, "fprop", 8.0, 1, 1, device)
+        assert any_row.holds("auto", None, BF16, "fprop", 8.0, 1, 1, device)
+        assert not sm9_any_device.holds("auto", None, BF16, "fprop", 8.0, 1, 1, device)
+    assert cuda_row.holds("auto", 8, BF16, "fprop", 8.0, 1, 1, "cuda")
+    assert sm9_any_device.holds("auto", 9, BF16, "fprop", 8.0, 1, 1, "cuda")
+    assert not sm9_any_device.holds("auto", 8, BF16, "fprop", 8.0, 1, 1, "cuda")
+    # no measured row holds off CUDA
+    assert all(not r.holds(r.mode, None, r.dtypes[0], r.kind, r.rows[0], r.in_features[0],
+                           r.out_features[0], "cpu") for r in rules.RULES)
 
 
 def test_choose_rejects_a_bad_kind():

@@ -36,7 +36,7 @@ import torch
 
 from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_probs
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
-from ..fuser import PlanInfo, match_window
+from ..fuser import PlanInfo, match_window, register_backward_fusion, register_forward_fusion
 from ..op import FusedOperation, FusibleOperation
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
@@ -284,3 +284,9 @@ class BackwardGroupedMLP(FusedOperation):
                      if isinstance(act, ScaledSwiGLU) else [])
         extra2 = [None, gprobs2] if fc2.scale_bias else [None]
         return dgrad1, [grads1, [], grads2], [extra1, extra_act, extra2]
+
+
+register_forward_fusion(fuse_grouped_mlp_forward, name="grouped_mlp_forward",
+                        env_var="TE_OPS_FUSE_GROUPED_MLP_FORWARD")
+register_backward_fusion(fuse_grouped_mlp_backward, name="grouped_mlp_backward",
+                         env_var="TE_OPS_FUSE_GROUPED_MLP_BACKWARD")

@@ -33,6 +33,12 @@ Backends
     every kind in Triton, a wgrad into an fp32 ``main_grad`` in ``torch._grouped_mm`` where
     that runs, ``gemm/wgrad_into.py``).
 
+registered kernels
+    Kernels of :mod:`te_ops.gemm.registry`, under auto, per GEMM kind whose first holding and
+    available rules row names one, on any device the row's ``device`` / ``arch`` allow (the
+    table is read for them only while some kernel is registered; :func:`_with_registered`);
+    ``BackendChoice.registered`` says which kinds, ``name`` the backend of the others.
+
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``te_ops.kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
@@ -41,6 +47,7 @@ the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -52,7 +59,7 @@ from ..splits import META_LOOP_ERROR, GroupedSplits
 from ..tracing import tracing
 from .torch_ops import LOOP_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_loop_host
 from . import grouped_gemm_gluon as gluon_gemm_module
-from . import rules
+from . import registry, rules
 from .grouped_gemm_gluon import gluon_grouped_gemm
 from .grouped_gemm_large_triton import large_dgrad, large_fprop
 from .grouped_gemm_triton import triton_dgrad, triton_fprop, triton_wgrad
@@ -100,6 +107,26 @@ class BackendChoice:
     #: With "wgrad" in ``gluon_kinds``: the Gluon wgrad's launch config, a key of
     #: ``grouped_wgrad_gluon.PRESETS`` (the wgrad rules row's ``config``).
     gluon_wgrad_preset: str = "default"
+    #: (kind, kernel name) pairs: the GEMM kinds that run in a kernel of
+    #: :mod:`te_ops.gemm.registry` (its rules row holds), whatever ``name`` says of the others.
+    registered: tuple[tuple[str, str], ...] = ()
+
+    def registered_kernel(self, kind: str) -> registry.Kernel | None:
+        """The registered kernel that runs ``kind`` (``None``: a built-in path runs it).
+
+        Raises
+        ------
+        RuntimeError
+            The kernel chosen for ``kind`` was unregistered since.
+        """
+        for k, name in self.registered:
+            if k == kind:
+                kernel = registry.get(name)
+                if kernel is None:
+                    raise RuntimeError(f"the GEMM kernel {name!r} chosen for {kind} is no "
+                                       "longer registered (te_ops.gemm.unregister_kernel)")
+                return kernel
+        return None
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -282,7 +309,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
 
     Under auto (``TE_OPS_GROUPED_GEMM_BACKEND`` unset) on CUDA where the measured rules can
     apply (:func:`_measured_on`), each GEMM kind runs in the kernel of its row of
-    :data:`te_ops.gemm.rules.RULES` (``torch._grouped_mm`` where none holds).
+    :data:`te_ops.gemm.rules.RULES` (``torch._grouped_mm`` where none holds); on any device,
+    a kind whose first holding row names a registered kernel runs in it.
 
     Parameters
     ----------
@@ -325,10 +353,65 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
             _CHOICES[key] = choice
+    if forced == "auto" and registry.has_kernels():
+        choice = _with_registered(choice, device, dtype, in_features, out_features,
+                                  rows_per_group, device_split_sizes, graph_safe == "1")
     if (choice.name == "loop" and device_split_sizes and device.type == "meta"
-            and not tracing()):  # refused here, so explain() shows the call's error
-        raise RuntimeError(META_LOOP_ERROR)
+            and not tracing() and len(choice.registered) < len(_KINDS)):
+        raise RuntimeError(META_LOOP_ERROR)  # refused here, so explain() shows the call's error
     return choice
+
+
+def _with_registered(choice: BackendChoice, device: torch.device, dtype: torch.dtype,
+                     in_features: int, out_features: int, rows_per_group: float | None,
+                     device_split_sizes: bool, graph_safe_only: bool) -> BackendChoice:
+    """``choice`` with the GEMM kinds whose first holding rules row names a registered kernel
+    (:mod:`te_ops.gemm.registry`) sent to it. The rows are read in table order on every
+    device their ``device`` / ``arch`` allow; a built-in kernel's row counts where the built-in
+    path takes it (CUDA, where the measured rules apply, its kernel available), so a built-in
+    row before a registered one keeps its kinds. A registered kernel is skipped where its
+    ``unavailable_reason`` gives a reason, or under ``TE_OPS_GRAPH_SAFE=1`` where it is not
+    graph-safe."""
+    arch = device_arch(device)
+    builtin_ok = device.type == "cuda" and _measured_on(device, dtype)
+    builtin_available = _available(out_features)
+
+    def available(rule: rules.Rule) -> bool:
+        kernel = registry.get(rule.kernel)
+        if kernel is None:
+            return builtin_ok and builtin_available(rule)
+        if kernel.runs(rule.kind) is None or (graph_safe_only and not kernel.graph_safe):
+            return False
+        return (kernel.unavailable_reason is None
+                or kernel.unavailable_reason(device, dtype, in_features, out_features) is None)
+
+    picks = {k: rules.choose(k, rows_per_group, in_features, out_features, arch=arch,
+                             dtype=dtype, device=device.type, available=available)
+             for k in _KINDS}
+    mine = {k: r for k, r in picks.items() if r is not None and registry.get(r.kernel)}
+    if not mine:
+        return choice
+    by_kernel: dict[str, list[str]] = {}
+    for k, r in mine.items():
+        by_kernel.setdefault(r.kernel, []).append(k)
+    parts = [f"{'/'.join(kinds)} in the registered kernel {name} "
+             f"({registry.get(name).description}; rules: "
+             f"{'; '.join(dict.fromkeys(mine[k].why for k in kinds))})"
+             for name, kinds in by_kernel.items()]
+    if len(mine) < len(_KINDS):
+        parts.append(f"the other kinds: {choice.name} ({choice.reason})")
+    graph_safe = (device_split_sizes
+                  and all(registry.get(r.kernel).graph_safe for r in mine.values())
+                  and (choice.graph_safe or len(mine) == len(_KINDS)))
+
+    def rest(kinds: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(k for k in kinds if k not in mine)
+
+    return dataclasses.replace(choice, reason="; ".join(parts), graph_safe=graph_safe,
+                               triton_kinds=rest(choice.triton_kinds),
+                               large_kinds=rest(choice.large_kinds),
+                               gluon_kinds=rest(choice.gluon_kinds),
+                               registered=tuple((k, r.kernel) for k, r in mine.items()))
 
 
 #: select_backend's choices, per (device, dtype, features, split-size kind, env values, rules
@@ -588,6 +671,8 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
+    if backend.registered and (kernel := backend.registered_kernel("fprop")) is not None:
+        return kernel.fprop(x, weights, splits)
     if backend.name != "loop" and not aligned:  # misaligned views are copied
         (x, weights), _ = grouped_mm_operands(("x", x), ("weights", weights))
     if "fprop" in backend.triton_kinds:
@@ -612,6 +697,8 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
     """
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
+    if backend.registered and (kernel := backend.registered_kernel("dgrad")) is not None:
+        return kernel.dgrad(dy, weights, splits)
     if backend.name != "loop":
         (dy, weights), _ = grouped_mm_operands(("dy", dy), ("weights", weights))
     if "dgrad" in backend.triton_kinds:
@@ -636,6 +723,8 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
     """
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
+    if backend.registered and (kernel := backend.registered_kernel("wgrad")) is not None:
+        return kernel.wgrad(x, dy, splits)
     if backend.name != "loop":
         (x, dy), _ = grouped_mm_operands(("x", x), ("dy", dy))
     if "wgrad" in backend.gluon_kinds:

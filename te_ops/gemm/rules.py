@@ -5,8 +5,10 @@ grouped linear, or ``fc1_swiglu``: fc1's fprop with the (Scaled)SwiGLU forward i
 the GPU architecture (compute-capability major), the operand dtypes, a range of average rows
 per group (padding included) and ranges of the layer's ``in_features`` / ``out_features``.
 :func:`choose` returns the first row whose box holds the call and whose kernel can run here
-(``available``); no row means ``torch._grouped_mm`` for a GEMM kind and two launches (fc1's
-GEMM, then the activation) for ``fc1_swiglu``.
+(``available``); no row means ``torch._grouped_mm`` for a GEMM kind (the loop backend where
+that cannot run) and two launches (fc1's GEMM, then the activation) for ``fc1_swiglu``. A row
+holds on its ``device`` type (``"cuda"`` unless it says otherwise; ``None``: any device) and,
+on CUDA, its ``arch``; a row may name a kernel registered with :mod:`te_ops.gemm.registry`.
 
 Every range is half-open, ``lo <= value < hi``; :func:`at_most`, :func:`above` and
 :func:`between` write closed / open edges exactly. A row holds where it was measured faster
@@ -31,7 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Rule", "RULES", "KINDS", "KERNELS", "choose", "at_most", "above", "between",
+from . import registry as _registry
+from .registry import BUILTIN_KERNELS, registered_kernels
+
+__all__ = ["Rule", "RULES", "KINDS", "KERNELS", "kernel_names", "choose", "at_most", "above", "between",
            "around", "override", "rules_text", "SECTIONS", "MEASURED_ROWS", "MEASURED_IN", "MEASURED_OUT"]
 
 INF = math.inf
@@ -39,13 +44,14 @@ INF = math.inf
 #: The GEMM kinds a rule decides.
 KINDS = ("fprop", "dgrad", "wgrad", "fc1_swiglu")
 
-#: The kernels a rule names: ``triton_rows`` (``grouped_gemm_triton``, few rows per group;
-#: ``grouped_mlp_triton.fc1_swiglu`` for ``fc1_swiglu``), ``triton_persistent``
+#: The built-in kernels a rule names: ``triton_rows`` (``grouped_gemm_triton``, few rows per
+#: group; ``grouped_mlp_triton.fc1_swiglu`` for ``fc1_swiglu``), ``triton_persistent``
 #: (``grouped_gemm_large_triton`` / ``grouped_wgrad_large_triton``), ``gluon`` (the
 #: warp-specialized ``grouped_gemm_gluon`` / ``grouped_wgrad_gluon`` / ``fc1_swiglu_gluon``),
 #: ``grouped_mm`` (``torch._grouped_mm``; for ``fc1_swiglu``: the two launches), which no row
-#: of the table needs (it is what no row means) but :func:`override` can put first.
-KERNELS = ("triton_rows", "triton_persistent", "gluon", "grouped_mm")
+#: of the table needs (it is what no row means) but :func:`override` can put first. A row may
+#: also name a kernel of :mod:`te_ops.gemm.registry` (:func:`kernel_names`).
+KERNELS = BUILTIN_KERNELS
 
 #: The sections of docs/performance.md the rows cite (a row's ``why`` starts with its section's
 #: name): the measurements, with the commit, the command and the versions.
@@ -99,9 +105,13 @@ class Rule:
     """One row of the rules table: where ``kernel`` (with launch config ``config``) runs
     ``kind``, and the measurement (``why``: the docs/performance.md section) that says so.
 
-    ``rows``, ``in_features``, ``out_features``: half-open ranges ``(lo, hi)``; ``arch``: the
-    CUDA compute-capability major (``None``: any CUDA GPU); ``mode``: ``"auto"`` (the default
-    dispatch) or ``"forced"`` (``TE_OPS_GROUPED_GEMM_BACKEND=triton``).
+    ``rows``, ``in_features``, ``out_features``: half-open ranges ``(lo, hi)``; ``device``:
+    the torch device type the row holds on (``"cuda"``, the default; ``None``: any device
+    type, CPU and meta included); ``arch``: on CUDA, the compute-capability major (``None``:
+    any CUDA GPU); a row with an ``arch`` holds on CUDA devices only. ``mode``: ``"auto"``
+    (the default dispatch) or ``"forced"`` (``TE_OPS_GROUPED_GEMM_BACKEND=triton``).
+    ``kernel``: a built-in kernel (:data:`KERNELS`) or a registered one's name, checked when
+    the row is consulted (the kernel's module may register after the table is built).
     """
 
     kind: str
@@ -114,12 +124,13 @@ class Rule:
     dtypes: tuple[torch.dtype, ...] = _BF16
     mode: str = "auto"
     config: str = "default"
+    device: str | None = "cuda"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Rule kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"Rule kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not isinstance(self.kernel, str) or not self.kernel:
+            raise ValueError(f"Rule kernel must be a kernel's name, got {self.kernel!r}")
         if self.mode not in ("auto", "forced"):
             raise ValueError(f"Rule mode must be 'auto' or 'forced', got {self.mode!r}")
         for name in ("rows", "in_features", "out_features"):
@@ -129,10 +140,14 @@ class Rule:
                                  f"{(lo, hi)}")
 
     def holds(self, mode: str, arch: int | None, dtype: torch.dtype | None, kind: str,
-              rows: float, in_features: int, out_features: int) -> bool:
-        """Whether this row's box holds the call (``arch`` / ``dtype`` ``None``: not known,
-        any row's)."""
+              rows: float, in_features: int, out_features: int,
+              device: str | None = None) -> bool:
+        """Whether this row's box holds the call (``arch`` / ``dtype`` / ``device`` (a device
+        type) ``None``: not known, any row's). On a known non-CUDA device only rows with
+        ``arch=None`` and that device (or ``device=None``) hold."""
         return (self.kind == kind and self.mode == mode
+                and (device is None or self.device is None or self.device == device)
+                and (device in (None, "cuda") or self.arch is None)
                 and (arch is None or self.arch is None or self.arch == arch)
                 and (dtype is None or dtype in self.dtypes)
                 and self.in_features[0] <= in_features < self.in_features[1]
@@ -223,26 +238,38 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def kernel_names() -> tuple[str, ...]:
+    """The kernels a row may name: the built-in ones and the registered ones."""
+    return (*BUILTIN_KERNELS, *registered_kernels())
+
+
 def choose(kind: str, rows: float | None, in_features: int, out_features: int, *,
            arch: int | None, dtype: torch.dtype | None, mode: str = "auto",
            available: Callable[[Rule], bool] | None = None,
-           table: tuple[Rule, ...] | None = None) -> Rule | None:
+           table: tuple[Rule, ...] | None = None, device: str | None = None) -> Rule | None:
     """The first row of ``table`` (default :data:`RULES`) that holds this call and whose kernel
     ``available`` accepts (default: every kernel); ``None`` when no row does or ``rows`` is
-    not known (``None``). ``arch`` / ``dtype`` ``None``: not known (any row's holds).
+    not known (``None``). ``arch`` / ``dtype`` / ``device`` (the device type) ``None``: not
+    known (any row's holds).
 
     Raises
     ------
     ValueError
-        ``kind`` is not one of :data:`KINDS`.
+        ``kind`` is not one of :data:`KINDS`, or a row that holds names a kernel that is
+        neither built-in nor registered.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if rows is None:
         return None
     for rule in RULES if table is None else table:
-        if rule.holds(mode, arch, dtype, kind, rows, in_features, out_features) and (
-                available is None or available(rule)):
+        if not rule.holds(mode, arch, dtype, kind, rows, in_features, out_features, device):
+            continue
+        if rule.kernel not in BUILTIN_KERNELS and _registry.get(rule.kernel) is None:
+            raise ValueError(f"a rules row names kernel {rule.kernel!r}, which is neither "
+                             f"built-in nor registered (te_ops.gemm.register_kernel); known: "
+                             f"{kernel_names()}")
+        if available is None or available(rule):
             return rule
     return None
 
@@ -283,7 +310,8 @@ def rules_text(table: tuple[Rule, ...] | None = None) -> str:
     """The table as text, one row a line (the README and docs print it)."""
     lines = []
     for r in RULES if table is None else table:
-        arch = "any" if r.arch is None else f"sm{r.arch}x"
+        arch = ("any" if r.arch is None else f"sm{r.arch}x") if r.device == "cuda" else (
+            r.device or "*")
         dtypes = "/".join(str(d).removeprefix("torch.") for d in r.dtypes)
         lines.append(f"{r.mode:6} {arch:5} {dtypes:16} {r.kind:10} rows {_range_text(r.rows):16}"
                      f" in {_range_text(r.in_features):14} out {_range_text(r.out_features):14}"

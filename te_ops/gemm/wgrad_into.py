@@ -115,7 +115,8 @@ def grouped_wgrad_into(targets: list[torch.Tensor], x: torch.Tensor, dy: torch.T
     live = [g for g, t in enumerate(targets) if t is not None]
     if not live:
         return
-    if is_quantized(x) or is_quantized(dy):  # a recipe's operands: its own GEMM, then one add
+    if (is_quantized(x) or is_quantized(dy)  # a recipe's operands: its own GEMM, then one add
+            or backend.registered_kernel("wgrad") is not None):  # a registered kernel's
         wgrad = grouped_wgrad(x, dy, splits, backend)
     elif backend.name == "loop":
         _loop_into(targets, x, dy, splits, accumulate)
