@@ -18,18 +18,18 @@ each tile in registers so its stores are contiguous, and writes every destinatio
 (zeros in the alignment gaps and the layout's tail: no zero-fill pass).
 
 Each column-wise program issues its next tile's load before working on the current one
-(``PREFETCH``): pass 1 then streams at about 4 TB/s on the weights (H200), against 2.8 without.
-Pass 2 packs the bytes of four destination rows into one 32-bit word before the transpose
+(``PREFETCH``): phase 1 then streams at about 4 TB/s on the weights (H200), against 2.8 without.
+Phase 2 packs the bytes of four destination rows into one 32-bit word before the transpose
 (``PACK4``, where the layout's rows and strides are multiples of 4): 3.5 TB/s on the weights
 against 2.7 byte-wise.
 
 * :func:`fp8_rows`: along the last dim of a contiguous (rows, K) tensor.
 * :func:`fp8_rows_column_amax`: the same for (G, N, K) weights, plus their column amax
-  (per (g, k) over N) folded from the same read, so the later column-wise copy needs pass 2
+  (per (g, k) over N) folded from the same read, so the later column-wise copy needs phase 2
   only.
 * :func:`fp8_columns_grouped`: per group of rows, along the rows, written transposed: the
   column-wise copy of split activations (into the group-aligned layout) and of (G, N, K) weights
-  (pass 2 alone when given the amax).
+  (phase 2 alone when given the amax).
 
 Registered with ``torch.library.triton_op`` so ``torch.compile`` sees them as ops with fake
 kernels (eager calls launch the same kernels directly, without the op dispatch's host time);
@@ -196,7 +196,7 @@ if triton is not None:
                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                               G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
                               ROWS: tl.constexpr, PREFETCH: tl.constexpr = False):
-        # Pass 1: per (group, column) largest finite magnitude. Each program streams CHUNK
+        # Phase 1: per (group, column) largest finite magnitude. Each program streams CHUNK
         # destination rows x BLOCK_C columns once and folds its part of each group into
         # amax (fp32 bits as int32: the order of non-negative floats is that of their bits).
         # ROWS: also each source row's largest finite magnitude (row_amax, (M,), folded across
@@ -301,7 +301,7 @@ if triton is not None:
                            src0, lo, hi, hi_src, cols, cmask, K, OUT_COL_STRIDE,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
                            WRITE_SINV):
-        # Pass 2 of one group's destination rows [lo, hi) with the bytes of four consecutive
+        # Phase 2 of one group's destination rows [lo, hi) with the bytes of four consecutive
         # destination rows packed into one 32-bit word (little-endian: row p + s in byte s)
         # before the in-register transpose: the transpose moves a quarter of the fp32
         # variant's data, and each column's run is stored as 32-bit words. Needs lo, hi,
@@ -349,7 +349,7 @@ if triton is not None:
                                G_BLOCK: tl.constexpr, COLS_FIRST: tl.constexpr,
                                TRANS_BYTES: tl.constexpr, ROWS: tl.constexpr,
                                PREFETCH: tl.constexpr = False, PACK4: tl.constexpr = False):
-        # Pass 2: quantize with the finished amax; writes every destination byte (alignment
+        # Phase 2: quantize with the finished amax; writes every destination byte (alignment
         # gaps and the tail past the last group get zeros), so `out` needs no zero fill.
         # ROWS: the same tiles also give the row-wise copy (row_q (M, K), row_sinv (M,)),
         # scaled by row_amax; the tail's programs write the padding rows' row-wise bytes.
@@ -492,8 +492,8 @@ if triton is not None:
     #: instead of the fp32 one; PREFETCH issues each tile's load one tile ahead (inside a
     #: group's rows); PACK4 packs four destination rows' bytes into one 32-bit word before
     #: the transpose (where ``pack4_ok``; else byte-wise as TRANS_BYTES says). "AMAX"
-    #: overrides the tile settings of pass 1 (amax) alone: the passes share only the amax
-    #: buffers, so their grids may differ; "COLS_ONLY" those of a packed pass 2 that writes
+    #: overrides the tile settings of phase 1 (amax) alone: the phases share only the amax
+    #: buffers, so their grids may differ; "COLS_ONLY" those of a packed phase 2 that writes
     #: no row-wise copy (weights, fc2's input). Measured on an H200
     #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py,
     #: benchmarks/fp8q_variants.py: PACK4 2.62 ms for the six pass-2 calls against 2.92,
@@ -523,7 +523,7 @@ if triton is not None:
                       "COLS_FIRST": cols_first, "ROWS": with_rows,
                       "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
 
-    #: Column blocks with which the packed pass 2 runs. On the H200 (Triton 3.6) 32-column
+    #: Column blocks with which the packed phase 2 runs. On the H200 (Triton 3.6) 32-column
     #: blocks with the row-wise copy wrote wrong column-wise bytes (benchmarks/results/
     #: h200_fp8q_variants_2026-11-30.jsonl, variant 5) while the interpreter's bytes of the
     #: same kernel agree with the byte-wise pass (tests/test_fp8q_interpret.py): cause not
@@ -531,7 +531,7 @@ if triton is not None:
     PACK4_BLOCK_C = (64,)
 
     def pack4_ok(align, num_rows, out_g_stride, out_col_stride, block_c=64):
-        """Whether pass 2 may store four destination rows per 32-bit word: every group's
+        """Whether phase 2 may store four destination rows per 32-bit word: every group's
         first and last aligned row, the chunk bounds and the output strides are multiples of
         4 (``align`` a multiple of 4: callers with uniform groups of ``n % 4 == 0`` rows pass
         ``align=4``, the same layout as 1), and ``block_c`` is in ``PACK4_BLOCK_C``."""
@@ -544,7 +544,7 @@ if triton is not None:
         """Both column-wise passes (amax, then quantize); returns scale_inv (G, K) fp32, or
         with ``with_rows`` (scale_inv, row-wise data (M, K), row-wise scale_inv (M,)) from the
         same two passes. ``amax`` (G, K) fp32, the finished column amax (not with
-        ``with_rows``): pass 2 alone."""
+        ``with_rows``): phase 2 alone."""
         cfg = {**COLS_CONFIG, **(config or {})}
         cfg_amax = {**cfg, **cfg["AMAX"]}
         g, k = sizes.numel(), x.shape[-1]
@@ -569,7 +569,7 @@ if triton is not None:
             cfg = {**cfg, **cfg["COLS_ONLY"]}
         pack4 = cfg["PACK4"] and pack4_ok(align, num_rows, out_g_stride, out_col_stride,
                                           cfg["BLOCK_C"])
-        if not pack4:  # the byte-wise pass 2 keeps its own tiles
+        if not pack4:  # the byte-wise phase 2 keeps its own tiles
             cfg = {**COLS_CONFIG, **(config or {})}
         grid, tiles = _cols_grid(cfg, num_rows, k, g, with_rows)
         wrap(_fp8_cols_quant_kernel)[grid](
