@@ -215,7 +215,7 @@ class BasicOperation(FusibleOperation):
         passes the producer's output, autograd flows back through it (this op's gradient of
         the slot is added to the gradient of the producer's output) and the producer's output
         is internal (not returned). Where the producer is not in the container (this op called
-        on its own, or in a container without it) the slot is a call input as before.
+        on its own, or in a container without it) the slot is a call input.
 
         Parameters
         ----------

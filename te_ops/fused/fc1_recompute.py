@@ -13,8 +13,8 @@ bit-exact. The trade, as in Megatron-LM's selective activation recompute: one mo
 (2·T·H·2F FLOPs: 2/9, about 22 %, of the step's 3 x (2·T·H·2F + 2·T·F·H)) for T x 2F
 activation elements less between forward and backward.
 
-Not honoured (h saved as before, with the reason in ``explain()`` and a warning, once per op and
-reason, :meth:`~te_ops.basic.swiglu.SwiGLU.record_recompute`):
+Not honoured (h saved as with the option off, with the reason in ``explain()`` and a warning,
+once per op and reason, :meth:`~te_ops.basic.swiglu.SwiGLU.record_recompute`):
 
 * the forward runs unfused (fusion toggled off, the fused gate refused, or no
   ``GroupedLinear`` before the activation): the unfused activation cannot reach fc1;

@@ -65,14 +65,13 @@ def rows_config(kind: str, rows_per_group: float, j: int, groups: int,
     """Launch parameters of the fprop (``kind="fprop"``) or dgrad kernel for ``rows`` rows in
     ``groups`` groups (``rows_per_group`` on average) and ``j`` output columns.
 
-    ``BLOCK_J`` / ``BLOCK_R``: the fastest of ``benchmarks/triton_grouped_gemm.py
-    --sweep-decode`` on the H200 (E64 H2048 FF768, 4 rows per group, 2026-11-30, branch
-    graph7): fprop 64 / 128 (fc1 1.05x, fc2 1.12x the earlier 32 / 256), dgrad 128 / 64
-    (fc1 1.08x, fc2 1.60x the earlier 64 / 128, which was halved to 32 columns on fc2);
-    outputs equal bit for bit (the same k-steps in the same order). Warps and stages: the
-    earlier ``--sweep`` (none of the variants beat 4 / 3). Up to ``SPLIT = 4`` programs share
-    one (group, column tile), each taking every SPLIT-th row block (a skewed group's rows in
-    parallel; its weight tile then comes from L2)."""
+    ``BLOCK_J`` / ``BLOCK_R``: the fastest of a decode sweep on the H200 (E64 H2048 FF768,
+    4 rows per group; experimental/gemm_kernel_ab/): fprop 64 / 128 (fc1 1.05x, fc2 1.12x
+    over 32 / 256), dgrad 128 / 64 (fc1 1.08x, fc2 1.60x over 64 / 128, 32 columns on fc2);
+    outputs equal bit for bit (the same k-steps in the same order). Warps and stages: 4 / 3,
+    which no swept variant beat (docs/performance.md "Few-rows Triton GEMMs"). Up to
+    ``SPLIT = 4`` programs share one (group, column tile), each taking every SPLIT-th row
+    block (a skewed group's rows in parallel; its weight tile then comes from L2)."""
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
     if kind == "fprop":
         block_j, block_r = 64, 128

@@ -69,9 +69,9 @@ def fc1_swiglu_config(rows_per_group: float, ffn: int, groups: int,
     its bits), as are the warps and stages. ``BLOCK_J = 32`` gate columns (each program also
     takes the 32 matching up columns: the plain fprop's 64 columns per program) and up to
     ``SPLIT = 8`` programs per (group, column tile): the fastest bitwise-equal variant of
-    ``benchmarks/fc1_epilogue.py --sweep`` at 2, 4 and 8 rows per group on E64 and E128 fc1
-    (H200, 2026-11-30, branch epi8; 1.02-1.08x the two launches, where the fprop's own tiles,
-    64 gate columns and ``SPLIT = 4``, gave 0.97-1.08x)."""
+    ``experimental/gemm_kernel_ab/fc1_epilogue.py --sweep`` at 2, 4 and 8 rows per group on
+    E64 and E128 fc1 (H200; 1.02-1.08x the two launches, where the fprop's own tiles, 64 gate
+    columns and ``SPLIT = 4``, gave 0.97-1.08x; docs/performance.md "fc1 + SwiGLU epilogue")."""
     cfg = rows_config("fprop", rows_per_group, 2 * ffn, groups, rows)
     cfg["BLOCK_J"] = 32
     cfg["SPLIT"] = max(1, min(8, -(-rows // cfg["BLOCK_M"])))
