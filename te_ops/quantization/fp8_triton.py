@@ -495,8 +495,8 @@ if triton is not None:
     #: overrides the tile settings of phase 1 (amax) alone: the phases share only the amax
     #: buffers, so their grids may differ; "COLS_ONLY" those of a packed phase 2 that writes
     #: no row-wise copy (weights, fc2's input). Measured on an H200
-    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py,
-    #: benchmarks/fp8q_variants.py: PACK4 2.62 ms for the six pass-2 calls against 2.92,
+    #: (experimental/fp8_quantize_ab/: the column-wise tile, phase and phase-2 variants;
+    #: PACK4 2.62 ms for the six phase-2 calls against 2.92,
     #: 2.44 with 512-row tiles where no row-wise copy is written: W1 / W2 0.79 / 0.40 ms
     #: against 1.03 / 0.52; 256-row tiles with the row-wise copy: dh 1.35 against 0.77).
     #: "COLS_ONLY_MIN_ROWS": "COLS_ONLY" applies only where the groups average at least this
