@@ -525,7 +525,7 @@ if triton is not None:
 
     #: Column blocks with which the packed phase 2 runs. On the H200 (Triton 3.6) 32-column
     #: blocks with the row-wise copy write wrong column-wise bytes (experimental/
-    #: fp8_quantize_ab/, the pass-2 variants) while the interpreter's bytes of the
+    #: fp8_quantize_ab/, the phase-2 variants) while the interpreter's bytes of the
     #: same kernel agree with the byte-wise pass (tests/test_fp8q_interpret.py): cause not
     #: found, so other blocks keep the byte-wise stores.
     PACK4_BLOCK_C = (64,)
