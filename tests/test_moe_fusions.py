@@ -16,14 +16,21 @@ import itertools
 
 import pytest
 import torch
+from test_moe_layer import MODES, H, _steer, check, make
 
 import te_ops
-from te_ops.gemm import BackendChoice, RowGather, grouped_dgrad, grouped_fprop, grouped_wgrad
-from te_ops.gemm import row_gather_reason, select_backend
+from te_ops.gemm import (
+    BackendChoice,
+    RowGather,
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    row_gather_reason,
+    select_backend,
+)
 from te_ops.gemm.grouped_gemm_triton import check_row_index
 from te_ops.routing import pick
 from te_ops.splits import make_splits
-from test_moe_layer import H, MODES, _steer, check, make
 
 ROUTING_OFF = {"TE_OPS_FUSE_PERMUTE_FC1": "0", "TE_OPS_FUSE_FC2_COMBINE": "0"}
 
