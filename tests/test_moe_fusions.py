@@ -291,3 +291,17 @@ def test_row_gather_is_not_kept_under_a_recipe():
     with pytest.raises(ValueError, match="x2d: a row gather is kept in high precision only"):
         fc1.make_saved(ctx, RowGather(src, torch.tensor([0, 1, 2, 0])), splits, backend, None,
                        (4, H), recipe=te_ops.recipe.Float8CurrentScaling())
+
+
+def test_fc1_recompute_reruns_the_gathered_fprop_bitwise(monkeypatch):
+    """``ScaledSwiGLU(recompute_input=True)`` behind the fused permute: fc1's GEMM is re-run in
+    backward on the row gather its context keeps, with the unfused layer's bits."""
+    moe = make()
+    moe.experts[1].recompute_input = True
+    x = torch.randn(2, 6, H)
+    fused = _step(moe, x)
+    text = moe.block.explain()
+    assert "recompute_input not honoured" not in text
+    monkeypatch.setenv("TE_OPS_FUSION", "0")
+    with pytest.warns(UserWarning, match="recompute_input=True is not honoured"):
+        _same(_step(moe, x), fused)
