@@ -296,6 +296,19 @@ def _resolve(which: str | int, names: list[str | None], count: int, arg: str,
                      f"got {which!r}")
 
 
+def fed_from(producer: BasicOperation, outputs: Sequence[Any], ops: Sequence[BasicOperation],
+             groups: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The extra inputs ``groups`` of ``ops`` with every slot that ``producer`` feeds
+    (:meth:`BasicOperation.feed_extra_input`) set to its output in ``outputs``: what a fused op
+    covering producer and consumers does with the ``None`` the fuser leaves in such a slot."""
+    wired = []
+    for op, group in zip(ops, groups):
+        feeds = op.extra_input_feeds()
+        wired.append(tuple(outputs[feeds[j][1]] if j in feeds and feeds[j][0] is producer
+                           else v for j, v in enumerate(group)))
+    return wired
+
+
 class FusedOperation(FusibleOperation):
     """A stateless stand-in for consecutive basic ops.
 
