@@ -70,9 +70,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
-def assert_close(a, b, dtype, what):
+def assert_close(a, b, dtype, what, tol=TOL):
     assert a is not None and b is not None, what
-    assert rel(a, b) <= TOL[dtype], f"{what}: relative error {rel(a, b):.3g} > {TOL[dtype]}"
+    assert rel(a, b) <= tol[dtype], f"{what}: relative error {rel(a, b):.3g} > {tol[dtype]}"
 
 
 # ------------------------------------------------------------------------------- one block
@@ -454,8 +454,7 @@ def with_correction_bias(model) -> None:
 
 
 def assert_moe_close(a, b, dtype, what):
-    assert a is not None and b is not None, what
-    assert rel(a, b) <= MOE_TOL[dtype], f"{what}: relative error {rel(a, b):.3g}"
+    assert_close(a, b, dtype, what, MOE_TOL)
 
 
 @FAMILY

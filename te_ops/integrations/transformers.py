@@ -345,12 +345,19 @@ def experts_block(module: nn.Module) -> Sequential:
     ValueError
         te_ops cannot run the module as it is now (the reason is given).
     """
-    cached = module.__dict__.get(_BLOCK_KEY)
-    state = _state(module)
+    return _built_for(module, _BLOCK_KEY, _state(module), from_hf_experts)
+
+
+def _built_for(module: nn.Module, key: str, state: tuple[tuple[Any, ...], tuple[Any, ...]],
+               build: Any) -> Any:
+    """``build(module)``, kept in ``module.__dict__[key]`` (a plain attribute: not in
+    ``state_dict`` / ``parameters()``) with the ``state`` it was built from; rebuilt when the
+    module's state differs (a refused module keeps no stale object)."""
+    cached = module.__dict__.get(key)
     if cached is None or not _same_state(cached[0], state):
-        module.__dict__.pop(_BLOCK_KEY, None)  # a refused module keeps no stale block
-        cached = (state, from_hf_experts(module))
-        module.__dict__[_BLOCK_KEY] = cached  # plain attribute: not in state_dict / parameters()
+        module.__dict__.pop(key, None)
+        cached = (state, build(module))
+        module.__dict__[key] = cached
     return cached[1]
 
 
@@ -631,13 +638,7 @@ class TeOpsMoeBlock(nn.Module):
         ValueError
             The block as it is now cannot be mapped (the reason is given).
         """
-        cached = self.__dict__.get(_MOE_KEY)
-        state = _block_state(self)
-        if cached is None or not _same_state(cached[0], state):
-            self.__dict__.pop(_MOE_KEY, None)
-            cached = (state, from_hf_moe_block(self))
-            self.__dict__[_MOE_KEY] = cached
-        return cached[1]
+        return _built_for(self, _MOE_KEY, _block_state(self), from_hf_moe_block)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         moe = self.moe
