@@ -6,7 +6,7 @@
 #     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 6.5 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
-#     STEPS="env moe_layer main_job" bash scripts/gpu_check.sh # the whole layer (limits 8.5 min)
+#     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)
 #
 # On one GPU with a 10-minute limit per command: one call per line above (the limits are upper
 # bounds per step; a step that hits its limit is reported as TIMEOUT and the next one runs).
@@ -142,7 +142,7 @@ bench_lane() {
         --peers torch_grouped_mm,te_ops --out "$OUT/peak"
     step recompute 60 "$PY" benchmarks/recompute_layers.py --shape E8_T16384_H4096_FF14336 \
         --layers 4 --out "$OUT/recompute"
-    step moe_layer 420 "$PY" benchmarks/moe_layer.py --rounds 3 --iters 10 --warmup 3 \
+    step moe_layer 540 "$PY" benchmarks/moe_layer.py --rounds 3 --iters 10 --warmup 3 \
         --out "$OUT/moe_layer"
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT/main_job"
     step main_job_seeds 160 "$PY" scripts/main_job_seeds.py --device cuda \

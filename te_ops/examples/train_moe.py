@@ -213,8 +213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "wgrad too), mxfp8 = "
                         "MXFP8BlockScaling (docs/recipes.md)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="capture each layer's expert block (forward and backward) in CUDA "
-                        "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
+                   help="capture each layer's te_ops.MoE (router to combine, forward and "
+                        "backward) in CUDA graphs with te_ops.graphs.make_graphed_callable "
+                        "(needs --device cuda)")
     p.add_argument("--hf-model", choices=("mixtral", "qwen3_moe"), default=None,
                    help="instead of the te_ops model, train a tiny Hugging Face transformers "
                         "model of that family (same sizes, from a config) twice: with te_ops "
@@ -222,7 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(needs transformers>=5: pip install 'te_ops[hf]')")
     p.add_argument("--compile", action="store_true",
                    help="train through torch.compile(model) (fullgraph without a recipe; the "
-                        "te_ops expert block is one graph call, docs/torch_compile.md)")
+                        "te_ops.MoE layer is one graph call, docs/torch_compile.md)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend with --compile (aot_eager: same kernels as "
                         "eager, bit-identical losses)")
