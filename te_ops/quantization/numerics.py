@@ -203,7 +203,8 @@ def block_quantize_rows(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 
     amax = _tile_amax(tiles, (-1,))
     scale = block_scale_from_amax(amax, pow2=pow2, epsilon=epsilon,
                                   value_for_inf=torch.finfo(x.dtype).max)
-    data = to_e4m3(tiles * scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :k]
+    data = to_e4m3(tiles * scale.unsqueeze(-1))
+    data = data.reshape(*x.shape[:-1], tiles.shape[-2] * FP8_BLOCK)[..., :k]
     return data.contiguous(), scale.reciprocal()
 
 
