@@ -100,8 +100,9 @@ if triton is not None:
         return tl.minimum(tl.maximum(start, 0), end), end
 
     @triton.jit
-    def _rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, M, J, R, G, NRB, NJB,
-                     stride_bg, stride_bj, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    def _fp8_block_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, M, J, R, G,
+                               NRB, NJB, stride_bg, stride_bj, BLOCK_M: tl.constexpr,
+                               SPLIT: tl.constexpr):
         """out[m, j] = sum over 128-blocks kb of dot(a[m, kb], b[g, j, kb]) * sa[m, kb] *
         sb[g, j // 128, kb] for the rows m of group g (a (M, R), sa (M, NRB), sb (G, NJB,
         NRB), out (M, J) contiguous; b[g, j, r] at ``g * stride_bg + j * stride_bj + r``)."""
@@ -133,8 +134,9 @@ if triton is not None:
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _wgrad_kernel(x_ptr, sx_ptr, dy_ptr, sdy_ptr, out_ptr, starts_ptr, ends_ptr,
-                      N, K, C, NT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _fp8_block_wgrad_kernel(x_ptr, sx_ptr, dy_ptr, sdy_ptr, out_ptr, starts_ptr,
+                                ends_ptr, N, K, C, NT, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
         """out[g, n, k] = sum over group g's 128-token tiles t of dot(dy[n, t], x[k, t]) *
         sdy[n, t] * sx[k, t] (x (K, C), dy (N, C), sx (K, NT), sdy (N, NT), out (G, N, K)
         contiguous; the group's aligned tokens [starts[g], ends[g]) are whole tiles)."""
@@ -167,6 +169,18 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
     if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
         raise ValueError(f"{name} must be {dtype} of shape {shape} on {device}, got {t.dtype} "
                          f"of shape {tuple(t.shape)} on {t.device}")
+
+
+def _check_bounds(device: torch.device, groups: int, **bounds: torch.Tensor) -> None:
+    """Raise unless each of ``bounds`` is an int32 / int64 tensor of shape (groups,) and the
+    kernels can run on ``device``."""
+    for name, t in bounds.items():
+        if t.shape != (groups,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 of shape ({groups},), got {t.dtype} "
+                             f"of shape {tuple(t.shape)}")
+    why = unsupported_reason(device)
+    if why is not None:
+        raise RuntimeError(f"the blockwise FP8 Triton GEMMs cannot run: {why}")
 
 
 def _rows_launch(a, sa, b, sb, offsets, out_dtype, kernel):
@@ -220,16 +234,11 @@ def block_rows(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Ten
     _check("b", b, (g, j, r), fp8, a.device)
     _check("sa", sa, (m, cdiv(r, BLOCK)), torch.float32, a.device)
     _check("sb", sb, (g, cdiv(j, BLOCK), cdiv(r, BLOCK)), torch.float32, a.device)
-    if offsets.shape != (g,) or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offsets must be int32/int64 of shape ({g},), got {offsets.dtype} "
-                         f"of shape {tuple(offsets.shape)}")
-    why = unsupported_reason(a.device)
-    if why is not None:
-        raise RuntimeError(f"the blockwise FP8 Triton GEMMs cannot run: {why}")
+    _check_bounds(a.device, g, offsets=offsets)
     a, sa, sb, offsets = a.contiguous(), sa.contiguous(), sb.contiguous(), offsets.contiguous()
     if tracing():
         return torch.ops.te_ops.fp8_block_rows(a, sa, b, sb, offsets, out_dtype)
-    return _rows_launch(a, sa, b, sb, offsets, out_dtype, _rows_kernel)
+    return _rows_launch(a, sa, b, sb, offsets, out_dtype, _fp8_block_rows_kernel)
 
 
 def block_wgrad(x: torch.Tensor, sx: torch.Tensor, dy: torch.Tensor, sdy: torch.Tensor,
@@ -255,18 +264,11 @@ def block_wgrad(x: torch.Tensor, sx: torch.Tensor, dy: torch.Tensor, sdy: torch.
     _check("dy", dy, (n, c), fp8, x.device)
     _check("sx", sx, (k, c // BLOCK), torch.float32, x.device)
     _check("sdy", sdy, (n, c // BLOCK), torch.float32, x.device)
-    g = starts.shape[0]
-    for name, t in (("starts", starts), ("ends", ends)):
-        if t.shape != (g,) or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32/int64 of shape ({g},), got {t.dtype} of "
-                             f"shape {tuple(t.shape)}")
-    why = unsupported_reason(x.device)
-    if why is not None:
-        raise RuntimeError(f"the blockwise FP8 Triton GEMMs cannot run: {why}")
+    _check_bounds(x.device, starts.shape[0], starts=starts, ends=ends)
     args = [t.contiguous() for t in (x, sx, dy, sdy, starts, ends)]
     if tracing():
         return torch.ops.te_ops.fp8_block_wgrad(*args, out_dtype)
-    return _wgrad_launch(*args, out_dtype, _wgrad_kernel)
+    return _wgrad_launch(*args, out_dtype, _fp8_block_wgrad_kernel)
 
 
 if triton is not None:
@@ -277,7 +279,7 @@ if triton is not None:
                            out_dtype: torch.dtype) -> torch.Tensor:
         """:func:`block_rows` as an op (the body, run on FakeTensors, is the fake kernel)."""
         return _rows_launch(a, sa, b, sb, offsets, out_dtype,
-                            torch.library.wrap_triton(_rows_kernel))
+                            torch.library.wrap_triton(_fp8_block_rows_kernel))
 
     @torch.library.triton_op("te_ops::fp8_block_wgrad", mutates_args={})
     def _fp8_block_wgrad_op(x: torch.Tensor, sx: torch.Tensor, dy: torch.Tensor,
@@ -285,4 +287,4 @@ if triton is not None:
                             out_dtype: torch.dtype) -> torch.Tensor:
         """:func:`block_wgrad` as an op."""
         return _wgrad_launch(x, sx, dy, sdy, starts, ends, out_dtype,
-                             torch.library.wrap_triton(_wgrad_kernel))
+                             torch.library.wrap_triton(_fp8_block_wgrad_kernel))

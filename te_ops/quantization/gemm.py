@@ -213,7 +213,7 @@ def _block_rows_emulated(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
     """fp32 (M, J): per group ``a_g @ b_g^T`` for qa (M, R), sa (M, nR), qb (G, J, R),
     sb (G, nJ, nR). The rows go to the 128-row aligned layout, so each tile of 128 rows has
     one group and one batched product per reduction block covers every tile."""
-    (m, r), (g, j) = qa.shape, qb.shape[:2]
+    r, j = qa.shape[1], qb.shape[1]
     tiles = layout.capacity // FP8_BLOCK
     a32 = torch.cat([qa.float(), qa.new_zeros(1, r, dtype=torch.float32)])[layout.src]
     a32 = a32.reshape(tiles, FP8_BLOCK, r)

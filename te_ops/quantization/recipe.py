@@ -10,10 +10,9 @@ See docs/recipes.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
-
-import math
 
 from .quantizer import (
     Float8BlockQuantizer,
