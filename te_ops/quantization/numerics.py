@@ -5,8 +5,8 @@ infinities, NaN = ``0x7F`` / ``0xFF``. Conversions round to nearest, ties to eve
 scaled value is clamped to ±448 (saturation); NaN stays NaN and ±Inf becomes NaN (E4M3 has no
 infinity, and saturating an overflow to a finite value would hide it).
 
-Two scalings
-------------
+Three scalings
+--------------
 FP8 current scaling (:func:`fp8_quantize_rows`)
     one fp32 scale per row of the last dim, computed from the current tensor:
     ``scale = 2 ** floor(log2(448 / amax))`` (a power of two, as torchao's FP8 rowwise MoE
@@ -21,6 +21,12 @@ MXFP8 (:func:`mx_quantize_rows`)
     elements are ``RNE(clamp(v / X, ±448))``. A block holding NaN or ±Inf gets the E8M0 NaN byte
     ``0xFF`` and NaN elements; an all-zero block gets the smallest scale (byte 0) and zeros. A last
     partial block (last dim not a multiple of 32) is a block of its own.
+Blockwise FP8 (:func:`block_quantize_rows`, :func:`block_quantize_2d`)
+    DeepSeek-V3 / TransformerEngine ``Float8BlockScaling``: one fp32 scale per 1 x 128 tile
+    (activations, gradients) or 128 x 128 block (weights) from the tile's largest finite
+    magnitude, by TransformerEngine's ``compute_scale_from_amax`` (:func:`block_scale_from_amax`;
+    power-of-two or plain fp32 scales, an amax floor); partial tiles at the edges are tiles of
+    their own.
 
 Everything runs as device tensor ops: no host reads, so quantizing is graph-safe.
 """
@@ -37,6 +43,12 @@ __all__ = [
     "mx_quantize_rows",
     "mx_dequantize_rows",
     "e8m0_to_float",
+    "FP8_BLOCK",
+    "block_scale_from_amax",
+    "block_quantize_rows",
+    "block_dequantize_rows",
+    "block_quantize_2d",
+    "block_dequantize_2d",
 ]
 
 E4M3_MAX = 448.0
