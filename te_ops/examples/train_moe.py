@@ -210,8 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="low-precision recipe of the expert GEMMs (te_ops.autocast): fp8 = "
                         "Float8CurrentScaling, fp8fast = the same with "
                         "fast_accumulate_backward=True (Hopper's fast accumulation in dgrad / "
-                        "wgrad too), mxfp8 = "
-                        "MXFP8BlockScaling (docs/recipes.md)")
+                        "wgrad too), mxfp8 = MXFP8BlockScaling, fp8block = Float8BlockScaling "
+                        "(DeepSeek-V3's blockwise FP8; docs/recipes.md)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture each layer's te_ops.MoE (router to combine, forward and "
                         "backward) in CUDA graphs with te_ops.graphs.make_graphed_callable "
@@ -298,7 +298,8 @@ def _check_compile_backend(p: argparse.ArgumentParser, name: str) -> None:
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling,
            "fp8fast": functools.partial(te_ops.recipe.Float8CurrentScaling,
                                         fast_accumulate_backward=True),
-           "mxfp8": te_ops.recipe.MXFP8BlockScaling}
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling,
+           "fp8block": te_ops.recipe.Float8BlockScaling}
 
 
 def recipe_context(args: argparse.Namespace):
