@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tracing import tracing
+
 __all__ = [
     "E4M3_MAX",
     "MX_BLOCK",
@@ -202,6 +204,16 @@ def _tile_amax(tiles: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def block_quantize_rows(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 1 x 128 tiles along the last dim (:func:`_block_quantize_rows`;
+    under ``torch.compile`` the opaque op ``te_ops::block_quantize``, so inductor cannot
+    rewrite the scale arithmetic and the compiled bytes equal eager's)."""
+    if tracing():
+        return torch.ops.te_ops.block_quantize(x, False, pow2, float(epsilon))
+    return _block_quantize_rows(x, pow2=pow2, epsilon=epsilon)
+
+
+def _block_quantize_rows(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise FP8 with 1 x 128 tiles along the last dim.
 
     Shapes: x (..., K) fp32 / bf16 -> data (..., K) float8_e4m3fn, scale_inv
@@ -230,6 +242,15 @@ def block_dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor,
 
 def block_quantize_2d(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 128 x 128 blocks over the last two dims (:func:`_block_quantize_2d`;
+    traced: ``te_ops::block_quantize``, as :func:`block_quantize_rows`)."""
+    if tracing():
+        return torch.ops.te_ops.block_quantize(x, True, pow2, float(epsilon))
+    return _block_quantize_2d(x, pow2=pow2, epsilon=epsilon)
+
+
+def _block_quantize_2d(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise FP8 with 128 x 128 blocks over the last two dims (weights).
 
     Shapes: x (..., R, C) -> data (..., R, C) float8_e4m3fn, scale_inv
@@ -256,3 +277,23 @@ def block_dequantize_2d(data: torch.Tensor, scale_inv: torch.Tensor,
     r, c = data.shape[-2:]
     s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
     return (data.float() * s[..., :r, :c]).to(dtype)
+
+
+@torch.library.custom_op("te_ops::block_quantize", mutates_args=())
+def _block_quantize_op(x: torch.Tensor, blocks_2d: bool, pow2: bool, epsilon: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_quantize_2d` (``blocks_2d``) or :func:`block_quantize_rows` as one op."""
+    fn = _block_quantize_2d if blocks_2d else _block_quantize_rows
+    return fn(x, pow2=pow2, epsilon=epsilon)
+
+
+@_block_quantize_op.register_fake
+def _block_quantize_fake(x: torch.Tensor, blocks_2d: bool, pow2: bool, epsilon: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    data = x.new_empty(x.shape, dtype=FP8)
+    if blocks_2d:
+        r, c = x.shape[-2:]
+        shape = (*x.shape[:-2], -(-r // FP8_BLOCK), -(-c // FP8_BLOCK))
+    else:
+        shape = (*x.shape[:-1], -(-x.shape[-1] // FP8_BLOCK))
+    return data, x.new_empty(shape, dtype=torch.float32)
