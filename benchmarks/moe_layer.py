@@ -53,6 +53,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -460,8 +461,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    import torch._dynamo
-
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         parser.error(f"--compile-backend must be a torch.compile backend such as inductor or "
                      f"aot_eager, got {args.compile_backend!r}")

@@ -86,3 +86,11 @@ def test_quick_run_writes_records_and_a_summary(tmp_path):
                                                "peak", "MiB", "saved", "MiB", "x", "eager",
                                                "x", "compiled"]
     assert "te_ops_graph" in summary.splitlines()[-1]
+
+
+def test_quick_without_device_takes_the_machines_default():
+    """``--quick`` alone (no ``--device``), as the README runs it: the device defaults to the
+    machine's (cuda when available, else cpu)."""
+    args, shapes = bench.parse_args(["--quick"])
+    assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert shapes
