@@ -49,10 +49,11 @@ def _group(name: str) -> tuple[Any, int, int]:
 
 # ------------------------------------------------------------------------------- building
 def build(group: Any, *, num_experts: int = 4, top_k: int = 2, steer: str | None = None,
-          dtype: torch.dtype = torch.float64, **kw: Any) -> tuple[te_ops.MoE, te_ops.MoE]:
+          dtype: torch.dtype = torch.float64, hidden: int = H, ffn: int = FF, **kw: Any
+          ) -> tuple[te_ops.MoE, te_ops.MoE]:
     """(the EP layer, the single-process layer) with the same weights."""
     torch.manual_seed(0)
-    ref = te_ops.MoE(H, FF, num_experts, top_k, dtype=dtype, **kw)
+    ref = te_ops.MoE(hidden, ffn, num_experts, top_k, dtype=dtype, **kw)
     with torch.no_grad():
         for p in ref.parameters():
             if p.requires_grad:
@@ -60,7 +61,7 @@ def build(group: Any, *, num_experts: int = 4, top_k: int = 2, steer: str | None
         if ref.router.expert_bias is not None:  # a bias that changes the selection
             ref.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, num_experts))
         _steer(ref, steer)
-    moe = te_ops.MoE(H, FF, num_experts, top_k, dtype=dtype, ep_group=group, **kw)
+    moe = te_ops.MoE(hidden, ffn, num_experts, top_k, dtype=dtype, ep_group=group, **kw)
     load_full_weights(moe, ref)
     return moe, ref
 
@@ -397,3 +398,24 @@ def ep_and_dp_with_ddp(ep: str = "ep2", dp: str = "dp2") -> dict:
         torch.testing.assert_close(p.grad, full, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return {"loss_share": float(aux)}
 
+
+
+def benchmark_runs(out: str) -> int:
+    """benchmarks/moe_ep.py end to end on this pool's four ranks (ep 4, gloo, tiny shapes):
+    every part, mode and peer gives a record, and the te_ops layer matches the torch peer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe_ep
+
+    records = moe_ep.main(["--device", "cpu", "--tokens", "16", "--hidden", "16", "--ffn", "8",
+                           "--experts", "8", "--top-k", "2", "--dtype", "float32",
+                           "--iters", "2", "--warmup", "1", "--out", out])
+    kinds = {(r["part"], r["mode"], r["peer"]) for r in records}
+    assert kinds == {(p, m, n) for p in moe_ep.PARTS for m in moe_ep.MODES
+                     for n in ("te_ops", "torch_a2a")}, kinds
+    assert all(r["ep"] == 4 and r["ms_median_slowest_rank"] > 0 for r in records)
+    diffs = [r["max_abs_diff"] for r in records if r["max_abs_diff"] is not None]
+    assert diffs and max(diffs) < 1e-5, diffs
+    return len(records)

@@ -9,7 +9,6 @@ captures a CUDA graph in capacity mode.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +100,12 @@ def test_ep_and_dp_with_ddp(pool):
     pool.run("ep_and_dp_with_ddp")
 
 
+def test_benchmark_runs_on_four_ranks(pool, tmp_path):
+    counts = pool.run("benchmark_runs", out=str(tmp_path))
+    assert counts == [8] * 4
+    assert len((tmp_path / "moe_ep.jsonl").read_text().splitlines()) == 8  # rank 0 writes
+
+
 def test_ep_group_needs_torch_distributed():
     import torch.distributed as dist
 
@@ -111,41 +116,41 @@ def test_ep_group_needs_torch_distributed():
 
 # ------------------------------------------------------------------------------- CUDA
 def _nccl_single_rank(port: int, out: str) -> None:
-    """One NCCL rank: ep_size 1 equals the non-EP layer (dropless and capacity, bitwise),
-    and the capacity-mode layer is captured in one CUDA graph (forward and backward)."""
-    import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
+    """One NCCL rank: ep_size 1 equals the non-EP layer bit for bit (dropless and capacity),
+    and the capacity-mode layer (with the router's group all-gather) is captured in CUDA
+    graphs, forward and backward, replaying the eager values."""
     import ep_cases
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         group = dist.group.WORLD
-        dtype = torch.bfloat16
+        shape = dict(dtype=torch.bfloat16, hidden=16, ffn=16)  # 16-byte rows: torch._grouped_mm
         for mode in ({}, {"capacity_factor": 1.0}):
-            moe, ref = ep_cases.build(group, dtype=dtype, **mode)
+            moe, ref = ep_cases.build(group, **shape, **mode)
             moe.cuda()
             ref.cuda()
-            x = torch.randn(64, ep_cases.H, device="cuda", dtype=dtype)
+            x = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16)
             gy = torch.randn_like(x)
-            a, b = ep_cases.step(moe, x, gy), ep_cases.step(ref, x, gy)
-            for u, v in zip(a, b):
-                assert torch.equal(u, v), mode
+            for a, b in zip(ep_cases.step(moe, x, gy), ep_cases.step(ref, x, gy)):
+                assert torch.equal(a, b), mode
             for p, q in zip(moe.parameters(), ref.parameters()):
                 assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), mode
-        moe, _ = ep_cases.build(group, dtype=dtype, capacity_factor=1.0)
+        moe, _ = ep_cases.build(group, capacity_factor=1.0, aux_loss_coeff=0.01, **shape)
         moe.cuda()
-        x = torch.randn(64, ep_cases.H, device="cuda", dtype=dtype, requires_grad=True)
+        x = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         graphed = te_ops.graphs.make_graphed_callable(moe.block, (x,))
-        x2 = torch.randn_like(x).requires_grad_()
-        y, aux, *_ = graphed(x2)
-        (y.float().square().sum() + aux).backward()
-        x3 = x2.detach().clone().requires_grad_()
-        moe.zero_grad(set_to_none=True)
-        y_eager, aux_eager, *_ = moe.block(x3)
-        assert torch.equal(y, y_eager) and torch.equal(aux, aux_eager)
+        results = []
+        for run in (graphed, moe.block):
+            moe.zero_grad(set_to_none=True)
+            xi = x.detach().clone().requires_grad_()
+            y, aux, *_ = run(xi)
+            (y.float().square().sum() + aux).backward()
+            results.append([y.clone(), aux.clone(), xi.grad] + [p.grad for p in moe.parameters()])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
         Path(out).write_text("ok")
     finally:
         dist.destroy_process_group()
