@@ -173,11 +173,7 @@ def build_layer(args: argparse.Namespace, group: Any, device: torch.device, mode
         kw["capacity_factor"] = args.capacity_factor
     full = te_ops.MoE(args.hidden, args.ffn, args.experts, args.top_k, **kw)
     moe = te_ops.MoE(args.hidden, args.ffn, args.experts, args.top_k, ep_group=group, **kw)
-    local = slice(moe.local_experts.start, moe.local_experts.stop)
-    with torch.no_grad():
-        moe.router.weight.copy_(full.router.weight)
-        for i in (0, 2):
-            moe.experts[i].weight.copy_(full.experts[i].weight[local])
+    moe.load_state_dict(full.state_dict())  # this rank's experts of the full layer
     return moe
 
 

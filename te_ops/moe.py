@@ -57,7 +57,10 @@ class MoE(torch.nn.Module):
         same token count). Each rank calls the layer on its own tokens; its output is the
         non-EP layer's on them, the expert weights' gradients hold every rank's tokens'
         contributions, and the balancing losses are shares of the group batch's (see
-        :class:`te_ops.basic.moe.Router`, ``group``). ``None``: every expert here.
+        :class:`te_ops.basic.moe.Router`, ``group``). ``state_dict()`` holds this rank's
+        experts; ``load_state_dict`` also takes the non-EP layer's (all ``E`` experts: this
+        rank's rows are kept), so every rank can load one full checkpoint. ``None``: every
+        expert here.
     device, dtype :
         Of the parameters.
 
@@ -144,6 +147,8 @@ class MoE(torch.nn.Module):
         # aux_loss, tokens_per_expert, dropped.
         self.__dict__["block"] = Sequential(*ops)
         self.hidden_size = hidden_size
+        if ep_group is not None:
+            self.register_load_state_dict_pre_hook(_take_local_experts)
 
     @property
     def local_experts(self) -> range:
@@ -180,6 +185,17 @@ class MoE(torch.nn.Module):
                 self.router.expert_load.add_(load.to(self.router.expert_load.dtype))
         y = y.reshape(x.shape)
         return (y, aux_loss, dropped) if return_dropped else (y, aux_loss)
+
+
+def _take_local_experts(module: MoE, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of an expert-parallel layer: expert weights holding every
+    expert (the non-EP layer's, a full checkpoint's) are cut to this rank's rows."""
+    local, total = module.local_experts, module.router.num_experts
+    for i in (0, 2):
+        key = f"{prefix}experts.{i}.weight"
+        full = state_dict.get(key)
+        if isinstance(full, torch.Tensor) and full.dim() == 3 and full.shape[0] == total:
+            state_dict[key] = full[local.start:local.stop]
 
 
 def _swiglu_mlp(groups: int, hidden: int, ffn: int, act: SwiGLU, device: Any,

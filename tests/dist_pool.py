@@ -69,7 +69,9 @@ def _serve(rank: int, world: int, port: int, backend: str, module: str, inbox: A
             outbox.put((rank, "ok", getattr(cases, name)(**kwargs)))
         except BaseException:
             outbox.put((rank, "error", traceback.format_exc()))
-    dist.destroy_process_group()
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)  # without the process group's teardown, which waits on the other ranks
 
 
 class DistPool:
@@ -133,8 +135,10 @@ class DistPool:
         for p, box in zip(self.processes, getattr(self, "inboxes", [])):
             if p.is_alive():
                 box.put(None)
+        end = time.monotonic() + 5
         for p in self.processes:
-            p.join(timeout=5)
+            p.join(timeout=max(0.1, end - time.monotonic()))
+        for p in self.processes:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)

@@ -62,17 +62,8 @@ def build(group: Any, *, num_experts: int = 4, top_k: int = 2, steer: str | None
             ref.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, num_experts))
         _steer(ref, steer)
     moe = te_ops.MoE(hidden, ffn, num_experts, top_k, dtype=dtype, ep_group=group, **kw)
-    load_full_weights(moe, ref)
+    moe.load_state_dict(ref.state_dict())  # the full layer's: this rank's experts are kept
     return moe, ref
-
-
-def load_full_weights(moe: te_ops.MoE, ref: te_ops.MoE) -> None:
-    """The EP layer's weights from the single-process one's (the expert rows it holds)."""
-    local = slice(moe.local_experts.start, moe.local_experts.stop)
-    with torch.no_grad():
-        for name, p in moe.named_parameters():
-            full = dict(ref.named_parameters())[name]
-            p.copy_(full[local] if name.startswith("experts.") else full)
 
 
 def _steer(moe: te_ops.MoE, steer: str | None) -> None:
@@ -310,6 +301,24 @@ def deepcopy_shares_the_group(group: str) -> None:
     assert torch.equal(moe(x)[0], twin(x)[0])
 
 
+def state_dict_holds_the_local_experts(group: str) -> None:
+    """``state_dict()`` holds this rank's experts and loads back; ``load_state_dict`` of the
+    full layer's keeps this rank's rows (checked against the full weights)."""
+    g, size, rank = _group(group)
+    moe, ref = build(g)
+    local = slice(moe.local_experts.start, moe.local_experts.stop)
+    sd = moe.state_dict()
+    assert sd["experts.0.weight"].shape[0] == 4 // size
+    assert torch.equal(sd["experts.2.weight"], ref.state_dict()["experts.2.weight"][local])
+    twin, _ = build(g, top_k=1)
+    twin.load_state_dict(sd)
+    assert torch.equal(twin.experts[0].weight, moe.experts[0].weight)
+    import pytest
+
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        twin.load_state_dict({**sd, "experts.0.weight": sd["experts.0.weight"][:0]})
+
+
 def argument_errors(group: str) -> None:
     g, size, rank = _group(group)
     cases = [
@@ -374,8 +383,7 @@ def ep_and_dp_with_ddp(ep: str = "ep2", dp: str = "dp2") -> dict:
         for p in ref.parameters():
             p.normal_(0, 0.5)
     model = Model(ep_group)
-    load_full_weights(model.moe, ref.moe)
-    model.proj.load_state_dict(ref.proj.state_dict())
+    model.load_state_dict(ref.state_dict())
     expert_names = [f"moe.experts.{i}.weight" for i in (0, 2)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     ddp = DistributedDataParallel(model)

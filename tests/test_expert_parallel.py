@@ -87,6 +87,7 @@ CASES = {
     "wiring_across_fusers_matches_one_fuser": "ep2",
     "expert_bias_update_sums_the_group_load": "ep4",
     "deepcopy_shares_the_group": "ep2",
+    "state_dict_holds_the_local_experts": "ep4",
     "argument_errors": "ep2",
 }
 
