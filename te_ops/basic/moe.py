@@ -297,7 +297,8 @@ class Router(BasicOperation):
         e = self.num_experts
         local = tokens_per_expert(idx.reshape(-1), e)
         sequences = shape[0] if self.seq_aux_loss_coeff else 0
-        mine = torch.cat([local, local.new_tensor([num_tokens, sequences])])
+        mine = torch.cat([local, local.new_full((1,), num_tokens),
+                          local.new_full((1,), sequences)])
         every = comm.all_gather(mine, self._group.group, self.group_size).sum(0)
         return every[:e], every[e], every[e + 1]
 
