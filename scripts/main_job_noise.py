@@ -1,6 +1,6 @@
 """Noise floor of the main job's final validation loss: bf16 against tiny, valid perturbations.
 
-Issue 9 asks that FP8's final validation loss be within 2 % of bf16's on the same seed. That
+The target is FP8's final validation loss within 2 % of bf16's on the same seed. That
 comparison means something only if bf16 itself repeats to well under 2 % when its arithmetic
 changes by an amount as small as FP8's is large or smaller. This runs the main job
 (``te_ops.examples.train_moe``) in separate processes, several at once, as ``RECIPE:VARIANT``

@@ -1,9 +1,10 @@
 """The main job under several recipes and seeds: final validation loss per run and vs bf16.
 
-Issue 9 item 6 asks that FP8's final validation loss be within 2 % of bf16's on the same seed.
-That needs a job whose final loss repeats under rounding changes: at the job's default length
-(600 steps) a one-ulp change of one initial weight moved bf16's final loss by up to 4 %; at
-2000 steps (``--preset recipe-compare``, this script's default) by at most 0.64 % (scripts/main_job_noise.py, docs/recipes.md). This
+The target: FP8's final validation loss within 2 % of bf16's on the same seed. That needs a
+job whose final loss repeats under rounding changes: at the job's default length (600 steps) a
+one-ulp change of one initial weight moves bf16's final loss by up to 4 %; at 2000 steps
+(``--preset recipe-compare``, this script's default) by at most 0.64 %
+(scripts/main_job_noise.py, docs/recipes.md). This
 prints each (recipe, seed) final validation loss, each recipe's loss relative to bf16 on the
 same seed, and the mean over seeds, as a table and JSON lines. The runs are separate processes,
 ``--parallel`` at once (on a GPU the small job is host-bound, so several share it well); each

@@ -3,7 +3,7 @@
 Some per-step host work only needs doing once per call: e.g. a
 :class:`~te_ops.basic.GroupedLinear` checks that its parameter dict still holds the same
 Parameter objects (64-128 ids with per-expert weights) before it uses its cached parameter
-lists, and the check used to run at every use (check_input, fprop operands, saved layout...).
+lists, at several uses per call (check_input, fprop operands, saved layout...).
 Inside one forward call nothing can swap a parameter between those uses (module hooks run
 outside it; an op with hooks runs in a fuser call of its own), so the first check of the call
 is remembered for the rest of it.

@@ -187,7 +187,7 @@ def _copy_of(grad: torch.Tensor, copies: dict[int, Any]) -> torch.Tensor:
             and grad.numel() * grad.element_size() == storage.nbytes()):
         # The gradient is its whole buffer (an input's, e.g. x or probs): one clone instead
         # of the five ops below (about 36 us of host per leaf in the E64 graphed step's
-        # profile, docs/benchmarks.md).
+        # profile).
         out = grad.clone()
         copies[key] = out.untyped_storage()
         return out

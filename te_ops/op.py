@@ -215,7 +215,7 @@ class BasicOperation(FusibleOperation):
         passes the producer's output, autograd flows back through it (this op's gradient of
         the slot is added to the gradient of the producer's output) and the producer's output
         is internal (not returned). Where the producer is not in the container (this op called
-        on its own, or in a container without it) the slot is a call input as before.
+        on its own, or in a container without it) the slot is a call input.
 
         Parameters
         ----------
@@ -299,6 +299,19 @@ def _resolve(which: str | int, names: list[str | None], count: int, arg: str,
         return which
     raise ValueError(f"{arg} must name one of {what} {names} (or be an index below {count}), "
                      f"got {which!r}")
+
+
+def fed_from(producer: BasicOperation, outputs: Sequence[Any], ops: Sequence[BasicOperation],
+             groups: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The extra inputs ``groups`` of ``ops`` with every slot that ``producer`` feeds
+    (:meth:`BasicOperation.feed_extra_input`) set to its output in ``outputs``: what a fused op
+    covering producer and consumers does with the ``None`` the fuser leaves in such a slot."""
+    wired = []
+    for op, group in zip(ops, groups):
+        feeds = op.extra_input_feeds()
+        wired.append(tuple(outputs[feeds[j][1]] if j in feeds and feeds[j][0] is producer
+                           else v for j, v in enumerate(group)))
+    return wired
 
 
 class FusedOperation(FusibleOperation):

@@ -1,8 +1,8 @@
 """Shape changes that skip the op when there is nothing to change.
 
 A ``reshape`` / ``view`` to a tensor's own shape still dispatches an aten op and makes a new
-view (about a microsecond of host time each, and on the fused grouped-MLP step there were
-fifteen such views per forward+backward: docs/benchmarks.md, "Host overhead"). These helpers
+view (about a microsecond of host time each; the fused grouped-MLP step would make fifteen
+such views per forward+backward: experimental/host_overhead_ab/). These helpers
 return the tensor itself in that case; the values are the same either way. A tensor returned
 unchanged is not a view, so a saved-for-backward input needs no base-and-restride treatment
 (``te_ops.fuser``).

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .gemm import BackendChoice, grouped_wgrad, grouped_wgrad_into
+from .gemm import BackendChoice, RowGather, grouped_wgrad, grouped_wgrad_into
 from .quantization.autocast import quantize_operand
 from .splits import GroupedSplits
 
@@ -289,7 +289,8 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: A
     ``None`` for the weights. With ``delay_wgrad_compute`` nothing is computed: the job is
     queued for :func:`backward_dw` and autograd gets ``None`` for weights and biases.
 
-    Shapes: ``dy2d`` (rows, out_features); the saved input (rows, in_features).
+    Shapes: ``dy2d`` (rows, out_features) or a :class:`~te_ops.gemm.RowGather` of those rows
+    (no bias then: the bias gradient sums plain rows); the saved input (rows, in_features).
     """
     policy: WgradPolicy = saved.training or _PLAIN
     need_x = any(map(_REQUIRES_GRAD, policy.weights or saved.weights))
@@ -300,8 +301,9 @@ def weight_and_bias_grads(saved: GroupedLinearSaved, dy2d: torch.Tensor, dy_q: A
         probs=saved.probs, single=saved.single, recipe=saved.recipe, dy_q=dy_q,
     )
     if policy.delay_wgrad_compute:
+        x = job.x.src if isinstance(job.x, RowGather) else job.x  # a gather reads its source
         job.versions = tuple((name, t, t._version) for name, t in
-                             (("input", job.x), ("probs", job.probs))
+                             (("input", x), ("probs", job.probs))
                              if isinstance(t, torch.Tensor))
         policy.pending.append(job)
         return [None] * len(job.weights), [None] * len(job.biases)

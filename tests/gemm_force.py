@@ -1,6 +1,6 @@
 """Rows a test puts into the GEMM rules table (``te_ops.gemm.rules``) to force or forbid a
-kernel where the measured rows would not: the Python-level switch the removed kernel env vars
-were. ``with_rows(monkeypatch, first=..., last=...)`` puts rows before / after the table for
+kernel where the measured rows would not (tests force kernels through rows, not env vars).
+``with_rows(monkeypatch, first=..., last=...)`` puts rows before / after the table for
 the test (the dispatch's caches are keyed on ``rules.VERSION``, bumped here)."""
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ def compile_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, A
 
 def for_nesting(ttgir: str) -> int:
     """Deepest nesting of ``scf.for`` loops in a TTGIR listing (1: no loop inside a loop, e.g. a
-    flattened tile loop). A brace count, independent of ``benchmarks/large_gemm_triton.py``'s
-    copy (the tests check the kernels with it, not the benchmark)."""
+    flattened tile loop). A brace count, independent of
+    ``experimental/gemm_kernel_ab/large_gemm_triton.py``'s copy (the tests check the kernels
+    with it, not the benchmark)."""
     stack, deepest = [], 0
     for line in ttgir.splitlines():
         for ch in line:

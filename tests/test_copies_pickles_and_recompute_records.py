@@ -1,5 +1,6 @@
-"""Regression tests (fc1 recompute, fc1 epilogue, bound launches,
-the Sequential shortcut, GroupedLinearSaved.load); one test per finding, CPU only.
+"""Copies, pickles and ``explain()`` records of a block on the CPU: the fc1 recompute record
+follows the option, a block pickles after training steps and copies after a ``torch.compile``
+step, and one expert weight cast alone is named as the parameter.
 
 Each test compares against what the call actually did (the tensors autograd saved, counted
 through ``saved_tensors_hooks``), never against te_ops' own record of it.
@@ -54,7 +55,8 @@ def _recompute_records(blk: te_ops.Sequential) -> list[str]:
 def test_explain_drops_the_recompute_record_when_the_option_is_switched_off(monkeypatch, env):
     """``recompute_input`` is a plain attribute (read per call): a
     user who switches it off after a call gets h saved again, and explain() must not keep
-    saying "fc1 recompute: on: h is not saved" (or "off ... not honoured") from the old call."""
+    saying "fc1 recompute: on: h is not saved" (or "off ... not honoured") from the previous
+    call."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     blk = _block(recompute=True)
@@ -114,10 +116,10 @@ def test_block_pickles_after_training_steps(clone):
 @pytest.mark.parametrize("single", [False, True])
 def test_block_copies_after_a_torch_compile_step(clone, single):
     """After a ``torch.compile`` training step of a block, pickling or deep-copying the block
-    raised ``RuntimeError: Attempted to access the data pointer on an invalid python
-    storage``: ``GroupedLinear``'s parameter-list cache kept the trace's functional
-    stand-ins of the parameters (their identities were the cache key while AOTAutograd swapped
-    them in). The copy then trains with the original's values."""
+    works (no ``RuntimeError: Attempted to access the data pointer on an invalid python
+    storage``): ``GroupedLinear``'s parameter-list cache does not keep the trace's functional
+    stand-ins of the parameters, which AOTAutograd swaps in. The copy then trains with the
+    original's values."""
     torch.manual_seed(0)
     blk = te_ops.Sequential(
         te_ops.GroupedLinear(E, HIDDEN, 2 * FFN, bias=False, single_grouped_weight=single),
@@ -139,8 +141,8 @@ def test_block_copies_after_a_torch_compile_step(clone, single):
 def test_one_expert_weight_cast_alone_is_named_as_the_parameter(monkeypatch, fusion, layer,
                                                                index, named):
     """One per-expert weight cast alone: the error names the parameters by their names
-    (``weight1`` and ``weight0``), also when it is weight0 (before: "input must match the
-    weights' dtype torch.bfloat16", though the other experts were still float32)."""
+    (``weight1`` and ``weight0``), also when it is weight0 (not "input must match the
+    weights' dtype torch.bfloat16" while the other experts are still float32)."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     blk = _block(False, single=False)
     w = getattr(blk[layer], f"weight{index}")

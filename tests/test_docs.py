@@ -1,7 +1,8 @@
 """The docs stay true to the code: README's env table and CI command, the examples of
 docs/architecture.md run as written, docs/performance.md carries the sections the GEMM rules
-cite and a commit for its numbers, and no doc is a diary (no numbered stops or passes, no
-links to the removed benchmark diary, no tracked raw results)."""
+cite and a commit for its numbers, and neither the docs nor the sources are a diary (no
+numbered stops or passes, issue numbers, dates or raw results files, no link to the deleted
+benchmark diary or to a file that is not in the repository, no tracked raw results)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,8 @@ def test_performance_is_short_and_every_section_names_its_commit():
 
 
 def test_performance_has_every_section_the_gemm_rules_cite():
-    rules = pytest.importorskip(
-        "te_ops.gemm.rules", reason="te_ops.gemm.rules (the GEMM rules table) is not in this "
-        "tree yet; it comes with the gemm branch")
+    from te_ops.gemm import rules
+
     headings = re.findall(r"^## (.+)$", PERFORMANCE.read_text(), flags=re.M)
     for section in rules.SECTIONS:
         assert section in headings, f"docs/performance.md has no section '{section}'"
@@ -109,6 +109,57 @@ def test_no_doc_is_a_diary():
              for m in diary.finditer(_without_env_table(p))]
     assert found == []
     assert not (ROOT / "docs" / "benchmarks.md").exists()
+
+
+def _sources() -> list[Path]:
+    """The package, tests, benchmarks and scripts: code, shell and markdown files."""
+    return [p for folder in ("te_ops", "tests", "benchmarks", "scripts")
+            for p in sorted((ROOT / folder).rglob("*"))
+            if p.suffix in (".py", ".sh", ".md") and "__pycache__" not in p.parts]
+
+
+#: Marks of measurement history: the deleted benchmark diary, issue and item numbers, numbered
+#: passes / stops / rounds, branch names, dates, raw results file names.
+_SOURCE_DIARY = re.compile(
+    r"docs/benchmarks\.md|\b[Ii]ssue[- ]\d+|\bitem \d+\b|\b(?:[Ff]irst|[Ss]econd|[Tt]hird) pass\b"
+    r"|\b[Ss]top \d+\b|\b[Rr]ound \d+\b|\bbranch [a-z]+\d|\b20\d\d-[01]\d-[0-3]\d\b"
+    r"|results/h200[_]")
+
+
+def test_no_source_is_a_diary():
+    found = [f"{p.relative_to(ROOT).as_posix()}:{n}: {m.group(0)}" for p in _sources()
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             for m in _SOURCE_DIARY.finditer(line)]
+    assert found == []
+
+
+#: The files docs/architecture.md's how-tos tell the reader to create (not in the repository).
+_HOW_TO_TARGETS = {"te_ops/fused/bias_pair.py", "te_ops/gemm/backends/loop_mm.py"}
+_CITED = re.compile(r"(?<![\w/.-])((?:benchmarks|docs|scripts|tests|experimental|te_ops)/[\w./-]*"
+                    r"\.(?:py|md|sh))")
+_CITED_IN_PACKAGE = re.compile(r"(?<![\w/.-])((?:basic|fused|gemm|kernels|quantization)/\w+\.py)")
+
+
+def test_sources_and_docs_cite_only_files_in_the_repository():
+    """Every repository path a source or doc names exists, and no doc cites the design notes
+    outside the repository (DESIGN.md). In docs/performance.md only a path quoted on its own
+    is checked (its commands name the scripts of the commit they ran at); experimental/ is
+    left out (its READMEs re-run scripts of the commit they name)."""
+    texts = [p for p in [*_sources(), *_docs()] if "experimental" not in p.relative_to(ROOT).parts]
+    missing = []
+    for p in texts:
+        text = p.read_text(encoding="utf-8")
+        if p.suffix == ".md":
+            assert "DESIGN.md" not in text, p.name
+        for n, line in enumerate(text.splitlines(), 1):
+            if p == PERFORMANCE:
+                cited = re.findall(r"`((?:benchmarks|docs|scripts|tests|te_ops)/[\w./-]+)`", line)
+            else:
+                cited = [*_CITED.findall(line),
+                         *("te_ops/" + c for c in _CITED_IN_PACKAGE.findall(line))]
+            missing += [f"{p.relative_to(ROOT).as_posix()}:{n}: {c}" for c in cited
+                        if c not in _HOW_TO_TARGETS and not (ROOT / c).exists()]
+    assert missing == []
 
 
 def test_raw_benchmark_results_are_not_tracked():

@@ -1,6 +1,6 @@
 """README-driven use on CPU: bad and edge inputs.
 
-Each test names the kind of fault it guards against; values are compared with the float64
+Each test is named by the behaviour it checks; values are compared with the float64
 per-expert reference of ``tests/reference.py``.
 """
 
@@ -125,9 +125,9 @@ def test_other_variables_get_no_warning(monkeypatch, recwarn, name):
 
 
 # ------------------------------------ a refused container edit leaves the container unchanged
-# Sequential refused a nested block that takes extra inputs only after it had replaced its
-# module list: append / insert / item assignment raised, yet the module stayed in, so every
-# later call raised the same error (and len() and state_dict() had changed).
+# Sequential refuses a nested block that takes extra inputs before it replaces its module
+# list: append / insert / item assignment raise and leave the module out (else every later
+# call would raise the same error, and len() and state_dict() would change).
 
 def _nested_and_outer():
     inner = te_ops.Sequential(te_ops.GroupedLinear(2, 4, 4))  # takes split sizes

@@ -181,9 +181,9 @@ def test_master_weights_bad_params_raise() -> None:
 
 
 def test_master_weights_bad_containers_raise() -> None:
-    """An empty iterable used to construct (then ``copy_back`` failed inside
-    ``torch._foreach_copy_``); a module or optimizer param groups failed with torch's
-    "object is not iterable" or a bare "got dict": each now names what came."""
+    """An empty iterable (which would fail later, in ``copy_back``'s
+    ``torch._foreach_copy_``), a module or optimizer param groups (torch's "object is not
+    iterable", a bare "got dict") are refused at construction, naming what came."""
     model = torch.nn.Linear(4, 3).to(torch.bfloat16)
     gen = model.parameters()
     list(gen)  # exhausted
@@ -261,9 +261,9 @@ def test_master_weights_state_dict_round_trip_and_errors() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int64])
 def test_master_weights_load_state_dict_rejects_other_dtypes(dtype: torch.dtype) -> None:
-    """A non-fp32 entry (e.g. the bf16 parameters' own state_dict values) used to load
-    silently, losing the low bits the masters keep; it raises naming index, expected and
-    actual dtype, and loads nothing (the entry before it keeps its value)."""
+    """A non-fp32 entry (e.g. the bf16 parameters' own state_dict values) would lose the low
+    bits the masters keep: it raises naming index, expected and actual dtype, and loads
+    nothing (the entry before it keeps its value)."""
     model = torch.nn.Linear(4, 3).to(torch.bfloat16)
     master = train_moe.MasterWeights(model.parameters())
     before = [m.detach().clone() for m in master.masters]
@@ -282,8 +282,8 @@ def test_master_weights_load_state_dict_rejects_other_dtypes(dtype: torch.dtype)
     (None, r"got NoneType"),
 ])
 def test_master_weights_load_state_dict_names_a_wrong_container(state, got: str) -> None:
-    """A state without a 'masters' entry used to be reported as "state['masters'] must be a
-    list of 2 tensors, got NoneType" whatever it was; the message now names what came."""
+    """A state without a 'masters' entry is reported by what came, not as "state['masters']
+    must be a list of 2 tensors, got NoneType" whatever it was."""
     master = train_moe.MasterWeights(torch.nn.Linear(4, 3).to(torch.bfloat16).parameters())
     with pytest.raises(ValueError, match=r"state must be a dict with a 'masters' entry .*" + got):
         master.load_state_dict(state)

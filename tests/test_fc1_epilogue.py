@@ -1,4 +1,4 @@
-"""fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``kernels/grouped_mlp_triton.py``)
+"""fc1's grouped fprop with the (Scaled)SwiGLU in its epilogue (``gemm/grouped_mlp_triton.py``)
 and where the fused grouped MLP takes it (``fused/fc1_epilogue.py``).
 
 CPU (CI): the rule and its reasons, the env toggle, ``explain()`` naming why it is not used,

@@ -1,5 +1,6 @@
-"""CPU tests of defects found in the fc1 SwiGLU epilogue and the fc1 recompute, each failing
-before its fix.
+"""Edge cases of the fc1 SwiGLU epilogue on the CPU: a call without a recipe drops the previous
+call's recipe record from ``explain()``, and the fused fc1 + SwiGLU and the few-rows Triton
+fprop / dgrad name the weights when they hold no group.
 """
 
 from __future__ import annotations

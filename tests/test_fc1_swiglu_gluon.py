@@ -1,5 +1,5 @@
 """fc1's grouped fprop with the (Scaled)SwiGLU in a warp-specialized Gluon epilogue
-(``kernels/fc1_swiglu_gluon.py``) and its dispatch (``fused/fc1_epilogue.py``).
+(``gemm/fc1_swiglu_gluon.py``) and its dispatch (``fused/fc1_epilogue.py``).
 
 CPU (CI): the config and argument errors, the reason on CPU, the measured rule and the
 dispatch (the fused forward, ``explain()``), the sm_90 ahead-of-time compile (skipped

@@ -1,15 +1,15 @@
-"""The Gluon fc1 + SwiGLU epilogue, ``kernels/fc1_swiglu_gluon.py``, and
-its dispatch in ``fused/fc1_epilogue.py``).
+"""The Gluon fc1 + SwiGLU epilogue (``te_ops/gemm/fc1_swiglu_gluon.py``) and its dispatch
+(``te_ops/fused/fc1_epilogue.py``).
 
-* The rule ``GLUON_FC1_RULE`` was measured on SM90 in bfloat16 only; it was keyed on the
-  shape alone, so under ``TE_OPS_GROUPED_GEMM_BACKEND=triton`` (persistent kernels on any
-  CUDA GPU and in float16) auto took the fused launch at a rule shape on another GPU (where
-  it is the unmeasured ``large_fc1_swiglu``, measured 0.97-0.99x on the H200) or in float16,
-  and ``explain()`` named the Gluon kernel there. Now the rule needs the measured device
-  and dtype.
-* ``explain()`` named the Gluon kernel where its operands rule it out at run time (a base
-  pointer off 16 bytes: ``gluon_fc1_dispatched`` runs ``large_fc1_swiglu``); now it names
-  the launch that runs and why.
+* The Gluon ``fc1_swiglu`` row holds only on the device and dtype it was measured on (SM90,
+  bfloat16), not on the shape alone: under ``TE_OPS_GROUPED_GEMM_BACKEND=triton``
+  (persistent kernels on any CUDA GPU and in float16) auto keeps the two launches at a row's
+  shape on another GPU (where the fused launch would be the unmeasured ``large_fc1_swiglu``,
+  0.97-0.99x the two launches on the H200) or in float16, and ``explain()`` does not name
+  the Gluon kernel there.
+* Where the operands rule the Gluon kernel out at run time (a base pointer off 16 bytes:
+  ``gluon_fc1_dispatched`` runs ``large_fc1_swiglu``), ``explain()`` names the launch that
+  runs and why.
 """
 
 from __future__ import annotations

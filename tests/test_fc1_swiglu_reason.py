@@ -1,11 +1,10 @@
-"""The merged dispatch (the two Gluon families in one ``BackendChoice``):
-regression tests of the defects found.
+"""``fc1_swiglu_reason`` (recorded for ``explain()`` as "fc1 SwiGLU epilogue") with the Gluon
+kernels in one ``BackendChoice``.
 
-* ``fc1_swiglu_reason`` (recorded for ``explain()`` as "fc1 SwiGLU epilogue") said fc1's
-  fprop "runs in the persistent many-rows Triton kernel" also where the choice runs it in the
-  warp-specialized Gluon kernel (``"fprop" in gluon_kinds``: a grouped linear of
-  ``GLUON_RULE``'s (768 -> 2048) at 512 rows per group used as fc1), and it compared the fused
-  launch with the wrong kernel.
+* It names the kernel fc1's fprop runs in: the warp-specialized Gluon kernel where the choice
+  runs it there (``"fprop" in gluon_kinds``, e.g. a grouped linear of a Gluon fprop row's
+  shape, 768 -> 2048 at 512 rows per group, used as fc1), the persistent many-rows Triton
+  kernel otherwise, and compares the fused launch with that kernel.
 """
 
 from __future__ import annotations

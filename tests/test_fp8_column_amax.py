@@ -141,8 +141,8 @@ def test_block_bitwise_equal_with_and_without_recorded_amax(fusion, monkeypatch)
 
 
 def test_record_amax_where_it_cannot_apply_raises():
-    """``record_columnwise_amax=True`` on a call that cannot record it raised nothing and gave
-    ``columnwise_amax=None`` (a silent no-op); now it names the shape / quantizer."""
+    """``record_columnwise_amax=True`` on a call that cannot record it raises, naming the shape
+    / quantizer (not a silent ``columnwise_amax=None``)."""
     w = awkward_weights(torch.float32)
     qr = Float8CurrentScalingQuantizer(rowwise=True)
     with pytest.raises(ValueError, match=r"\(G, N, K\) tensor without splits, got x of shape "

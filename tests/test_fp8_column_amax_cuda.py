@@ -56,7 +56,7 @@ def test_shape_not_taken_falls_back_to_column_pass():
     w = weights(2, 7, 64, torch.bfloat16)  # no power of two from 8 up divides 7
     assert fp8_triton.fp8_rows_column_amax(w) is None
     got = Float8CurrentScalingQuantizer(rowwise=True)(w, record_columnwise_amax=True)
-    assert got.columnwise_amax is None  # backward then makes it with both passes
+    assert got.columnwise_amax is None  # backward then makes it with both phases
 
 
 def _fn(w):

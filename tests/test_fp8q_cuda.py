@@ -1,11 +1,11 @@
-"""Pass 2 with packed 32-bit stores and the row-tiled row-wise + column-amax kernel, on the GPU.
+"""Phase 2 with packed 32-bit stores and the row-tiled row-wise + column-amax kernel, on the GPU.
 
 * ``fp8_triton.launch_cols`` with ``PACK4`` (four destination rows per 32-bit word before the
-  in-register transpose) writes the bytes and scales of the byte-wise pass 2 and of the
+  in-register transpose) writes the bytes and scales of the byte-wise phase 2 and of the
   PyTorch reference path: split activations (empty groups, sizes not multiples of 16, padding
   rows, chunks spanning groups, with and without the row-wise copy, with and without
   ``PREFETCH``) and weights (uniform groups with ``n % 4 == 0``; ``n % 4 != 0`` keeps the
-  byte-wise stores), from both passes and from a given amax.
+  byte-wise stores), from both phases and from a given amax.
 * ``fp8_rows_column_amax`` under ``ROWS_COLAMAX_SETTINGS`` (rows per program up to 8 .. 128,
   tiles of 1 .. 8 rows per load) writes the reference's row-wise bytes, scales and column
   amax.

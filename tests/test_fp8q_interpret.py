@@ -1,11 +1,11 @@
-"""Packed pass 2 and row-tiled row-wise + column-amax kernels through Triton's interpreter.
+"""Packed phase 2 and row-tiled row-wise + column-amax kernels through Triton's interpreter.
 
 Runs where triton is installed and no GPU is (as ``tests/test_fp8_triton_interpret.py``; the
 GPU runs the compiled kernels in ``tests/test_fp8q_cuda.py``). Kernel against kernel (the
 interpreter's float -> E4M3 conversion differs from the hardware's for some values):
 
 * ``launch_cols`` with ``PACK4`` (four destination rows per 32-bit word) writes the byte-wise
-  pass 2's bytes and scales: split activations (empty groups, padding rows, sizes not
+  phase 2's bytes and scales: split activations (empty groups, padding rows, sizes not
   multiples of 16, with and without the row-wise copy and ``PREFETCH``), weights with
   ``n % 4 == 0`` (packed, ``align=4``) and ``n % 4 != 0`` (byte-wise);
 * ``fp8_rows_column_amax`` with tiles of 2 / 4 rows equals the one-row tiles.

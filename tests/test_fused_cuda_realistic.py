@@ -1,4 +1,4 @@
-"""The grouped MLP on CUDA at realistic magnitudes (issue 10's kernels on their real path).
+"""The grouped MLP on CUDA at realistic magnitudes (the dispatched kernels on their real path).
 
 Inputs ~ N(0, 1), weights at ``GroupedLinear``'s init scale, probs ~ U(0, 1), device split
 sizes with padding rows (the Triton padding-row kernel and the in-place activation backward

@@ -1,11 +1,11 @@
 """The fused grouped MLP forward checks its inputs as the unfused ops do, in their order.
 
-Found in review: with fc2's weights in another dtype than the block's input, the fused
-forward never ran fc2's input check and raised torch's own ``expected m1 and m2 to have the
-same dtype`` (the unfused fc2 names the weights' dtype and the fix); under a recipe it also
-quantized the weights before fc1's input check, so an input of another dtype than the weights
-(or a wrong shape) got the recipe's dtype ``TypeError`` there and the ``ValueError`` of the
-input check unfused. Every case below raises the same error with ``TE_OPS_FUSION`` 1 and 0;
+With fc2's weights in another dtype than the block's input, the fused forward runs fc2's
+input check (naming the weights' dtype and the fix, not torch's ``expected m1 and m2 to have
+the same dtype``); under a recipe it runs fc1's input check before it quantizes the weights,
+so an input of another dtype than the weights (or a wrong shape) gets the input check's
+``ValueError``, not the recipe's dtype ``TypeError``. Every case below raises the same error
+with ``TE_OPS_FUSION`` 1 and 0;
 the valid call's output is checked against the float64 reference of ``tests/reference.py``.
 """
 

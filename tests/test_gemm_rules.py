@@ -1,6 +1,6 @@
 """The grouped GEMM rules table (``te_ops/gemm/rules.py``), evaluated on CPU.
 
-The reference below is the dispatch as it was written before the table (thresholds per kernel
+The reference below is an independent statement of the same dispatch (thresholds per kernel
 module, the Gluon rules as equality on the measured rows per group): at every measured shape
 the table must pick the same kernel, and off the Gluon boxes everywhere on the grid.
 """

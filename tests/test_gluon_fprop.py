@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon grouped GEMM (``kernels/grouped_gemm_gluon.py``): an experiment.
+"""The warp-specialized Gluon grouped GEMM (``te_ops/gemm/grouped_gemm_gluon.py``).
 
 CPU (CI): the launch config, the argument errors and the reason on CPU; the sm_90
 ahead-of-time compile (skipped without Gluon or an sm_90 ptxas: run with Triton 3.6 on the

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon grouped wgrad (``kernels/grouped_wgrad_gluon.py``).
+"""The warp-specialized Gluon grouped wgrad (``te_ops/gemm/grouped_wgrad_gluon.py``).
 
 CPU (CI, with or without Triton): the config, argument errors, the gate's reasons, the fake
 kernel of ``te_ops::grouped_wgrad_gluon`` and its trace under ``torch.compile(fullgraph=True)``;
@@ -10,10 +10,8 @@ CUDA (``@pytest.mark.cuda``, SM90): dW against an fp64 per-group reference at N(
 activations and gradient-scale dy (empty groups, offsets that stop short of the rows with NaN
 padding, ragged groups, several tiles per program), bitwise equal to ``torch._grouped_mm``;
 CUDA-graph replay with changed offsets and ``torch.compile(fullgraph=True)`` bitwise equal to
-eager. The default and ping-pong CUDA cases passed on the H200 (docs/benchmarks.md); the
-subtiled-epilogue ones (``epi2``, ``epi4``) have not run there as tests: the same cases in
-``benchmarks/gluon_wgrad.py --check`` did (bitwise equal to ``_grouped_mm``,
-h200_gluon_wgrad_tune_2026-11-30.jsonl).
+eager, for the default, ping-pong and subtiled-epilogue (``epi2``, ``epi4``) configs
+(``experimental/gemm_kernel_ab/gluon_wgrad.py --check`` times the same cases per config).
 """
 
 from __future__ import annotations
@@ -305,10 +303,8 @@ def test_compile_fullgraph_equals_eager():
 @pytest.mark.parametrize("config", [{}, EPI4], ids=["default", "epi4_stages4"])
 def test_sm90_compile_takes_three_descriptor_slots(config):
     """Global scratch per program: x's and dy's per-group descriptors (made in the loader's
-    per-group loop, carried by no loop) and the output's, 128 bytes each (640 bytes
-    before, with two loop seeds). Triton's launcher takes programs x this from the torch
-    allocator; it is live at the step's memory peak when this wgrad is the last GEMM of the
-    backward (docs/benchmarks.md, "Energy per step at the power cap; peak memory at the KiB
-    scale")."""
+    per-group loop, carried by no loop) and the output's, 128 bytes each. Triton's launcher
+    takes programs x this from the torch allocator; it is live at the step's memory peak when
+    this wgrad is the last GEMM of the backward."""
     kernel = _compile_sm90(config)
     assert kernel.metadata.global_scratch_size == 3 * 128

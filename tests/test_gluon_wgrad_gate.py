@@ -1,18 +1,17 @@
-"""The Gluon wgrad's gate and dispatch: regression tests.
+"""The Gluon wgrad's gate and dispatch.
 
-* The Gluon launch went straight to ``kernel[grid]``: Triton launches on the *current* CUDA
-  device, so x on ``cuda:1`` while ``cuda:0`` is current ran the kernel (and allocated its
-  TMA-descriptor scratch) on the wrong device; every other te_ops kernel launches through
-  ``triton_launch.launch``, which makes the tensors' device current for the launch.
-* The auto ``triton`` choice's reason said wgrad runs in the Gluon (or persistent / few-rows
-  Triton) kernel also for a wgrad into an fp32 ``main_grad``, which ``wgrad_into`` runs in
-  ``torch._grouped_mm`` with ``out_dtype`` (the forced text says so; auto's did not).
-* The gate checked the 16-byte row pitch on ``stride(0)``, but the kernel's descriptors use
-  ``K`` (``in_features``) as the pitch: a contiguous one-row x sliced from a wider buffer
-  (``stride(0) != K``) passed with ``K * 2`` bytes not a multiple of 16.
-* The rule and the gate took any importable Gluon: Triton 3.5 (torch 2.9, inside the supported
-  torch >= 2.8) imports the same modules with another ``gl.warp_specialize`` API, so auto
-  dispatch would send the wgrad to a kernel that fails to compile in the backward.
+* The Gluon launch goes through ``triton_launch.launch``, which makes the tensors' device
+  current: Triton launches on the *current* CUDA device, so x on ``cuda:1`` while ``cuda:0``
+  is current would run the kernel (and allocate its TMA-descriptor scratch) on the wrong one.
+* The auto ``triton`` choice's reason says where a wgrad into an fp32 ``main_grad`` runs
+  (``wgrad_into``: ``torch._grouped_mm`` with ``out_dtype``), not the Gluon (or persistent /
+  few-rows Triton) kernel, as the forced text does.
+* The gate checks the 16-byte row pitch on ``K`` (``in_features``), the pitch the kernel's
+  descriptors use, not on ``stride(0)``: a contiguous one-row x sliced from a wider buffer
+  (``stride(0) != K``) with ``K * 2`` bytes not a multiple of 16 is refused.
+* The rule and the gate take only the Gluon API the kernel is written for: Triton 3.5 (torch
+  2.9, inside the supported torch >= 2.8) imports the same modules with another
+  ``gl.warp_specialize`` API, where the kernel would fail to compile in the backward.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_select_backend_auto_at_the_bounds(monkeypatch, with_gluon, rows, gluon,
         assert "wgrad in the warp-specialized Gluon wgrad" in choice.reason
         assert f"launch config {preset!r}" in choice.reason
         assert ("the 4-stage mid_rows config" in choice.reason) == (preset == "mid_rows")
-    else:  # 511 rows: wgrad stays in torch._grouped_mm, as before
+    else:  # 511 rows: wgrad stays in torch._grouped_mm
         assert choice.gluon_kinds == () and choice.gluon_wgrad_preset == "default"
         assert choice.reason.endswith("wgrad in torch._grouped_mm")
         assert "Gluon wgrad" not in choice.reason

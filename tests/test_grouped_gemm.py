@@ -185,7 +185,7 @@ def test_select_backend_forced_and_graph_safe_toggles(device, monkeypatch):
 @pytest.mark.parametrize("device_sizes", [True, False])
 def test_graph_safe_0_with_forced_grouped_mm_raises(monkeypatch, device_sizes: bool):
     """TE_OPS_GRAPH_SAFE=0 with TE_OPS_GROUPED_GEMM_BACKEND=grouped_mm and device split sizes
-    used to run grouped_mm on the device offsets (graph-safe; make_graphed_callable accepted
+    would run grouped_mm on the device offsets (graph-safe: make_graphed_callable would accept
     it), against "0 forbids it": the conflict raises naming both variables. Host lists are
     not graph-safe anyway and run. Values checked against the per-expert F.linear loop."""
     cpu = torch.device("cpu")

@@ -1,14 +1,14 @@
-"""The prototype large-shape Triton grouped GEMM (``kernels/grouped_gemm_large_triton.py``).
+"""The persistent Triton grouped GEMM (``te_ops/gemm/grouped_gemm_large_triton.py``).
 
 CPU (CI, with or without triton): the config and argument errors, the TMA gate's reasons, the
 program count. The interpreter run of the kernel is in
-``tests/test_grouped_gemm_large_triton_interpret.py``. CUDA (``@pytest.mark.cuda``, not yet run
-on the H200 when written): fprop and fc1 + SwiGLU against an fp64 per-expert
-``torch.nn.functional.linear`` reference at N(0, 1) inputs and init-scale weights (bf16, fp16;
-TMA and pointer loads; padding rows over NaN garbage; empty and skewed groups; dims off the
-tiles), ``a`` bitwise equal to the Triton SwiGLU forward on the kernel's ``h``, a shape of each
-issue-10 layer scaled down, CUDA-graph replay with new split sizes and
-``torch.compile(fullgraph=True)`` bitwise equal to eager.
+``tests/test_grouped_gemm_large_triton_interpret.py``. CUDA (``@pytest.mark.cuda``): fprop and
+fc1 + SwiGLU against an fp64 per-expert ``torch.nn.functional.linear`` reference at N(0, 1)
+inputs and init-scale weights (bf16, fp16; TMA and pointer loads; padding rows over NaN
+garbage; empty and skewed groups; dims off the tiles), ``a`` bitwise equal to the Triton SwiGLU
+forward on the kernel's ``h``, a shape of each benchmark layer (E8, E32, E128) scaled down,
+CUDA-graph replay with new split sizes and ``torch.compile(fullgraph=True)`` bitwise equal to
+eager.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def test_flat_bitwise_equal_to_the_group_walk(kind, change):
 @pytest.mark.parametrize("change", [{}, {"FLAT": False}])
 def test_bitwise_equal_to_grouped_mm(change):
     """fprop and dgrad equal ``torch._grouped_mm`` (CUTLASS) bit for bit, as the benchmark
-    finds at the issue-10 shapes, in each schedule (skewed and empty groups, no padding)."""
+    finds at its layers' shapes, in each schedule (skewed and empty groups, no padding)."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
     sizes = [300, 0, 17, 195, 64, 600]

@@ -1,4 +1,4 @@
-"""The prototype large-shape Triton grouped GEMM (``grouped_gemm_large_triton``) in Triton's
+"""The persistent Triton grouped GEMM (``grouped_gemm_large_triton``) in Triton's
 CPU interpreter (``TRITON_INTERPRET=1``).
 
 Runs where triton is installed and no GPU is (the GPU runs the compiled kernel in

@@ -289,8 +289,8 @@ def test_mixed_choice_routes_each_gemm_kind(monkeypatch):
 
 
 def test_unsupported_reason_names_the_device_and_dtype_first(monkeypatch):
-    """Forced ``triton`` on the CPU said "triton is not installed" where triton was missing,
-    which is not why it cannot run there; the device and dtype come first now."""
+    """Forced ``triton`` on the CPU names the device and dtype first, also where triton is
+    missing ("triton is not installed" is not why it cannot run there)."""
     from te_ops.gemm import grouped_gemm_triton as gt
 
     monkeypatch.setattr(gt, "triton", None)

@@ -1,11 +1,11 @@
-"""The prototype large-shape Triton grouped wgrad (``kernels/grouped_wgrad_large_triton.py``).
+"""The persistent Triton grouped wgrad (``te_ops/gemm/grouped_wgrad_large_triton.py``).
 
 CPU (CI, with or without triton): the config, argument errors, the TMA gate's reasons, the
 FakeTensor / FunctionalTensor check, the program count and the group order. The interpreter
 run of the kernel is in ``tests/test_grouped_wgrad_large_triton_interpret.py``; an sm_90
 ahead-of-time compile (wgmma, TMA, shared memory) runs where triton is installed. CUDA
-(``@pytest.mark.cuda``, not yet run on the H200 when written): dW against an fp64 per-group
-reference at N(0, 1) inputs on the issue-10 fc1 / fc2 wgrad shapes scaled down (bf16 and fp16,
+(``@pytest.mark.cuda``): dW against an fp64 per-group reference at N(0, 1) inputs on the
+benchmark layers' fc1 / fc2 wgrad shapes scaled down (bf16 and fp16,
 TMA and pointer loads, NaN padding rows, empty and skewed groups, dims off the tiles), the
 fp32 accumulation into ``out``, ``torch.compile(fullgraph=True)`` and CUDA-graph replay with
 new device offsets bitwise equal to eager, and the difference from ``torch._grouped_mm``.
@@ -192,7 +192,7 @@ def _assert_close(got, want, dtype):
     assert err.max().item() <= 1e-2, err.max().item()
 
 
-#: The issue-10 wgrad shapes scaled down: (split sizes, M incl. padding, N, K); fc1 wgrad
+#: The benchmark layers' wgrad shapes scaled down: (split sizes, M incl. padding, N, K); fc1 wgrad
 #: dW1 (E, 2FF, H) from x (T, H) and dh (T, 2FF), fc2 wgrad dW2 (E, H, FF) from a (T, FF).
 CASES = [
     ([700, 0, 300, 17, 520, 129, 250, 100], 2100, 2 * 448, 512),  # E8 H4096 FF14336 fc1 /8

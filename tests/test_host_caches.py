@@ -1,4 +1,4 @@
-"""The per-step host caches follow every change they stand for (issue 10, host overhead).
+"""The per-step host caches (host overhead) follow every change they stand for.
 
 Each cache is checked by changing what it remembers and demanding the new behaviour: an
 environment variable (its value, a bad value, a new unknown name), a parameter object swapped

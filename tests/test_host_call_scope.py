@@ -1,5 +1,5 @@
-"""Per-call host caches (issue 10 item 3, host overhead): what they remember holds only for
-the fuser call that made it.
+"""Per-call host caches (host overhead): what they remember holds only for the fuser call
+that made it.
 
 * ``te_ops/call_scope.py``: a GroupedLinear checks its parameter dict once per fuser forward
   call; a parameter swapped between calls, or by a module hook (which runs the op in a call
@@ -9,7 +9,7 @@ the fuser call that made it.
   forward and backward still raises torch's error, also for weights that no longer share a
   version counter (``copy.deepcopy``) or a buffer (re-pointed ``.data``).
 * The fuser calls autograd's C ``apply`` directly only without functorch transforms; under
-  one the error is torch's own, as before.
+  one the error is torch's own.
 
 Values are checked against the float64 per-expert reference of ``tests/reference.py``.
 """

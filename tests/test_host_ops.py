@@ -1,5 +1,5 @@
-"""The per-step host work of the fused grouped MLP (issue 10 item 3): no-op shape changes are
-skipped, internal views are saved as they are, and the results do not change.
+"""The per-step host work of the fused grouped MLP: no-op shape changes are skipped, internal
+views are saved as they are, and the results do not change.
 
 The aten ops of one step are counted with a ``TorchDispatchMode`` (machine-independent, unlike
 a timing; speed itself is measured in ``benchmarks/grouped_mlp.py``). Values are checked
@@ -98,17 +98,17 @@ def test_step_on_2d_input_makes_no_view_ops(monkeypatch, single, fusion):
 
 def test_fused_single_weight_step_op_budget():
     """The fused single-weight step's aten ops (CPU, device split sizes covering every row):
-    6 grouped GEMMs, the split-size derivation and check, the torch SwiGLU, autograd's own;
-    docs/benchmarks.md "Host overhead" lists them. Guards against ops creeping back."""
+    6 grouped GEMMs, the split-size derivation and check, the torch SwiGLU, autograd's own.
+    Guards against ops creeping back."""
     block = _block(single=True)
     x = torch.randn(12, 16, requires_grad=True)
     probs = torch.rand(12, requires_grad=True)
     sizes = torch.tensor([3, 1, 5, 3])
     counts = _counted_step(block, x, probs, sizes)
     assert counts["_grouped_mm"] == 6
-    # 68 before issue 10 item 3's second pass, 48 after it; the CPU SwiGLU's row blocks (L2
-    # reuse, docs/benchmarks.md "CPU shape (item 5)") allocate their scratch buffers once per
-    # call and split x into halves: 6 more ops on this path (the Triton kernels run on CUDA).
+    # 48 ops for the step itself; the CPU SwiGLU's row blocks (L2 reuse,
+    # te_ops.basic.swiglu.CPU_BLOCK_ELEMENTS) allocate their scratch buffers once per call and
+    # split x into halves: 6 more ops on this path (the Triton kernels run on CUDA).
     assert sum(counts.values()) <= 54, counts
 
 
@@ -139,7 +139,7 @@ def test_grads_match_reference_with_and_without_reshapes(monkeypatch, shape, fus
 
 
 def test_input_that_is_a_view_without_grad_still_names_the_inplace_op(monkeypatch):
-    """A view of a tensor that needs no grad is saved as it is now (no base-and-restride): an
+    """A view of a tensor that needs no grad is saved as it is (no base-and-restride): an
     in-place change before backward still gives torch's version-counter error."""
     block = _block(single=True)
     base = torch.randn(2, 6, 16)

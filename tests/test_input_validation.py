@@ -1,4 +1,6 @@
-"""Faults found by trying te_ops as a new user would (README and docs first, then bad input).
+"""te_ops used as a new user would (README and docs first, then bad input): split sizes, input
+checks, ``fuses_as``, state_dicts, recipes, routing, the main job, the HF integration,
+quantizers, compile, main_grad and nesting.
 
 Each test asserts the right value or the right error (naming the argument, the expected and
 the actual value); references are independent (``tests/reference.py``: per-expert
@@ -15,8 +17,8 @@ import te_ops
 # --------------------------------------------------------------------------- split sizes
 @pytest.mark.parametrize("sizes", [[2**62] * 4, [2**63 - 1, 2**63 - 1, 2, 0]])
 def test_device_split_sizes_that_overflow_int64_sum_are_rejected(sizes):
-    # Non-negative sizes whose int64 cumsum wraps around to <= rows used to pass the
-    # device-side check and run with garbage offsets.
+    # Non-negative sizes whose int64 cumsum wraps around to <= rows: the device-side check
+    # must catch them (else the GEMMs run with garbage offsets).
     lin = te_ops.GroupedLinear(4, 4, 4)
     with pytest.raises(RuntimeError, match=r"split_sizes must be non-negative and sum to at "
                                            r"most the input's rows \(6\).*TE_OPS_CHECK_SPLIT"):
@@ -108,9 +110,9 @@ def _block(**kw):
 
 
 def test_explain_after_a_recipe_call_reports_the_recipe():
-    # docs/recipes.md: explain() prints, per GroupedLinear, "recipe <name>: emulated (...)";
-    # after a call it printed only the backend lines (the recipe was not recorded), and a
-    # later call without a recipe must not keep the old line.
+    # docs/recipes.md: explain() prints, per GroupedLinear, "recipe <name>: emulated (...)"
+    # after a call under the recipe (the recipe is recorded), and a later call without a
+    # recipe must not keep that line.
     from te_ops.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
     blk = _block()
@@ -246,7 +248,7 @@ def test_from_hf_experts_names_the_expert_whose_shapes_differ():
     assert te_hf.unsupported_reason(torch.nn.ModuleList([mlp(4), mlp(4)])) is None
 
 
-# --------------------------------------------------------------------------- left open
+# ---------------------------------------------------------------- in-place inputs, saved views
 @pytest.mark.parametrize("fusion", ["1", "0"])
 @pytest.mark.parametrize("which", ["input", "input_3d", "probs"])
 def test_input_modified_in_place_before_backward_names_the_inplace_op(monkeypatch, fusion,
@@ -271,7 +273,7 @@ def test_input_modified_in_place_before_backward_names_the_inplace_op(monkeypatc
         y.sum().backward()
 
 
-def test_saved_views_give_the_same_grads_as_before():
+def test_saved_views_give_the_reference_grads():
     # Saving a view's base and re-viewing it in backward changes no value: 3-D input with
     # a non-contiguous (transposed) layout, against the per-expert float64 reference loop.
     torch.manual_seed(3)
@@ -315,7 +317,7 @@ def test_quantizer_takes_split_sizes_as_a_list_or_tensor(sizes):
         Float8CurrentScalingQuantizer(columnwise=True)(x, torch.tensor(5))
 
 
-# --------------------------------------------------------------------------- recipes (nu2)
+# --------------------------------------------------------------------------- recipes
 _RECIPES = [te_ops.recipe.Float8CurrentScaling(), te_ops.recipe.MXFP8BlockScaling()]
 
 
@@ -388,7 +390,7 @@ def test_recipe_fast_accumulate_backward_must_be_a_bool():
     assert te_ops.recipe.Float8CurrentScaling(True).fast_accumulate_backward is True
 
 
-# --------------------------------------------------------------------------- quantizers (nu2)
+# --------------------------------------------------------------------------- quantizers
 _QUANTIZERS = ["Float8CurrentScalingQuantizer", "MXFP8Quantizer"]
 
 
@@ -490,7 +492,7 @@ def test_split_sizes_in_different_memory_are_still_two_sources(other):
     assert "ForwardGroupedMLP" not in _plan_forward(block)
 
 
-# --------------------------------------------------------------------------- compile (nu2)
+# --------------------------------------------------------------------------- compile
 def _recipe_grads(block, fn, recipe):
     torch.manual_seed(4)
     x, probs, s = torch.randn(9, 32), torch.rand(9), torch.tensor([2, 3, 4])
@@ -503,9 +505,9 @@ def _under(recipe, fn, x, s, p):
 
 
 def test_fp8_block_compiles_with_inductor_on_cpu():
-    # Under Float8CurrentScaling, torch.compile's default backend (inductor) failed on CPU with
-    # "CppCompileError: no match for operator- (VectorizedN<int, 2>, Vectorized<int>)": the
-    # power-of-two scale took frexp of a float64 quotient. It is now fp32 frexp arithmetic.
+    # Under Float8CurrentScaling, torch.compile's default backend (inductor) compiles on CPU:
+    # the power-of-two scale is fp32 frexp arithmetic (frexp of a float64 quotient fails with
+    # "CppCompileError: no match for operator- (VectorizedN<int, 2>, Vectorized<int>)").
     recipe = te_ops.recipe.Float8CurrentScaling()
     block = _mlp()
     torch._dynamo.reset()
@@ -580,7 +582,7 @@ def test_checkpoint_context_fn_gives_torch_checkpoint_the_recipe(recipe):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-# --------------------------------------------------------------------------- main_grad (nu2)
+# --------------------------------------------------------------------------- main_grad
 @pytest.mark.parametrize("single", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
 def test_main_grad_on_another_device_is_rejected_naming_the_parameter(single, delay):
@@ -597,7 +599,7 @@ def test_main_grad_on_another_device_is_rejected_naming_the_parameter(single, de
         lin.backward_dw()
 
 
-# --------------------------------------------------------------------------- nesting (nu2)
+# --------------------------------------------------------------------------- nesting
 def test_nested_sequential_that_needs_extra_inputs_is_refused_with_the_fix():
     # te_ops.Sequential(te_ops.Sequential(GroupedLinear), SwiGLU)(x, sizes) raised "expected 0
     # extra inputs after the main input (none), got 1" at call time.

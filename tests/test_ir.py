@@ -290,10 +290,10 @@ def test_explain_checks_sample_inputs():
 
 # ---------------------------------------------------------------------------- to_dot
 def test_explain_with_the_main_input_only_says_split_sizes_are_unknown():
-    """``explain(x)`` without the extra inputs used to give "fc1 and fc2 split sizes are not
-    the same source" and "not graph-safe": both read as faults of a call that was not
-    described. It now says the split sizes are unknown and what graph safety depends on;
-    with the extras the old texts stay."""
+    """``explain(x)`` without the extra inputs says the split sizes are unknown and what graph
+    safety depends on, not "fc1 and fc2 split sizes are not the same source" and "not
+    graph-safe" (faults of a call that was not described); with the extras those texts
+    stay."""
     x, splits, probs = _inputs()
     text = explain(_mlp(), x)
     assert "split sizes not known (planned without the extra inputs" in text

@@ -119,7 +119,7 @@ def test_main_job_seeds_run_job_logs_and_matches_the_job(tmp_path, monkeypatch) 
     assert "final validation loss (whole split)" in log.read_text()
 
 
-# ------------------------------------------------------------- review: CLI errors, failures
+# --------------------------------------------------------------------- CLI errors, failures
 @pytest.mark.parametrize("argv,message", [
     (["--seeds", "0,x"], "--seeds: expected comma-separated integers, got 'x' in '0,x'"),
     (["--seeds", ""], "--seeds: expected comma-separated integers, got '' in ''"),

@@ -266,9 +266,11 @@ def test_grouped_mlp_fusion_takes_split_sizes_from_permute():
     moe = make()
     moe(torch.randn(4, H))
     plan = moe.block.fusers()[0].plan()
-    names = [type(op).__name__ for op, _ in plan.forward_ops]
-    assert names == ["Router", "Permute", "ForwardGroupedMLP", "Combine"]
-    assert "BackwardGroupedMLP" in [type(op).__name__ for op, _ in plan.backward_ops]
+    # the grouped-MLP fusions, extended by the routing fusions (te_ops/fused/moe_routing.py)
+    assert [(type(op).__name__, idx) for op, idx in plan.forward_ops] == [
+        ("Router", [0]), ("ForwardGroupedMLP", [1, 2, 3, 4]), ("Combine", [5])]
+    assert [(type(op).__name__, idx) for op, idx in plan.backward_ops] == [
+        ("Router", [0]), ("Permute", [1]), ("BackwardGroupedMLP", [2, 3, 4, 5])]
 
 
 def test_expert_bias_update_rule():

@@ -1,17 +1,16 @@
 """The persistent many-rows Triton grouped GEMMs: edge inputs.
 
-* No groups (weights (0, N, K), offsets (0,)) with rows: every row is padding (the kernel
-  read ``offsets[0]`` and ``offsets[-1]`` of an empty tensor: a segfault in the interpreter).
+* No groups (weights (0, N, K), offsets (0,)) with rows: every row is padding, and the
+  kernel reads no element of the empty offsets.
 * Offsets past the rows of x (bad device split sizes, not checkable without a sync): the rows
-  are clamped to M (the kernel wrote past h: heap corruption; the wgrad walked a negative row
-  count).
-* The ``te_ops::`` ops called directly with non-contiguous operands (the kernels assume row
-  strides K / N; the Python wrappers made them contiguous, the ops did not).
+  are clamped to M (no write past h; the wgrad walks no negative row count).
+* The ``te_ops::`` ops called directly with non-contiguous operands: made contiguous, as the
+  Python wrappers do (the kernels assume row strides K / N).
 * The TMA gate under FakeTensors (``torch.compile``): a storage offset that is not 16-byte
-  aligned is known there and must drop TMA (a misaligned TMA base faults on the GPU).
+  aligned is known there and drops TMA (a misaligned TMA base faults on the GPU).
 * int64 address math on the pointer-load path: no 32-bit tensor products of an index and a
-  stride in the TTIR (``k * stride_wk`` overflowed for weights of more than 2^31 elements, e.g.
-  a (K, G, N) buffer viewed as (G, N, K)).
+  stride in the TTIR (``k * stride_wk`` would overflow for weights of more than 2^31
+  elements, e.g. a (K, G, N) buffer viewed as (G, N, K)).
 
 Interpreter cases run in a subprocess (``TRITON_INTERPRET=1``) against float64 references.
 """

@@ -1,30 +1,23 @@
-"""The persistent GEMMs' host checks (the flat wgrad's in-kernel
-group order, the entry points' host caches): faults found and their fixes.
+"""The persistent GEMMs' host checks and the flat wgrad's in-kernel group order.
 
 1. The fake-tensor test of the persistent kernels' TMA gates (``_fake`` in
-   ``grouped_gemm_large_triton`` and ``grouped_wgrad_large_triton``) answered ``False``
-   without ``is_fake`` for every tensor of type ``torch.Tensor`` that is not a functional
-   wrapper. A functorch-wrapped tensor (``torch.func.grad`` / ``vmap``: a C++ wrapper whose
-   Python type is ``torch.Tensor``) around a FakeTensor is fake (``is_fake`` unwraps it), so
-   ``tma_unsupported_reason`` read its data pointer, which raises ("Cannot access data
-   pointer of Tensor that doesn't have storage"), where it read the storage offset before
-   an earlier change. The shortcut now also leaves out functorch-wrapped tensors.
-2. ``triton_launch.sm_count`` / ``capability`` (public, in ``__all__``) took any device and
-   answered a CPU device with the current CUDA device's SM count and capability (its index
-   is ``None``, which they read as "the current CUDA device"): a silent wrong answer. They
-   now raise ``ValueError`` naming ``device`` for a device that is not CUDA.
-3. The persistent wgrad's ``config`` was never checked, and ``_launch_plan`` puts
-   ``ACCUMULATE=False`` *before* the config's keys for the flat schedule: a config holding
-   ``ACCUMULATE`` (before: a duplicate-keyword ``TypeError`` at the launch) now turned the
-   launch into an accumulation into the uninitialised output (garbage, silently), and a
-   misspelt key reached the kernel as an unknown keyword. The launch now rejects keys that
-   are not :func:`large_wgrad_config`'s with a ``ValueError`` naming them (as the fprop's
-   ``_resolve`` does), also where no launch is needed.
-
-Checked and found fine (tests below where none existed): the flat wgrad's in-register
-order with offsets that decrease, are negative or run past M (the same bits as the index
-order and the nested schedule's torch order: every tile once) and with more than 1024
-groups (2048 sort lanes).
+   ``grouped_gemm_large_triton`` and ``grouped_wgrad_large_triton``) treats a
+   functorch-wrapped tensor (``torch.func.grad`` / ``vmap``: a C++ wrapper whose Python type
+   is ``torch.Tensor``) around a FakeTensor as fake (``is_fake`` unwraps it), so
+   ``tma_unsupported_reason`` reads its storage offset, never its data pointer (which raises
+   "Cannot access data pointer of Tensor that doesn't have storage").
+2. ``triton_launch.sm_count`` / ``capability`` (public, in ``__all__``) raise ``ValueError``
+   naming ``device`` for a device that is not CUDA (a CPU device's index is ``None``, which
+   would read as "the current CUDA device": a silent wrong answer).
+3. The persistent wgrad's launch rejects ``config`` keys that are not
+   :func:`large_wgrad_config`'s with a ``ValueError`` naming them (as the fprop's
+   ``_resolve`` does), also where no launch is needed: ``_launch_plan`` puts
+   ``ACCUMULATE=False`` *before* the config's keys for the flat schedule, so a config holding
+   ``ACCUMULATE`` would turn the launch into an accumulation into the uninitialised output,
+   and a misspelt key would reach the kernel as an unknown keyword.
+4. The flat wgrad's in-register group order with offsets that decrease, are negative or run
+   past M (the same bits as the index order and the nested schedule's torch order: every
+   tile once) and with more than 1024 groups (2048 sort lanes).
 """
 
 from __future__ import annotations
@@ -162,7 +155,7 @@ print("ok")
 '''
 
 
-_INTERPRETER = interpreter_marks("tests/test_large_bound_cuda.py")
+_INTERPRETER = interpreter_marks("tests/test_grouped_wgrad_large_triton.py")
 
 
 @_INTERPRETER[0]

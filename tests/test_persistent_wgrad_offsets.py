@@ -1,16 +1,14 @@
 """The flat-schedule persistent wgrad: offsets and shared-memory edge cases.
 
-1. Offsets that are not contiguous (a strided view of the cumulative ends): every Triton
-   grouped GEMM launch passed the tensor to its kernel, which reads ``offs_ptr + g``, so
-   group ``g`` got the wrong element of the storage and the result was silently wrong. The
-   launches now pass ``offsets.contiguous()`` (the same tensor when it already is: no copy,
-   graph-safe). Checked in Triton's CPU interpreter against the contiguous call for the
-   persistent wgrad (flat and nested, TMA and pointer loads), the persistent fprop / dgrad,
-   the few-rows fprop / wgrad and the fc1 + SwiGLU kernel.
-2. int64 offsets past ``2**31`` (bad device split sizes, past M): the persistent wgrad cast
-   them to int32 before clamping to ``[0, M]``, so a wrapped value (e.g. ``2**32 + 5`` ->
-   5) replaced the clamp to M that its docstring promises (and that the fprop kernels do,
-   in int64). Now clamped in the offsets' dtype, then cast: the group ends at M.
+1. Offsets that are not contiguous (a strided view of the cumulative ends): the kernels read
+   ``offs_ptr + g``, so every Triton grouped GEMM launch passes ``offsets.contiguous()`` (the
+   same tensor when it already is: no copy, graph-safe). Checked in Triton's CPU interpreter
+   against the contiguous call for the persistent wgrad (flat and nested, TMA and pointer
+   loads), the persistent fprop / dgrad, the few-rows fprop / wgrad and the fc1 + SwiGLU
+   kernel.
+2. int64 offsets past ``2**31`` (bad device split sizes, past M): the persistent wgrad clamps
+   them to ``[0, M]`` in the offsets' dtype, then casts (as the fprop kernels do, in int64),
+   so the group ends at M; an int32 cast first would wrap (e.g. ``2**32 + 5`` -> 5).
 """
 
 from __future__ import annotations

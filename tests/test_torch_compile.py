@@ -1,4 +1,4 @@
-"""te_ops under torch.compile (issue 8): the whole block as one graph, bit-exact with eager.
+"""te_ops under torch.compile: the whole block as one graph, bit-exact with eager.
 
 The matrix runs with ``backend="aot_eager"`` (AOTAutograd, the same kernels as eager, no
 inductor codegen: fast, and bit-exact by construction); two small tests use the default

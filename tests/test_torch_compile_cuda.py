@@ -1,4 +1,4 @@
-"""te_ops under torch.compile on the GPU: the modes, with device split sizes (issue 8).
+"""te_ops under torch.compile on the GPU: the modes, with device split sizes.
 
 ``mode="default"``, ``"max-autotune-no-cudagraphs"`` and ``"reduce-overhead"`` (CUDA graph
 trees) compile the bf16 block ``GroupedLinear -> ScaledSwiGLU -> GroupedLinear`` (no bias, so

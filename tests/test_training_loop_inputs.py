@@ -1,5 +1,6 @@
-"""CPU checks of training-loop integration and input validation:
-each test is a fault a user hit, compared against the independent fp64 reference."""
+"""CPU checks of training-loop integration and input validation: missing probs, checkpoints
+of another layout or expert count, module surgery, torch.func transforms, in-place changes
+before ``backward_dw``, training flags; values against the independent fp64 reference."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def _block(scale_bias: bool = False) -> te_ops.Sequential:
     (1, False, "probs"), (0, True, "fc1 probs"), (1, True, "probs"), (2, True, "fc2 probs")])
 def test_missing_probs_is_an_error_on_the_fused_path_too(monkeypatch, fusion, kind, missing,
                                                          scale_bias, name):
-    """``probs=None`` for a ScaledSwiGLU (or a ``scale_bias`` GroupedLinear) raised on the
-    unfused path but the fused grouped MLP ran it as an unscaled SwiGLU (scale 1): a
-    forgotten router weight gave a silently wrong output."""
+    """``probs=None`` for a ScaledSwiGLU (or a ``scale_bias`` GroupedLinear) raises on the
+    fused path as on the unfused one, instead of running an unscaled SwiGLU (scale 1): a
+    forgotten router weight would give a silently wrong output."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     block = _block(scale_bias)
     split = ref.split_arg([3, 0, 5, 4], kind, "cpu")
@@ -68,9 +69,9 @@ def test_given_probs_still_match_the_reference(monkeypatch, fusion):
 def test_per_expert_checkpoint_of_other_expert_count_into_single_weight_names_the_experts(
         strict, src_groups, drop, words):
     """A per-expert checkpoint that cannot be stacked into ``single_grouped_weight`` (an
-    expert missing, fewer experts) was reported as "missing 'weight', unexpected
-    'weight0', 'weight1', ..." (keys the layer does accept): the error now says which experts
-    the layer expects and which the checkpoint lacks. (More experts than the layer: experts
+    expert missing, fewer experts): the error says which experts the layer expects and which
+    the checkpoint lacks (not "missing 'weight', unexpected 'weight0', 'weight1', ...", keys
+    the layer does accept). (More experts than the layer: experts
     0..G-1 load and the rest are unexpected keys, as for a per-expert layer.)"""
     src = te_ops.GroupedLinear(src_groups, H, FF, single_grouped_weight=False)
     state = src.state_dict()
@@ -131,9 +132,9 @@ def _swap(block: te_ops.Sequential, how: str, new: torch.nn.Module) -> None:
                                  "_modules"])
 def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion, how):
     """Replacing an op through torch.nn.Module's own API (``setattr``, ``add_module``,
-    ``set_submodule``: what model-surgery tools use) after a first call left the container
-    running the old op (its fusers were cached): the output came from weights no longer in
-    the model, silently. The container now rebuilds its fusers when its modules change."""
+    ``set_submodule``: what model-surgery tools use) after a first call: the container
+    rebuilds its fusers when its modules change, so the output never comes from cached
+    fusers of weights no longer in the model."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     block = _block()
     split = torch.tensor([3, 0, 5, 4])
@@ -159,10 +160,10 @@ def test_op_swapped_in_by_module_surgery_is_the_op_that_runs(monkeypatch, fusion
 
 @pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "functionalize"])
 def test_torch_func_transforms_are_refused_naming_te_ops_and_the_alternative(transform):
-    """``torch.func.grad`` / ``vmap`` / ``jvp`` / ``functionalize`` over a block raised
-    torch's "autograd.Function ... must override the setup_context staticmethod", which names
-    neither te_ops nor a way out: the error now names the transform, te_ops and the supported route
-    (``torch.func.functional_call`` with ``torch.autograd.grad``)."""
+    """``torch.func.grad`` / ``vmap`` / ``jvp`` / ``functionalize`` over a block: the error
+    names the transform, te_ops and the supported route (``torch.func.functional_call`` with
+    ``torch.autograd.grad``), not torch's "autograd.Function ... must override the
+    setup_context staticmethod", which names neither te_ops nor a way out."""
     block = _block()
     split = [3, 0, 5, 4]
     x = torch.randn(12, H)
@@ -235,8 +236,8 @@ def _delayed_block(scale_bias: bool = False, single: bool = True) -> te_ops.Sequ
 @pytest.mark.parametrize("kind", ["list", "tensor"])
 def test_input_changed_in_place_before_backward_dw_raises(monkeypatch, fusion, kind):
     """With ``delay_wgrad_compute`` the layer input is kept for ``backward_dw()``; an in-place
-    change of it after backward (a reused activation buffer) gave silently wrong weight
-    gradients. It now raises autograd's in-place error, naming the op and backward_dw."""
+    change of it after backward (a reused activation buffer) raises autograd's in-place error,
+    naming the op and backward_dw, instead of giving silently wrong weight gradients."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     block = _delayed_block()
     split = ref.split_arg([3, 0, 5, 4], kind, "cpu")

@@ -22,10 +22,12 @@ from ..call_scope import current_call
 from ..grouped_tensor import GroupedTensorStorage
 from ..gemm import (
     BackendChoice,
+    RowGather,
     grouped_dgrad,
     grouped_fprop,
     grouped_mm_operand_reason,
     grouped_mm_operands,
+    row_gather_reason,
     select_backend,
     stack_weights,
 )
@@ -218,6 +220,12 @@ class GroupedLinearSaved:
         in the layout (``weights`` are the saved tensors, whose versions autograd checks).
         ``None`` when stacking them took a copy (weights not adjacent), under a recipe, or
         while tracing.
+    x_gather : RowGather | None
+        The input as rows gathered from a source (the MoE layer's tokens in token order, and
+        the row -> token index), kept instead of ``x`` when a fused forward read it so
+        (``te_ops/fused/moe_routing.py``): the source is the tensor the router saves anyway,
+        so only the (rows,) index is added. :meth:`input_2d` gathers the rows; the wgrad GEMM
+        takes the gather itself (:func:`te_ops.gemm.row_gather_reason`). High precision only.
     """
 
     splits: GroupedSplits
@@ -234,6 +242,7 @@ class GroupedLinearSaved:
     training: WgradPolicy | None = None
     weight_amax: torch.Tensor | None = None
     weights_view: torch.Tensor | None = None
+    x_gather: RowGather | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -244,8 +253,10 @@ class GroupedLinearSaved:
             # here and put back by load(), so each op saves split sizes and offsets once.
             self.x.split_sizes = self.x.base_offsets = None
             x_tensors, x_storage = self.x.prepare_for_saving()
+        gather = self.x_gather
         ctx.save_for_backward(*self.splits.to_tensors(), *x_tensors, *self.weights,
-                              *self.biases, self.probs, self.weight_amax)
+                              *self.biases, self.probs, self.weight_amax,
+                              *((gather.src, gather.index) if gather else (None, None)))
         ctx.grouped_linear_layout = {
             "num_groups": self.splits.num_groups,
             "num_rows": self.splits.num_rows,
@@ -263,6 +274,7 @@ class GroupedLinearSaved:
             "recipe": self.recipe,
             "training": self.training,
             "weights_view": self.weights_view,
+            "gather_masked": gather.masked if gather else None,
         }
 
     @classmethod
@@ -286,13 +298,26 @@ class GroupedLinearSaved:
         nw, nb = meta["num_weights"], meta["num_biases"]
         weights, biases, probs = rest[:nw], rest[nw:nw + nb], rest[nw + nb]
         weight_amax = rest[nw + nb + 1]
+        src, index = rest[nw + nb + 2], rest[nw + nb + 3]
+        gather = None if src is None else RowGather(src, index, meta["gather_masked"])
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
                    meta["recipe"], meta["training"], weight_amax,
-                   meta["weights_view"])
+                   meta["weights_view"], gather)
+
+    def has_input(self) -> bool:
+        """Whether the layout keeps the input (stored, or as a row gather)."""
+        return self.x is not None or self.x_gather is not None
+
+    def fprop_input(self) -> torch.Tensor | RowGather:
+        """The input as fprop read it: the stored (rows, in_features) tensor, or the row
+        gather (the fc1 recompute re-runs fprop on it)."""
+        return self.x_gather if self.x_gather is not None else self.x.as_2d()
 
     def input_2d(self) -> torch.Tensor:
-        """The (rows, in_features) input, from the storage or recomputed."""
+        """The (rows, in_features) input, from the storage, gathered or recomputed."""
+        if self.x_gather is not None:
+            return self.x_gather.rows()
         if self.x is not None:
             return self.x.as_2d()
         if self.recompute_x is None:
@@ -306,6 +331,8 @@ class GroupedLinearSaved:
         recomputed input quantized column-wise, or the plain (rows, in_features) input."""
         if is_quantized(self.x):
             return self.x
+        if self.x_gather is not None and self.recipe is None:
+            return self.x_gather  # the wgrad GEMM gathers it (in its load where it can)
         return quantize_operand(self.recipe, "input", self.input_2d(), self.splits,
                                 columnwise=True)
 
@@ -660,15 +687,16 @@ class GroupedLinear(BasicOperation):
             )
 
     def prepare_splits(self, input_: torch.Tensor, split_sizes: Any, recipe: Any = None,
-                       checked: bool = False) -> GroupedSplits:
+                       checked: bool = False, num_rows: int | None = None) -> GroupedSplits:
         """Validate the input (unless ``checked``: the caller ran :meth:`check_input`; under
         ``recipe`` also its dtype, before the split sizes, in the order of the fused forward)
-        and split sizes; derive offsets and group ids on the device."""
+        and split sizes; derive offsets and group ids on the device. ``num_rows``: the rows of
+        this layer's input where ``input_`` is not it (the source of a row gather)."""
         if not checked:
             self.check_input(input_)
             if recipe is not None:
                 check_operand_dtype(recipe, "input", input_)
-        rows = input_.numel() // self.in_features
+        rows = input_.numel() // self.in_features if num_rows is None else num_rows
         return make_splits(split_sizes, self.num_groups, rows, input_.device)
 
     def select_backend(self, input_: torch.Tensor, splits: GroupedSplits) -> BackendChoice:
@@ -749,6 +777,8 @@ class GroupedLinear(BasicOperation):
         weights, biases = self._param_lists()
         single = self.single_grouped_weight
         self._record_recipe(recipe, x2d, backend)
+        self.record_row_gather(backend, ("fprop", "wgrad") if isinstance(x2d, RowGather)
+                               else ())
         if operands is None:
             operands = (quantize_operand(recipe, "input", x2d, rowwise=True),
                         quantize_operand(recipe, "weight", stacked(weights, single, "weight"),
@@ -768,6 +798,19 @@ class GroupedLinear(BasicOperation):
             y = add_group_bias(y, stacked(biases, single, "bias"), splits,
                                probs if self.scale_bias else None)
         return y
+
+    def record_row_gather(self, backend: BackendChoice, kinds: tuple[str, ...]) -> None:
+        """Record for ``explain()`` how this call's GEMMs of ``kinds`` read a row-gathered
+        operand (:func:`te_ops.gemm.row_gather_reason`); no ``kinds``: drop an earlier call's
+        record."""
+        records = self.__dict__.setdefault("_dispatch_records", {})
+        if not kinds:
+            records.pop("row gather", None)
+            return
+        self.record_dispatch("row gather", "; ".join(
+            row_gather_reason(backend, k)
+            or f"{k} reads the rows by index in the few-rows Triton kernel's load"
+            for k in kinds))
 
     def _record_operand_alignment(self, backend: BackendChoice, operands: tuple[Any, Any]
                                   ) -> None:
@@ -791,19 +834,27 @@ class GroupedLinear(BasicOperation):
         else:
             records.pop("grouped GEMM operands", None)
 
-    def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | None, splits: GroupedSplits,
+    def make_saved(self, ctx: OperationContext, x2d: torch.Tensor | RowGather | None,
+                   splits: GroupedSplits,
                    backend: BackendChoice, probs: torch.Tensor | None, in_shape,
                    recompute_x: Callable[[], torch.Tensor] | None = None,
                    recipe: Any = None, operands: tuple[Any, Any] | None = None
                    ) -> GroupedLinearSaved:
         """Build this op's saved layout (input kept only where wgrad needs it; under a
         ``recipe`` as its column-wise quantized copy, data + scale_inv, taken from the
-        forward's ``operands`` when they hold it, as is the weights' column-wise copy)."""
+        forward's ``operands`` when they hold it, as is the weights' column-wise copy; a
+        :class:`~te_ops.gemm.RowGather` ``x2d`` is kept as it is: ``x_gather``, no recipe)."""
         weights, biases = self._param_lists()
         need_x = any(map(_REQUIRES_GRAD, weights))
         storage = weight_amax = None
         x_in, w_in = operands if operands is not None else (None, None)
-        if need_x and recompute_x is None and x2d is not None:
+        gather = x2d if isinstance(x2d, RowGather) else None
+        if gather is not None and recipe is not None:
+            raise ValueError("x2d: a row gather is kept in high precision only, got one under "
+                             f"the recipe {type(recipe).__name__}")
+        if gather is not None:
+            gather = gather if need_x and recompute_x is None else None
+        elif need_x and recompute_x is None and x2d is not None:
             if is_quantized(x_in) and x_in.columnwise_data is not None:
                 storage = columnwise_only(x_in)
             else:
@@ -830,6 +881,7 @@ class GroupedLinear(BasicOperation):
             training=self._call_policy(weights, biases),
             weight_amax=weight_amax,
             weights_view=weights_view,
+            x_gather=gather,
         )
 
     def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]

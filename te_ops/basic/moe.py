@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..gemm import RowGather
 from ..op import BasicOperation
 from ..routing import DROP_POLICIES, capacity_per_expert, pick, sort_by_expert, tokens_per_expert
 from .grouped_linear import check_param_dtype
@@ -505,22 +506,32 @@ class Permute(BasicOperation):
             raise ValueError(f"top_k_probs must have top_k_index's shape {tuple(idx.shape)}, "
                              f"got {tuple(probs.shape)}")
 
-    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
-        ctx = basic_op_ctxs[0]
-        idx, probs = basic_op_extra_inputs[0]
+    def route(self, ctx: Any, input_: torch.Tensor, extra_inputs: tuple[Any, ...]
+              ) -> tuple[RowGather, tuple[torch.Tensor, ...]]:
+        """The forward without the row copy: the main output as a
+        :class:`~te_ops.gemm.RowGather` of ``input_`` (row ``r`` is token
+        ``pair_index[r] // k``; an empty capacity slot a zero row) and the extra outputs.
+        Writes this op's context (``row_index``, and whether rows are masked), which the
+        backward reads; the fused ``Permute -> fc1`` forward (``te_ops/fused/moe_routing.py``)
+        hands the gather to fc1's GEMM."""
+        idx, probs = extra_inputs
         self._check(input_, idx, probs)
         top_k = idx.shape[1]
         capacity = self.capacity(input_.shape[0], top_k)
         order = sort_by_expert(idx, self.num_experts, capacity=capacity, top_k_weights=probs,
                                drop_policy=self.drop_policy)
         masked = capacity is not None
-        rows = pick(input_, order.pair_index // top_k, masked=masked)
         row_probs = pick(probs.reshape(-1), order.pair_index, masked=masked)
         if ctx.requires_grad:
             ctx.save_for_backward(order.row_index)
             ctx.masked = masked
-        return rows, [(order.split_sizes, row_probs, order.pair_index, order.row_index,
-                       order.tokens_per_expert, order.dropped)]
+        return (RowGather(input_, order.pair_index // top_k, masked),
+                (order.split_sizes, row_probs, order.pair_index, order.row_index,
+                 order.tokens_per_expert, order.dropped))
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
+        rows, outputs = self.route(basic_op_ctxs[0], input_, basic_op_extra_inputs[0])
+        return rows.rows(), [outputs]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
@@ -580,7 +591,14 @@ class Combine(BasicOperation):
             ctx.top_k = row_index.shape[1]
         return pick(input_, row_index).sum(1), [()]
 
-    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
-        ctx = basic_op_ctxs[0]
+    def grad_rows(self, ctx: Any, grad_output: torch.Tensor) -> RowGather:
+        """The input gradient as a :class:`~te_ops.gemm.RowGather` of ``grad_output`` (row
+        ``r`` is token ``pair_index[r] // k``'s gradient; an empty capacity slot a zero row),
+        from this op's context; the fused ``fc2 -> Combine`` backward
+        (``te_ops/fused/moe_routing.py``) hands it to fc2's GEMMs. Shapes: grad_output
+        (T, hidden) -> rows (R, hidden)."""
         (pair_index,) = ctx.saved_tensors
-        return pick(grad_output, pair_index // ctx.top_k), [[]], [[None, None]]
+        return RowGather(grad_output, pair_index // ctx.top_k)
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        return self.grad_rows(basic_op_ctxs[0], grad_output).rows(), [[]], [[None, None]]

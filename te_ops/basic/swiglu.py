@@ -51,7 +51,7 @@ def _join(da: torch.Tensor, db: torch.Tensor, interleave: int | None) -> torch.T
 #: intra-op thread: a block's handful of fp32 temporaries (64 Ki elements, 256 KiB each) stays
 #: in the core's L2 cache from one pass to the next, so only the inputs and results travel to
 #: and from memory. Measured on a 2-core Xeon VM (2 MiB L2 per core), E8 T4096 FF512 fp32
-#: (docs/benchmarks.md, "CPU shape (item 5)"): 128-row blocks take the fused activation
+#: (the CPU shape): 128-row blocks take the fused activation
 #: backward from 14-20 to 9-10.5 ms (64 Ki best: 9.1 ms against 9.5-9.8 at 96-128 Ki).
 CPU_BLOCK_ELEMENTS = 65536
 
@@ -87,7 +87,8 @@ FC1_EPILOGUE = "fc1 SwiGLU epilogue"
 #: The per-block aten ops as direct C bindings: the same kernels as ``torch.ops.aten.silu.out``
 #: / ``silu_backward.grad_input``, whose Python-level op objects cost ~1.5 and ~1 us more per
 #: call (measured on the 2-core CI VM; 32 blocks a pass at the CPU shape). Dispatched through
-#: the C++ dispatcher as before, so AOTAutograd's dispatch-level tracing records the same ops.
+#: the C++ dispatcher as the op objects are, so AOTAutograd's dispatch-level tracing records
+#: the same ops.
 #: Dynamo cannot trace the raw ``silu_backward`` binding (a skipped builtin: a graph break, an
 #: error under ``fullgraph=True``), so a Dynamo trace calls the op object (:func:`_silu_grad`).
 _SILU = torch._C._nn.silu
@@ -399,8 +400,8 @@ class SwiGLU(BasicOperation):
         output, tokens x 2F elements) is not saved; backward re-runs fc1's forward GEMM from
         fc1's saved input and weights (same call, same backend, so h is bitwise the
         forward's): one extra fc1 GEMM per step (2·T·H·2F FLOPs, ~22 % of the step's).
-        Where it cannot be honoured, h is saved as before and a warning (once per op and
-        reason) and ``explain()`` say why: the forward runs unfused, a recipe
+        Where it cannot be honoured, h is saved as with the option off and a warning (once
+        per op and reason) and ``explain()`` say why: the forward runs unfused, a recipe
         (``te_ops.autocast``) is active, or fc1 keeps no input (its weights need no
         gradient). Default ``False``.
 

@@ -49,6 +49,20 @@ ENV_VARS: dict[str, EnvVar] = {
             "0 turns off the fused backward of GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.",
         ),
         EnvVar(
+            "TE_OPS_FUSE_PERMUTE_FC1",
+            "1",
+            _BOOL,
+            "0 turns off the fused forward of Permute -> GroupedLinear (fc1 reads the tokens "
+            "through the row index; the permuted copy is not saved).",
+        ),
+        EnvVar(
+            "TE_OPS_FUSE_FC2_COMBINE",
+            "1",
+            _BOOL,
+            "0 turns off the fused backward of GroupedLinear -> Combine (fc2's dgrad and wgrad "
+            "read the output gradient through the row index).",
+        ),
+        EnvVar(
             "TE_OPS_GROUPED_GEMM_BACKEND",
             "auto",
             ("auto", "grouped_mm", "loop", "triton"),

@@ -16,9 +16,10 @@ from .grouped_mlp import (
     ForwardGroupedMLP,
     grouped_mlp_unsupported_reason,
 )
+from .moe_routing import BackwardFC2Combine, ForwardPermuteFC1  # after grouped_mlp: it extends
 
-__all__ = ["FUSIONS", "BackwardGroupedMLP", "ForwardGroupedMLP",
-           "grouped_mlp_unsupported_reason"]
+__all__ = ["FUSIONS", "BackwardFC2Combine", "BackwardGroupedMLP", "ForwardGroupedMLP",
+           "ForwardPermuteFC1", "grouped_mlp_unsupported_reason"]
 
 #: (pass, fusion function, name, env toggle), in application order within each pass.
 FUSIONS = tuple((f.kind, f.func, f.name, f.env_var) for f in registered_fusions())

@@ -30,8 +30,8 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
     apply (the reason is recorded for ``explain()`` on the activation op; the caller then
     runs the two launches).
 
-    Shapes: x2d (rows, in), weights (G, 2F, in), probs (rows,) or ``None`` -> h (rows, 2F),
-    a (rows, F).
+    Shapes: x2d (rows, in) (or a :class:`~te_ops.gemm.RowGather` of those rows), weights
+    (G, 2F, in), probs (rows,) or ``None`` -> h (rows, 2F), a (rows, F).
     """
     rows_per_group = splits.num_rows / max(splits.num_groups, 1)
     triton_fprop = "fprop" in backend1.triton_kinds or "fprop" in backend1.large_kinds
@@ -42,7 +42,8 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
     # The activation's backend for an h of this dtype and device (h is always contiguous).
-    backend_act = act.select_backend(x2d.new_empty(0, fc1.out_features))
+    backend_act = act.select_backend(torch.empty(0, fc1.out_features, device=x2d.device,
+                                                 dtype=x2d.dtype))
     why = fc1_swiglu_reason(backend1, backend_act, recipe, fc1.has_bias,
                             act.glu_interleave_size, rows_per_group, x2d.device,
                             features=(weights.shape[2], weights.shape[1]), dtype=x2d.dtype)

@@ -13,8 +13,8 @@ bit-exact. The trade, as in Megatron-LM's selective activation recompute: one mo
 (2·T·H·2F FLOPs: 2/9, about 22 %, of the step's 3 x (2·T·H·2F + 2·T·F·H)) for T x 2F
 activation elements less between forward and backward.
 
-Not honoured (h saved as before, with the reason in ``explain()`` and a warning, once per op and
-reason, :meth:`~te_ops.basic.swiglu.SwiGLU.record_recompute`):
+Not honoured (h saved as with the option off, with the reason in ``explain()`` and a warning,
+once per op and reason, :meth:`~te_ops.basic.swiglu.SwiGLU.record_recompute`):
 
 * the forward runs unfused (fusion toggled off, the fused gate refused, or no
   ``GroupedLinear`` before the activation): the unfused activation cannot reach fc1;
@@ -49,7 +49,7 @@ UNFUSED_REASON = "the fused grouped MLP forward does not cover it"
 
 def fc1_output(saved: GroupedLinearSaved) -> torch.Tensor:
     """fc1's forward output (rows, out_features) from its saved layout, bitwise the forward's:
-    the same ``grouped_fprop`` call (saved input, the forward's stacked-weights view or the
+    the same ``grouped_fprop`` call (saved input or its row gather, the forward's stacked-weights view or the
     weights stacked as the forward stacked them, split tensors, backend), then the same bias
     gather (times the saved probs with ``scale_bias``). High precision only (no recipe).
 
@@ -58,12 +58,12 @@ def fc1_output(saved: GroupedLinearSaved) -> torch.Tensor:
     RuntimeError
         The layout holds no input or was made under a recipe.
     """
-    if saved.x is None or saved.recipe is not None:
+    if not saved.has_input() or saved.recipe is not None:
         raise RuntimeError("fc1's saved context cannot recompute its output: "
                            + (RECIPE_REASON if saved.recipe is not None else NO_INPUT_REASON))
     weights = (saved.weights_view if saved.weights_view is not None
                else stacked(saved.weights, saved.single))
-    y = grouped_fprop(saved.x.as_2d(), weights, saved.splits, saved.backend)
+    y = grouped_fprop(saved.fprop_input(), weights, saved.splits, saved.backend)
     if saved.biases:
         y = add_group_bias(y, stacked(saved.biases, saved.single), saved.splits, saved.probs)
     return y
@@ -95,7 +95,7 @@ def recompute_reason(saved1: GroupedLinearSaved | None, recipe: Any) -> str | No
     this call (``None`` when fc1 saves nothing)."""
     if recipe is not None:
         return RECIPE_REASON
-    if saved1 is None or saved1.x is None:
+    if saved1 is None or not saved1.has_input():
         return NO_INPUT_REASON
     return None
 

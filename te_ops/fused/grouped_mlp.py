@@ -24,6 +24,11 @@ Backward (:class:`BackwardGroupedMLP`):
   Triton kernel instead of two);
 * fc1 and fc2 share one set of split tensors and their cached padding mask and one-hot matrix.
 
+With the MoE layer's routing (``te_ops/fused/moe_routing.py``) the forward op may also cover
+the ``Permute`` before fc1 (fc1 reads the tokens through the row index, its context keeps the
+index instead of the permuted rows) and the backward op the ``Combine`` after fc2 (fc2's dgrad
+and wgrad read the output gradient through the row index).
+
 ``benchmarks/memory_report.py`` measures saved bytes and op counts of both.
 """
 
@@ -35,9 +40,11 @@ from typing import Any
 import torch
 
 from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_probs
+from ..basic.moe import Permute
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window, register_backward_fusion, register_forward_fusion
-from ..op import FusedOperation, FusibleOperation
+from ..gemm import RowGather
+from ..op import FusedOperation, FusibleOperation, fed_from
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
 from .fc1_epilogue import fc1_swiglu_forward
@@ -137,19 +144,38 @@ def fuse_grouped_mlp_backward(ops, *, recipe: Any = None, info: PlanInfo):
 
 
 class ForwardGroupedMLP(FusedOperation):
-    """Fused forward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring).
+    """Fused forward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring), or of
+    ``Permute -> fc1 -> (Scaled)SwiGLU -> fc2`` (basic ops ``[permute, fc1, act, fc2]``, made
+    by the ``permute_fc1_forward`` fusion): fc1 then reads the tokens through the permute's
+    row index (:meth:`te_ops.basic.moe.Permute.route`) and the permute's extra outputs feed
+    the three ops.
 
-    Shapes: input (..., H) -> output (..., H_out); extra inputs as the three basic ops take
-    them (``split_sizes[, probs]``, ``[probs]``, ``split_sizes[, probs]``).
+    Shapes: input (..., H) (with the permute: (T, H) tokens) -> output (..., H_out) (with the
+    permute: (R, H_out) rows); extra inputs as the basic ops take them (``split_sizes[,
+    probs]``, ``[probs]``, ``split_sizes[, probs]``; the permute's top-k ids and probs).
     """
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, recipe=None):
-        fc1, act, fc2 = self.basic_ops
+        permute_outputs = None
+        if isinstance(self.basic_ops[0], Permute):
+            permute = self.basic_ops[0]
+            input_, permute_outputs = permute.route(basic_op_ctxs[0], input_,
+                                                    basic_op_extra_inputs[0])
+            basic_op_ctxs = basic_op_ctxs[1:]
+            basic_op_extra_inputs = fed_from(permute, permute_outputs, self.basic_ops[1:],
+                                             basic_op_extra_inputs[1:])
+        y, outputs = self._forward(basic_op_ctxs, input_, basic_op_extra_inputs, recipe)
+        return y, outputs if permute_outputs is None else [permute_outputs, *outputs]
+
+    def _forward(self, basic_op_ctxs, input_, basic_op_extra_inputs, recipe):
+        """fc1 -> act -> fc2 on ``input_``, a tensor or a ``RowGather`` of fc1's input rows."""
+        fc1, act, fc2 = self.basic_ops[-3:]
         ctx1, ctx_act, ctx2 = basic_op_ctxs
         ex1, ex_act, ex2 = basic_op_extra_inputs
+        gathered = isinstance(input_, RowGather)
         # The unfused ops' input checks first, in their order (fc1's input, under a recipe its
         # dtype, then fc2's input: the activation's output has the input's dtype and device).
-        fc1.check_input(input_)
+        fc1.check_input(input_.src if gathered else input_)
         if recipe is not None:
             check_operand_dtype(recipe, "input", input_)
         fc2.check_input_dtype(input_.dtype, input_.device)
@@ -161,7 +187,8 @@ class ForwardGroupedMLP(FusedOperation):
         if recipe is not None:
             w_ops1 = fc1.forward_weight_operand(ctx1, recipe)
             w_ops2 = fc2.forward_weight_operand(ctx2, recipe)
-        splits = fc1.prepare_splits(input_, ex1[0], checked=True)
+        splits = fc1.prepare_splits(input_.src if gathered else input_, ex1[0], checked=True,
+                                    num_rows=input_.shape[0] if gathered else None)
         rows = splits.num_rows
         lead = tuple(input_.shape[:-1])
         # Every probs an op takes is checked (a None one raises, as on the unfused path).
@@ -171,7 +198,7 @@ class ForwardGroupedMLP(FusedOperation):
                                        ("probs", ex_act, 0, isinstance(act, ScaledSwiGLU)),
                                        ("fc2 probs", ex2, 1, fc2.scale_bias)))
 
-        x2d = rows_2d(input_, fc1.in_features)
+        x2d = input_ if gathered else rows_2d(input_, fc1.in_features)
         backend1 = fc1.select_backend(x2d, splits)
         ops1 = fc1.forward_operands(ctx1, x2d, splits, recipe, weight_operand=w_ops1)
         # At decode sizes fc1's fprop and the activation run as one Triton launch (same bits
@@ -184,6 +211,7 @@ class ForwardGroupedMLP(FusedOperation):
         else:
             h, a_epilogue, backend_act = epilogue
             fc1._record_recipe(recipe, x2d, backend1)  # as forward_math: drop a stale note
+            fc1.record_row_gather(backend1, ("fprop", "wgrad") if gathered else ())
         h = as_shape(h, (*lead, fc1.out_features))
         act.check_input(h)
         if probs_act is not None:
@@ -233,11 +261,18 @@ class ForwardGroupedMLP(FusedOperation):
 
 
 class BackwardGroupedMLP(FusedOperation):
-    """Fused backward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring)."""
+    """Fused backward of ``fc1 -> (Scaled)SwiGLU -> fc2`` (see module docstring), or of
+    ``fc1 -> (Scaled)SwiGLU -> fc2 -> Combine`` (basic ops ``[fc1, act, fc2, combine]``, made
+    by the ``fc2_combine_backward`` fusion): fc2's GEMMs then read the output gradient
+    through the combine's row index (:meth:`te_ops.basic.moe.Combine.grad_rows`).
+
+    Shapes: grad_output (..., H_out) (with the combine: (T, H_out)) -> the gradient of fc1's
+    input (..., H)."""
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
-        fc1, act, fc2 = self.basic_ops
-        ctx1, ctx_act, ctx2 = basic_op_ctxs
+        fc1, act, fc2 = self.basic_ops[:3]
+        ctx1, ctx_act, ctx2 = basic_op_ctxs[:3]
+        combine = self.basic_ops[3] if len(self.basic_ops) == 4 else None
         s1 = GroupedLinearSaved.load(ctx1)
         sa = SwiGLUSaved.load(ctx_act)
         s2 = GroupedLinearSaved.load(ctx2)
@@ -245,7 +280,11 @@ class BackwardGroupedMLP(FusedOperation):
         # The gate guarantees fc1 and fc2 share one split-size source: share the derived
         # tensors (padding mask, one-hot for bias grads) instead of building them twice.
         s2.splits = s1.splits
-        dy2d = rows_2d(grad_output, fc2.out_features)
+        if combine is None:
+            dy2d = rows_2d(grad_output, fc2.out_features)
+        else:  # no fc2 bias, no recipe (the fusion's gate): the GEMMs take the gather
+            dy2d = combine.grad_rows(basic_op_ctxs[3], grad_output)
+            fc2.record_row_gather(s2.backend, ("dgrad", "wgrad"))
         # Order: fc2 dgrad, then ONE activation-backward pass that also yields the activation
         # output when the forward did not save fc2's input, then fc2's weight grads with it.
         dy_q2 = GroupedLinear.quantize_grad_output(s2, dy2d, True)  # both copies, one go
@@ -283,6 +322,8 @@ class BackwardGroupedMLP(FusedOperation):
         extra_act = ([as_shape(gprobs_act, (gprobs_act.numel(),))]
                      if isinstance(act, ScaledSwiGLU) else [])
         extra2 = [None, gprobs2] if fc2.scale_bias else [None]
+        if combine is not None:
+            return dgrad1, [grads1, [], grads2, []], [extra1, extra_act, extra2, [None, None]]
         return dgrad1, [grads1, [], grads2], [extra1, extra_act, extra2]
 
 

@@ -39,6 +39,16 @@ registered kernels
     table is read for them only while some kernel is registered; :func:`_with_registered`);
     ``BackendChoice.registered`` says which kinds, ``name`` the backend of the others.
 
+Row gathers
+-----------
+An A operand (fprop's x, dgrad's dy, either operand of wgrad) may be a :class:`RowGather`:
+rows ``src[index]`` of a source tensor (the MoE layer's tokens before the permute, its output
+gradient before the combine). Where the call's kind runs in the few-rows Triton kernel, the
+kernel reads the rows through the index in its load (no (rows, cols) copy is written);
+elsewhere the rows are gathered first (:meth:`RowGather.rows`, a transient copy the GEMM reads
+and drops) and the call runs as with a plain operand: :func:`row_gather_reason` says which.
+Either way the result is bitwise the one of the gathered copy.
+
 Rows past the split-size sum (padding) are zero in fprop/dgrad outputs for both backends
 (``grouped_mm``: only those rows are written, by ``te_ops.kernels.padding``).
 ``TE_OPS_GROUPED_GEMM_BACKEND`` forces a backend; a forced backend that cannot run raises with
@@ -55,6 +65,7 @@ import torch
 
 from .. import env
 from ..quantization.gemm import is_quantized, quantized_grouped_gemm
+from ..routing import pick
 from ..splits import META_LOOP_ERROR, GroupedSplits
 from ..tracing import tracing
 from .torch_ops import LOOP_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_loop_host
@@ -70,6 +81,9 @@ from ..kernels.padding import zero_padding_rows_
 
 __all__ = [
     "BackendChoice",
+    "RowGather",
+    "as_rows",
+    "row_gather_reason",
     "grouped_mm_unsupported_reason",
     "grouped_mm_operand_reason",
     "grouped_mm_operands",
@@ -127,6 +141,61 @@ class BackendChoice:
                                        "longer registered (te_ops.gemm.unregister_kernel)")
                 return kernel
         return None
+
+
+class RowGather:
+    """A grouped GEMM operand whose row ``m`` is row ``index[m]`` of ``src``.
+
+    An ``index`` entry equal to ``len(src)`` (an empty capacity slot, a dropped pair) is a zero
+    row: the values of :func:`te_ops.routing.pick` (``masked=True``; ``masked=False`` promises
+    every entry is below ``len(src)``, so the plain gather runs).
+
+    Shapes: ``src`` (S, cols), ``index`` (M,) int64 on ``src``'s device -> rows (M, cols) in
+    ``src``'s dtype (``shape``, ``dtype`` and ``device`` are the gathered rows').
+    """
+
+    __slots__ = ("src", "index", "masked")
+
+    def __init__(self, src: torch.Tensor, index: torch.Tensor, masked: bool = True) -> None:
+        self.src, self.index, self.masked = src, index, masked
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.index.shape[0], self.src.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.src.device
+
+    def rows(self) -> torch.Tensor:
+        """The gathered rows, (M, cols), contiguous."""
+        return pick(self.src, self.index, masked=self.masked)
+
+
+def as_rows(t: torch.Tensor | RowGather) -> torch.Tensor:
+    """``t``'s rows as a tensor: a :class:`RowGather` gathered (a copy), a tensor itself."""
+    return t.rows() if isinstance(t, RowGather) else t
+
+
+def row_gather_reason(backend: BackendChoice, kind: str) -> str | None:
+    """Why a :class:`RowGather` operand of GEMM ``kind`` is gathered into a copy before the GEMM
+    (``None``: the kernel gathers the rows in its A load). Only te_ops' few-rows Triton kernels
+    (``triton_kinds``) take a row index; the persistent Triton and Gluon kernels read their
+    operands through tile descriptors of a plain row-major tensor, ``torch._grouped_mm`` and
+    the loop backend take plain tensors."""
+    if backend.registered and any(k == kind for k, _ in backend.registered):
+        return f"{kind} runs in a registered kernel, which takes plain operands"
+    if kind in backend.triton_kinds:
+        return None
+    where = ("the persistent / Gluon Triton kernel" if kind in backend.large_kinds
+             else "torch._grouped_mm" if backend.name in ("grouped_mm", "triton")
+             else f"the {backend.name} backend")
+    return (f"{kind} runs in {where}, which takes no row index: the rows are gathered into a "
+            f"transient copy first")
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -663,12 +732,17 @@ def grouped_fprop(x: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits,
                   backend: BackendChoice, aligned: bool = False) -> torch.Tensor:
     """``y_g = x_g @ W_g^T`` for every group.
 
-    Shapes: x (M, K), weights (G, N, K) → y (M, N), same dtype as x; padding rows are zero.
+    Shapes: x (M, K) (or a :class:`RowGather` of M rows), weights (G, N, K) → y (M, N), same
+    dtype as x; padding rows are zero.
     Quantized operands (a recipe's ``QuantizedTensorStorage``) go to the scaled GEMMs of
     ``te_ops.quantization.gemm`` (same for dgrad and wgrad). ``aligned``: the plain operands
     come from :func:`grouped_mm_operands` already (the caller recorded its reasons), so they
     are not checked again.
     """
+    if isinstance(x, RowGather):
+        if row_gather_reason(backend, "fprop") is None:
+            return triton_fprop(x.src, weights, splits.offsets, a_rows=x.index)
+        x = x.rows()
     if is_quantized(x):
         return quantized_grouped_gemm("fprop", x, weights, splits, backend, grouped_fprop)
     if backend.registered and (kernel := backend.registered_kernel("fprop")) is not None:
@@ -693,8 +767,13 @@ def grouped_dgrad(dy: torch.Tensor, weights: torch.Tensor, splits: GroupedSplits
                   backend: BackendChoice) -> torch.Tensor:
     """``dx_g = dy_g @ W_g`` for every group.
 
-    Shapes: dy (M, N), weights (G, N, K) → dx (M, K); padding rows are zero.
+    Shapes: dy (M, N) (or a :class:`RowGather`), weights (G, N, K) → dx (M, K); padding rows
+    are zero.
     """
+    if isinstance(dy, RowGather):
+        if row_gather_reason(backend, "dgrad") is None:
+            return triton_dgrad(dy.src, weights, splits.offsets, a_rows=dy.index)
+        dy = dy.rows()
     if is_quantized(dy):
         return quantized_grouped_gemm("dgrad", dy, weights, splits, backend, grouped_dgrad)
     if backend.registered and (kernel := backend.registered_kernel("dgrad")) is not None:
@@ -719,8 +798,16 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, splits: GroupedSplits,
                   backend: BackendChoice) -> torch.Tensor:
     """``dW_g = dy_g^T @ x_g`` for every group (zero for empty groups).
 
-    Shapes: x (M, K), dy (M, N) → dW (G, N, K), dtype of x. Padding rows do not contribute.
+    Shapes: x (M, K), dy (M, N) (either a :class:`RowGather`) → dW (G, N, K), dtype of x.
+    Padding rows do not contribute.
     """
+    if isinstance(x, RowGather) or isinstance(dy, RowGather):
+        if row_gather_reason(backend, "wgrad") is None and not (is_quantized(x)
+                                                                 or is_quantized(dy)):
+            xs, x_rows = (x.src, x.index) if isinstance(x, RowGather) else (x, None)
+            ds, dy_rows = (dy.src, dy.index) if isinstance(dy, RowGather) else (dy, None)
+            return triton_wgrad(xs, ds, splits.offsets, x_rows=x_rows, dy_rows=dy_rows)
+        x, dy = as_rows(x), as_rows(dy)
     if is_quantized(x):
         return quantized_grouped_gemm("wgrad", x, dy, splits, backend, grouped_wgrad)
     if backend.registered and (kernel := backend.registered_kernel("wgrad")) is not None:

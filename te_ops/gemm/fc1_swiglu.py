@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import fc1_swiglu_gluon, grouped_mlp_triton, rules
-from .dispatch import device_arch
+from .dispatch import RowGather, as_rows, device_arch, row_gather_reason
 from .grouped_gemm_large_triton import large_fc1_swiglu
 
 __all__ = ["fc1_swiglu_reason", "fc1_swiglu_launch", "large_fused_launch", "not_cuda_note",
@@ -127,8 +127,12 @@ def fc1_swiglu_launch(backend1: Any, x2d: torch.Tensor, weights: torch.Tensor,
     """``(h, a, note)`` from the fused launch of the kernel fc1's fprop runs in
     (``backend1``): the Gluon / persistent one (``large_kinds``) or the few-rows one; ``note``
     says which, for ``explain()``. Shapes: x2d (rows, in), weights (G, 2F, in), probs (rows,)
-    or ``None`` -> h (rows, 2F), a (rows, F)."""
+    or ``None`` -> h (rows, 2F), a (rows, F). ``x2d`` may be a :class:`~te_ops.gemm.RowGather`
+    (fc1's input rows gathered from the tokens): the few-rows kernel reads the rows through its
+    index; the persistent / Gluon launches read the gathered copy (the note says so)."""
     if "fprop" in backend1.large_kinds:
+        gathered = isinstance(x2d, RowGather)
+        x2d = as_rows(x2d)
         why = "the fc1_swiglu row of te_ops.gemm.rules that holds names this kernel"
         if _gluon_shape(x2d, weights):
             # what gluon_fc1_dispatched checks before it launches (on the contiguous x)
@@ -141,8 +145,15 @@ def fc1_swiglu_launch(backend1: Any, x2d: torch.Tensor, weights: torch.Tensor,
         else:
             note = ("one Triton launch for fc1's fprop and the activation (the persistent "
                     f"many-rows kernel, large_fc1_swiglu; {why})")
+        if gathered:
+            note += "; its input rows gathered into a transient copy first (" + (
+                row_gather_reason(backend1, "fprop") or "") + ")"
         h, a = large_fused_launch(x2d, weights, offsets, probs)
         return h, a, note
+    if isinstance(x2d, RowGather):
+        h, a = grouped_mlp_triton.fc1_swiglu(x2d.src, weights, offsets, probs, a_rows=x2d.index)
+        return h, a, ("one Triton launch for fc1's fprop and the activation, its input rows "
+                      "gathered by index in the kernel's load")
     h, a = grouped_mlp_triton.fc1_swiglu(x2d, weights, offsets, probs)
     return h, a, "one Triton launch for fc1's fprop and the activation"
 

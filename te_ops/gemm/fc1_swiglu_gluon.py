@@ -24,9 +24,10 @@ in order, fp32 accumulation, first step ``use_acc=False``), so h equals ``torch.
 Triton SwiGLU forward's operations in its order (``swiglu_triton._core``: ``sig = 1 / (1 +
 exp(-g))``, ``silu = g * sig``, ``silu * up``, ``* p``; same Triton lowering: ``exp`` via
 ``ex2.approx``, fp32 ``div.full``), so a equals ``swiglu_forward(h, probs)`` bit for bit
-(checked on the H200, tests/test_fc1_swiglu_gluon.py and ``benchmarks/large_gemm_triton.py
---gluon-fc1``). Padding rows past ``offsets[-1]``: h = 0 and a = SiLU(0) * 0 (* p), as the
-two launches write them (the epilogue partition writes them before its first tile).
+(checked on the H200 by tests/test_fc1_swiglu_gluon.py and
+``experimental/gemm_kernel_ab/large_gemm_triton.py --gluon-fc1``). Padding rows past
+``offsets[-1]``: h = 0 and a = SiLU(0) * 0 (* p), as the two launches write them (the
+epilogue partition writes them before its first tile).
 
 Shared memory: the 3-stage ring of 48 KiB (x 128 x 64 + W 256 x 64, bf16) + the 64 KiB
 output tile = 208 KiB of the H200's 227 (a is stored from registers, no buffer).

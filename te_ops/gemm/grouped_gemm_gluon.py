@@ -48,7 +48,7 @@ table it keeps in registers (``next_power_of_2(G)`` lanes). Groups' rows clamped
 ``0 <= start <= end <= M`` as there. The k-steps of every output element run in order with
 fp32 accumulation, the first with ``use_acc=False`` (CUTLASS's order), so outputs are meant to
 equal ``torch._grouped_mm``'s bit for bit (checked on the H200 by
-``benchmarks/large_gemm_triton.py --gluon``).
+``experimental/gemm_kernel_ab/large_gemm_triton.py --gluon``).
 
 Loads through device-side TMA descriptors (``tma.make_tensor_descriptor``; the torch-backed
 allocator of ``grouped_gemm_large_triton`` is installed when none is set): x as (M, K) with
@@ -57,13 +57,12 @@ transposed as a view for the wgmma) or as (G, K_red, N_out) with (1, 64, 256) bl
 dgrad (``W_KN``). Shared memory: ``STAGES`` x 48 KiB ring + the output tile, 64 KiB (3
 stages: 208 KiB of the H200's 227) or 32 KiB with ``C_HALF`` (4 stages: 224 KiB).
 
-Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (docs/benchmarks.md,
-"Gluon warp-specialized fprop/dgrad" and "Gluon fprop/dgrad: tail skip and a
-4-stage ring"): with 3 stages 1.03-1.10x the Triton kernel at E128 T65536 H2048
-FF768 (short k-loops, where the overlapped epilogue is a large share of a tile), 0.92-0.98x
-at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with ``C_HALF`` and
-4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes it where a
-Gluon row of :mod:`te_ops.gemm.rules` holds (:func:`gluon_grouped_gemm`: the op
+Measured on the H200 against the Triton kernel and ``torch._grouped_mm`` (today's numbers:
+docs/performance.md "Gluon fprop/dgrad"): with 3 stages 1.03-1.10x the Triton kernel at E128
+T65536 H2048 FF768 (short k-loops, where the overlapped epilogue is a large share of a tile),
+0.92-0.98x at E8 T16384 H4096 FF14336 and E32 T32768 H7168 FF2048 (long k-loops); with
+``C_HALF`` and 4 stages 1.00-1.04x at E8 / E32 and 1.05-1.10x at E128. Auto dispatch takes
+it where a Gluon row of :mod:`te_ops.gemm.rules` holds (:func:`gluon_grouped_gemm`: the op
 ``te_ops::grouped_gemm_gluon`` under a trace).
 """
 
@@ -109,7 +108,7 @@ GLUON_MAX_GROUPS = 1024
 #: ``C_HALF`` (a 64-row output buffer the two fill in turn) and a 4-stage ring: measured
 #: 1.05-1.11x the 3-stage ``SPLIT`` config at E8 and E32, 1.00-1.03x at E128 (same runs,
 #: interleaved). ``TMA_STORE``: in power-capped blocks of back-to-back
-#: calls (``benchmarks/sustained_gemm.py``, one H200 run) 1.02-1.08x without it at E128,
+#: calls on the H200 1.02-1.08x without it at E128,
 #: 1.007-1.029x at E8, 0.991-1.026x at E32, bitwise equal.
 DISPATCH_CONFIG: dict[str, int | bool] = {"SPLIT": True, "num_warps": 4, "C_HALF": True,
                                           "STAGES": 4, "TMA_STORE": True}

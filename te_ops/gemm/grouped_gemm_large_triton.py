@@ -47,12 +47,12 @@ BLOCK_K) without data movement), one ``tl.dot`` per k-step into one (BLOCK_M, BL
 accumulator; the epilogue splits it in registers (reshape (BLOCK_M, 2, BLOCK_N/2), permute,
 ``tl.split``) into h's gate and up column tiles ``pn`` (BLOCK_N/2 wide), stores both and
 ``a`` from the rounded values. Every h element takes the plain fprop's k-steps, so h equals
-:func:`large_fprop`'s bit for bit (checked on the H200 at the issue-10 shapes). It compiles to
-the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6; the plain
-fprop's 0.6 KB stay outside the k-loop, some of these are reloaded in it) and measured
+:func:`large_fprop`'s bit for bit (checked on the H200 at the E8 / E32 / E128 layers). It
+compiles to the plain fprop's loop (one wgmma chain) with 2 KB of spills (ptxas, Triton 3.6;
+the plain fprop's 0.6 KB stay outside the k-loop, some of these are reloaded in it) and measured
 0.97-0.99x fprop + the SwiGLU pass: the epilogue's SiLU, its a stores and the spills cost
 about what the memory-bound SwiGLU pass costs, since nothing overlaps the epilogue with the
-next tile's MMAs (docs/benchmarks.md, "fc1 + SwiGLU in the persistent kernel's epilogue").
+next tile's MMAs (experimental/gemm_kernel_ab/README.md).
 
 Loads. ``USE_TMA=True`` (a launch constexpr): x and W through ``tl.make_tensor_descriptor``
 (device-side TMA descriptors; Triton >= 3.4, the H200 machine has 3.6.0; needs x contiguous, W
@@ -100,9 +100,8 @@ FLAT_MAX_GROUPS = 1024
 
 def large_config(kind: str) -> dict[str, int | bool]:
     """Default launch parameters of ``kind`` (``"fprop"``, ``"dgrad"`` or ``"fc1_swiglu"``;
-    the tuning run: ``experimental/gemm_kernel_ab/large_gemm_triton.py --sweep`` at commit
-    f0b8839): 128 x 256 output tiles (torch's CUTLASS kernel uses 128x256x64 here,
-    docs/benchmarks.md "Why te_ops' GEMMs timed slower than the peer's"; for fc1 + SwiGLU one
+    tuned with ``experimental/gemm_kernel_ab/large_gemm_triton.py --sweep``): 128 x 256
+    output tiles (torch's CUTLASS kernel uses 128x256x64 at these shapes; for fc1 + SwiGLU one
     accumulator of 128 gate + 128 up columns, ``PAIRED`` in the module docstring), 64 k per
     step, ``GROUP_M = 8``, 8 warps, 3 stages, TMA loads, the flattened schedule (``FLAT``,
     measured faster than the group walk). ``USE_TMA`` is dropped by the launch where

@@ -45,9 +45,9 @@ Written against Triton 3.6.0 (the H200's): ``gl.warp_specialize`` there builds t
 partitions on SM90 (``setmaxnreg``, named barriers; ``tests/test_gluon_wgrad.py`` compiles
 it for sm_90 on CPU), unlike ``tl.range(warp_specialize=True)``.
 
-Measured in ``benchmarks/gluon_wgrad.py`` (docs/benchmarks.md, "Gluon warp-specialized
-wgrad": 1.01-1.14x ``torch._grouped_mm`` and 1.01-1.07x the Triton wgrad on the
-issue-10 wgrads, one run). Dispatched by ``te_ops.gemm.dispatch`` where a wgrad row of
+Measured with ``experimental/gemm_kernel_ab/gluon_wgrad.py`` (docs/performance.md "Gluon
+wgrad": faster than ``torch._grouped_mm`` and the Triton wgrad on the E8 / E32 / E128
+layers' wgrads). Dispatched by ``te_ops.gemm.dispatch`` where a wgrad row of
 ``te_ops.gemm.rules`` names it (SM90, bfloat16, 512 rows per group or more), with the row's
 launch config: the subtiled epilogue with a 4th ring stage (:data:`MID_ROWS_CONFIG`) at
 512-1023 rows per group, where it measured 1.06-1.09x the default config, the default config
@@ -89,7 +89,7 @@ __all__ = ["gluon_wgrad", "gluon_wgrad_config", "gluon_unsupported_reason",
 #: The launch config (changes to :func:`gluon_wgrad_config`) the rules table names
 #: ``"mid_rows"`` (``te_ops.gemm.rules``: 512 to 1023 rows per group): 4 ring stages,
 #: the 128 x 256 dW tile stored as 4 column slices of 64 through 2 smem buffers (4 x 48 KiB +
-#: 2 x 16 KiB of smem); the ``s4_epi4x2`` config of ``benchmarks/gluon_wgrad.py``.
+#: 2 x 16 KiB of smem); the ``s4_epi4x2`` config of ``experimental/gemm_kernel_ab/gluon_wgrad.py``.
 MID_ROWS_CONFIG = {"STAGES": 4, "EPI_SPLIT": 4, "EPI_BUFS": 2}
 
 #: The named launch configs the rules table picks from (a row's ``config``), as changes to
@@ -154,15 +154,15 @@ def gluon_wgrad_config() -> dict[str, int]:
     is the whole-tile store. ``STAGES=4, EPI_SPLIT=2, EPI_BUFS=1`` (or ``EPI_SPLIT=4,
     EPI_BUFS=2``) fits 4 x 48 KiB + 32 KiB (229,700 bytes of smem at sm_90, of 232,448): measured
     0.966-0.976x this default on the E8 / E32 wgrads (>= 1024 rows per group), so it is not the
-    default, and 1.06-1.09x it at E128 (512 rows per group, two H200 runs), where the dispatch
+    default, and 1.06-1.09x it at E128 (512 rows per group), where the dispatch
     runs ``EPI_SPLIT=4, EPI_BUFS=2`` (:data:`MID_ROWS_CONFIG`, the rules table's ``"mid_rows"``).
 
     ``GROUP_N`` 8: a group's tiles go in bands of 8 dW row tiles, row tile fastest,
     instead of a whole row of tiles at a time (``GROUP_N=1``), so the programs running at once
-    share the x columns they read and a wave no longer streams all of x_g from HBM (ncu, E8
+    share the x columns they read and a wave does not stream all of x_g from HBM (ncu, E8
     fc2 wgrad: 7.2 GB of DRAM reads against ``_grouped_mm``'s 2.2 GB). Measured in power-capped
-    blocks (``benchmarks/sustained_gemm.py``, H200): 1.15x the old order on E8's fc2 wgrad,
-    1.00-1.06x on the fc1 wgrads of E8 / E32 / E128 (two runs), 0.99-1.00x on E32's and E128's fc2 wgrads;
+    blocks on the H200: 1.15x ``GROUP_N=1`` on E8's fc2 wgrad, 1.00-1.06x on the fc1 wgrads of
+    E8 / E32 / E128, 0.99-1.00x on E32's and E128's fc2 wgrads;
     outputs bitwise unchanged (the order of tiles changes no arithmetic)."""
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "CONSUMERS": 1,
             "EPI_SPLIT": 1, "EPI_BUFS": 1, "LOADER_REGS": 40, "CONSUMER_REGS": 232,
@@ -424,7 +424,7 @@ def gluon_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     """``dW_g = dy_g^T @ x_g`` with the warp-specialized Gluon kernel (module docstring).
 
     Same result as ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (bit for bit on every case
-    and shape measured, docs/benchmarks.md "Gluon warp-specialized wgrad"), fp32
+    and shape measured, docs/performance.md "Gluon wgrad"), fp32
     accumulation.
 
     Shapes: x (M, K), dy (M, N) bf16/fp16 contiguous on an SM90 GPU; offsets (G,) int32/int64

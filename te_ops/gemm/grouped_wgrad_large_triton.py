@@ -6,8 +6,8 @@ where a ``triton_persistent`` wgrad row of ``te_ops.gemm.rules`` holds: auto at 
 per group on SM90 in bf16, where the flat schedule measured 1.01-1.09x
 ``torch._grouped_mm(dy.t(), x, offs=offsets)`` (CUTLASS; parity at 512-2048 rows, where auto
 keeps CUTLASS), and the forced rows (``TE_OPS_GROUPED_GEMM_BACKEND=triton``) from 512
-(``experimental/gemm_kernel_ab/large_gemm_triton.py`` at commit f0b8839,
-docs/benchmarks.md). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
+(``experimental/gemm_kernel_ab/large_gemm_triton.py``; docs/performance.md "Persistent
+Triton GEMMs"). It is the wgrad counterpart of ``grouped_gemm_large_triton`` (fprop,
 dgrad). The schedule, masking and stores below describe the nested schedule
 (``FLAT=False``, the accumulate launch); the default ``FLAT`` one is
 :func:`_wgrad_flat_kernel` (one pipelined loop, per-group TMA bounds, TMA-store epilogue).
@@ -86,9 +86,8 @@ _CPU_PROGRAMS = 4
 
 
 def large_wgrad_config() -> dict[str, int | bool]:
-    """Default launch parameters, not yet tuned (the tuning run:
-    ``experimental/gemm_kernel_ab/large_gemm_triton.py --sweep --gemms fc1_wgrad,fc2_wgrad``
-    at commit f0b8839): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
+    """Default launch parameters, untuned (``experimental/gemm_kernel_ab/large_gemm_triton.py
+    --sweep --gemms fc1_wgrad,fc2_wgrad`` sweeps them): 128 x 256 dW tiles (BLOCK_N x BLOCK_K,
     the tile of torch's CUTLASS kernel), 64 rows per step, 8 warps, 3 stages (3 x 48 KiB of
     shared memory), TMA loads (per-group descriptor bounds in the flat schedule), a TMA-store
     epilogue. ``USE_TMA`` is dropped by the launch where :func:`tma_unsupported_reason` says

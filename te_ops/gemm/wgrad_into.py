@@ -36,6 +36,7 @@ from ..quantization.gemm import is_quantized
 from ..splits import GroupedSplits
 from .dispatch import (
     BackendChoice,
+    as_rows,
     grouped_mm_operands,
     grouped_mm_unsupported_reason,
     grouped_wgrad,
@@ -106,7 +107,7 @@ def grouped_wgrad_into(targets: list[torch.Tensor], x: torch.Tensor, dy: torch.T
     targets : list of G tensors of shape (N, K), any float dtype, any strides
         Written in place (``None`` entries are skipped: frozen experts).
     x : (M, K), dy : (M, N)
-        Same dtype; padding rows (past the split-size sum) do not contribute. Under a
+        Same dtype (either may be a :class:`~te_ops.gemm.dispatch.RowGather`); padding rows (past the split-size sum) do not contribute. Under a
         low-precision recipe, the quantized storages of ``te_ops.quantization`` (the recipe's
         grouped GEMM runs, then its result is written into the targets).
     accumulate : list of G bools
@@ -115,6 +116,9 @@ def grouped_wgrad_into(targets: list[torch.Tensor], x: torch.Tensor, dy: torch.T
     live = [g for g, t in enumerate(targets) if t is not None]
     if not live:
         return
+    # a row-gathered operand (te_ops.gemm.RowGather): its rows, gathered into a transient copy
+    # (the product is written into the targets by the paths below, which take plain tensors)
+    x, dy = as_rows(x), as_rows(dy)
     if (is_quantized(x) or is_quantized(dy)  # a recipe's operands: its own GEMM, then one add
             or backend.registered_kernel("wgrad") is not None):  # a registered kernel's
         wgrad = grouped_wgrad(x, dy, splits, backend)

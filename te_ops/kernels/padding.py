@@ -3,8 +3,8 @@
 Rows of a grouped input past the sum of the split sizes are padding (``te_ops.splits``);
 ``torch._grouped_mm`` leaves the matching output rows unwritten (whatever the allocator handed
 back, NaN included). A mask fill (``out.masked_fill_(row >= total, 0)``) reads and writes the
-whole tensor to fix the tail; on the H200 that was 8-24 % of a grouped-MLP step
-(docs/benchmarks.md). Here only the tail is touched:
+whole tensor to fix the tail: measured on the H200 at 8-24 % of a grouped-MLP step. Here
+only the tail is touched:
 
 ``cuda`` (Triton)
     :func:`zero_rows_past_total_` (``torch.ops.te_ops.zero_rows_past_total_``, a

@@ -16,10 +16,10 @@ row count ``R``:
     ``torch.library.triton_op``, while ``torch.compile`` traces; eager calls launch it
     directly). In a captured E64 step it replaces nine launches (cumsum's two scan kernels,
     the zeros and ``cat`` of the table, ``clamp`` / ``eq`` / ``all`` of the check, the int32
-    cast; docs/benchmarks.md). Graph-safe: no host read, launch size from ``G`` only.
+    cast). Graph-safe: no host read, launch size from ``G`` only.
 otherwise (CPU, ``meta``, CUDA without Triton, more than :data:`MAX_TRITON_GROUPS` groups)
     the same values from torch ops (:func:`split_table_torch`; a (2G + 1,) table without the
-    flag slot, the flag a separate bool, so the CPU step runs no more aten ops than before).
+    flag slot, the flag a separate bool: no aten op spent on packing it into the table).
 
 Both return a :class:`SplitTable` of the views ``make_splits`` keeps.
 """
@@ -119,7 +119,7 @@ def split_table_torch(split_sizes: torch.Tensor, num_rows: int, check: bool = Tr
                       ) -> SplitTable:
     """:func:`split_table` in torch ops (the CPU path and the reference of the kernel's
     tests): ``to`` (non-int64 sizes), ``cumsum``, ``new_zeros``, ``cat``, the three check ops
-    and the int32 cast, as many aten ops as before the kernel existed."""
+    and the int32 cast."""
     sizes = (split_sizes if split_sizes.dtype is torch.int64
              else split_sizes.to(torch.int64))  # floating sizes: cast on the device
     ends = torch.cumsum(sizes, 0)

@@ -99,8 +99,8 @@ if triton is not None:
         """The backward of ``out = SiLU(a) * b (* p)`` per element, fp32 in and out:
         ``(d a, d b, out, the probs-gradient term SiLU(a) * b * dy)`` (the last only with
         ``HAS_P``; ``p`` a scalar or a tensor broadcasting against ``a``). The SwiGLU backward
-        kernel and the fc2 dgrad kernel with this in its epilogue
-        (``kernels/dgrad_dswiglu_triton.py``) share it, so their gradients and ``out`` are
+        kernel and the experimental fc2 dgrad kernel with this in its epilogue
+        (``experimental/fc2_dgrad_dswiglu/``) share it, so their gradients and ``out`` are
         the same bits."""
         sig, silu = _core(a, b)
         out = silu * b

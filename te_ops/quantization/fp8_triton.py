@@ -441,12 +441,12 @@ if triton is not None:
     #: ROWS per tile at a time (each tile's load issued before the previous tile is worked on);
     #: below ROWS_COLAMAX_MIN rows (too many atomics per byte) the column amax is not made
     #: there. Warps default to 8 (BLOCK_K <= 8192) or 16. Measured on an H200, same process
-    #: (benchmarks/fp8t_ab.py; raw lines benchmarks/results/h200_fp8t_ab_2026-11-30_fp8t.jsonl):
+    #: (experimental/fp8_quantize_ab/):
     #: tiles of 2 rows pay where each thread holds at least 32 elements of a tile (2 x BLOCK_K /
     #: (32 x warps)): E8's W1 rows (4096) 0.83 ms against 0.96 with one row, E32's W1 rows
     #: (7168) 0.96 against 1.15-1.19; with 16 elements per thread they collapse (no spills):
     #: E32's W2 rows (2048, 8 warps) 4.14 ms against 0.54 with one row (E32's FP8 step
-    #: regression), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
+    #: slowdown), E8's W1 rows with 16 warps 8.65 ms. Rows of 16384: 64 rows per
     #: program, 0.48 ms against 0.54 with 32.
     ROWS_COLAMAX_SETTINGS: tuple[tuple[int, ...], ...] = (
         (2048, 32, 1), (8192, 64, 2), (16384, 64, 1, 16), (32768, 32, 1))
@@ -495,8 +495,8 @@ if triton is not None:
     #: overrides the tile settings of phase 1 (amax) alone: the phases share only the amax
     #: buffers, so their grids may differ; "COLS_ONLY" those of a packed phase 2 that writes
     #: no row-wise copy (weights, fc2's input). Measured on an H200
-    #: (benchmarks/fp8_cols_tiles.py, benchmarks/fp8_pass_variants.py,
-    #: benchmarks/fp8q_variants.py: PACK4 2.62 ms for the six pass-2 calls against 2.92,
+    #: (experimental/fp8_quantize_ab/: the column-wise tile, phase and phase-2 variants;
+    #: PACK4 2.62 ms for the six phase-2 calls against 2.92,
     #: 2.44 with 512-row tiles where no row-wise copy is written: W1 / W2 0.79 / 0.40 ms
     #: against 1.03 / 0.52; 256-row tiles with the row-wise copy: dh 1.35 against 0.77).
     #: "COLS_ONLY_MIN_ROWS": "COLS_ONLY" applies only where the groups average at least this
@@ -524,8 +524,8 @@ if triton is not None:
                       "PREFETCH": cfg["PREFETCH"], "num_warps": cfg["num_warps"]}
 
     #: Column blocks with which the packed phase 2 runs. On the H200 (Triton 3.6) 32-column
-    #: blocks with the row-wise copy wrote wrong column-wise bytes (benchmarks/results/
-    #: h200_fp8q_variants_2026-11-30.jsonl, variant 5) while the interpreter's bytes of the
+    #: blocks with the row-wise copy write wrong column-wise bytes (experimental/
+    #: fp8_quantize_ab/, the phase-2 variants) while the interpreter's bytes of the
     #: same kernel agree with the byte-wise pass (tests/test_fp8q_interpret.py): cause not
     #: found, so other blocks keep the byte-wise stores.
     PACK4_BLOCK_C = (64,)

@@ -320,7 +320,7 @@ WEIGHT_COLUMN_AMAX_FROM_ROWWISE = True
 
 def _uniform_align(n: int) -> int:
     """Row alignment passed to the column-wise kernels for uniform groups of ``n`` rows
-    (weights): 4 when ``n % 4 == 0`` (the same layout as 1, and lets pass 2 store 32-bit words:
+    (weights): 4 when ``n % 4 == 0`` (the same layout as 1, and lets phase 2 store 32-bit words:
     ``fp8_triton.pack4_ok``), else 1."""
     return 4 if n % 4 == 0 else 1
 
