@@ -427,3 +427,57 @@ def benchmark_runs(out: str) -> int:
     diffs = [r["max_abs_diff"] for r in records if r["max_abs_diff"] is not None]
     assert diffs and max(diffs) < 1e-5, diffs
     return len(records)
+
+
+def main_job_ep_step_gradients_match_one_process() -> None:
+    """One training step of the main job under ``--ep 4`` (each rank's quarter of the batch,
+    DDP over the non-expert parameters, the expert gradients divided by N): every gradient
+    equals the one-process step's on the whole batch (the expert ones on this rank's rows)."""
+    from te_ops.examples import train_moe
+
+    args = train_moe.parse_args(
+        ["--batch-size", "4", "--seq-len", "16", "--layers", "2", "--d-model", "16",
+         "--heads", "2", "--experts", "8", "--top-k", "2", "--ffn", "16", "--ep", "4",
+         "--aux-coef", "0.5"])
+    cpu = torch.device("cpu")
+    sizes = (args.seq_len, args.layers, args.d_model, args.heads, args.ffn, args.experts,
+             args.top_k)
+    torch.manual_seed(0)
+    ep = train_moe.ExpertParallel(cpu)
+    model, ddp = ep.build(args, cpu, torch.float32)
+    torch.manual_seed(0)
+    one = train_moe.MoELanguageModel(*sizes)
+    x, y = train_moe.sample_batch(torch.arange(512) % 256, args.batch_size, args.seq_len,
+                                  torch.Generator().manual_seed(1))
+    loss = train_moe.backward_step(ddp, model, ep.rows(x), ep.rows(y), args, ep)
+    full = train_moe.backward_step(one, one, x, y, args, None)
+    torch.testing.assert_close(ep.mean(loss), full.detach(), rtol=1e-5, atol=1e-6)
+    local = model.blocks[0].moe.local_experts
+    for name, p in model.named_parameters():
+        g = one.get_parameter(name).grad
+        if ".moe.experts." in name:
+            g = g[local.start:local.stop]
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def main_job_ep_matches_one_process(out: str) -> dict:
+    """The main job with ``--ep 4`` on this pool's four ranks against the same job in one
+    process (rank 0 runs it after): the same loss curve (each rank's quarter of the batch,
+    the one-process initial weights, DDP's mean)."""
+    from te_ops.examples import train_moe
+
+    tiny = ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--layers", "1",
+            "--d-model", "16", "--heads", "2", "--experts", "4", "--top-k", "2", "--ffn", "16",
+            "--eval-every", "3", "--eval-batches", "1", "--seed", "3"]
+    os.environ["TRAIN_MOE_PROGRESS"] = "0"
+    ep = train_moe.main([*tiny, "--ep", "4", "--out-dir", os.path.join(out, "ep")])
+    assert ep["config"]["ep"] == 4
+    if dist.get_rank() != 0:
+        return {}
+    one = train_moe.main([*tiny, "--out-dir", os.path.join(out, "one")])
+    curve = [(e["train_loss"], e["val_loss"]) for e in ep["evals"]]
+    reference = [(e["train_loss"], e["val_loss"]) for e in one["evals"]]
+    torch.testing.assert_close(curve, reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ep["final_val_loss"], one["final_val_loss"], rtol=1e-5, atol=0)
+    return {"curve": curve, "reference": reference}

@@ -92,6 +92,10 @@ CASES = {
 }
 
 
+def test_main_job_ep_step_gradients_match_one_process(pool):
+    pool.run("main_job_ep_step_gradients_match_one_process")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_case(pool, case):
     pool.run(case, group=CASES[case])
@@ -105,6 +109,12 @@ def test_benchmark_runs_on_four_ranks(pool, tmp_path):
     counts = pool.run("benchmark_runs", out=str(tmp_path))
     assert counts == [8] * 4
     assert len((tmp_path / "moe_ep.jsonl").read_text().splitlines()) == 8  # rank 0 writes
+
+
+def test_main_job_ep_matches_one_process(pool, tmp_path):
+    first, *_ = pool.run("main_job_ep_matches_one_process", out=str(tmp_path))
+    assert len(first["curve"]) == 2
+    assert (tmp_path / "ep" / "metrics.json").exists()  # rank 0 writes
 
 
 def test_ep_group_needs_torch_distributed():
