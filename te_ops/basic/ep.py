@@ -107,8 +107,11 @@ class _EPOp(BasicOperation):
         return range(start, start + self.num_local_experts)
 
     def _mode(self) -> str:
-        return ("capacity: static splits, no host read" if self.capacity else
-                "dropless: one host read of the split sizes per step")
+        if self.capacity:
+            return "capacity: static splits, no host read"
+        if isinstance(self, AllToAllCombine):
+            return "dropless: the dispatch's host split lists"
+        return "dropless: one host read of the split sizes per step"
 
     def describe(self) -> str:
         experts = self.local_experts
@@ -120,8 +123,9 @@ class _EPOp(BasicOperation):
 
     def _splits(self, num_rows: int, a2a_splits: torch.Tensor | None
                 ) -> tuple[list[int], list[int]]:
-        """(send, receive) split lists: static in capacity mode (``num_rows`` is the local
-        rows, ``El * C`` per rank), else the host copy of ``a2a_splits`` (2 * ep,)."""
+        """(send, receive) split lists of the dispatch: static in capacity mode
+        (``num_rows``, the op's input rows, is ``ep * El * C`` in either op), else the host
+        copy of ``a2a_splits`` (2 * ep,), read once per fuser forward."""
         ep = self.ep_size
         if self.capacity:
             return [num_rows // ep] * ep, [num_rows // ep] * ep
