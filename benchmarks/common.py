@@ -29,6 +29,8 @@ __all__ = [
     "read_records",
     "add_out_argument",
     "out_path",
+    "error_text",
+    "run_and_summarize",
 ]
 
 
@@ -256,3 +258,32 @@ def recorded_run(path: str | None, summarize: Callable[[str], str]) -> Iterator[
     if path:
         print(summarize(path), file=sys.stderr)
 
+
+def error_text(exc: BaseException) -> str:
+    """A record's ``error`` / ``skipped`` text for an exception one peer raised (its type and
+    first message line, at most 300 characters); the traceback goes to stderr."""
+    import traceback
+
+    traceback.print_exc(file=sys.stderr)
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def run_and_summarize(folder: str, bench: str, run_record: dict[str, Any],
+                      run: Callable[[JsonLines], None], summarize: Callable[[str], str]) -> int:
+    """A benchmark's run: ``folder/<bench>.jsonl`` gets ``run_record`` and whatever ``run``
+    writes, ``folder/summary.txt`` the ``summarize`` table, which is also printed. Returns 0,
+    or 1 when a record holds an ``"error"``."""
+    path = out_path(folder, f"{bench}.jsonl")
+    out = JsonLines(path)
+    try:
+        out.write(run_record)
+        run(out)
+    finally:
+        out.close()
+    table = summarize(path)
+    with open(os.path.join(folder, "summary.txt"), "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    print(table)
+    with open(path, encoding="utf-8") as f:
+        failed = any('"error"' in line for line in f)
+    return 1 if failed else 0

@@ -59,7 +59,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +70,10 @@ from common import (  # noqa: E402
     add_out_argument,
     check_list,
     env_override,
+    error_text,
     free_memory,
     machine_info,
-    out_path,
+    run_and_summarize,
     summarize_times,
     time_steps,
 )
@@ -509,8 +509,7 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, out: JsonLines,
                 if reason is None:
                     peers[label] = build_peer(peer_name, recipe, problem)
             except Exception as exc:  # one peer failing must not stop the others
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                traceback.print_exc(file=sys.stderr)
+                reason = error_text(exc)
             if reason is not None:
                 out.write({**base, "peer": label, "skipped": reason})
                 print(f"# skip {label} on {name}: {reason}", file=sys.stderr, flush=True)
@@ -530,8 +529,7 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, out: JsonLines,
                     if reference is not None:
                         record["max_abs_diff"] = (output.float() - reference).abs().max().item()
                 except Exception as exc:  # one peer failing must not stop the others
-                    record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                    traceback.print_exc(file=sys.stderr)
+                    record["error"] = error_text(exc)
                 records.append(record)
             rounds.append(records)
     for records in rounds:
@@ -640,24 +638,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    path = out_path(args.out, "grouped_mlp.jsonl")
-    out = JsonLines(path)
-    try:
-        out.write({"bench": "grouped_mlp_run", **machine_info(device), "te_ops": te_ops.__version__,
-                   "device": device.type, "dtype": args.dtype, "shapes": list(shapes),
-                   "peers": args.peers, "recipes": args.recipes, "rounds": args.rounds,
-                   "interleaved": args.interleaved, "argv": sys.argv[1:] if argv is None else argv})
+    run_record = {"bench": "grouped_mlp_run", **machine_info(device),
+                  "te_ops": te_ops.__version__, "device": device.type, "dtype": args.dtype,
+                  "shapes": list(shapes), "peers": args.peers, "recipes": args.recipes,
+                  "rounds": args.rounds, "interleaved": args.interleaved,
+                  "argv": sys.argv[1:] if argv is None else argv}
+
+    def run(out: JsonLines) -> None:
         for name, shape in shapes.items():
             run_shape(name, shape, args, out, device)
-    finally:
-        out.close()
-    table = summarize(path)
-    with open(os.path.join(args.out, "summary.txt"), "w", encoding="utf-8") as f:
-        f.write(table + "\n")
-    print(table)
-    with open(path, encoding="utf-8") as f:
-        failed = any('"error"' in line for line in f)
-    return 1 if failed else 0
+
+    return run_and_summarize(args.out, "grouped_mlp", run_record, run, summarize)
 
 
 if __name__ == "__main__":

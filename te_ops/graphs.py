@@ -19,7 +19,8 @@ while the routing (split sizes, probs) and the token values change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from . import env
 from .basic.grouped_linear import GroupedLinear
 from .gemm import grouped_mm_host_sync_reason, select_backend
+from .moe import MoE
 from .op import BasicOperation, FusibleOperation
 from .sequential import Sequential
 from .signature import CallSignature, FedOutput
@@ -37,14 +39,17 @@ __all__ = ["graph_safe_unsupported_reason", "make_graphed_callable", "GraphedCal
 
 # ---------------------------------------------------------------------------------- the gate
 def _basic_ops_with_index(module: torch.nn.Module) -> list[tuple[int, BasicOperation]]:
-    """(position in the container, basic op) in call order; non-fusible modules are skipped."""
+    """(position in the container, basic op) in call order; non-fusible modules are skipped.
+    For a ``te_ops.MoE``: the ops of its one ``Sequential`` (router to combine)."""
+    if isinstance(module, MoE):
+        module = module.block
     if isinstance(module, Sequential):
         items = list(module)
     elif isinstance(module, FusibleOperation):
         items = [module]
     else:
         raise TypeError(
-            "module must be a te_ops.Sequential or a te_ops operation, got "
+            "module must be a te_ops.Sequential, a te_ops.MoE or a te_ops operation, got "
             f"{type(module).__name__}"
         )
     return [(i, b) for i, m in enumerate(items) if isinstance(m, FusibleOperation)
@@ -96,9 +101,12 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     caller's responsibility (``make_graphed_callable`` checks the whole block for host syncs
     on the GPU).
 
+    A ``te_ops.MoE`` is checked as its one ``Sequential`` (router to combine; the ops feed
+    each other every extra input) and its shared experts.
+
     Parameters
     ----------
-    module : te_ops.Sequential or te_ops operation
+    module : te_ops.Sequential, te_ops.MoE or te_ops operation
     input_ : torch.Tensor
         The main input (only its dtype and device are read).
     *extra_inputs :
@@ -122,6 +130,8 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     """
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"input_ must be a torch.Tensor, got {type(input_).__name__}")
+    if isinstance(module, MoE):
+        return _moe_reason(module, input_, extra_inputs)
     ops = _basic_ops_with_index(module)
     signature = CallSignature([op for _, op in ops])
     groups = signature.split(extra_inputs)
@@ -149,6 +159,21 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
                     return (f"{where}: {name} is a {type(value).__name__}, not a tensor on "
                             f"{input_.device}")
     return None
+
+
+def _moe_reason(moe: Any, input_: torch.Tensor, extra_inputs: tuple[Any, ...]) -> str | None:
+    """:func:`graph_safe_unsupported_reason` of a ``te_ops.MoE``: its one ``Sequential``
+    (every extra input fed inside it) and its shared experts (one group of all the tokens,
+    split sizes made on the input's device)."""
+    if extra_inputs:
+        raise ValueError(f"extra_inputs: te_ops.MoE takes the tokens only (its ops feed each "
+                         f"other), got {len(extra_inputs)} extra inputs")
+    reason = graph_safe_unsupported_reason(moe.block, input_)
+    if reason is not None or moe.shared_experts is None:
+        return reason
+    sizes = torch.empty(1, dtype=torch.int64, device=input_.device)  # as MoE.forward makes
+    reason = graph_safe_unsupported_reason(moe.shared_experts, input_, sizes, sizes)
+    return None if reason is None else f"shared experts: {reason}"
 
 
 # ------------------------------------------------------------------------ the capture helper
@@ -385,11 +410,14 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
 
     Parameters
     ----------
-    module : te_ops.Sequential or te_ops operation
+    module : te_ops.Sequential, te_ops.MoE or te_ops operation
         On a CUDA device. Its parameters are read by the graphs where they are now: update them
-        in place (optimizers do), never replace them.
+        in place (optimizers do), never replace them. Buffers the forward adds to
+        (``te_ops.MoE``'s ``router.expert_load``) are restored after the eager and warm-up
+        runs, so only replays count.
     sample_inputs : tuple of torch.Tensor
-        ``(input_, *extra_inputs)`` as the module is called, all CUDA tensors: split sizes as
+        ``(input_, *extra_inputs)`` as the module is called (``(x,)`` for a ``te_ops.MoE``,
+        whose outputs are ``(y, aux_loss)``), all CUDA tensors: split sizes as
         1-D integer tensors (pass the *same* tensor object wherever the block reuses one, e.g.
         fc1's and fc2's split sizes, so the fused path applies). Copied into static buffers;
         ``requires_grad`` of each must match the real inputs.
@@ -419,7 +447,8 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
     ------
     Fixed at capture: the token count (rows of ``input_``) included. Routings change through
     the *values* of the split sizes (which may sum to fewer than the rows: the tail is padding,
-    zero in the output and the input gradient) and of the probs.
+    zero in the output and the input gradient) and of the probs. A ``te_ops.MoE`` routes
+    inside the graph: each replay routes its own tokens (dropless or with a capacity).
 
     Limits
     ------
@@ -484,9 +513,10 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
                                 allow_unused=True)
 
-    # Warm-up runs must not leave gradients in Megatron main_grad buffers; weights that add
-    # into main_grad get no autograd gradient (None), hence allow_unused_input.
-    with main_grads_restored(module):
+    # Warm-up runs must not leave gradients in Megatron main_grad buffers, nor counts in
+    # buffers the forward adds to (te_ops.MoE's router.expert_load); weights that add into
+    # main_grad get no autograd gradient (None), hence allow_unused_input.
+    with main_grads_restored(module), _buffers_restored(module):
         eager_step()
         if check_sync:
             _sync_check(eager_step)
@@ -499,6 +529,19 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
         torch.cuda.synchronize()
     return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed,
                            clone_param_grads)
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """On exit every floating-point or integer buffer of ``module`` holds its values from
+    before, restored in place (same storage: a captured graph keeps writing into it)."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
 
 
 def _unique_index(arg_map: list[int], i: int) -> int:

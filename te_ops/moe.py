@@ -37,8 +37,10 @@ class MoE(torch.nn.Module):
     hidden_size, ffn_hidden_size, num_experts, top_k : int
         ``ffn_hidden_size`` per expert.
     score_function, renormalize, num_groups, group_top_k, expert_bias, bias_update_rate,
-    aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff :
+    aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff, topk_scaling_factor :
         The router's (:class:`te_ops.basic.moe.Router`, which cites each option's source).
+        ``moe.router.float()`` keeps the gate in float32 under 16-bit experts (the gate GEMM
+        then runs in float32).
     capacity_factor : float or None
         ``None``: dropless (rows = tokens x top_k, device split sizes). Else static per-expert
         capacity with ``drop_policy`` (:class:`te_ops.basic.moe.Permute`).
@@ -98,7 +100,8 @@ class MoE(torch.nn.Module):
                  num_groups: int | None = None, group_top_k: int | None = None,
                  expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
-                 z_loss_coeff: float = 0.0, capacity_factor: float | None = None,
+                 z_loss_coeff: float = 0.0, topk_scaling_factor: float = 1.0,
+                 capacity_factor: float | None = None,
                  drop_policy: str = "probs", shared_ffn_hidden_size: int | None = None,
                  ep_group: Any = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -110,7 +113,8 @@ class MoE(torch.nn.Module):
                              group_top_k=group_top_k, expert_bias=expert_bias,
                              bias_update_rate=bias_update_rate, aux_loss_coeff=aux_loss_coeff,
                              seq_aux_loss_coeff=seq_aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                             group=ep_group, device=device, dtype=dtype)
+                             topk_scaling_factor=topk_scaling_factor, group=ep_group,
+                             device=device, dtype=dtype)
         self.permute = Permute(num_experts, capacity_factor=capacity_factor,
                                drop_policy=drop_policy)
         if ep_group is None:

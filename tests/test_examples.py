@@ -48,25 +48,30 @@ def test_main_job_tiny_writes_metrics_and_is_deterministic(
     assert again["final_val_loss"] == metrics["final_val_loss"]
 
 
-def test_moe_block_matches_per_token_reference() -> None:
-    """Routing, sorting, grouped experts and un-permuting equal a per-token loop (float64)."""
+def test_moe_layer_matches_the_jobs_routing_formulas() -> None:
+    """The job's ``te_ops.MoE`` layer computes the job's routing: softmax over the experts,
+    top-k, the k weights renormalized to sum to 1, and the Switch loss
+    ``E * sum_e (share of pairs on e) * (mean prob of e)`` (float64 per-token loop)."""
     torch.manual_seed(0)
     d, ffn, experts, k = 8, 16, 4, 2
-    block = train_moe.MoEBlock(d, ffn, experts, k).double()
+    moe = train_moe.moe_layer(d, ffn, experts, k).double()
     x = torch.randn(2, 5, d, dtype=torch.float64)
-    out, aux = block(x)
+    out, aux = moe(x)
 
-    fc1, _, fc2 = block.experts
+    fc1, _, fc2 = moe.experts
     tokens = x.reshape(-1, d)
-    probs = torch.softmax(block.router(tokens), dim=-1)
+    probs = torch.softmax(tokens @ moe.router.weight.t(), dim=-1)
     expected = torch.zeros_like(tokens)
+    counts = torch.zeros(experts, dtype=torch.float64)
     for t in range(tokens.shape[0]):
         top_p, top_e = probs[t].topk(k)
         for p, e in zip(top_p / top_p.sum(), top_e.tolist()):
             a, b = (tokens[t] @ fc1.weight[e].t()).chunk(2)
             expected[t] += p * (torch.nn.functional.silu(a) * b) @ fc2.weight[e].t()
+            counts[e] += 1
     torch.testing.assert_close(out.reshape(-1, d), expected, rtol=1e-10, atol=1e-12)
-    assert aux.dim() == 0 and aux.item() > 0
+    switch = experts * (counts / counts.sum() * probs.mean(0)).sum()
+    torch.testing.assert_close(aux, switch, rtol=1e-12, atol=0)
 
 
 def test_cuda_graph_flag_needs_cuda_device() -> None:

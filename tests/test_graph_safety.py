@@ -424,11 +424,14 @@ def _emulated_make_graphed_callables(func, sample_args, num_warmup_iters=3, pool
                 if buf.data_ptr() != arg.data_ptr():
                     buf.copy_(arg)
             with torch.enable_grad():
-                state["out"] = func(*static_in)
-            return state["out"].detach()
+                out = func(*static_in)
+            state["tuple"] = isinstance(out, tuple)
+            state["out"] = out if state["tuple"] else (out,)
+            detached = tuple(o.detach() for o in state["out"])
+            return detached if state["tuple"] else detached[0]
 
         @staticmethod
-        def backward(ctx, grad):
+        def backward(ctx, *grad):
             wrt = [t for t in static_in if t.requires_grad]
             grads = torch.autograd.grad(state["out"], wrt, grad, allow_unused=allow_unused_input)
             bufs = state.setdefault("grads", [None if g is None else torch.empty_like(g)

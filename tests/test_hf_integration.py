@@ -9,6 +9,7 @@ without tokens.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -69,9 +70,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
-def assert_close(a, b, dtype, what):
+def assert_close(a, b, dtype, what, tol=TOL):
     assert a is not None and b is not None, what
-    assert rel(a, b) <= TOL[dtype], f"{what}: relative error {rel(a, b):.3g} > {TOL[dtype]}"
+    assert rel(a, b) <= tol[dtype], f"{what}: relative error {rel(a, b):.3g} > {tol[dtype]}"
 
 
 # ------------------------------------------------------------------------------- one block
@@ -420,3 +421,213 @@ def test_hf_activation_checkpointing_under_a_recipe_with_checkpoint_context_fn()
     assert grads.keys() == grads0.keys() and len(grads) > 0
     for name, g in grads.items():
         assert torch.equal(g, grads0[name]), name
+
+
+# ------------------------------------------------------------------------------- whole MoE blocks
+#: Norm-wise relative error limits of te_ops.MoE against HF's whole block: HF's routers compute
+#: in float32 whatever the model's dtype (softmax(logits.float()), DeepSeek-V3's float32 gate),
+#: te_ops' Router in float64 for a float64 model, so float64 agrees to float32 rounding.
+MOE_TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+
+def sparse_blocks(model) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__ in te_hf.MOE_BLOCKS or isinstance(m, te_hf.TeOpsMoeBlock)]
+
+
+def moe_model(family: str, dtype: torch.dtype = torch.float32, **overrides):
+    """:func:`make_model` with HF's eager experts loop (the reference) and, for DeepSeek-V3,
+    a nonzero correction bias (so it changes which experts are chosen)."""
+    model = make_model(family, dtype, **overrides)
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        with_correction_bias(model)
+    return model
+
+
+def with_correction_bias(model) -> None:
+    """DeepSeek-V3: a nonzero correction bias, so it changes which experts are chosen."""
+    for _, block in sparse_blocks(model):
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.linspace(-0.3, 0.3, bias.numel()))
+
+
+def assert_moe_close(a, b, dtype, what):
+    assert_close(a, b, dtype, what, MOE_TOL)
+
+
+@FAMILY
+@DTYPES
+def test_moe_block_matches_the_hf_block(family, dtype):
+    """te_ops.MoE in place of one HF sparse-MoE block (router, experts, combine; shared
+    experts HF's): output, input grad and the grad of every parameter of the block, for 3
+    tokens (idle experts) and 24."""
+    import copy
+
+    model = moe_model(family, dtype)
+    hf = sparse_blocks(model)[0][1]
+    ref = copy.deepcopy(hf)
+    mine = te_hf.TeOpsMoeBlock(hf)
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    for shape, seed in (((1, 3), 1), ((2, 12), 2)):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(*shape, 32, generator=g, dtype=dtype)
+        dy = torch.randn(*shape, 32, generator=g, dtype=dtype)
+        results = []
+        for block in (mine, ref):
+            block.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            out = block(xi)
+            (out * dy).sum().backward()
+            results.append([out, xi.grad] + [p.grad for p in block.parameters()])
+        names = ["output", "grad x"] + [f"grad {n}" for n, _ in ref.named_parameters()]
+        for name, a, b in zip(names, *results):
+            assert a.dtype == b.dtype, name
+            assert_moe_close(a, b, dtype, f"{family} {shape} {name}")
+    assert te_hf._MOE_KEY in vars(mine)  # te_ops.MoE ran
+
+
+@FAMILY
+@DTYPES
+def test_causal_lm_with_te_ops_moe_matches_hf(family, dtype):
+    """A tiny *ForCausalLM with every sparse-MoE block replaced: logits, loss (with HF's router
+    aux loss, whose logits the HF gate still records), the aux loss itself and the grads of the
+    input embeddings and of every parameter."""
+    import copy
+
+    model = moe_model(family, dtype)
+    ref = copy.deepcopy(model)
+    te_hf.use_te_ops_moe(model)
+    blocks = sparse_blocks(model)
+    assert blocks and all(isinstance(m, te_hf.TeOpsMoeBlock) for _, m in blocks)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    embeds = model.get_input_embeddings()(ids).detach()
+    results = []
+    for m in (model, ref):
+        inputs = embeds.clone().requires_grad_()
+        out = m(inputs_embeds=inputs, labels=ids)
+        out.loss.backward()
+        results.append((out, inputs.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (out, gx, grads), (out_ref, gx_ref, grads_ref) = results
+    assert all(te_hf._MOE_KEY in vars(m) for _, m in blocks)
+    assert_moe_close(out.logits, out_ref.logits, dtype, f"{family} logits")
+    assert_moe_close(out.loss, out_ref.loss, dtype, f"{family} loss")
+    if out_ref.aux_loss is not None:
+        assert out_ref.aux_loss > 0
+        assert_moe_close(out.aux_loss, out_ref.aux_loss, dtype, f"{family} aux loss")
+    assert_moe_close(gx, gx_ref, dtype, f"{family} grad inputs_embeds")
+    assert set(grads) == set(grads_ref)
+    for name, g in grads_ref.items():
+        if g is not None:
+            assert_moe_close(grads[name], g, dtype, f"{family} grad {name}")
+
+
+@FAMILY
+def test_moe_block_shares_hf_tensors_and_state_dict(family, tmp_path):
+    model = moe_model(family)
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    te_hf.use_te_ops_moe(model)
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {
+        k: v.data_ptr() for k, v in state.items()}
+    assert dict(model.named_parameters()) == params  # the same Parameter objects, same names
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(ids).logits
+    for _, block in sparse_blocks(model):
+        moe = block.moe
+        assert moe.router.weight is block.gate.weight
+        assert moe.experts[0].weight is block.experts.gate_up_proj
+        assert moe.experts[2].weight is block.experts.down_proj
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:  # DeepSeek-V3: the balancing update moves HF's buffer
+            assert moe.router.expert_bias.data_ptr() == bias.data_ptr()
+            before = bias.clone()
+            moe.router.update_expert_bias(torch.arange(bias.numel()), rate=0.01)
+            assert (bias - before)[0] > 0 > (bias - before)[-1]
+            bias.copy_(before)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)  # a plain HF model: same keys, same logits
+    assert set(loaded.state_dict()) == set(state)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_block_follows_hf_tensor_changes():
+    """``model.to(float64)`` and ``load_state_dict`` after a call: the te_ops.MoE is rebuilt on
+    the new tensors (or sees the in-place copy) and still computes the HF block."""
+    import copy
+
+    model = moe_model("mixtral")
+    ref = copy.deepcopy(model)
+    te_hf.use_te_ops_moe(model)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model(ids)
+        first = sparse_blocks(model)[0][1].moe
+        for m in (model, ref):
+            m.to(torch.float64)
+        assert sparse_blocks(model)[0][1].moe is not first
+        assert_moe_close(model(ids).logits, ref(ids).logits, torch.float64, "after .to()")
+        fresh = make_model("mixtral", torch.float64, seed=9)
+        for m in (model, ref):
+            m.load_state_dict(fresh.state_dict())
+        assert_moe_close(model(ids).logits, ref(ids).logits, torch.float64, "after load")
+
+
+def test_deepseek_v3_float32_gate_under_bfloat16_experts():
+    """DeepSeek-V3 as ``from_pretrained`` keeps it: bf16 model, float32 gate and correction
+    bias. te_ops' Router runs the gate in float32 on the tokens cast up, as HF's router does:
+    the chosen experts are HF's (checked through the output within bf16 rounding)."""
+    import copy
+
+    model = moe_model("deepseek_v3").to(torch.bfloat16)
+    for _, block in sparse_blocks(model):
+        block.gate.float()
+    hf = sparse_blocks(model)[0][1]
+    ref = copy.deepcopy(hf)
+    mine = te_hf.TeOpsMoeBlock(hf)
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        assert rel(mine(x).float(), ref(x).float()) < 2e-2
+
+
+@pytest.mark.parametrize("family, overrides, match", [
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1: in training it "
+                                                "multiplies the tokens by random noise"),
+    ("deepseek_v3", dict(num_experts_per_tok=4, n_group=2, topk_group=1),
+     r"sums the top_k // topk_group = 4 // 1 = 4 best"),
+    ("qwen3_moe", dict(hidden_act="gelu"), "uses activation GELU"),
+])
+def test_moe_block_refusals_name_the_mismatch(family, overrides, match):
+    model = moe_model(family, **overrides)
+    name, block = sparse_blocks(model)[0]
+    assert re.search(match, te_hf.moe_block_unsupported_reason(block))
+    with pytest.raises(ValueError, match=f"te_ops.MoE cannot compute {name}: .*{match}"):
+        te_hf.use_te_ops_moe(model)
+    assert not any(isinstance(m, te_hf.TeOpsMoeBlock) for m in model.modules())  # untouched
+    with pytest.raises(ValueError, match=f"block: te_ops.MoE cannot compute this block: .*"
+                                         f"{match}"):
+        te_hf.TeOpsMoeBlock(block)
+
+
+def test_moe_block_other_refusals():
+    model = moe_model("deepseek_v3").to(torch.bfloat16)  # its gate in bf16 too
+    block = sparse_blocks(model)[0][1]
+    assert "keep the gate in float32 (block.gate.float()" in te_hf.moe_block_unsupported_reason(
+        block)
+    mixtral = moe_model("mixtral")
+    block = sparse_blocks(mixtral)[0][1]
+    block.gate = nn.Linear(32, 8, bias=False)
+    assert "MixtralSparseMoeBlock.gate is a Linear, not MixtralTopKRouter" in (
+        te_hf.moe_block_unsupported_reason(block))
+    assert "Linear is not a sparse-MoE block te_ops.MoE maps (known: MixtralSparseMoeBlock" in (
+        te_hf.moe_block_unsupported_reason(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="has no sparse-MoE block te_ops.MoE maps"):
+        te_hf.use_te_ops_moe(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        te_hf.use_te_ops_moe("mixtral")
+    model = moe_model("qwen3_moe")
+    te_hf.use_te_ops_moe(model)
+    assert te_hf.use_te_ops_moe(model) is model  # replaced blocks are kept

@@ -96,7 +96,7 @@ def test_report_computes_relative_loss_and_noise_floor(capsys) -> None:
     (["--recipes", "fp8"], "--recipes must include none"),
     (["--recipes", "none,fp4"], "--recipes: unknown ['fp4']"),
     (["--recipes", "fp8fastt"], "--recipes: unknown ['fp8fastt'], expected some of ['none', "
-                                "'fp8', 'fp8fast', 'mxfp8']"),
+                                "'fp8', 'fp8fast', 'mxfp8', 'fp8block']"),
     (["--parallel", "-1"], "--parallel must be >= 0, got -1"),
 ])
 def test_main_job_seeds_argument_errors(argv, message, monkeypatch, capsys) -> None:

@@ -75,6 +75,7 @@ class Reference:
             w = scores[t, experts]
             if r.renormalize:
                 w = w / (w.sum() + 1e-20)
+            w = w * r.topk_scaling_factor
             chosen.append(experts)
             weights.append(w)
         kept = {(t, j) for t in range(t_count) for j in range(k)}
@@ -170,6 +171,8 @@ ROUTERS = {
     "group_limited": dict(num_experts=8, top_k=4, num_groups=4, group_top_k=2,
                           score_function="sigmoid"),
     "expert_bias": dict(score_function="sigmoid", expert_bias=True),
+    "scaled_top_k": dict(score_function="sigmoid", topk_scaling_factor=2.5),
+    "scaled_top_k_softmax": dict(renormalize=False, topk_scaling_factor=0.5),
     "switch_aux": dict(aux_loss_coeff=0.05),
     "switch_aux_sigmoid": dict(aux_loss_coeff=0.05, score_function="sigmoid"),
     "seq_aux": dict(seq_aux_loss_coeff=0.05),
@@ -200,6 +203,42 @@ def test_shared_experts(mode):
 def test_float64_is_tight():
     check(make(dtype=torch.float64, aux_loss_coeff=0.01, z_loss_coeff=0.01,
                shared_ffn_hidden_size=4), torch.randn(2, 5, H, dtype=torch.float64), tol=1e-10)
+
+
+def test_float32_gate_takes_bfloat16_tokens_as_float32():
+    """A float32 router weight with bf16 tokens runs the gate in float32 on the tokens cast up
+    (DeepSeek-V3's fp32 gate): ids, weights, aux loss and the weight gradient are bitwise a
+    float32 router's on ``x.float()``; the token gradient is its gradient rounded to bf16."""
+    import copy
+
+    torch.manual_seed(0)
+    r16 = Router(H, E, 2, aux_loss_coeff=0.01, z_loss_coeff=0.01)
+    r32 = copy.deepcopy(r16)
+    x = torch.randn(12, H).bfloat16()
+    g = torch.randn(12, 2)
+    grads = []
+    for router, xi in ((r16, x.clone().requires_grad_()), (r32, x.float().requires_grad_())):
+        _, idx, probs, aux = router(xi)
+        ((probs * g).sum() + aux).backward()
+        grads.append((idx, probs, aux, router.weight.grad, xi.grad))
+    (i16, p16, a16, w16, x16), (i32, p32, a32, w32, x32) = grads
+    assert torch.equal(i16, i32) and torch.equal(p16, p32) and torch.equal(a16, a32)
+    assert torch.equal(w16, w32) and x16.dtype == torch.bfloat16
+    assert torch.equal(x16, x32.bfloat16())
+    with pytest.raises(ValueError, match="a bfloat16 / float16 input is taken under a float32"):
+        r16.bfloat16()(torch.randn(3, H))
+
+
+def test_layer_with_a_float32_gate_under_bfloat16_experts():
+    """``moe.router.float()``: the layer runs with bf16 tokens and experts and a float32 gate,
+    within bf16 rounding of the float64 reference."""
+    torch.manual_seed(0)
+    moe = te_ops.MoE(H, 16, E, 2, dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+    moe.router.float()
+    check(moe, torch.randn(2, 6, H).bfloat16(), tol=3e-2)
 
 
 def _steer(moe: te_ops.MoE, favour: int | None = None, avoid: int | None = None) -> None:
@@ -271,6 +310,8 @@ def test_grouped_mlp_fusion_takes_split_sizes_from_permute():
         ("Router", [0]), ("ForwardGroupedMLP", [1, 2, 3, 4]), ("Combine", [5])]
     assert [(type(op).__name__, idx) for op, idx in plan.backward_ops] == [
         ("Router", [0]), ("Permute", [1]), ("BackwardGroupedMLP", [2, 3, 4, 5])]
+    # the fed split sizes are a device tensor: the plan names the graph-safe backend as such
+    assert "not graph-safe" not in moe.block.explain(torch.zeros(4, H))
 
 
 def test_expert_bias_update_rule():
@@ -389,6 +430,8 @@ def test_feed_errors():
     (dict(num_groups=2, group_top_k=2, top_k=1), r"top_k must be in \[group_top_k"),
     (dict(aux_loss_coeff=-1.0), "aux_loss_coeff must be a finite float >= 0"),
     (dict(renormalize=1), "renormalize must be a bool"),
+    (dict(topk_scaling_factor=0.0), "topk_scaling_factor must be > 0, got 0"),
+    (dict(topk_scaling_factor=float("nan")), "topk_scaling_factor must be a finite float"),
 ])
 def test_router_argument_errors(kwargs, match):
     args = dict(top_k=2) | kwargs
@@ -513,3 +556,156 @@ def test_activation_checkpoint_recomputes_the_same():
         (y.square().sum() + aux).backward()
         grads.append((y, xi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+def test_graph_gate_checks_the_layer_and_its_shared_experts(monkeypatch):
+    from te_ops.graphs import graph_safe_unsupported_reason
+
+    moe = te_ops.MoE(H, 16, E, 2, dtype=torch.bfloat16, shared_ffn_hidden_size=16)
+    x = torch.randn(8, H, dtype=torch.bfloat16)
+    assert graph_safe_unsupported_reason(moe, x) is None
+    monkeypatch.setenv("TE_OPS_GROUPED_GEMM_BACKEND", "loop")
+    assert "the per-group loop backend copies split sizes to the host" in (
+        graph_safe_unsupported_reason(moe, x))
+    monkeypatch.delenv("TE_OPS_GROUPED_GEMM_BACKEND")
+    with pytest.raises(ValueError, match="extra_inputs: te_ops.MoE takes the tokens only"):
+        graph_safe_unsupported_reason(moe, x, torch.zeros(E, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
+def test_make_graphed_callable_of_the_layer_with_emulated_graphs(monkeypatch, mode):
+    """``make_graphed_callable(te_ops.MoE)`` on the CPU with torch's graph machinery replaced by
+    an eager emulation of its contract (tests/test_graph_safety.py): two outputs (y, aux_loss),
+    every gradient equal to an eager twin's over changing routings, and the warm-up runs leave
+    ``router.expert_load`` as it was (only replays count)."""
+    import copy
+
+    import te_ops.graphs as graphs
+    from test_graph_safety import _emulated_make_graphed_callables
+
+    monkeypatch.setattr(graphs, "_check_sample_inputs", lambda s: tuple(s))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _emulated_make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    torch.manual_seed(0)  # bf16, 16-byte rows: the graph-safe grouped GEMM's operands
+    moe = te_ops.MoE(H, 16, E, 2, dtype=torch.bfloat16, expert_bias=True, aux_loss_coeff=0.01,
+                     shared_ffn_hidden_size=16, **MODES[mode])
+    twin = copy.deepcopy(moe)
+    graphed = graphs.make_graphed_callable(moe, (torch.randn(2, 8, H).bfloat16()
+                                                 .requires_grad_(),), check_sync=False)
+    assert not moe.router.expert_load.any()
+    for step in range(3):
+        x, dy = torch.randn(2, 8, H).bfloat16(), torch.randn(2, 8, H).bfloat16()
+        outs = []
+        for fn, m in ((graphed, moe), (twin, twin)):
+            xi = x.clone().requires_grad_()
+            y, aux = fn(xi)
+            torch.autograd.backward((y, aux), (dy, torch.ones_like(aux)))
+            outs.append([y.detach().clone(), aux.detach().clone(), xi.grad]
+                        + [p.grad for p in m.parameters() if p.requires_grad])
+            m.zero_grad(set_to_none=True)
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"step {step}: tensor {i}"
+    assert torch.equal(moe.router.expert_load, twin.router.expert_load)
+
+
+CUDA_H, CUDA_FF, CUDA_E = 64, 128, 8
+
+
+def _cuda_layer(mode: str):
+    """A bf16 layer on the GPU with every router feature that changes the math, and an
+    identical eager twin."""
+    import copy
+
+    torch.manual_seed(0)
+    moe = te_ops.MoE(CUDA_H, CUDA_FF, CUDA_E, 2, device="cuda", dtype=torch.bfloat16,
+                     expert_bias=True, aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01,
+                     z_loss_coeff=1e-3, shared_ffn_hidden_size=64, **MODES[mode])
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, CUDA_E))
+    return moe, copy.deepcopy(moe)
+
+
+def _cuda_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(2, 128, CUDA_H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return x, torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def _cuda_step(fn, moe: te_ops.MoE, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    xi = x.clone().requires_grad_()
+    y, aux = fn(xi)
+    torch.autograd.backward((y, aux), (dy, torch.ones_like(aux)))
+    out = [y.detach().clone(), aux.detach().clone(), xi.grad.clone()]
+    out += [p.grad.clone() for p in moe.parameters() if p.requires_grad]
+    moe.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
+def test_cuda_layer_runs_without_host_sync(mode):
+    """Eager forward + backward under ``torch.cuda.set_sync_debug_mode("error")``: any
+    host<->device sync (a split-size read, ``nonzero``, ``.item()``) raises."""
+    moe, _ = _cuda_layer(mode)
+    x, dy = _cuda_batch(0)
+    _cuda_step(moe, moe, x, dy)  # one-time probes of the grouped GEMM backend
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _cuda_step(moe, moe, x, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
+def test_cuda_graph_of_the_layer_replays_bitwise_eager(mode):
+    """The whole layer (router to combine, shared experts, balancing losses) in one CUDA graph:
+    each replay routes new tokens (routings the capture never saw), and the output, aux loss
+    and every gradient are bitwise an eager twin's; the routed load counts the replays."""
+    from te_ops.graphs import make_graphed_callable
+
+    moe, twin = _cuda_layer(mode)
+    sample = _cuda_batch(100)[0].requires_grad_()
+    graphed = make_graphed_callable(moe, (sample,))
+    assert not moe.router.expert_load.any()  # capture runs left no load behind
+    loads = []
+    for step in range(4):
+        x, dy = _cuda_batch(step)
+        got = _cuda_step(graphed, moe, x, dy)
+        before = twin.router.expert_load.clone()
+        ref = _cuda_step(twin, twin, x, dy)
+        loads.append(twin.router.expert_load - before)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), f"{mode}, replay {step}: tensor {i} differs"
+    assert torch.equal(moe.router.expert_load, twin.router.expert_load)
+    assert any(not torch.equal(loads[0], load) for load in loads[1:])  # routings changed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
+def test_cuda_compile_fullgraph_bit_exact(mode):
+    """``torch.compile(fullgraph=True)`` of the layer on the GPU: with ``aot_eager`` (the same
+    kernels) bitwise eager over changing routings in one frame; with inductor one frame and
+    no graph break, equal to eager within bf16 rounding (inductor generates the router's
+    softmax and reductions itself)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    moe, _ = _cuda_layer(mode)
+    for backend, exact in (("aot_eager", True), ("inductor", False)):
+        torch._dynamo.reset()
+        counters.clear()
+        cnt = CompileCounterWithBackend(backend)
+        compiled = torch.compile(moe, backend=cnt, fullgraph=True)
+        for step in range(3):
+            x, dy = _cuda_batch(step)
+            ref = _cuda_step(moe, moe, x, dy)
+            got = _cuda_step(compiled, moe, x, dy)
+            for i, (a, b) in enumerate(zip(got, ref)):
+                if exact:
+                    assert torch.equal(a, b), f"{backend}, step {step}: tensor {i} differs"
+                else:
+                    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        assert cnt.frame_count == 1 and not counters["graph_break"]

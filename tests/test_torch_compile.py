@@ -276,13 +276,15 @@ RECIPES = {"fp8": te_ops.recipe.Float8CurrentScaling,
                fast_accumulate_backward=True),
            "fp8_wgrad_hp": lambda: te_ops.recipe.Float8CurrentScaling(
                wgrad_high_precision=True),
-           "mxfp8": te_ops.recipe.MXFP8BlockScaling}
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling,
+           "fp8_block": te_ops.recipe.Float8BlockScaling}
 
 
 @pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
-@pytest.mark.parametrize("name", ["fp8", "fp8_wgrad_hp", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_wgrad_hp", "mxfp8", "fp8_block"])
 def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
-    """FP8 / MXFP8 under te_ops.autocast (CPU: emulated, the same bytes as eager): one graph
+    """FP8 / MXFP8 / blockwise FP8 under te_ops.autocast (CPU: emulated, the same bytes as
+    eager): one graph
     across routings and across new (equal) recipe objects per call."""
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     block, fn, cnt, compiled = _compiled_block("mlp", torch.bfloat16)
@@ -296,10 +298,12 @@ def test_recipes_compile_bit_exact_one_graph(name, fusion, monkeypatch):
 
 
 def test_recipe_change_retraces():
-    """No recipe -> FP8 -> FP8 with another setting -> MXFP8: each a new trace, bit-exact."""
+    """No recipe -> FP8 -> FP8 with another setting -> MXFP8 -> blockwise FP8: each a new
+    trace, bit-exact."""
     block, fn, cnt, compiled = _compiled_block("mlp", torch.bfloat16)
     x, splits, probs = _inputs(torch.bfloat16, [64, 0, 100, 60], host=False, rows=224)
-    for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "fp8_wgrad_hp", "mxfp8"]):
+    for i, name in enumerate([None, "fp8", "fp8_fast_bwd", "fp8_wgrad_hp", "mxfp8",
+                              "fp8_block"]):
         ctx = te_ops.autocast(recipe=RECIPES[name]()) if name else te_ops.autocast(False)
         with ctx:
             ref = _step(fn, block, x, splits, probs)

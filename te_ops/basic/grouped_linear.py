@@ -626,7 +626,8 @@ class GroupedLinear(BasicOperation):
             return ["grouped GEMM backend: decided at the first call"]
         idx = info.index(self)
         sig = info.extra_inputs[idx][0] if info.extra_inputs[idx] else None
-        device_sizes = isinstance(sig, tuple) and sig[:1] == ("tensor",)
+        # fed split sizes are an earlier op's device tensor (te_ops.MoE's Permute)
+        device_sizes = isinstance(sig, tuple) and sig[:1] in (("tensor",), ("fed",))
         try:
             choice = select_backend(info.device, info.dtype, self.in_features,
                                     self.out_features, device_sizes)

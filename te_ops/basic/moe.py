@@ -87,10 +87,16 @@ class Router(BasicOperation):
       input must then be (batch, seq, hidden), batch first.
     * ``z_loss_coeff``: the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5; Megatron
       ``moe_z_loss_coeff``): ``coeff * mean_t logsumexp(logits_t)^2``.
+    * ``topk_scaling_factor``: the top-k weights (after any renormalization) times this factor
+      (DeepSeek-V2/V3 ``routed_scaling_factor``; Megatron ``moe_router_topk_scaling_factor``).
+    * A float32 (or float64) ``weight`` with a bfloat16 / float16 input runs the gate GEMM in
+      the weight's dtype, the input cast up (DeepSeek-V3 keeps ``gate.weight`` in float32;
+      Megatron ``moe_router_dtype="fp32"``); the input's gradient comes back in its dtype.
 
     The losses are summed into one ``aux_loss`` output (zero when every coefficient is 0).
-    The gate GEMM runs in the input's dtype (not quantized under a ``te_ops.autocast``
-    recipe); scores, weights and losses are float32 (float64 for float64 input).
+    The gate GEMM runs in the input's dtype, or the weight's where that is wider (not
+    quantized under a ``te_ops.autocast`` recipe); scores, weights and losses are float32
+    (float64 where the input or the weight is float64).
 
     Parameters
     ----------
@@ -106,6 +112,8 @@ class Router(BasicOperation):
         Default ``rate`` of :meth:`update_expert_bias` (Megatron's default 1e-3).
     aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff : float
         ``>= 0``.
+    topk_scaling_factor : float
+        ``> 0`` (default 1: no scaling).
     group : torch.distributed.ProcessGroup or None
         Ranks that route one batch together (``te_ops.MoE``'s ``ep_group``; the router is
         replicated on them). The balancing losses then cover the group's tokens, in
@@ -128,8 +136,9 @@ class Router(BasicOperation):
     Raises
     ------
     ValueError / TypeError
-        Bad constructor arguments; an input whose last dim is not ``hidden_size`` or whose
-        dtype / device is not the weight's; with ``seq_aux_loss_coeff`` an input that is not
+        Bad constructor arguments; an input whose last dim is not ``hidden_size``, on another
+        device than the weight, or whose dtype is neither the weight's nor a 16-bit float
+        under a float32 / float64 weight; with ``seq_aux_loss_coeff`` an input that is not
         3-D.
     """
 
@@ -140,7 +149,8 @@ class Router(BasicOperation):
                  num_groups: int | None = None, group_top_k: int | None = None,
                  expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
-                 z_loss_coeff: float = 0.0, group: Any = None,
+                 z_loss_coeff: float = 0.0, topk_scaling_factor: float = 1.0,
+                 group: Any = None,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -180,6 +190,9 @@ class Router(BasicOperation):
         self.aux_loss_coeff = _coeff("aux_loss_coeff", aux_loss_coeff)
         self.seq_aux_loss_coeff = _coeff("seq_aux_loss_coeff", seq_aux_loss_coeff)
         self.z_loss_coeff = _coeff("z_loss_coeff", z_loss_coeff)
+        self.topk_scaling_factor = _coeff("topk_scaling_factor", topk_scaling_factor)
+        if self.topk_scaling_factor == 0:
+            raise ValueError("topk_scaling_factor must be > 0, got 0")
         self.group_size = 1 if group is None else comm.check_group(group, "group")[0]
         self._group = None if group is None else comm.GroupRef(group)
         dtype = check_param_dtype(dtype)
@@ -214,6 +227,11 @@ class Router(BasicOperation):
     def describe(self) -> str:
         return (f"Router({self.hidden_size} -> {self.num_experts} experts, top_k="
                 f"{self.top_k}, {self.score_function})")
+
+    def _gate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the gate GEMM's dtype: the weight's (a wider float32 / float64 weight casts
+        a 16-bit input up)."""
+        return x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None,
@@ -260,9 +278,13 @@ class Router(BasicOperation):
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"input must have shape (..., {self.hidden_size}), got "
                              f"{tuple(x.shape)}")
-        if x.dtype != self.weight.dtype or x.device != self.weight.device:
+        w = self.weight
+        wider = (w.dtype in (torch.float32, torch.float64)
+                 and x.dtype in (torch.bfloat16, torch.float16))
+        if (x.dtype != w.dtype and not wider) or x.device != w.device:
             raise ValueError(f"input must have the router weight's dtype and device "
-                             f"({self.weight.dtype}, {self.weight.device}), got ({x.dtype}, "
+                             f"({w.dtype}, {w.device}; a bfloat16 / float16 input is taken "
+                             f"under a float32 / float64 weight), got ({x.dtype}, "
                              f"{x.device})")
         if self.seq_aux_loss_coeff and x.dim() != 3:
             raise ValueError(f"input must have shape (batch, seq, {self.hidden_size}) with "
@@ -337,8 +359,8 @@ class Router(BasicOperation):
         self._check_input(input_)
         x = input_.reshape(-1, self.hidden_size)
         num_tokens = x.shape[0]
-        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = F.linear(x, self.weight).to(cd)
+        cd = torch.float64 if torch.float64 in (x.dtype, self.weight.dtype) else torch.float32
+        logits = F.linear(self._gate_input(x), self.weight).to(cd)
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
@@ -348,6 +370,7 @@ class Router(BasicOperation):
         chosen = scores.gather(1, idx)
         denom = chosen.sum(-1, keepdim=True) + RENORM_EPS if self.renormalize else None
         probs = chosen / denom if denom is not None else chosen
+        scaled = probs * self.topk_scaling_factor if self.topk_scaling_factor != 1 else probs
 
         aux = logits.new_zeros(())
         totals = self._group_totals(idx, input_.shape, num_tokens)
@@ -368,7 +391,7 @@ class Router(BasicOperation):
             ctx.save_for_backward(x, self.weight, logits if lse is not None else None, scores,
                                   idx, probs, denom, weights, lse, z_tokens)
             ctx.input_shape = input_.shape
-        return x, [(idx, probs, aux)]
+        return x, [(idx, scaled, aux)]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
@@ -378,7 +401,9 @@ class Router(BasicOperation):
         grad_scores = torch.zeros_like(scores)
         if grad_probs is not None:
             g = grad_probs.to(scores.dtype).reshape(probs.shape)
-            if denom is not None:
+            if self.topk_scaling_factor != 1:
+                g = g * self.topk_scaling_factor
+            if denom is not None:  # probs: the weights before the scaling
                 g = _renorm_backward(g, probs, denom)
             grad_scores.scatter_(1, idx, g)  # top-k ids are distinct per row
         if grad_aux is not None and weights is not None:
@@ -396,14 +421,17 @@ class Router(BasicOperation):
             tokens = num_tokens if z_tokens is None else z_tokens
             grad_logits = grad_logits + (grad_aux.to(scores.dtype) * self.z_loss_coeff * 2
                                          / tokens) * lse.unsqueeze(-1) * softmax
-        grad_logits = grad_logits.to(x.dtype)
+        grad_logits = grad_logits.to(weight.dtype)
         grad_input = None
         if ctx.input_requires_grad:
-            grad_input = grad_logits @ weight
+            grad_input = (grad_logits @ weight).to(x.dtype)
             if grad_output is not None:
                 grad_input = grad_input + grad_output.reshape(grad_input.shape)
             grad_input = grad_input.reshape(ctx.input_shape)
-        grad_weight = grad_logits.t() @ x if weight.requires_grad else None
+        if weight.requires_grad:
+            grad_weight = grad_logits.t() @ (x if x.dtype == weight.dtype else x.to(weight.dtype))
+        else:
+            grad_weight = None
         grads = [grad_weight] + ([None] if self.expert_bias is not None else [])
         return grad_input, [grads], [[]]
 

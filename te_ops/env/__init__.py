@@ -96,9 +96,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto",
             ("auto", "native", "emulate"),
             "GEMMs under a low-precision recipe: auto runs torch._scaled_grouped_mm where it "
-            "applies (FP8 current scaling, bf16, SM90/SM100), else emulates (dequantize the same "
-            "FP8 bytes, GEMM in high precision); native where it cannot run raises with the "
-            "reason.",
+            "applies (FP8 current scaling, bf16, SM90/SM100) and te_ops' Triton kernels for "
+            "blockwise FP8 (bf16, SM90), else emulates (the same FP8 bytes: dequantized, GEMM in "
+            "high precision; blockwise: fp32 products per 128-block); native where it cannot "
+            "run raises with the reason.",
         ),
         EnvVar(
             "TE_OPS_CHECK_SPLIT_SIZES",

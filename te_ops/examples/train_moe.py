@@ -6,12 +6,11 @@ The corpus is the documentation text shipped with Python (``pydoc_data.topics``)
 sorted key order and encoded as UTF-8 bytes (vocabulary 256); the last 10 % is the validation
 split. The model is a decoder-only transformer: byte embedding + learned positions, ``--layers``
 blocks of (pre-norm causal self-attention, pre-norm MoE), a final norm and an LM head tied to
-the embedding. Each MoE block routes every token to its top-k experts, sorts the (token, expert)
-pairs by expert and runs all experts at once through
-
-``te_ops.Sequential(GroupedLinear(E, d, 2 * ffn), ScaledSwiGLU(), GroupedLinear(E, ffn, d))``
-
-with the per-expert token counts as a device tensor (no host sync in the MoE block).
+the embedding. Each MoE block is one ``te_ops.MoE`` layer (:func:`moe_layer`): a softmax top-k
+router with renormalized top-k probabilities and the Switch-Transformer load-balancing loss,
+the (token, expert) pairs sorted by expert with device split sizes, the SwiGLU experts as one
+grouped MLP ``GroupedLinear(E, d, 2 * ffn) -> ScaledSwiGLU -> GroupedLinear(E, ffn, d)`` and a
+gather-sum back to token order, all in one ``te_ops.Sequential`` (no host sync in the layer).
 
 ``--hf-model {mixtral,qwen3_moe}`` trains a tiny Hugging Face transformers model of the same
 sizes instead, with te_ops experts and with HF's eager experts (see ``hf_moe.py``).
@@ -22,7 +21,8 @@ per process): each MoE block is ``te_ops.MoE(..., ep_group=...)`` holding ``--ex
 experts per rank, the rest of the model is data parallel (``DistributedDataParallel``), and
 every rank takes its ``--batch-size / N`` sequences of the batch one process would draw, from
 the one-process initial weights (:class:`ExpertParallel`), so the loss curve is the one-process
-curve up to rounding.
+curve up to rounding. The dropless all-to-all reads its split sizes on the host once per layer
+per step.
 
 Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
 split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
@@ -48,8 +48,8 @@ from torch import nn
 
 import te_ops
 
-__all__ = ["ExpertParallel", "MasterWeights", "MoEBlock", "MoELanguageModel",
-           "expert_parallel_moe", "load_corpus", "unigram_cross_entropy", "main"]
+__all__ = ["ExpertParallel", "MasterWeights", "MoELanguageModel", "moe_layer", "load_corpus",
+           "unigram_cross_entropy", "main"]
 
 
 # ---------------------------------------------------------------------------------- data
@@ -95,51 +95,18 @@ def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
 
 
 # ---------------------------------------------------------------------------------- model
-class MoEBlock(nn.Module):
-    """Top-k routed experts; the expert MLPs run as one te_ops grouped MLP.
+def moe_layer(d_model: int, ffn: int, num_experts: int, top_k: int,
+              ep_group: Any = None) -> te_ops.MoE:
+    """The job's MoE layer: ``te_ops.MoE`` with a softmax top-k router (the k chosen
+    probabilities renormalized to sum to 1) and the Switch-Transformer load-balancing loss at
+    coefficient 1 (the job weights it by ``--aux-coef``); dropless, no shared experts.
+    ``ep_group`` (``--ep``): expert parallel over it (this rank's experts; the loss is this
+    rank's share of the group batch's); a one-process layer's state dict loads into it.
 
     Shapes
     ------
     input (batch, seq, d_model) -> (output of the same shape, load-balancing loss ()).
     """
-
-    def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int) -> None:
-        super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        self.num_experts, self.top_k = num_experts, top_k
-        self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = te_ops.Sequential(
-            te_ops.GroupedLinear(num_experts, d_model, 2 * ffn, bias=False),
-            te_ops.ScaledSwiGLU(),
-            te_ops.GroupedLinear(num_experts, ffn, d_model, bias=False),
-        )
-        self.graphed: Any = None  # a te_ops.graphs.GraphedCallable of `experts` (--cuda-graph)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = x.reshape(-1, x.shape[-1])
-        logits = self.router(tokens)  # (T, E); softmax in at least fp32
-        probs = torch.softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        top_p, top_e = probs.topk(self.top_k, dim=-1)  # (T, k)
-        top_p = top_p / top_p.sum(-1, keepdim=True)
-        routed = te_ops.permute(tokens, top_e, top_p, self.num_experts)  # sorted by expert
-        split_sizes = routed.split_sizes  # (E,) int64, on device
-        experts = self.graphed if self.graphed is not None and self.training else self.experts
-        y = experts(routed.x, split_sizes, routed.probs.to(x.dtype), split_sizes)
-        out = te_ops.unpermute(y, routed.token_index, tokens.shape[0])
-        # Switch-Transformer load balancing: E * sum_e (share of pairs on e) * (mean prob of e).
-        share = split_sizes.float() / top_e.numel()
-        aux = self.num_experts * (share * probs.mean(0)).sum()
-        return out.view_as(x), aux
-
-
-def expert_parallel_moe(d_model: int, ffn: int, num_experts: int, top_k: int,
-                        ep_group: Any) -> te_ops.MoE:
-    """:class:`MoEBlock`'s math as ``te_ops.MoE`` over ``ep_group`` (``--ep``): softmax top-k
-    with the k probabilities renormalized, the Switch-Transformer loss at coefficient 1 (this
-    rank's share of the group batch's loss), dropless. Its parameter names and shapes are
-    :class:`MoEBlock`'s, so a one-process model's state dict loads into it (each rank keeps
-    its experts)."""
     return te_ops.MoE(d_model, ffn, num_experts, top_k, score_function="softmax",
                       renormalize=True, aux_loss_coeff=1.0, ep_group=ep_group)
 
@@ -154,8 +121,8 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
-        self.moe = (MoEBlock(d_model, ffn, experts, top_k) if ep_group is None else
-                    expert_parallel_moe(d_model, ffn, experts, top_k, ep_group))
+        self.moe = moe_layer(d_model, ffn, experts, top_k, ep_group)
+        self.graphed: Any = None  # a te_ops.graphs.GraphedCallable of `moe` (--cuda-graph)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
@@ -163,14 +130,15 @@ class Block(nn.Module):
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        moe_out, aux = self.moe(self.norm2(x))
+        moe = self.graphed if self.graphed is not None and self.training else self.moe
+        moe_out, aux = moe(self.norm2(x))
         return x + moe_out, aux
 
 
 class MoELanguageModel(nn.Module):
     """Byte-level decoder-only MoE transformer with a tied LM head.
 
-    ``ep_group``: each MoE block is :func:`expert_parallel_moe` over it (``--ep``).
+    ``ep_group``: each MoE block is :func:`moe_layer` over it (``--ep``).
 
     Shapes
     ------
@@ -257,11 +225,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="low-precision recipe of the expert GEMMs (te_ops.autocast): fp8 = "
                         "Float8CurrentScaling, fp8fast = the same with "
                         "fast_accumulate_backward=True (Hopper's fast accumulation in dgrad / "
-                        "wgrad too), mxfp8 = "
-                        "MXFP8BlockScaling (docs/recipes.md)")
+                        "wgrad too), mxfp8 = MXFP8BlockScaling, fp8block = Float8BlockScaling "
+                        "(DeepSeek-V3's blockwise FP8; docs/recipes.md)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="capture each layer's expert block (forward and backward) in CUDA "
-                        "graphs with te_ops.graphs.make_graphed_callable (needs --device cuda)")
+                   help="capture each layer's te_ops.MoE (router to combine, forward and "
+                        "backward) in CUDA graphs with te_ops.graphs.make_graphed_callable "
+                        "(needs --device cuda)")
     p.add_argument("--hf-model", choices=("mixtral", "qwen3_moe"), default=None,
                    help="instead of the te_ops model, train a tiny Hugging Face transformers "
                         "model of that family (same sizes, from a config) twice: with te_ops "
@@ -269,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(needs transformers>=5: pip install 'te_ops[hf]')")
     p.add_argument("--compile", action="store_true",
                    help="train through torch.compile(model) (fullgraph without a recipe; the "
-                        "te_ops expert block is one graph call, docs/torch_compile.md)")
+                        "te_ops.MoE layer is one graph call, docs/torch_compile.md)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: launch with torchrun --nproc_per_node N "
                         "(gloo on cpu, nccl on cuda); --experts and --batch-size divisible by N")
@@ -373,7 +342,8 @@ def _check_compile_backend(p: argparse.ArgumentParser, name: str) -> None:
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling,
            "fp8fast": functools.partial(te_ops.recipe.Float8CurrentScaling,
                                         fast_accumulate_backward=True),
-           "mxfp8": te_ops.recipe.MXFP8BlockScaling}
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling,
+           "fp8block": te_ops.recipe.Float8BlockScaling}
 
 
 def recipe_context(args: argparse.Namespace):
@@ -382,27 +352,24 @@ def recipe_context(args: argparse.Namespace):
     return te_ops.autocast(enabled=cls is not None, recipe=cls() if cls else None)
 
 
-def capture_expert_graphs(model: MoELanguageModel, args: argparse.Namespace,
-                          device: torch.device, dtype: torch.dtype) -> None:
-    """``--cuda-graph``: capture each layer's expert block (forward and backward) in CUDA graphs.
+def capture_moe_graphs(model: MoELanguageModel, args: argparse.Namespace,
+                       device: torch.device, dtype: torch.dtype) -> None:
+    """``--cuda-graph``: capture each layer's ``te_ops.MoE`` (router to combine, forward and
+    backward) in CUDA graphs.
 
-    Every token goes to exactly ``top_k`` experts, so the expert block always sees
-    ``batch * seq * top_k`` rows: only the split sizes and probs change, which a graph allows.
-    Training steps replay the graphs; evaluation (other shapes, no backward) runs eagerly.
+    A training step always gives the layer ``(batch, seq, d_model)`` tokens and every token
+    goes to ``top_k`` experts, so the layer's shapes are fixed: only the routing (split sizes,
+    probs, index maps, all on the device) changes, which a graph allows. Training steps replay
+    the graphs; evaluation (other shapes, no backward) runs eagerly.
     """
     from te_ops.graphs import make_graphed_callable
 
-    rows = args.batch_size * args.seq_len * args.top_k
-    split_sizes = torch.full((args.experts,), rows // args.experts, device=device)
-    split_sizes[0] += rows % args.experts
     for block in model.blocks:
-        x = torch.randn(rows, args.d_model, device=device, dtype=dtype, requires_grad=True)
-        probs = torch.rand(rows, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(args.batch_size, args.seq_len, args.d_model, device=device,
+                        dtype=dtype, requires_grad=True)
         try:
             with recipe_context(args):
-                block.moe.graphed = make_graphed_callable(block.moe.experts,
-                                                          (x, split_sizes, probs,
-                                                           split_sizes))
+                block.graphed = make_graphed_callable(block.moe, (x,))
         except (ValueError, RuntimeError) as exc:  # not graph-safe here: say why and stop
             raise SystemExit(f"--cuda-graph: {exc}") from exc
 
@@ -448,23 +415,27 @@ def whole_split_batches(data: torch.Tensor, seq_len: int, tokens_per_batch: int 
     return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, n, batch_size)]
 
 
-def fusion_summary(experts: te_ops.Sequential, d_model: int, device: torch.device,
-                   dtype: torch.dtype) -> tuple[str, dict[str, list[str]]]:
-    """The first expert block's fusion plan for a training call: (text, op names per pass)."""
-    e = experts[0].num_groups
-    sample = (torch.zeros(2 * e, d_model, device=device, dtype=dtype),
-              torch.full((e,), 2, device=device), torch.ones(2 * e, device=device, dtype=dtype))
-    plan = experts.fusers()[0].plan(sample[0], sample[1], sample[2], sample[1])
+def fusion_summary(block: te_ops.Sequential, *sample: Any) -> tuple[str, dict[str, list[str]]]:
+    """``block``'s fusion plan for a training call on ``sample`` (its inputs; nothing runs):
+    (the ``explain()`` text, op names per pass)."""
+    plan = block.fusers()[0].plan(*sample)
     ops = {"forward": [type(op).__name__ for op, _ in plan.forward_ops],
            "backward": [type(op).__name__ for op, _ in plan.backward_ops]}
-    if hasattr(experts, "explain"):
+    if hasattr(block, "explain"):
         try:
-            return experts.explain(sample[0], sample[1], sample[2], sample[1]), ops
+            return block.explain(*sample), ops
         except ImportError as exc:
             note = f"(explain() is unavailable: {exc})"
     else:
         note = "(explain() is unavailable in this te_ops)"
     return f"{note}\nforward ops: {ops['forward']}\nbackward ops: {ops['backward']}", ops
+
+
+def moe_fusion_summary(moe: te_ops.MoE, device: torch.device, dtype: torch.dtype
+                       ) -> tuple[str, dict[str, list[str]]]:
+    """:func:`fusion_summary` of a ``te_ops.MoE`` layer (router to combine) for 16 tokens."""
+    return fusion_summary(moe.block, torch.zeros(16, moe.hidden_size, device=device,
+                                                 dtype=dtype))
 
 
 def save_plot(evals: list[dict[str, float]], final_val: float, baseline: float,
@@ -634,7 +605,7 @@ def _train_and_report(args: argparse.Namespace, start: float, device: torch.devi
     else:
         model, step_model = ep.build(args, device, dtype)
     if args.cuda_graph:
-        capture_expert_graphs(model, args, device, dtype)
+        capture_moe_graphs(model, args, device, dtype)
     parallel = "" if ep is None else f" ({args.experts // ep.size} per rank, ep {ep.size})"
     say(f"model: {sum(p.numel() for p in model.parameters())} parameters"
         f"{' on this rank' if ep else ''}, {args.layers} layers, {args.experts} experts"
@@ -647,8 +618,7 @@ def _train_and_report(args: argparse.Namespace, start: float, device: torch.devi
 
     with recipe_context(args):
         final_val = evaluate(model, whole_split_batches(val, args.seq_len), device)
-        explain_text, fusions = fusion_summary(model.blocks[0].moe.experts, args.d_model,
-                                               device, dtype)
+        explain_text, fusions = moe_fusion_summary(model.blocks[0].moe, device, dtype)
     wall = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "config": dict(vars(args)),
@@ -677,7 +647,7 @@ def _train_and_report(args: argparse.Namespace, start: float, device: torch.devi
           f"(improvement {baseline - final_val:.4f})")
     print(f"training throughput: {metrics['train_tokens_per_s']:.0f} tokens/s; "
           f"wall time {wall:.1f} s")
-    print("fusions in layer 0's expert block:")
+    print("fusions in layer 0's MoE layer:")
     print(explain_text)
     print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'loss.png'}")
     return metrics

@@ -245,6 +245,13 @@ def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 if triton is not None:
+    # Triton keeps the allocator in a ContextVar: set in the importing context too, so a
+    # compiled graph (launched in the context torch.compile was called from, which may not be
+    # the one its trace ran in) finds it; the calls before each eager launch stay.
+    _ensure_allocator()
+
+
+if triton is not None:
     from .grouped_gemm_triton import _group_rows
     from ..kernels.swiglu_triton import _core
 

@@ -46,13 +46,18 @@ from ..sequential import Sequential
 __all__ = [
     "IMPLEMENTATION",
     "LAYOUTS",
+    "MOE_BLOCKS",
+    "TeOpsMoeBlock",
     "experts_block",
     "experts_forward",
     "from_hf_experts",
+    "from_hf_moe_block",
+    "moe_block_unsupported_reason",
     "register",
     "to_hf_state_dict",
     "unsupported_reason",
     "use_te_ops",
+    "use_te_ops_moe",
 ]
 
 IMPLEMENTATION = "te_ops"
@@ -340,12 +345,19 @@ def experts_block(module: nn.Module) -> Sequential:
     ValueError
         te_ops cannot run the module as it is now (the reason is given).
     """
-    cached = module.__dict__.get(_BLOCK_KEY)
-    state = _state(module)
+    return _built_for(module, _BLOCK_KEY, _state(module), from_hf_experts)
+
+
+def _built_for(module: nn.Module, key: str, state: tuple[tuple[Any, ...], tuple[Any, ...]],
+               build: Any) -> Any:
+    """``build(module)``, kept in ``module.__dict__[key]`` (a plain attribute: not in
+    ``state_dict`` / ``parameters()``) with the ``state`` it was built from; rebuilt when the
+    module's state differs (a refused module keeps no stale object)."""
+    cached = module.__dict__.get(key)
     if cached is None or not _same_state(cached[0], state):
-        module.__dict__.pop(_BLOCK_KEY, None)  # a refused module keeps no stale block
-        cached = (state, from_hf_experts(module))
-        module.__dict__[_BLOCK_KEY] = cached  # plain attribute: not in state_dict / parameters()
+        module.__dict__.pop(key, None)
+        cached = (state, build(module))
+        module.__dict__[key] = cached
     return cached[1]
 
 
@@ -424,4 +436,256 @@ def use_te_ops(model: nn.Module) -> nn.Module:
         if reason is not None:
             raise ValueError(f"model: te_ops cannot run {name}: {reason}")
     model.set_experts_implementation(IMPLEMENTATION)
+    return model
+
+
+# ------------------------------------------------------------------------------- whole MoE blocks
+#: HF sparse-MoE block class -> (its router's class, score function, shared expert):
+#: ``"gated"`` is Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``,
+#: ``"added"`` DeepSeek-V3's ``shared_experts(x)``; both stay HF modules (their gate and up
+#: weights are two tensors, where te_ops' one-group block would need them packed: a copy).
+MOE_BLOCKS: dict[str, tuple[str, str, str | None]] = {
+    "MixtralSparseMoeBlock": ("MixtralTopKRouter", "softmax", None),
+    "Qwen2MoeSparseMoeBlock": ("Qwen2MoeTopKRouter", "softmax", "gated"),
+    "Qwen3MoeSparseMoeBlock": ("Qwen3MoeTopKRouter", "softmax", None),
+    "OlmoeSparseMoeBlock": ("OlmoeTopKRouter", "softmax", None),
+    "DeepseekV3MoE": ("DeepseekV3TopkRouter", "sigmoid", "added"),
+}
+
+_MOE_KEY = "_te_ops_moe"  # in the replacement block's __dict__: not a submodule
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _hf_class(block: nn.Module) -> str:
+    """The HF block class name (that of the block a :class:`TeOpsMoeBlock` replaced)."""
+    return block.hf_class if isinstance(block, TeOpsMoeBlock) else type(block).__name__
+
+
+def _router_options(block: nn.Module) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``te_ops.MoE`` router options that compute ``block``'s routing, or the reason none
+    do: (options, None) or (None, reason)."""
+    name = _hf_class(block)
+    gate = block.gate
+    if getattr(block, "jitter_noise", 0):
+        return None, (f"{name} has router_jitter_noise={block.jitter_noise}: in training it "
+                      "multiplies the tokens by random noise, which te_ops.MoE does not do")
+    if MOE_BLOCKS[name][1] == "softmax":  # softmax over all experts, top-k (HF's order)
+        return {"score_function": "softmax",
+                "renormalize": bool(getattr(gate, "norm_topk_prob", True))}, None
+    # DeepSeek-V3: sigmoid, the correction bias in the selection only, group-limited top-k
+    # with each group scored by the sum of its two best biased scores, then the scaling
+    opts = {"score_function": "sigmoid", "renormalize": bool(gate.norm_topk_prob),
+            "expert_bias": True, "topk_scaling_factor": float(gate.routed_scaling_factor)}
+    groups, group_top_k = gate.num_group, gate.topk_group
+    if groups not in (None, 1):
+        if gate.top_k // group_top_k != 2:
+            return None, (f"{name} scores each of its n_group={groups} groups by the sum of its "
+                          f"2 best scores; te_ops' group-limited top-k (Megatron's) sums the "
+                          f"top_k // topk_group = {gate.top_k} // {group_top_k} = "
+                          f"{gate.top_k // group_top_k} best")
+        opts.update(num_groups=groups, group_top_k=group_top_k)
+    w = gate.weight
+    if w.dtype in _HALF:
+        return None, (f"{name}'s router casts its {w.dtype} gate.weight and the tokens to "
+                      "float32 for the gate GEMM; te_ops' Router runs a 16-bit gate in 16 bits: "
+                      "keep the gate in float32 (block.gate.float(); from_pretrained does, "
+                      "_keep_in_fp32_modules_strict)")
+    return opts, None
+
+
+def moe_block_unsupported_reason(block: nn.Module) -> str | None:
+    """Why ``te_ops.MoE`` cannot compute this HF sparse-MoE block, or ``None`` when it can.
+
+    Accepted: the transformers 5.x blocks of :data:`MOE_BLOCKS` (Mixtral, Qwen2-MoE, Qwen3-MoE,
+    OLMoE, DeepSeek-V3) with their own router class, packed experts te_ops runs
+    (:func:`unsupported_reason`), a gate weight of shape (experts, hidden), and routing
+    te_ops' :class:`~te_ops.basic.moe.Router` computes: softmax top-k with or without
+    renormalization (``norm_topk_prob``); DeepSeek-V3's sigmoid scores, correction bias,
+    group-limited top-k (when ``top_k // topk_group == 2``), renormalization and
+    ``routed_scaling_factor``, with a float32 or float64 gate. Refused with the mismatch named:
+    Mixtral's ``router_jitter_noise > 0``, another group scoring, a 16-bit DeepSeek-V3 gate,
+    unknown block classes, a replaced router.
+    """
+    name = _hf_class(block)
+    if name not in MOE_BLOCKS:
+        return (f"{name} is not a sparse-MoE block te_ops.MoE maps (known: "
+                f"{', '.join(MOE_BLOCKS)})")
+    router_class = MOE_BLOCKS[name][0]
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if type(gate).__name__ != router_class:
+        return (f"{name}.gate is a {type(gate).__name__}, not {router_class}: its routing is "
+                "not the one te_ops.MoE maps")
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return f"{name}.experts is not a transformers 5 packed experts module"
+    reason = unsupported_reason(experts)
+    if reason is not None:
+        return f"{name}.experts: {reason}"
+    e, _, hidden = experts.gate_up_proj.shape
+    if tuple(gate.weight.shape) != (e, hidden) or gate.top_k > e:
+        return (f"{name}.gate.weight has shape {tuple(gate.weight.shape)} and top_k="
+                f"{gate.top_k}; expected ({e}, {hidden}) (experts, hidden) and top_k <= {e}")
+    w, dtype = gate.weight.dtype, experts.gate_up_proj.dtype
+    if w != dtype and not (w in (torch.float32, torch.float64) and dtype in _HALF):
+        return (f"{name}.gate.weight is {w} and the experts {dtype}; te_ops' Router takes "
+                "the experts' dtype, or float32 / float64 over 16-bit experts")
+    return _router_options(block)[1]
+
+
+def from_hf_moe_block(block: nn.Module) -> Any:
+    """The ``te_ops.MoE`` that computes an HF sparse-MoE block's routed part, on HF's tensors.
+
+    The layer is given the block's own ``gate.weight``, ``experts.gate_up_proj`` and
+    ``experts.down_proj`` Parameter objects (no copy: gradients land in HF's parameters) and,
+    for DeepSeek-V3, a Parameter sharing the storage of ``gate.e_score_correction_bias``
+    (``update_expert_bias`` changes HF's buffer in place). Dropless, no balancing loss (HF
+    computes its aux loss from the router logits) and no shared experts (HF's modules run them,
+    see :class:`TeOpsMoeBlock`).
+
+    Returns
+    -------
+    te_ops.MoE
+        ``y, aux_loss = moe(x)`` for x (..., hidden): y the routed experts' sum, as HF's block
+        computes it before adding a shared expert.
+
+    Raises
+    ------
+    ValueError
+        The block cannot be mapped (:func:`moe_block_unsupported_reason`'s reason).
+    """
+    from ..moe import MoE
+
+    reason = moe_block_unsupported_reason(block)
+    if reason is not None:
+        raise ValueError(f"block: te_ops.MoE cannot compute this block: {reason}")
+    gate, experts = block.gate, block.experts
+    opts, _ = _router_options(block)
+    e, two_i, hidden = experts.gate_up_proj.shape
+    moe = MoE(hidden, two_i // 2, e, gate.top_k, device="meta",
+              dtype=experts.gate_up_proj.dtype, **opts)
+    moe.router.weight = gate.weight
+    moe.experts[0].weight = experts.gate_up_proj
+    moe.experts[2].weight = experts.down_proj
+    if opts.get("expert_bias"):
+        bias = gate.e_score_correction_bias  # a Parameter aliasing HF's buffer
+        moe.router.expert_bias = nn.Parameter(bias, requires_grad=False)
+        moe.router.expert_load = torch.zeros(e, device=bias.device, dtype=torch.float32)
+    return moe
+
+
+def _block_state(block: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """What :func:`from_hf_moe_block` read: (objects compared by identity, values by ``==``)."""
+    gate = block.gate
+    w = gate.weight
+    bias = getattr(gate, "e_score_correction_bias", None)
+    objects, values = _state(block.experts)
+    flags = tuple(getattr(gate, a, None) for a in (
+        "top_k", "num_experts", "norm_topk_prob", "routed_scaling_factor", "num_group",
+        "topk_group"))
+    return ((*objects, type(gate), w, bias),
+            (values, w.shape, w.dtype, w.device, flags, getattr(block, "jitter_noise", None),
+             None if bias is None else (bias.dtype, bias.device, bias.data_ptr())))
+
+
+def _router_logits_wanted() -> bool:
+    """Whether HF is collecting router logits now (``output_router_logits``: its aux loss)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # cannot tell: run the gate, so a recorder gets its logits
+        return True
+    collected = _active_collector.get()
+    return collected is not None and "router_logits" in collected
+
+
+class TeOpsMoeBlock(nn.Module):
+    """An HF sparse-MoE block run as ``te_ops.MoE`` (router to combine in one te_ops
+    ``Sequential``), plus HF's shared expert where the family has one.
+
+    Holds the HF block's submodules under their names (``gate``, ``experts``,
+    ``shared_expert`` / ``shared_expert_gate`` / ``shared_experts``), so ``state_dict`` keys,
+    ``parameters()`` and checkpoints are the HF block's; the ``te_ops.MoE`` of
+    :func:`from_hf_moe_block` lives in ``__dict__`` on the same tensors and is rebuilt (and
+    re-checked) when HF replaces them or changes their dtype or device.
+
+    While HF collects router logits (``output_router_logits``, for its aux loss) the HF gate
+    runs too (its logits feed the loss through HF's recorder; the gate GEMM and top-k then run
+    twice); otherwise only te_ops routes.
+
+    Shapes
+    ------
+    hidden_states (batch, seq, hidden) -> the same shape, as the HF block.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        reason = moe_block_unsupported_reason(block)
+        if reason is not None:
+            raise ValueError(f"block: te_ops.MoE cannot compute this block: {reason}")
+        self.hf_class = type(block).__name__
+        self.shared = MOE_BLOCKS[self.hf_class][2]
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        for name, value in vars(block).items():  # plain attributes (top_k, jitter_noise, ...)
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        self.training = block.training
+
+    @property
+    def moe(self) -> Any:
+        """The ``te_ops.MoE`` on this block's tensors (checked, rebuilt when they changed).
+
+        Raises
+        ------
+        ValueError
+            The block as it is now cannot be mapped (the reason is given).
+        """
+        return _built_for(self, _MOE_KEY, _block_state(self), from_hf_moe_block)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        if moe.training != self.training:
+            moe.train(self.training)
+        if _router_logits_wanted():
+            self.gate(hidden_states)  # HF's recorder keeps its logits for the aux loss
+        y, _ = moe(hidden_states)
+        if self.shared == "gated":  # Qwen2-MoE
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            y = y + shared.view_as(y)
+        elif self.shared == "added":  # DeepSeek-V3
+            y = y + self.shared_experts(hidden_states)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"te_ops.MoE in place of {self.hf_class}"
+
+
+def use_te_ops_moe(model: nn.Module) -> nn.Module:
+    """Replace every HF sparse-MoE block of ``model`` by a :class:`TeOpsMoeBlock`.
+
+    Every block whose class is in :data:`MOE_BLOCKS` is checked first; the first that
+    ``te_ops.MoE`` cannot compute raises ``ValueError`` naming it and the reason, before
+    anything is replaced. Blocks already replaced are kept. Returns the model (its
+    ``state_dict`` keys and Parameters unchanged).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a ``torch.nn.Module``.
+    ValueError
+        A block te_ops cannot compute (named, with the reason); a model with no such block.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
+    found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in MOE_BLOCKS]
+    if not found and not any(isinstance(m, TeOpsMoeBlock) for m in model.modules()):
+        raise ValueError(f"model: {type(model).__name__} has no sparse-MoE block te_ops.MoE "
+                         f"maps ({', '.join(MOE_BLOCKS)})")
+    for name, m in found:
+        reason = moe_block_unsupported_reason(m)
+        if reason is not None:
+            raise ValueError(f"model: te_ops.MoE cannot compute {name}: {reason}")
+    for name, m in found:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, TeOpsMoeBlock(m))
     return model

@@ -11,14 +11,17 @@ from __future__ import annotations
 from . import recipe
 from .autocast import autocast, current_recipe, quantize_operand
 from .quantizer import (
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     MXFP8Quantizer,
     QuantizedTensorStorage,
     Quantizer,
 )
-from .recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from .recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 __all__ = [
+    "Float8BlockQuantizer",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Float8CurrentScalingQuantizer",
     "MXFP8BlockScaling",

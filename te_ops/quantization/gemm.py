@@ -18,6 +18,16 @@ the token offsets, wgrad as 2-D x 2-D over the 16-row group-aligned column-wise 
 Emulated everywhere else: the operands are dequantized (exact: power-of-two scales) to the
 parameters' dtype and the high-precision grouped GEMM runs on them (fp32 accumulation), so the
 same FP8 bytes feed both paths.
+
+Blockwise FP8 (``Float8BlockScaling``): the scales change every 128 elements of the reduced
+dim, so no scale factors out of a whole dot product. Native on SM90 with bf16 parameters:
+te_ops' Triton kernels (:mod:`te_ops.quantization.fp8_block_triton`; torch has no grouped
+GEMM with these scales). Emulated elsewhere by :func:`block_grouped_gemm_emulated`, which
+runs the kernels' loop with fp32 matrix products: for each 128-block of the reduced dim in
+increasing order, the product of the two operands' FP8 values in fp32 (exact products, fp32
+sums), times ``sa * sb`` (the two tiles' fp32 ``scale_inv``, multiplied first), added to an
+fp32 accumulator; the result is rounded to the parameters' dtype once. Device-side torch ops
+with shapes known on the host (graph-safe), the same on every device.
 """
 
 from __future__ import annotations
@@ -29,10 +39,13 @@ import torch
 
 from .. import env
 from ..kernels.padding import padding_backend, zero_padding_rows_
+from . import fp8_block_triton
 from .layout import splits_layout
+from .numerics import FP8_BLOCK
 from .quantizer import QuantizedTensorStorage
 
-__all__ = ["native_unsupported_reason", "quantized_grouped_gemm", "is_quantized"]
+__all__ = ["native_unsupported_reason", "quantized_grouped_gemm", "is_quantized",
+           "block_grouped_gemm_emulated"]
 
 _ALIGN_FP8 = 16
 
@@ -46,6 +59,8 @@ def native_unsupported_reason(fmt: str, device: torch.device, dtype: torch.dtype
                               dims: tuple[int, ...], backend_name: str = "grouped_mm"
                               ) -> str | None:
     """Why no native scaled grouped GEMM runs here (``None`` when one does)."""
+    if fmt == "fp8_block":
+        return _block_native_reason(device, dtype, backend_name)
     if fmt == "mxfp8":
         return ("MXFP8 native grouped GEMM (torch._scaled_grouped_mm with blocked E8M0 scales) "
                 "needs SM100 and a torch built with FBGEMM GenAI; te_ops does not call it yet "
@@ -63,6 +78,19 @@ def native_unsupported_reason(fmt: str, device: torch.device, dtype: torch.dtype
         return f"the FP8 grouped GEMM writes bfloat16; parameters are {dtype}"
     if any(d % 16 for d in dims):
         return f"in/out features {dims} are not multiples of 16 (FP8 kernel alignment)"
+    if backend_name not in ("grouped_mm", "triton"):
+        return f"the high-precision backend is {backend_name} (forced or unavailable)"
+    return None
+
+
+def _block_native_reason(device: torch.device, dtype: torch.dtype, backend_name: str
+                         ) -> str | None:
+    """Why the blockwise FP8 Triton GEMMs do not run here (``None`` when they do)."""
+    reason = fp8_block_triton.unsupported_reason(device)
+    if reason is not None:
+        return reason
+    if dtype != torch.bfloat16:
+        return f"the blockwise FP8 Triton GEMMs write bfloat16; parameters are {dtype}"
     if backend_name not in ("grouped_mm", "triton"):
         return f"the high-precision backend is {backend_name} (forced or unavailable)"
     return None
@@ -104,6 +132,10 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
         raise TypeError(f"{kind}: both operands must be quantized (a recipe quantizes all "
                         f"operands of a GEMM), got {type(a).__name__} and {type(b).__name__}")
     dims = tuple(b.shape[1:]) if kind != "wgrad" else (a.shape[1], b.shape[1])
+    if a.format == "fp8_block":
+        native = _reason(a, b, dims, backend) is None
+        return (block_grouped_gemm_native if native else block_grouped_gemm_emulated)(
+            kind, a, b, splits)
     if _reason(a, b, dims, backend) is not None:
         copies = {"fprop": ("rowwise", "rowwise"), "dgrad": ("rowwise", "columnwise"),
                   "wgrad": ("columnwise", "columnwise")}[kind]
@@ -134,6 +166,87 @@ def quantized_grouped_gemm(kind: str, a: QuantizedTensorStorage, b: QuantizedTen
     return _zero_padding(out, splits)
 
 
+def _block_operands(kind: str, a: QuantizedTensorStorage, b: QuantizedTensorStorage
+                    ) -> tuple[torch.Tensor, ...]:
+    """(data, scale_inv) of the two operands as the blockwise GEMM ``kind`` reads them:
+    fprop x row-wise, W row-wise; dgrad dy row-wise, W column-wise (the 128 x 128 blocks
+    transposed); wgrad x and dy column-wise (128-token tiles in the aligned layout)."""
+    if kind == "wgrad":
+        return a.columnwise_data, a.columnwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv
+    w, sw = ((b.rowwise_data, b.rowwise_scale_inv) if kind == "fprop"
+             else (b.columnwise_data, b.columnwise_scale_inv))
+    return a.rowwise_data, a.rowwise_scale_inv, w, sw
+
+
+def block_grouped_gemm_native(kind: str, a: QuantizedTensorStorage, b: QuantizedTensorStorage,
+                              splits: Any) -> torch.Tensor:
+    """The blockwise FP8 GEMM ``kind`` in te_ops' Triton kernels (operands and result as
+    :func:`quantized_grouped_gemm`'s)."""
+    qa, sa, qb, sb = _block_operands(kind, a, b)
+    if kind == "wgrad":
+        layout = splits_layout(splits, FP8_BLOCK)
+        return fp8_block_triton.block_wgrad(qa, sa, qb, sb, layout.starts, layout.offsets,
+                                            a.dtype)
+    return fp8_block_triton.block_rows(qa, sa, qb, sb, splits.offsets, a.dtype)
+
+
+def block_grouped_gemm_emulated(kind: str, a: QuantizedTensorStorage,
+                                b: QuantizedTensorStorage, splits: Any) -> torch.Tensor:
+    """The blockwise FP8 GEMM ``kind`` (``"fprop"``, ``"dgrad"``, ``"wgrad"``) in torch ops,
+    the native kernels' loop with fp32 products (module docstring), on any device.
+
+    Operands and result as :func:`quantized_grouped_gemm`'s: fprop / dgrad (M, J) in
+    ``a.dtype`` with padding rows zero, wgrad (G, N, K), zero for empty groups.
+    """
+    qa, sa, qb, sb = _block_operands(kind, a, b)
+    layout = splits_layout(splits, FP8_BLOCK)
+    tile_group = layout.group_ids[::FP8_BLOCK]  # (tiles,): G for the layout's unused tail
+    if kind == "wgrad":
+        return _block_wgrad_emulated(qa, sa, qb, sb, tile_group, splits.num_groups
+                                     ).to(a.dtype)
+    return _block_rows_emulated(qa, sa, qb, sb, layout, tile_group).to(a.dtype)
+
+
+def _block_rows_emulated(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
+                         sb: torch.Tensor, layout: Any, tile_group: torch.Tensor
+                         ) -> torch.Tensor:
+    """fp32 (M, J): per group ``a_g @ b_g^T`` for qa (M, R), sa (M, nR), qb (G, J, R),
+    sb (G, nJ, nR). The rows go to the 128-row aligned layout, so each tile of 128 rows has
+    one group and one batched product per reduction block covers every tile."""
+    r, j = qa.shape[1], qb.shape[1]
+    tiles = layout.capacity // FP8_BLOCK
+    a32 = torch.cat([qa.float(), qa.new_zeros(1, r, dtype=torch.float32)])[layout.src]
+    a32 = a32.reshape(tiles, FP8_BLOCK, r)
+    sa_t = torch.cat([sa, sa.new_ones(1, sa.shape[1])])[layout.src].reshape(tiles, FP8_BLOCK, -1)
+    sb_t = torch.cat([sb, sb.new_ones(1, *sb.shape[1:])])[tile_group]
+    sb_t = sb_t.repeat_interleave(FP8_BLOCK, dim=1)[:, :j]  # (tiles, J, nR)
+    acc = a32.new_zeros(tiles, FP8_BLOCK, j)
+    for kb in range(sa.shape[1]):
+        cols = slice(kb * FP8_BLOCK, (kb + 1) * FP8_BLOCK)
+        b32 = qb[:, :, cols].float()  # group G (the unused tail's tiles) reads zeros
+        b32 = torch.cat([b32, b32.new_zeros(1, *b32.shape[1:])])[tile_group]
+        part = torch.bmm(a32[:, :, cols], b32.transpose(1, 2))
+        acc = acc + part * (sa_t[:, :, kb, None] * sb_t[:, None, :, kb])
+    out = torch.cat([acc.reshape(layout.capacity, j), acc.new_zeros(1, j)])
+    return out[layout.dest]
+
+
+def _block_wgrad_emulated(qx: torch.Tensor, sx: torch.Tensor, qdy: torch.Tensor,
+                          sdy: torch.Tensor, tile_group: torch.Tensor, groups: int
+                          ) -> torch.Tensor:
+    """fp32 (G, N, K): per group ``dy_g^T x_g`` for the column-wise copies qx (K, C),
+    qdy (N, C) and their (K, C / 128), (N, C / 128) scales; tile t (tokens [128 t, 128 t +
+    128) of the aligned layout) adds into its group, tiles in increasing order."""
+    k, n = qx.shape[0], qdy.shape[0]
+    x32, dy32 = qx.float(), qdy.float()
+    out = x32.new_zeros(groups + 1, n, k)  # row G: the layout's unused tail tiles
+    for t in range(sx.shape[1]):
+        cols = slice(t * FP8_BLOCK, (t + 1) * FP8_BLOCK)
+        part = dy32[:, cols] @ x32[:, cols].t()
+        out.index_add_(0, tile_group[t:t + 1], (part * (sdy[:, t, None] * sx[None, :, t]))[None])
+    return out[:groups]
+
+
 #: GEMMs whose smaller feature dim is below this were slower in FP8 than in bf16 on an H200
 #: (quantize passes and per-call host work outweigh the faster GEMM; docs/recipes.md): E8 H4096
 #: FF14336 ran 1.11-1.20x faster, E32 H7168 FF2048 0.91-0.96x, E128 H2048 FF768 0.34-0.46x.
@@ -151,6 +264,9 @@ def quantized_gemm_note(recipe: Any, device: torch.device | None, dtype: torch.d
                                        backend_name)
     if reason is not None:
         return f"recipe {name}: emulated ({reason})"
+    if fmt == "fp8_block":
+        return (f"recipe {name}: blockwise FP8 GEMMs in te_ops' Triton kernels "
+                "(te_ops.quantization.fp8_block_triton)")
     note = f"recipe {name}: FP8 GEMMs via torch._scaled_grouped_mm"
     if min(in_features, out_features) < SMALL_GEMM_DIM:
         note += (f"; small GEMM (min(in, out) = {min(in_features, out_features)} < "

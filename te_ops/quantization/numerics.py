@@ -5,8 +5,8 @@ infinities, NaN = ``0x7F`` / ``0xFF``. Conversions round to nearest, ties to eve
 scaled value is clamped to ±448 (saturation); NaN stays NaN and ±Inf becomes NaN (E4M3 has no
 infinity, and saturating an overflow to a finite value would hide it).
 
-Two scalings
-------------
+Three scalings
+--------------
 FP8 current scaling (:func:`fp8_quantize_rows`)
     one fp32 scale per row of the last dim, computed from the current tensor:
     ``scale = 2 ** floor(log2(448 / amax))`` (a power of two, as torchao's FP8 rowwise MoE
@@ -21,6 +21,12 @@ MXFP8 (:func:`mx_quantize_rows`)
     elements are ``RNE(clamp(v / X, ±448))``. A block holding NaN or ±Inf gets the E8M0 NaN byte
     ``0xFF`` and NaN elements; an all-zero block gets the smallest scale (byte 0) and zeros. A last
     partial block (last dim not a multiple of 32) is a block of its own.
+Blockwise FP8 (:func:`block_quantize_rows`, :func:`block_quantize_2d`)
+    DeepSeek-V3 / TransformerEngine ``Float8BlockScaling``: one fp32 scale per 1 x 128 tile
+    (activations, gradients) or 128 x 128 block (weights) from the tile's largest finite
+    magnitude, by TransformerEngine's ``compute_scale_from_amax`` (:func:`block_scale_from_amax`;
+    power-of-two or plain fp32 scales, an amax floor); partial tiles at the edges are tiles of
+    their own.
 
 Everything runs as device tensor ops: no host reads, so quantizing is graph-safe.
 """
@@ -28,6 +34,8 @@ Everything runs as device tensor ops: no host reads, so quantizing is graph-safe
 from __future__ import annotations
 
 import torch
+
+from ..tracing import tracing
 
 __all__ = [
     "E4M3_MAX",
@@ -37,6 +45,12 @@ __all__ = [
     "mx_quantize_rows",
     "mx_dequantize_rows",
     "e8m0_to_float",
+    "FP8_BLOCK",
+    "block_scale_from_amax",
+    "block_quantize_rows",
+    "block_dequantize_rows",
+    "block_quantize_2d",
+    "block_dequantize_2d",
 ]
 
 E4M3_MAX = 448.0
@@ -140,3 +154,146 @@ def mx_dequantize_rows(data: torch.Tensor, scale: torch.Tensor,
     k = data.shape[-1]
     s = e8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)[..., :k]
     return (data.float() * s).to(dtype)
+
+
+# ---------------------------------------------------------------- blockwise FP8 (128-element tiles)
+#: Edge of a blockwise-FP8 tile: 1 x 128 tiles along the reduction dim for activations and
+#: gradients, 128 x 128 blocks for weights (DeepSeek-V3 section 3.3.2; TransformerEngine's
+#: ``Float8BlockScaling``).
+FP8_BLOCK = 128
+
+
+def block_scale_from_amax(amax: torch.Tensor, *, pow2: bool, epsilon: float,
+                          value_for_inf: float) -> torch.Tensor:
+    """fp32 scales of blockwise FP8 from each tile's ``amax`` (fp32, finite, >= 0).
+
+    TransformerEngine's rule (``compute_scale_from_amax``, ``recipe_common.cuh``): ``amax`` is
+    raised to ``epsilon``; an ``amax`` of 0 gives scale 1; otherwise ``scale = 448 / amax``
+    (fp32, rounded to nearest), ``value_for_inf`` where that overflows to infinity, and with
+    ``pow2`` the mantissa bits cleared: ``2 ** floor(log2(448 / amax))``, the same power of two
+    as :func:`pow2_scale_from_amax` gives (whose exponent clamp at 127 is where TE's overflow
+    value ``2**127`` lands).
+    """
+    amax = torch.clamp_min(amax.float(), epsilon) if epsilon else amax.float()
+    if pow2:
+        return pow2_scale_from_amax(amax)
+    scale = torch.full_like(amax, E4M3_MAX) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def _tiles_last(x: torch.Tensor) -> torch.Tensor:
+    """(..., K) -> (..., ceil(K / 128), 128) fp32, zero-filled past K."""
+    k = x.shape[-1]
+    nb = -(-k // FP8_BLOCK)
+    xf = x.float()
+    if nb * FP8_BLOCK != k:
+        xf = torch.nn.functional.pad(xf, (0, nb * FP8_BLOCK - k))
+    return xf.reshape(*x.shape[:-1], nb, FP8_BLOCK)
+
+
+def _tile_amax(tiles: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The largest finite magnitude over ``dims`` of fp32 ``tiles`` (0 for an empty or
+    all-zero tile; NaN / +-Inf left out)."""
+    a = finite_abs(tiles)
+    if a.numel() == 0:
+        shape = [s for i, s in enumerate(a.shape) if i not in {d % a.dim() for d in dims}]
+        return a.new_zeros(shape)
+    return a.amax(dim=dims)
+
+
+def block_quantize_rows(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 1 x 128 tiles along the last dim (:func:`_block_quantize_rows`;
+    under ``torch.compile`` the opaque op ``te_ops::block_quantize``, so inductor cannot
+    rewrite the scale arithmetic and the compiled bytes equal eager's)."""
+    if tracing():
+        return torch.ops.te_ops.block_quantize(x, False, pow2, float(epsilon))
+    return _block_quantize_rows(x, pow2=pow2, epsilon=epsilon)
+
+
+def _block_quantize_rows(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 1 x 128 tiles along the last dim.
+
+    Shapes: x (..., K) fp32 / bf16 -> data (..., K) float8_e4m3fn, scale_inv
+    (..., ceil(K / 128)) fp32 (``x ≈ data * scale_inv`` tile by tile). A last partial tile
+    (K not a multiple of 128) is a tile of its own; its amax is over its valid elements only.
+    Rule: :func:`block_scale_from_amax` on the tile's largest finite magnitude;
+    ``value_for_inf`` is the largest finite value of ``x``'s dtype (TransformerEngine's).
+    """
+    k = x.shape[-1]
+    tiles = _tiles_last(x)
+    amax = _tile_amax(tiles, (-1,))
+    scale = block_scale_from_amax(amax, pow2=pow2, epsilon=epsilon,
+                                  value_for_inf=torch.finfo(x.dtype).max)
+    data = to_e4m3(tiles * scale.unsqueeze(-1))
+    data = data.reshape(*x.shape[:-1], tiles.shape[-2] * FP8_BLOCK)[..., :k]
+    return data.contiguous(), scale.reciprocal()
+
+
+def block_dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` per 1 x 128 tile along the last dim, in ``dtype``."""
+    k = data.shape[-1]
+    s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+    return (data.float() * s).to(dtype)
+
+
+def block_quantize_2d(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 128 x 128 blocks over the last two dims (:func:`_block_quantize_2d`;
+    traced: ``te_ops::block_quantize``, as :func:`block_quantize_rows`)."""
+    if tracing():
+        return torch.ops.te_ops.block_quantize(x, True, pow2, float(epsilon))
+    return _block_quantize_2d(x, pow2=pow2, epsilon=epsilon)
+
+
+def _block_quantize_2d(x: torch.Tensor, *, pow2: bool = True, epsilon: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 with 128 x 128 blocks over the last two dims (weights).
+
+    Shapes: x (..., R, C) -> data (..., R, C) float8_e4m3fn, scale_inv
+    (..., ceil(R / 128), ceil(C / 128)) fp32. Partial blocks at the edges take the amax of
+    their valid elements; the scale rule is :func:`block_quantize_rows`'.
+    """
+    r, c = x.shape[-2:]
+    nr, nc = -(-r // FP8_BLOCK), -(-c // FP8_BLOCK)
+    xf = x.float()
+    if (nr * FP8_BLOCK, nc * FP8_BLOCK) != (r, c):
+        xf = torch.nn.functional.pad(xf, (0, nc * FP8_BLOCK - c, 0, nr * FP8_BLOCK - r))
+    blocks = xf.reshape(*x.shape[:-2], nr, FP8_BLOCK, nc, FP8_BLOCK)
+    amax = _tile_amax(blocks, (-3, -1))
+    scale = block_scale_from_amax(amax, pow2=pow2, epsilon=epsilon,
+                                  value_for_inf=torch.finfo(x.dtype).max)
+    data = to_e4m3(blocks * scale[..., :, None, :, None])
+    data = data.reshape(*x.shape[:-2], nr * FP8_BLOCK, nc * FP8_BLOCK)[..., :r, :c]
+    return data.contiguous(), scale.reciprocal()
+
+
+def block_dequantize_2d(data: torch.Tensor, scale_inv: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` per 128 x 128 block of the last two dims, in ``dtype``."""
+    r, c = data.shape[-2:]
+    s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
+    return (data.float() * s[..., :r, :c]).to(dtype)
+
+
+@torch.library.custom_op("te_ops::block_quantize", mutates_args=())
+def _block_quantize_op(x: torch.Tensor, blocks_2d: bool, pow2: bool, epsilon: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_quantize_2d` (``blocks_2d``) or :func:`block_quantize_rows` as one op."""
+    fn = _block_quantize_2d if blocks_2d else _block_quantize_rows
+    return fn(x, pow2=pow2, epsilon=epsilon)
+
+
+@_block_quantize_op.register_fake
+def _block_quantize_fake(x: torch.Tensor, blocks_2d: bool, pow2: bool, epsilon: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    data = x.new_empty(x.shape, dtype=FP8)
+    if blocks_2d:
+        r, c = x.shape[-2:]
+        shape = (*x.shape[:-2], -(-r // FP8_BLOCK), -(-c // FP8_BLOCK))
+    else:
+        shape = (*x.shape[:-1], -(-x.shape[-1] // FP8_BLOCK))
+    return data, x.new_empty(shape, dtype=torch.float32)

@@ -5,7 +5,8 @@ A quantizer is a callable: ``q(x)`` or ``q(x, splits)`` returns a :class:`Quanti
 
 * ``rowwise_data``: ``torch.float8_e4m3fn``, the input's shape, quantized along the last dim;
   ``rowwise_scale_inv``: fp32 (..., ) for FP8 current scaling, E8M0 bytes (``uint8``,
-  (..., ceil(K / 32))) for MXFP8;
+  (..., ceil(K / 32))) for MXFP8, fp32 (..., ceil(K / 128)) for blockwise FP8 (1 x 128 tiles;
+  weights: 128 x 128 blocks, (G, ceil(N / 128), ceil(K / 128)));
 * ``columnwise_data``: the same values quantized along the *other* axis and stored transposed
   (a (G, N, K) weight gives (G, K, N); a split (M, K) activation gives (K, capacity) in the
   group-aligned layout of :mod:`te_ops.quantization.layout`, quantized per group);
@@ -28,6 +29,7 @@ __all__ = [
     "Quantizer",
     "Float8CurrentScalingQuantizer",
     "MXFP8Quantizer",
+    "Float8BlockQuantizer",
     "QuantizedTensorStorage",
 ]
 
@@ -455,3 +457,84 @@ class MXFP8Quantizer(Quantizer):
     def dequantize_columns_split(self, storage, layout, dtype):
         return numerics.mx_dequantize_rows(storage.columnwise_data,
                                            storage.columnwise_scale_inv, dtype).t()
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Blockwise FP8 (DeepSeek-V3 section 3.3.2; TransformerEngine's ``Float8BlockQuantizer``):
+    E4M3 with one fp32 scale per tile of 128 elements along the reduction dim
+    (``block_dim=1``: activations and gradients) or per 128 x 128 block (``block_dim=2``:
+    weights). Rules: :func:`te_ops.quantization.numerics.block_quantize_rows` /
+    :func:`~te_ops.quantization.numerics.block_quantize_2d`.
+
+    Row-wise: 1 x 128 tiles along the last dim (``rowwise_scale_inv`` (..., ceil(K / 128)));
+    weights (G, N, K): 128 x 128 blocks (G, ceil(N / 128), ceil(K / 128)).
+    Column-wise: split activations use the 128-row group-aligned layout, so every 128 x 1
+    token tile lies inside one expert (tiles restart at each expert's first row; the last one
+    is partial and its amax is over the expert's rows only); data (K, capacity),
+    ``columnwise_scale_inv`` (K, capacity / 128). Weights: the same 128 x 128 blocks
+    transposed, bytes and scales (data (G, K, N), scales (G, ceil(K / 128), ceil(N / 128))),
+    as TransformerEngine writes the transpose of a 2-D-scaled tensor.
+
+    Parameters
+    ----------
+    block_dim : int
+        1 (1 x 128 tiles) or 2 (128 x 128 blocks; uniform (G, N, K) tensors only).
+    force_pow_2_scales : bool
+        Round each scale down to a power of two (default True; TransformerEngine's default).
+    amax_epsilon : float
+        Lower bound of each tile's amax (default 0).
+
+    Raises
+    ------
+    ValueError
+        ``block_dim`` not 1 or 2; ``block_dim=2`` on a tensor of fewer than 2 dims or with
+        split sizes.
+    """
+
+    format = "fp8_block"
+    align = numerics.FP8_BLOCK
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = False, block_dim: int = 1,
+                 force_pow_2_scales: bool = True, amax_epsilon: float = 0.0) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        if block_dim not in (1, 2) or isinstance(block_dim, bool):
+            raise ValueError(f"block_dim must be 1 (1 x 128 tiles) or 2 (128 x 128 blocks), "
+                             f"got {block_dim!r}")
+        self.block_dim = block_dim
+        self.options = {"pow2": bool(force_pow_2_scales), "epsilon": float(amax_epsilon)}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rowwise={self.rowwise}, columnwise={self.columnwise}, "
+                f"block_dim={self.block_dim}, force_pow_2_scales={self.options['pow2']}, "
+                f"amax_epsilon={self.options['epsilon']})")
+
+    def quantize_rows(self, x):
+        if self.block_dim == 1:
+            return numerics.block_quantize_rows(x, **self.options)
+        if x.dim() < 2:
+            raise ValueError(f"128 x 128 blocks (block_dim=2) need a tensor of at least 2 dims, "
+                             f"got shape {tuple(x.shape)}")
+        return numerics.block_quantize_2d(x, **self.options)
+
+    def dequantize_rows(self, data, scale_inv, dtype):
+        if self.block_dim == 1:
+            return numerics.block_dequantize_rows(data, scale_inv, dtype)
+        return numerics.block_dequantize_2d(data, scale_inv, dtype)
+
+    def quantize_columns_uniform(self, x3d, amax=None):
+        if self.block_dim == 1 or amax is not None:
+            return super().quantize_columns_uniform(x3d, amax)
+        data, sinv = self.quantize_rows(x3d)
+        return (data.transpose(-2, -1).contiguous(), sinv.transpose(-2, -1).contiguous())
+
+    def quantize_columns_split(self, x2d, layout, splits):
+        if self.block_dim == 2:
+            raise ValueError("128 x 128 blocks (block_dim=2) are for uniform (G, N, K) tensors "
+                             f"(weights), got a split tensor of shape {tuple(x2d.shape)}")
+        k = x2d.shape[1]
+        padded = torch.cat([x2d, x2d.new_zeros(1, k)])[layout.src]
+        return numerics.block_quantize_rows(padded.t().contiguous(), **self.options)
+
+    def dequantize_columns_split(self, storage, layout, dtype):
+        return numerics.block_dequantize_rows(storage.columnwise_data,
+                                              storage.columnwise_scale_inv, dtype).t()

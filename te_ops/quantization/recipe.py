@@ -10,12 +10,19 @@ See docs/recipes.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .quantizer import Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
+from .quantizer import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
 
-__all__ = ["Recipe", "Float8CurrentScaling", "MXFP8BlockScaling", "GEMM_OF_OPERAND"]
+__all__ = ["Recipe", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
+           "GEMM_OF_OPERAND"]
 
 _ROLES = ("input", "weight", "grad_output")
 
@@ -53,13 +60,13 @@ class Recipe:
         keep = self.high_precision_gemms()
         if copies and all(GEMM_OF_OPERAND[role, c] in keep for c in copies):
             return None
-        return self._make(rowwise=rowwise, columnwise=columnwise)
+        return self._make(role, rowwise=rowwise, columnwise=columnwise)
 
     def high_precision_gemms(self) -> frozenset[str]:
         """The GEMMs (``"fprop"``, ``"dgrad"``, ``"wgrad"``) this recipe leaves unquantized."""
         return frozenset()
 
-    def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
+    def _make(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer:
         raise NotImplementedError
 
 
@@ -108,7 +115,7 @@ class Float8CurrentScaling(Recipe):
     def high_precision_gemms(self) -> frozenset[str]:
         return frozenset(g for g in _GEMMS if getattr(self, f"{g}_high_precision"))
 
-    def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
+    def _make(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer:
         q = Float8CurrentScalingQuantizer(rowwise=rowwise, columnwise=columnwise)
         q.fast_accumulate_backward = self.fast_accumulate_backward
         return q
@@ -121,5 +128,61 @@ class MXFP8BlockScaling(Recipe):
 
     format: ClassVar[str] = "mxfp8"
 
-    def _make(self, *, rowwise: bool, columnwise: bool) -> Quantizer:
+    def _make(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer:
         return MXFP8Quantizer(rowwise=rowwise, columnwise=columnwise)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """Blockwise FP8, DeepSeek-V3's training recipe (arXiv:2412.19437, section 3.3.2) and
+    TransformerEngine's ``Float8BlockScaling`` with its defaults: E4M3 for every tensor,
+    activations and output gradients in 1 x 128 tiles along the dim their GEMM reduces
+    (TE's ``x_block_scaling_dim=1``, ``grad_block_scaling_dim=1``), weights in 128 x 128
+    blocks (``w_block_scaling_dim=2``), one fp32 scale per tile (docs/recipes.md).
+
+    Per GEMM: fprop reads x in 1 x 128 tiles along in_features and W's 128 x 128 blocks;
+    dgrad dy in 1 x 128 tiles along out_features and the same W blocks transposed; wgrad x
+    and dy in 128 x 1 tiles along each expert's tokens (tiles restart at every expert's first
+    row, so none spans two experts). GEMMs accumulate every 128-element reduction block in
+    fp32 with the product of the two tiles' scales.
+
+    Parameters
+    ----------
+    force_pow_2_scales : bool
+        Each scale ``448 / amax`` rounded down to a power of two (TE's ``power_2_scale`` of
+        its ``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` / ``fp8_quant_bwd_grad``,
+        default True there and here); False keeps the fp32 quotient.
+    amax_epsilon : float
+        Lower bound of every tile's amax (TE's ``amax_epsilon``, default 0.0); finite, >= 0.
+
+    Raises
+    ------
+    TypeError
+        ``force_pow_2_scales`` is not a bool, or ``amax_epsilon`` not a real number.
+    ValueError
+        ``amax_epsilon`` is negative or not finite.
+    """
+
+    format: ClassVar[str] = "fp8_block"
+    force_pow_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.force_pow_2_scales, bool):
+            raise TypeError("Float8BlockScaling: force_pow_2_scales must be a bool, got "
+                            f"{type(self.force_pow_2_scales).__name__} "
+                            f"({self.force_pow_2_scales!r})")
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"Float8BlockScaling: amax_epsilon must be a float, got "
+                            f"{type(eps).__name__} ({eps!r})")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"Float8BlockScaling: amax_epsilon must be finite and >= 0, got "
+                             f"{eps!r}")
+        object.__setattr__(self, "amax_epsilon", float(eps))
+
+    def _make(self, role: str, *, rowwise: bool, columnwise: bool) -> Quantizer:
+        return Float8BlockQuantizer(rowwise=rowwise, columnwise=columnwise,
+                                    block_dim=2 if role == "weight" else 1,
+                                    force_pow_2_scales=self.force_pow_2_scales,
+                                    amax_epsilon=self.amax_epsilon)
