@@ -1,6 +1,7 @@
 """Expert parallelism (``te_ops.MoE(ep_group=...)``) on gloo: one pool of 4 CPU processes
 (tests/dist_pool.py, started once for the module), groups of 1, 2 and 4 ranks and 2 EP x 2
-DP, against the single-process layer on the concatenated batch (tests/ep_cases.py).
+DP, against the single-process layer on the concatenated batch (tests/ep_cases.py); and on
+the same pool benchmarks/moe_ep.py end to end and the main job's ``--ep`` against one process.
 
 A CUDA test runs the same layer with one NCCL rank (ep_size 1): it equals the non-EP layer and
 captures a CUDA graph in capacity mode.
