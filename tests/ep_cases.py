@@ -249,6 +249,9 @@ def gates_explain_and_fusion(group: str) -> None:
     text = moe.block.explain()
     assert "all_to_all_single over gloo with host split lists" in text, text
     assert "runs on CUDA tensors only" in text, text
+    # the symmetric-memory gate's next reason, for CUDA rows over this gloo group
+    why = te_ops.comm.device_splits_unavailable_reason(g, torch.device("cuda"))
+    assert why.startswith("the group's backend is gloo") and "needs an NCCL group" in why, why
     assert "copies the all-to-all split sizes to the host once per step" in reason, reason
 
 
