@@ -7,6 +7,7 @@
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)
+#     STEPS="env moe_ep" bash scripts/gpu_check.sh             # expert parallelism (limits 2.5 min)
 #
 # On one GPU with a 10-minute limit per command: one call per line above (the limits are upper
 # bounds per step; a step that hits its limit is reported as TIMEOUT and the next one runs).
@@ -42,6 +43,10 @@
 #     moe_layer     benchmarks/moe_layer.py: te_ops.MoE (eager, compiled, CUDA-graphed) vs a
 #                   torchtitan-style torch layer (eager and compiled), router to combine, fwd+bwd,
 #                   bf16, the three layer shapes, 3 rounds, with saved-activation bytes and peaks
+#     moe_ep        benchmarks/moe_ep.py on this one GPU (ep 1, one NCCL rank): te_ops' EP
+#                   dispatch + combine and the whole te_ops.MoE step vs the plain torch
+#                   all_to_all_single peer, dropless and capacity (+ CUDA graph); on N GPUs run
+#                   it by hand: torchrun --nproc_per_node N benchmarks/moe_ep.py
 #     main_job      scripts/compare_main_job.py: the main job at 600 steps, bf16 eager vs
 #                   --cuda-graph (each te_ops.MoE layer in one CUDA graph; the loss curves must
 #                   agree bit for bit)
@@ -64,7 +69,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job_mxfp8 bench bench_fp8 bench_variants profile profile_recipe memory peak recompute moe_layer main_job main_job_seeds} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job_mxfp8 bench bench_fp8 bench_variants profile profile_recipe memory peak recompute moe_layer moe_ep main_job main_job_seeds} "
 GPU_SHAPES=E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
@@ -144,6 +149,7 @@ bench_lane() {
         --layers 4 --out "$OUT/recompute"
     step moe_layer 540 "$PY" benchmarks/moe_layer.py --rounds 3 --iters 10 --warmup 3 \
         --out "$OUT/moe_layer"
+    step moe_ep 120 "$PY" benchmarks/moe_ep.py --iters 20 --warmup 5 --out "$OUT/moe_ep"
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT/main_job"
     step main_job_seeds 160 "$PY" scripts/main_job_seeds.py --device cuda \
         --recipes none,fp8,fp8fast --parallel 9 --seeds 0,1,2 --out "$OUT/main_job_seeds"

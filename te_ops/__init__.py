@@ -10,7 +10,18 @@ from . import (  # importing fused registers the fusions
     training,
 )
 from .activation_checkpoint import checkpoint, checkpoint_context_fn
-from .basic import Bias, Combine, GroupedLinear, Identity, Permute, Router, ScaledSwiGLU, SwiGLU
+from .basic import (
+    AllToAllCombine,
+    AllToAllDispatch,
+    Bias,
+    Combine,
+    GroupedLinear,
+    Identity,
+    Permute,
+    Router,
+    ScaledSwiGLU,
+    SwiGLU,
+)
 from .compile import compile_unsupported_reason
 from .fuser import (
     OperationFuser,
@@ -26,6 +37,8 @@ from .routing import PermutedTokens, permute, unpermute
 from .sequential import Sequential
 
 __all__ = [
+    "AllToAllCombine",
+    "AllToAllDispatch",
     "Bias",
     "Combine",
     "BasicOperation",

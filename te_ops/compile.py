@@ -70,6 +70,9 @@ def call_reasons(basic_ops: list, input_: Any, extra_inputs: tuple,
     attributes, an environment variable, a plain list): the gate runs in the traced frame."""
     reasons = []
     for op in basic_ops:
+        host_read = op.host_sync_reason()
+        if host_read is not None:
+            reasons.append(host_read)
         if getattr(op, "accumulate_into_main_grad", False):
             reasons.append(f"{type(op).__name__}(accumulate_into_main_grad=True) adds weight "
                            "gradients into param.main_grad, a tensor outside the graph's "

@@ -91,7 +91,9 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
     backend for the input's dtype and device (``torch._grouped_mm`` with device offsets; see
     :func:`te_ops.gemm.select_backend`, which also applies
     ``TE_OPS_GRAPH_SAFE`` and ``TE_OPS_GROUPED_GEMM_BACKEND``), every tensor extra input lives
-    on the input's device, and ``TE_OPS_CHECK_SPLIT_SIZES`` is off. Nothing runs on the device
+    on the input's device, no op reads a device value on the host
+    (:meth:`~te_ops.op.BasicOperation.host_sync_reason`: e.g. the dropless expert-parallel
+    dispatch) and ``TE_OPS_CHECK_SPLIT_SIZES`` is off. Nothing runs on the device
     except the grouped GEMM backend's one-time probe.
 
     Ops are assumed to keep the input's dtype and device (te_ops ops do). Modules in a
@@ -144,6 +146,9 @@ def graph_safe_unsupported_reason(module: torch.nn.Module, input_: torch.Tensor,
         for name, value in zip(names, extras):
             if isinstance(value, torch.Tensor) and value.device != input_.device:
                 return f"{where}: {name} is on {value.device}, not on {input_.device}"
+        host_read = op.host_sync_reason()
+        if host_read is not None:
+            return f"{where}: {host_read}"
         if isinstance(op, GroupedLinear):
             reason = _grouped_linear_reason(op, input_, extras[0])
             if reason is not None:

@@ -4,7 +4,8 @@
 the ops hand each other top-k ids and weights, split sizes, per-row probs and the index maps
 through fed extra inputs (:meth:`te_ops.op.BasicOperation.feed_extra_input`), so one fuser
 runs the layer: the grouped-MLP fusion, ``explain()``, the saved context, the meta-device proof
-and ``torch.compile`` cover it whole.
+and ``torch.compile`` cover it whole. With ``ep_group`` (expert parallelism) the all-to-all
+ops ``AllToAllDispatch`` / ``AllToAllCombine`` join the same fuser around the experts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import torch
 
+from . import comm
 from .basic import GroupedLinear, ScaledSwiGLU, SwiGLU
+from .basic.ep import AllToAllCombine, AllToAllDispatch
 from .basic.moe import Combine, Permute, Router
 from .sequential import Sequential
 
@@ -46,6 +49,20 @@ class MoE(torch.nn.Module):
         Width of the shared experts, a dense SwiGLU MLP run on every token and added to the
         output (DeepSeek-V2/V3, Qwen2-MoE; for several shared experts pass their summed
         width); ``None``: none.
+    ep_group : torch.distributed.ProcessGroup or None
+        Expert parallelism (EP) over this group of ``ep`` ranks (``num_experts`` divisible
+        by ``ep``): this rank holds experts ``local_experts = [r * E / ep, (r + 1) * E / ep)``
+        in ``experts``; the router (and the shared experts) are replicated. The block gains
+        ``AllToAllDispatch`` after ``Permute`` and ``AllToAllCombine`` before ``Combine``
+        (``te_ops/basic/ep.py``): dropless, one host read of the split sizes per step;
+        with ``capacity_factor``, static splits and no host read (every rank must route the
+        same token count). Each rank calls the layer on its own tokens; its output is the
+        non-EP layer's on them, the expert weights' gradients hold every rank's tokens'
+        contributions, and the balancing losses are shares of the group batch's (see
+        :class:`te_ops.basic.moe.Router`, ``group``). ``state_dict()`` holds this rank's
+        experts; ``load_state_dict`` also takes the non-EP layer's (all ``E`` experts: this
+        rank's rows are kept), so every rank can load one full checkpoint. ``None``: every
+        expert here.
     device, dtype :
         Of the parameters.
 
@@ -56,7 +73,10 @@ class MoE(torch.nn.Module):
     experts : Sequential
         ``fc1 (GroupedLinear E x hidden -> 2 ffn) -> ScaledSwiGLU -> fc2 (ffn -> hidden)``, one
         packed weight per GroupedLinear (``experts[0].weight`` (E, 2 ffn, hidden),
-        ``experts[2].weight`` (E, hidden, ffn)).
+        ``experts[2].weight`` (E, hidden, ffn)); with ``ep_group`` E / ep experts, the ones
+        of ``local_experts``.
+    ep_dispatch, ep_combine : AllToAllDispatch, AllToAllCombine or None
+        The expert-parallel all-to-alls (``None`` without ``ep_group``).
     shared_experts : Sequential or None
         The same block with one group.
 
@@ -71,8 +91,8 @@ class MoE(torch.nn.Module):
     Raises
     ------
     ValueError / TypeError
-        Bad constructor arguments (messages name them); an input whose last dim is not
-        ``hidden_size``.
+        Bad constructor arguments (messages name them, e.g. ``num_experts`` not divisible by
+        the ``ep_group``'s size); an input whose last dim is not ``hidden_size``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
@@ -83,19 +103,29 @@ class MoE(torch.nn.Module):
                  z_loss_coeff: float = 0.0, topk_scaling_factor: float = 1.0,
                  capacity_factor: float | None = None,
                  drop_policy: str = "probs", shared_ffn_hidden_size: int | None = None,
-                 device: torch.device | str | None = None,
+                 ep_group: Any = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if ep_group is not None:
+            comm.check_group(ep_group, "ep_group")
         self.router = Router(hidden_size, num_experts, top_k, score_function=score_function,
                              renormalize=renormalize, num_groups=num_groups,
                              group_top_k=group_top_k, expert_bias=expert_bias,
                              bias_update_rate=bias_update_rate, aux_loss_coeff=aux_loss_coeff,
                              seq_aux_loss_coeff=seq_aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                             topk_scaling_factor=topk_scaling_factor, device=device,
-                             dtype=dtype)
+                             topk_scaling_factor=topk_scaling_factor, group=ep_group,
+                             device=device, dtype=dtype)
         self.permute = Permute(num_experts, capacity_factor=capacity_factor,
                                drop_policy=drop_policy)
-        self.experts = _swiglu_mlp(num_experts, hidden_size, ffn_hidden_size, ScaledSwiGLU(),
+        if ep_group is None:
+            self.ep_dispatch = self.ep_combine = None
+            rows_from, local = self.permute, num_experts
+        else:
+            self.ep_dispatch = AllToAllDispatch(num_experts, ep_group,
+                                                capacity=capacity_factor is not None)
+            self.ep_combine = AllToAllCombine(self.ep_dispatch)
+            rows_from, local = self.ep_dispatch, self.ep_dispatch.num_local_experts
+        self.experts = _swiglu_mlp(local, hidden_size, ffn_hidden_size, ScaledSwiGLU(),
                                    device, dtype)
         self.combine = Combine()
         self.shared_experts = None if shared_ffn_hidden_size is None else _swiglu_mlp(
@@ -103,17 +133,34 @@ class MoE(torch.nn.Module):
         fc1, act, fc2 = self.experts
         self.permute.feed_extra_input("top_k_index", self.router, "top_k_index")
         self.permute.feed_extra_input("top_k_probs", self.router, "top_k_probs")
-        fc1.feed_extra_input("split_sizes", self.permute, "split_sizes")
-        act.feed_extra_input("probs", self.permute, "probs")
-        fc2.feed_extra_input("split_sizes", self.permute, "split_sizes")
+        ops = [self.router, self.permute, fc1, act, fc2, self.combine]
+        if ep_group is not None:
+            self.ep_dispatch.feed_extra_input("split_sizes", self.permute, "split_sizes")
+            self.ep_dispatch.feed_extra_input("probs", self.permute, "probs")
+            for name in ("a2a_splits", "recv_index", "local_index"):
+                self.ep_combine.feed_extra_input(name, self.ep_dispatch, name)
+            ops = [self.router, self.permute, self.ep_dispatch, fc1, act, fc2,
+                   self.ep_combine, self.combine]
+        fc1.feed_extra_input("split_sizes", rows_from, "split_sizes")
+        act.feed_extra_input("probs", rows_from, "probs")
+        fc2.feed_extra_input("split_sizes", rows_from, "split_sizes")
         self.combine.feed_extra_input("pair_index", self.permute, "pair_index")
         self.combine.feed_extra_input("row_index", self.permute, "row_index")
         # The layer as one Sequential (kept out of the module tree: its ops are registered
         # above under their names). Calling it returns y and the unconsumed extra outputs:
         # aux_loss, tokens_per_expert, dropped.
-        self.__dict__["block"] = Sequential(self.router, self.permute, fc1, act, fc2,
-                                            self.combine)
+        self.__dict__["block"] = Sequential(*ops)
         self.hidden_size = hidden_size
+        if ep_group is not None:
+            self.register_load_state_dict_pre_hook(_take_local_experts)
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this process holds in ``experts`` (all of them
+        without ``ep_group``)."""
+        if self.ep_dispatch is None:
+            return range(self.router.num_experts)
+        return self.ep_dispatch.local_experts
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda(): the block's fusers follow
         out = super()._apply(fn, *args, **kwargs)
@@ -142,6 +189,17 @@ class MoE(torch.nn.Module):
                 self.router.expert_load.add_(load.to(self.router.expert_load.dtype))
         y = y.reshape(x.shape)
         return (y, aux_loss, dropped) if return_dropped else (y, aux_loss)
+
+
+def _take_local_experts(module: MoE, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of an expert-parallel layer: expert weights holding every
+    expert (the non-EP layer's, a full checkpoint's) are cut to this rank's rows."""
+    local, total = module.local_experts, module.router.num_experts
+    for i in (0, 2):
+        key = f"{prefix}experts.{i}.weight"
+        full = state_dict.get(key)
+        if isinstance(full, torch.Tensor) and full.dim() == 3 and full.shape[0] == total:
+            state_dict[key] = full[local.start:local.stop]
 
 
 def _swiglu_mlp(groups: int, hidden: int, ffn: int, act: SwiGLU, device: Any,

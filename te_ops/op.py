@@ -259,6 +259,11 @@ class BasicOperation(FusibleOperation):
         """Why this op cannot run on ``input_``'s dtype/device (``None`` when it can)."""
         return None
 
+    def host_sync_reason(self) -> str | None:
+        """Why every call of this op reads a device value on the host (``None``: it never
+        does, the default). The ``torch.compile`` gate and the graph-safety gate report it."""
+        return None
+
     def describe(self) -> str:
         """One-line description for ``explain()``."""
         return type(self).__name__

@@ -29,7 +29,8 @@ from . import env
 from .kernels.split_table import split_table
 
 __all__ = ["GroupedSplits", "SplitSizesError", "make_splits", "check_split_sizes_type",
-           "host_read_scope", "open_host_read_scope", "close_host_read_scope", "META_LOOP_ERROR"]
+           "host_values", "host_read_scope", "open_host_read_scope", "close_host_read_scope",
+           "META_LOOP_ERROR"]
 
 #: Why device split sizes on the meta device cannot reach the host (the per-group loop
 #: backend's read): raised by the read, and by the backend choice for such a call.
@@ -64,6 +65,22 @@ def close_host_read_scope(token: contextvars.Token) -> None:
     _HOST_COPIES.reset(token)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def host_values(t: torch.Tensor, *, source: torch.Tensor | None = None) -> list[int]:
+    """``t``'s values as host ints (a device-to-host copy: a host sync on a GPU).
+
+    Within a :func:`host_read_scope` (one fuser forward) the copy is shared by ``source``, a
+    tensor the call keeps alive (its ``id`` is the key): ops fed by one tensor read it once.
+    ``source=None``: not shared."""
+    shared = _HOST_COPIES.get()
+    key = id(source) if source is not None else None
+    if shared is not None and key in shared:
+        return shared[key]
+    values = [int(v) for v in t.tolist()]
+    if shared is not None and key is not None:
+        shared[key] = values
+    return values
 
 
 @dataclass
@@ -133,14 +150,7 @@ class GroupedSplits:
             return self.host_copy
         if self.split_sizes.device.type == "meta":
             raise RuntimeError(META_LOOP_ERROR)
-        shared = _HOST_COPIES.get()
-        key = id(self.source) if self.source is not None else None
-        if shared is not None and key in shared:
-            self.host_copy = shared[key]
-        else:
-            self.host_copy = [int(v) for v in self.split_sizes.tolist()]
-            if shared is not None and key is not None:
-                shared[key] = self.host_copy
+        self.host_copy = host_values(self.split_sizes, source=self.source)
         return self.host_copy
 
     def padding_rows(self) -> torch.Tensor:

@@ -3,7 +3,9 @@
 epilogue-kernel tests' CUDA check (``test_fc1_epilogue.py``, ``test_fc1_epilogue_large.py``):
 a scaled-SwiGLU grouped MLP block captured in one CUDA graph
 (forward + backward, replayed with new split sizes) and compiled with
-``torch.compile(fullgraph=True)`` gives its eager values bit for bit."""
+``torch.compile(fullgraph=True)`` gives its eager values bit for bit; and the same compile
+check for a ``te_ops.MoE`` layer (``assert_layer_compiles_bit_exact``) and its meta-device
+forward and backward (``assert_meta_layer_step``)."""
 
 from __future__ import annotations
 
@@ -162,3 +164,34 @@ def summarize_record(bench, rec: dict, path, capsys) -> str:
     assert bench.main(["--summarize", str(path)]) == 0
     return capsys.readouterr().out
 
+
+
+def assert_layer_compiles_bit_exact(moe, x: torch.Tensor) -> None:
+    """``torch.compile(moe, backend="aot_eager", fullgraph=True)``: output, aux loss, input
+    and parameter gradients of ``y.square().sum() + aux`` bit for bit the eager ones."""
+
+    def step(fn):
+        moe.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y, aux = fn(xi)
+        (y.square().sum() + aux).backward()
+        return [y, aux, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
+
+    eager = step(moe)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(moe, backend="aot_eager", fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def assert_meta_layer_step(moe, x: torch.Tensor) -> None:
+    """A ``te_ops.MoE`` forward and backward with every tensor on ``meta`` (any host read of
+    a device value raises there): the output, dropped count and gradients come out with
+    their shapes, on ``meta``."""
+    y, aux, dropped = moe(x, return_dropped=True)
+    (y.sum() + aux).backward()
+    assert y.shape == x.shape and y.device.type == "meta" and dropped.device.type == "meta"
+    assert x.grad is not None and x.grad.device.type == "meta"
+    for name, p in moe.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.shape == p.shape, name

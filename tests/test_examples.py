@@ -302,3 +302,18 @@ def test_main_job_records_whether_fp32_masters_were_kept(tmp_path: Path,
     monkeypatch.setenv("TRAIN_MOE_PROGRESS", "0")
     m = train_moe.main([*TINY, "--steps", "1", "--out-dir", str(tmp_path)])
     assert m["config"]["master_weights"] == "fp32" and m["fp32_master_weights"] is False
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ([], None, "--ep 2 needs 2 processes (torchrun --nproc_per_node 2"),
+    (["--experts", "3", "--top-k", "2"], "2", "--experts must be divisible by --ep 2, got 3"),
+    (["--batch-size", "5"], "2", "--batch-size must be divisible by --ep 2, got 5"),
+    (["--compile"], "2", "--compile does not apply to --ep (the dropless expert-parallel"),
+    (["--hf-model", "mixtral"], "2", "--hf-model does not apply to --ep"),
+])
+def test_ep_flag_errors(extra, world, message, monkeypatch, capsys) -> None:
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit):
+        train_moe.parse_args([*TINY, "--ep", "2", *extra])
+    assert message in capsys.readouterr().err

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from block_replay import assert_layer_compiles_bit_exact, assert_meta_layer_step
 
 import te_ops
 from te_ops.basic.moe import Combine, Permute, Router
@@ -354,14 +355,8 @@ def test_meta_forward_backward_reads_no_device_value(monkeypatch, mode, router):
     # bf16 and 16-byte rows: what torch._grouped_mm (the graph-safe grouped GEMM) takes on meta
     moe = te_ops.MoE(H, 16, E, 2, device="meta", dtype=torch.bfloat16,
                      shared_ffn_hidden_size=8, **META_ROUTERS[router], **MODES[mode])
-    x = torch.randn(2, 8, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    y, aux, dropped = moe(x, return_dropped=True)
-    (y.sum() + aux).backward()
-    assert y.shape == x.shape and y.device.type == "meta" and dropped.device.type == "meta"
-    assert x.grad is not None and x.grad.device.type == "meta"
-    for name, p in moe.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.shape == p.shape, name
+    assert_meta_layer_step(moe, torch.randn(2, 8, H, device="meta", dtype=torch.bfloat16,
+                                            requires_grad=True))
 
 
 def test_meta_host_read_would_fail():
@@ -375,20 +370,7 @@ def test_meta_host_read_would_fail():
 def test_compile_fullgraph_bit_exact(mode):
     moe = make(shared_ffn_hidden_size=8, aux_loss_coeff=0.01, z_loss_coeff=0.01,
                **MODES[mode])
-    x = torch.randn(2, 6, H)
-
-    def step(fn):
-        moe.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        y, aux = fn(xi)
-        (y.square().sum() + aux).backward()
-        return [y, aux, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
-
-    eager = step(moe)
-    torch._dynamo.reset()
-    compiled = step(torch.compile(moe, backend="aot_eager", fullgraph=True))
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+    assert_layer_compiles_bit_exact(moe, torch.randn(2, 6, H))
 
 
 # --------------------------------------------------------------------------- the framework

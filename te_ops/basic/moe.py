@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import comm
 from ..gemm import RowGather
 from ..op import BasicOperation
 from ..routing import DROP_POLICIES, capacity_per_expert, pick, sort_by_expert, tokens_per_expert
@@ -113,6 +114,16 @@ class Router(BasicOperation):
         ``>= 0``.
     topk_scaling_factor : float
         ``> 0`` (default 1: no scaling).
+    group : torch.distributed.ProcessGroup or None
+        Ranks that route one batch together (``te_ops.MoE``'s ``ep_group``; the router is
+        replicated on them). The balancing losses then cover the group's tokens, in
+        Megatron-Core's global form (``switch_load_balancing_loss_func`` with
+        ``moe_router_load_balancing_type="global_aux_loss"``): each rank's loss uses its own
+        scores with the group's per-expert counts and token (and sequence) totals, gathered
+        with one all-gather of ``E + 2`` ints when a loss coefficient is set, so the ranks'
+        ``aux_loss`` values sum to the loss of the group's concatenated batch, and each rank's
+        gradient is its tokens' share of that loss's. :meth:`update_expert_bias` sums the
+        load over the group. ``None``: this process's tokens only.
     device, dtype :
         Of ``weight`` (``expert_bias`` is float32).
 
@@ -139,6 +150,7 @@ class Router(BasicOperation):
                  expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, topk_scaling_factor: float = 1.0,
+                 group: Any = None,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -181,6 +193,8 @@ class Router(BasicOperation):
         self.topk_scaling_factor = _coeff("topk_scaling_factor", topk_scaling_factor)
         if self.topk_scaling_factor == 0:
             raise ValueError("topk_scaling_factor must be > 0, got 0")
+        self.group_size = 1 if group is None else comm.check_group(group, "group")[0]
+        self._group = None if group is None else comm.GroupRef(group)
         dtype = check_param_dtype(dtype)
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size, device=device,
                                                      dtype=dtype))
@@ -231,7 +245,8 @@ class Router(BasicOperation):
         ----------
         tokens_per_expert : torch.Tensor or None
             (num_experts,) load; ``None``: the accumulated ``expert_load``, which is then
-            zeroed.
+            zeroed. With a ``group`` it is summed over the group's ranks (an all-reduce:
+            every rank must call this), so the replicated biases stay equal.
         rate : float or None
             ``None``: ``bias_update_rate``.
 
@@ -250,6 +265,8 @@ class Router(BasicOperation):
                              f"{tuple(load.shape)}")
         rate = self.bias_update_rate if rate is None else _coeff("rate", rate)
         load = load.to(self.expert_bias.device, torch.float32)
+        if self._group is not None:
+            load = comm.all_reduce_sum(load, self._group.group)
         self.expert_bias.add_(torch.sign(load.mean() - load) * rate)
         if tokens_per_expert is None:
             self.expert_load.zero_()
@@ -293,22 +310,47 @@ class Router(BasicOperation):
         denom = scores.sum(-1, keepdim=True) + RENORM_EPS
         return scores / denom, denom
 
+    def _group_totals(self, idx: torch.Tensor, shape: torch.Size, num_tokens: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """With a group and a balancing loss: the group's per-expert pair counts (E,), token
+        total and sequence total (int64, on the device), from one all-gather."""
+        if self._group is None or not (self.aux_loss_coeff or self.seq_aux_loss_coeff
+                                       or self.z_loss_coeff):
+            return None
+        e = self.num_experts
+        local = tokens_per_expert(idx.reshape(-1), e)
+        sequences = shape[0] if self.seq_aux_loss_coeff else 0
+        mine = torch.cat([local, local.new_full((1,), num_tokens),
+                          local.new_full((1,), sequences)])
+        every = comm.all_gather(mine, self._group.group, self.group_size).sum(0)
+        return every[:e], every[e], every[e + 1]
+
     def _aux_weights(self, idx: torch.Tensor, shape: torch.Size, num_tokens: int,
-                     dtype: torch.dtype) -> torch.Tensor | None:
+                     dtype: torch.dtype, totals: Any = None) -> torch.Tensor | None:
         """d aux_loss / d aux-scores, (T, E) broadcastable (``None`` without balancing loss):
-        the Switch term's per-expert weight plus the sequence term's per-sequence one."""
+        the Switch term's per-expert weight plus the sequence term's per-sequence one;
+        ``totals``: :meth:`_group_totals` (the group's counts and totals)."""
         e, k = self.num_experts, self.top_k
         weights = None
         if self.aux_loss_coeff:
-            counts = tokens_per_expert(idx.reshape(-1), e).to(dtype)
-            weights = (self.aux_loss_coeff * e / (k * num_tokens * num_tokens) * counts
-                       ).unsqueeze(0)
+            if totals is None:
+                counts = tokens_per_expert(idx.reshape(-1), e).to(dtype)
+                weights = (self.aux_loss_coeff * e / (k * num_tokens * num_tokens) * counts
+                           ).unsqueeze(0)
+            else:
+                tokens = totals[1].to(dtype)
+                weights = (self.aux_loss_coeff * e / k * totals[0].to(dtype)
+                           / (tokens * tokens)).unsqueeze(0)
         if self.seq_aux_loss_coeff:
             batch, seq = shape[0], shape[1]
             seq_of = torch.arange(batch, device=idx.device).repeat_interleave(seq * k)
             counts = tokens_per_expert(seq_of * e + idx.reshape(-1), batch * e).to(dtype)
-            per_seq = (self.seq_aux_loss_coeff * e / (k * seq * seq * batch)
-                       * counts.view(batch, 1, e)).expand(batch, seq, e).reshape(-1, e)
+            if totals is None:
+                scale = counts * (self.seq_aux_loss_coeff * e / (k * seq * seq * batch))
+            else:
+                scale = counts * (self.seq_aux_loss_coeff * e / (k * seq * seq)) / totals[2].to(
+                    dtype)
+            per_seq = scale.view(batch, 1, e).expand(batch, seq, e).reshape(-1, e)
             weights = per_seq if weights is None else weights + per_seq
         return weights
 
@@ -331,24 +373,29 @@ class Router(BasicOperation):
         scaled = probs * self.topk_scaling_factor if self.topk_scaling_factor != 1 else probs
 
         aux = logits.new_zeros(())
-        weights = self._aux_weights(idx, input_.shape, num_tokens, cd)
+        totals = self._group_totals(idx, input_.shape, num_tokens)
+        weights = self._aux_weights(idx, input_.shape, num_tokens, cd, totals)
         if weights is not None:
             aux = aux + (weights * self._aux_scores(scores)[0]).sum()
         lse = None
+        # the z-loss's mean: over this call's tokens, or the group's
+        z_tokens = None if totals is None else totals[1].to(cd)
         if self.z_loss_coeff:
             lse = torch.logsumexp(logits, dim=-1)
-            aux = aux + self.z_loss_coeff * lse.square().mean()
+            square = lse.square()
+            aux = aux + self.z_loss_coeff * (square.mean() if z_tokens is None else
+                                             square.sum() / z_tokens)
         if ctx.requires_grad:
             # the weight too: under torch.compile the backward runs outside the trace's
             # parameter swap, so it must not read self.weight
             ctx.save_for_backward(x, self.weight, logits if lse is not None else None, scores,
-                                  idx, probs, denom, weights, lse)
+                                  idx, probs, denom, weights, lse, z_tokens)
             ctx.input_shape = input_.shape
         return x, [(idx, scaled, aux)]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
-        x, weight, logits, scores, idx, probs, denom, weights, lse = ctx.saved_tensors
+        x, weight, logits, scores, idx, probs, denom, weights, lse, z_tokens = ctx.saved_tensors
         _, grad_probs, grad_aux = basic_op_grad_extra_outputs[0]
         num_tokens = x.shape[0]
         grad_scores = torch.zeros_like(scores)
@@ -371,8 +418,9 @@ class Router(BasicOperation):
             grad_logits = grad_scores * scores * (1 - scores)
         if grad_aux is not None and lse is not None:
             softmax = torch.exp(logits - lse.unsqueeze(-1))
+            tokens = num_tokens if z_tokens is None else z_tokens
             grad_logits = grad_logits + (grad_aux.to(scores.dtype) * self.z_loss_coeff * 2
-                                         / num_tokens) * lse.unsqueeze(-1) * softmax
+                                         / tokens) * lse.unsqueeze(-1) * softmax
         grad_logits = grad_logits.to(weight.dtype)
         grad_input = None
         if ctx.input_requires_grad:

@@ -15,6 +15,15 @@ gather-sum back to token order, all in one ``te_ops.Sequential`` (no host sync i
 ``--hf-model {mixtral,qwen3_moe}`` trains a tiny Hugging Face transformers model of the same
 sizes instead, with te_ops experts and with HF's eager experts (see ``hf_moe.py``).
 
+``torchrun --nproc_per_node N -m te_ops.examples.train_moe --ep N`` trains the same model with
+expert parallelism over the N processes (gloo on the CPU, NCCL with ``--device cuda``, one GPU
+per process): each MoE block is ``te_ops.MoE(..., ep_group=...)`` holding ``--experts / N``
+experts per rank, the rest of the model is data parallel (``DistributedDataParallel``), and
+every rank takes its ``--batch-size / N`` sequences of the batch one process would draw, from
+the one-process initial weights (:class:`ExpertParallel`), so the loss curve is the one-process
+curve up to rounding. The dropless all-to-all reads its split sizes on the host once per layer
+per step.
+
 Results (config, per-eval losses, tokens/s, final validation loss over the whole validation
 split, the unigram baseline, wall time, fusion plan) go to ``--out-dir/metrics.json`` and a loss
 curve to ``--out-dir/loss.png``. ``TRAIN_MOE_PROGRESS=0`` (this script's own variable) hides the
@@ -39,7 +48,7 @@ from torch import nn
 
 import te_ops
 
-__all__ = ["MasterWeights", "MoELanguageModel", "moe_layer", "load_corpus",
+__all__ = ["ExpertParallel", "MasterWeights", "MoELanguageModel", "moe_layer", "load_corpus",
            "unigram_cross_entropy", "main"]
 
 
@@ -86,29 +95,33 @@ def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int,
 
 
 # ---------------------------------------------------------------------------------- model
-def moe_layer(d_model: int, ffn: int, num_experts: int, top_k: int) -> te_ops.MoE:
+def moe_layer(d_model: int, ffn: int, num_experts: int, top_k: int,
+              ep_group: Any = None) -> te_ops.MoE:
     """The job's MoE layer: ``te_ops.MoE`` with a softmax top-k router (the k chosen
     probabilities renormalized to sum to 1) and the Switch-Transformer load-balancing loss at
     coefficient 1 (the job weights it by ``--aux-coef``); dropless, no shared experts.
+    ``ep_group`` (``--ep``): expert parallel over it (this rank's experts; the loss is this
+    rank's share of the group batch's); a one-process layer's state dict loads into it.
 
     Shapes
     ------
     input (batch, seq, d_model) -> (output of the same shape, load-balancing loss ()).
     """
     return te_ops.MoE(d_model, ffn, num_experts, top_k, score_function="softmax",
-                      renormalize=True, aux_loss_coeff=1.0)
+                      renormalize=True, aux_loss_coeff=1.0, ep_group=ep_group)
 
 
 class Block(nn.Module):
     """Pre-norm causal self-attention followed by a pre-norm MoE block, both residual."""
 
-    def __init__(self, d_model: int, heads: int, ffn: int, experts: int, top_k: int) -> None:
+    def __init__(self, d_model: int, heads: int, ffn: int, experts: int, top_k: int,
+                 ep_group: Any = None) -> None:
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
-        self.moe = moe_layer(d_model, ffn, experts, top_k)
+        self.moe = moe_layer(d_model, ffn, experts, top_k, ep_group)
         self.graphed: Any = None  # a te_ops.graphs.GraphedCallable of `moe` (--cuda-graph)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +138,15 @@ class Block(nn.Module):
 class MoELanguageModel(nn.Module):
     """Byte-level decoder-only MoE transformer with a tied LM head.
 
+    ``ep_group``: each MoE block is :func:`moe_layer` over it (``--ep``).
+
     Shapes
     ------
     input (batch, seq) int64 bytes -> (logits (batch, seq, 256), summed aux loss ()).
     """
 
     def __init__(self, seq_len: int, layers: int, d_model: int, heads: int, ffn: int,
-                 experts: int, top_k: int) -> None:
+                 experts: int, top_k: int, ep_group: Any = None) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
@@ -139,7 +154,7 @@ class MoELanguageModel(nn.Module):
         self.pos = nn.Embedding(seq_len, d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(d_model, heads, ffn, experts, top_k)
+        self.blocks = nn.ModuleList(Block(d_model, heads, ffn, experts, top_k, ep_group)
                                     for _ in range(layers))
         self.norm = nn.LayerNorm(d_model)
 
@@ -224,6 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="train through torch.compile(model) (fullgraph without a recipe; the "
                         "te_ops.MoE layer is one graph call, docs/torch_compile.md)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: launch with torchrun --nproc_per_node N "
+                        "(gloo on cpu, nccl on cuda); --experts and --batch-size divisible by N")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend with --compile (aot_eager: same kernels as "
                         "eager, bit-identical losses)")
@@ -262,11 +280,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.aux_coef >= 0:
         p.error(f"--aux-coef must be >= 0 (a negative weight rewards imbalance), got "
                 f"{args.aux_coef}")
+    if args.ep != 1:
+        _check_expert_parallel(p, args)
     if args.hf_model:
         _check_transformers(p)
     if args.compile:
         _check_compile_backend(p, args.compile_backend)
     return args
+
+
+def _check_expert_parallel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--ep N``: N processes (torchrun's, or an initialized process group), divisible
+    sizes, and none of the flags the dropless expert-parallel layer cannot take."""
+    import torch.distributed as dist
+
+    if args.ep < 1:
+        p.error(f"--ep must be >= 1, got {args.ep}")
+    world = (dist.get_world_size() if dist.is_available() and dist.is_initialized() else
+             int(os.environ.get("WORLD_SIZE", "1")))
+    if world != args.ep:
+        p.error(f"--ep {args.ep} needs {args.ep} processes (torchrun --nproc_per_node "
+                f"{args.ep} -m te_ops.examples.train_moe --ep {args.ep}), got {world}")
+    for flag, value in (("--experts", args.experts), ("--batch-size", args.batch_size)):
+        if value % args.ep:
+            p.error(f"{flag} must be divisible by --ep {args.ep}, got {value}")
+    why = ("the dropless expert-parallel layer reads its all-to-all split sizes on the host "
+           "every step")
+    for flag, on in (("--cuda-graph", args.cuda_graph), ("--compile", args.compile)):
+        if on:
+            p.error(f"{flag} does not apply to --ep ({why})")
+    if args.hf_model:
+        p.error("--hf-model does not apply to --ep (the HF comparison runs in one process)")
 
 
 def _check_transformers(p: argparse.ArgumentParser) -> None:
@@ -460,24 +504,117 @@ def environment() -> dict[str, Any]:
             "platform": sys.platform}
 
 
+class ExpertParallel:
+    """``--ep N``: the process group and what expert parallelism changes in the job.
+
+    The model starts from the one-process initial weights: a one-process model is built from
+    the seed and the expert-parallel one loads its state dict (each rank keeps its experts).
+    Every rank draws the batch one process would (the same generator) and takes its
+    ``batch / N`` sequences. The non-expert parameters are data parallel
+    (``DistributedDataParallel`` averages their gradients over the ranks); the expert weights
+    are not in DDP: their gradients, brought back by the backward all-to-all, already hold
+    every rank's tokens' contributions and are divided by N. Rank r's loss is
+    ``CE_r + aux_coef * N * aux_r`` (``aux_r``: its share of the batch's balancing loss), so
+    the mean over the ranks is the one-process loss. Evaluation runs every batch on every rank
+    (every rank's experts serve every token), so it gives the one-process numbers; rank 0
+    prints and writes the results.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        self.group = dist.group.WORLD
+        self.size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.expert_params: list[torch.Tensor] = []
+
+    @staticmethod
+    def device(args: argparse.Namespace) -> torch.device:
+        """CPU, or the GPU of this process (``LOCAL_RANK``)."""
+        if args.device == "cuda":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    def build(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+              ) -> tuple[MoELanguageModel, nn.Module]:
+        """(the expert-parallel model, its DDP wrapper for training steps)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        sizes = (args.seq_len, args.layers, args.d_model, args.heads, args.ffn, args.experts,
+                 args.top_k)
+        one_process = MoELanguageModel(*sizes).to(device=device, dtype=dtype)
+        model = MoELanguageModel(*sizes, ep_group=self.group).to(device=device, dtype=dtype)
+        model.load_state_dict(one_process.state_dict())
+        experts = [n for n, _ in model.named_parameters() if ".moe.experts." in n]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+        self.expert_params = [model.get_parameter(n) for n in experts]
+        ids = [device.index] if device.type == "cuda" else None
+        return model, DistributedDataParallel(model, device_ids=ids)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's sequences of a batch."""
+        return t.chunk(self.size)[self.rank]
+
+    def finish_grads(self) -> None:
+        """Expert gradients divided by N (DDP's mean over the ranks)."""
+        for p in self.expert_params:
+            if p.grad is not None:
+                p.grad.div_(self.size)
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of ``t`` over the ranks."""
+        t = t.detach().clone()
+        self.dist.all_reduce(t)
+        return t / self.size
+
+    def close(self) -> None:
+        if self.owns_group:
+            self.dist.destroy_process_group()
+
+
 def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
     """The body of :func:`main` (``start``: its ``time.perf_counter()`` at entry)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    ep = None
+    if args.ep > 1:
+        device = ExpertParallel.device(args)
+        ep = ExpertParallel(device)
+    try:
+        return _train_and_report(args, start, device, dtype, ep)
+    finally:
+        if ep is not None:
+            ep.close()
+
+
+def _train_and_report(args: argparse.Namespace, start: float, device: torch.device,
+                      dtype: torch.dtype, ep: ExpertParallel | None) -> dict[str, Any]:
+    main_rank = ep is None or ep.rank == 0
+    say = print if main_rank else (lambda *a, **k: None)
     train, val = load_corpus()
     entropy, baseline = unigram_cross_entropy(train, val)
-    print(f"corpus: {train.numel()} train / {val.numel()} validation bytes; unigram entropy "
-          f"{entropy:.4f} nats, unigram cross-entropy on validation {baseline:.4f} nats")
+    say(f"corpus: {train.numel()} train / {val.numel()} validation bytes; unigram entropy "
+        f"{entropy:.4f} nats, unigram cross-entropy on validation {baseline:.4f} nats")
 
-    model = MoELanguageModel(args.seq_len, args.layers, args.d_model, args.heads, args.ffn,
-                             args.experts, args.top_k).to(device=device, dtype=dtype)
+    if ep is None:
+        model = MoELanguageModel(args.seq_len, args.layers, args.d_model, args.heads, args.ffn,
+                                 args.experts, args.top_k).to(device=device, dtype=dtype)
+        step_model: nn.Module = model
+    else:
+        model, step_model = ep.build(args, device, dtype)
     if args.cuda_graph:
         capture_moe_graphs(model, args, device, dtype)
-    print(f"model: {sum(p.numel() for p in model.parameters())} parameters, "
-          f"{args.layers} layers, {args.experts} experts, top-{args.top_k}, {device}, {dtype}")
+    parallel = "" if ep is None else f" ({args.experts // ep.size} per rank, ep {ep.size})"
+    say(f"model: {sum(p.numel() for p in model.parameters())} parameters"
+        f"{' on this rank' if ep else ''}, {args.layers} layers, {args.experts} experts"
+        f"{parallel}, top-{args.top_k}, {device}, {dtype}")
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     eval_batches = [sample_batch(val, args.batch_size, args.seq_len, eval_gen)
                     for _ in range(args.eval_batches)]
-    evals, train_time = train_loop(model, train, eval_batches, args, device, start)
+    evals, train_time = train_loop(model, train, eval_batches, args, device, start,
+                                   step_model=step_model, ep=ep)
 
     with recipe_context(args):
         final_val = evaluate(model, whole_split_batches(val, args.seq_len), device)
@@ -498,7 +635,10 @@ def train_and_report(args: argparse.Namespace, start: float) -> dict[str, Any]:
         "environment": environment(),
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if main_rank:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    if not main_rank:
+        return metrics
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     save_plot(evals, final_val, baseline, out_dir / "loss.png")
     print("\n=== summary ===")
@@ -635,10 +775,30 @@ class MasterWeights:
         self.copy_back()
 
 
+def backward_step(forward: nn.Module, model: MoELanguageModel, x: torch.Tensor,
+                  y: torch.Tensor, args: argparse.Namespace, ep: ExpertParallel | None
+                  ) -> torch.Tensor:
+    """One training step's forward and backward: the parameters' gradients of
+    ``cross-entropy + aux_coef * aux`` (under ``--ep`` DDP's mean over the ranks of
+    :class:`ExpertParallel`'s per-rank loss); returns the cross-entropy."""
+    with recipe_context(args):
+        logits, aux = forward(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    model.zero_grad(set_to_none=True)
+    ranks = 1 if ep is None else ep.size
+    (loss + args.aux_coef * ranks * aux).backward()  # aux: this rank's share under --ep
+    if ep is not None:
+        ep.finish_grads()
+    return loss
+
+
 def train_loop(model: MoELanguageModel, train: torch.Tensor,
                eval_batches: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
-               device: torch.device, start: float) -> tuple[list[dict[str, float]], float]:
-    """AdamW training with periodic evals; returns (eval records, seconds spent training)."""
+               device: torch.device, start: float, step_model: nn.Module | None = None,
+               ep: ExpertParallel | None = None) -> tuple[list[dict[str, float]], float]:
+    """AdamW training with periodic evals; returns (eval records, seconds spent training).
+    ``step_model``: what the training steps call (``model``, or its DDP wrapper under
+    ``--ep``, whose steps :class:`ExpertParallel` describes)."""
     from tqdm.auto import tqdm
 
     params = list(model.parameters())
@@ -647,7 +807,8 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
         master = MasterWeights(params)
     optimizer = torch.optim.AdamW(master.masters if master else params, lr=args.lr,
                                   weight_decay=0.1)
-    forward = model
+    forward = model if step_model is None else step_model
+    ranks = 1 if ep is None else ep.size
     if args.compile:  # training forward only; evaluation runs the eager model
         forward = torch.compile(model, fullgraph=args.recipe == "none",
                                 backend=args.compile_backend)
@@ -655,18 +816,18 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
     evals: list[dict[str, float]] = []
     running = torch.zeros((), device=device)  # summed on the device: no sync per step
     running_steps, train_time, interval_time = 0, 0.0, 0.0
-    progress = tqdm(range(args.steps), disable=not show_progress(),
+    shown = ep is None or ep.rank == 0
+    progress = tqdm(range(args.steps), disable=not (show_progress() and shown),
                     desc="train", dynamic_ncols=True)
     for step in progress:
         t0 = time.perf_counter()
-        x, y = (t.to(device) for t in sample_batch(train, args.batch_size, args.seq_len, gen))
+        x, y = sample_batch(train, args.batch_size, args.seq_len, gen)
+        if ep is not None:
+            x, y = ep.rows(x), ep.rows(y)
+        x, y = x.to(device), y.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
-        with recipe_context(args):
-            logits, aux = forward(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        model.zero_grad(set_to_none=True)
-        (loss + args.aux_coef * aux).backward()
+        loss = backward_step(forward, model, x, y, args, ep)
         if master is not None:
             master.take_grads()
         optimizer.step()
@@ -675,6 +836,8 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
         running += loss.detach()
         running_steps += 1
         log_now = (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+        if log_now and ep is not None:
+            running = ep.mean(running)
         train_loss = running.item() / running_steps if log_now else 0.0  # syncs
         dt = time.perf_counter() - t0
         train_time, interval_time = train_time + dt, interval_time + dt
@@ -683,14 +846,16 @@ def train_loop(model: MoELanguageModel, train: torch.Tensor,
                 "step": step + 1,
                 "train_loss": train_loss,
                 "val_loss": eval_with_recipe(model, eval_batches, device, args),
-                "tokens_per_s": running_steps * x.numel() / interval_time,
+                "tokens_per_s": running_steps * x.numel() * ranks / interval_time,
                 "elapsed_s": time.perf_counter() - start,
             }
             evals.append(record)
             progress.set_postfix(train=f"{record['train_loss']:.3f}",
                                  val=f"{record['val_loss']:.3f}")
-            tqdm.write(f"step {record['step']:5d}  train {record['train_loss']:.4f}  "
-                       f"val {record['val_loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
+            if shown:
+                tqdm.write(f"step {record['step']:5d}  train {record['train_loss']:.4f}  "
+                           f"val {record['val_loss']:.4f}  {record['tokens_per_s']:.0f} "
+                           "tokens/s")
             running.zero_()
             running_steps, interval_time = 0, 0.0
     progress.close()
