@@ -244,11 +244,30 @@ def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _install_default_allocator() -> None:
+    """Make torch's caching allocator Triton's *default* allocator when none is set.
+
+    Triton keeps the allocator in a ContextVar (``triton.runtime._allocation._allocator``),
+    and a thread starts with the default value: a compiled graph's backward runs in autograd's
+    CUDA worker thread, where a graph-launched TMA kernel (no te_ops Python runs there to call
+    :func:`_ensure_allocator`) would find Triton's raising default. So the ContextVar is
+    replaced by one whose default is :func:`_torch_alloc`; ``triton.set_allocator`` keeps
+    working (it sets the module's variable), and a user-set allocator is kept."""
+    import contextvars
+
+    from triton.runtime import _allocation  # private: where the default lives
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "_NULL_ALLOCATOR", None)
+    if not isinstance(current, contextvars.ContextVar) or null is None:
+        return  # another Triton's layout: the calls before each eager launch remain
+    if current.get() is not null:
+        return  # set by the user (or already installed)
+    _allocation._allocator = contextvars.ContextVar("_allocator", default=_torch_alloc)
+
+
 if triton is not None:
-    # Triton keeps the allocator in a ContextVar: set in the importing context too, so a
-    # compiled graph (launched in the context torch.compile was called from, which may not be
-    # the one its trace ran in) finds it; the calls before each eager launch stay.
-    _ensure_allocator()
+    _install_default_allocator()
 
 
 if triton is not None:
