@@ -17,7 +17,7 @@ import torch
 from . import comm
 from .basic import GroupedLinear, ScaledSwiGLU, SwiGLU
 from .basic.ep import AllToAllCombine, AllToAllDispatch
-from .basic.moe import Combine, Permute, Router
+from .basic.moe import Combine, Permute, Router, _positive_int
 from .sequential import Sequential
 
 __all__ = ["MoE"]
@@ -106,6 +106,9 @@ class MoE(torch.nn.Module):
                  ep_group: Any = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        _positive_int("ffn_hidden_size", ffn_hidden_size)
+        if shared_ffn_hidden_size is not None:
+            _positive_int("shared_ffn_hidden_size", shared_ffn_hidden_size)
         if ep_group is not None:
             comm.check_group(ep_group, "ep_group")
         self.router = Router(hidden_size, num_experts, top_k, score_function=score_function,
@@ -173,9 +176,20 @@ class MoE(torch.nn.Module):
         :meth:`te_ops.basic.moe.Router.update_expert_bias`)."""
         self.router.update_expert_bias(rate=rate)
 
+    def explain(self, x: torch.Tensor | None = None) -> str:
+        """The fusion plan of :attr:`block` (the routed layer; ``block.explain``) for a call on
+        ``x`` (..., hidden_size), or for the last call; the shared experts run beside it."""
+        block = self.__dict__["block"]
+        return block.explain() if x is None else block.explain(x)
+
     def forward(self, x: torch.Tensor, *, return_dropped: bool = False) -> Any:
+        """``y, aux_loss = moe(x)`` (``y, aux_loss, dropped`` with ``return_dropped=True``);
+        shapes, dtypes and errors in the class docstring."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not isinstance(return_dropped, bool):
+            raise TypeError(f"return_dropped must be a bool, got "
+                            f"{type(return_dropped).__name__} ({return_dropped!r})")
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have shape (..., {self.hidden_size}), got "
                              f"{tuple(x.shape)}")

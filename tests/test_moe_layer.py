@@ -709,3 +709,29 @@ def test_cuda_compile_fullgraph_bit_exact(mode):
                 else:
                     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
         assert cnt.frame_count == 1 and not counters["graph_break"]
+
+
+def test_layer_explain_is_the_blocks_plan():
+    moe = te_ops.MoE(16, 8, 4, 2)
+    x = torch.randn(6, 16)
+    text = moe.explain(x)
+    assert text == moe.block.explain(x) and "Router" in text
+    moe(x)
+    assert moe.explain() == moe.block.explain()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"ffn_hidden_size": -1}, "ffn_hidden_size must be a positive int, got -1"),
+    ({"ffn_hidden_size": 0}, "ffn_hidden_size must be a positive int, got 0"),
+    ({"shared_ffn_hidden_size": 0}, "shared_ffn_hidden_size must be a positive int, got 0"),
+])
+def test_layer_width_errors_name_the_argument(kwargs, match):
+    args = {"hidden_size": 16, "ffn_hidden_size": 8, "num_experts": 4, "top_k": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        te_ops.MoE(**args)
+
+
+def test_return_dropped_must_be_a_bool():
+    moe = te_ops.MoE(16, 8, 4, 2)
+    with pytest.raises(TypeError, match="return_dropped must be a bool, got str"):
+        moe(torch.randn(3, 16), return_dropped="yes")
