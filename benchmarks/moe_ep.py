@@ -166,7 +166,9 @@ def init_group(device_type: str) -> Any:
 
 
 def build_layer(args: argparse.Namespace, group: Any, device: torch.device, mode: str
-                ) -> te_ops.MoE:
+                ) -> tuple[te_ops.MoE, te_ops.MoE]:
+    """This rank's EP layer and the same layer without EP (every expert, no all-to-all ops),
+    both from one seed."""
     torch.manual_seed(0)
     kw = dict(device=device, dtype=DTYPES[args.dtype])
     if mode == "capacity":
@@ -174,7 +176,7 @@ def build_layer(args: argparse.Namespace, group: Any, device: torch.device, mode
     full = te_ops.MoE(args.hidden, args.ffn, args.experts, args.top_k, **kw)
     moe = te_ops.MoE(args.hidden, args.ffn, args.experts, args.top_k, ep_group=group, **kw)
     moe.load_state_dict(full.state_dict())  # this rank's experts of the full layer
-    return moe
+    return moe, full
 
 
 def tokens(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,24 +186,31 @@ def tokens(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor
     return x.requires_grad_(), torch.randn(shape, generator=gen, device=device, dtype=x.dtype)
 
 
-def layer_steps(moe: te_ops.MoE, peer: TorchMoE, x: torch.Tensor, dy: torch.Tensor,
-                mode: str, device: torch.device) -> dict[str, Any]:
-    def te_step() -> None:
-        y, aux = moe(x)
-        y.backward(dy)
+def layer_steps(moe: te_ops.MoE, full: te_ops.MoE, peer: TorchMoE, x: torch.Tensor,
+                dy: torch.Tensor, mode: str, device: torch.device) -> dict[str, Any]:
+    """The timed layer steps: te_ops with EP, the torch peer, and ``te_ops_no_ep`` (the layer
+    without EP on this rank's tokens, every expert local: at ep 1 the cost of the
+    communication ops themselves); in capacity mode on CUDA also both te_ops layers in one
+    CUDA graph."""
+    def step_of(layer: te_ops.MoE):
+        def te_step() -> None:
+            y, aux = layer(x)
+            y.backward(dy)
+        return te_step
 
     def peer_step() -> None:
         peer(x).backward(dy)
 
-    steps = {"te_ops": te_step, "torch_a2a": peer_step}
+    steps = {"te_ops": step_of(moe), "torch_a2a": peer_step, "te_ops_no_ep": step_of(full)}
     if mode == "capacity" and device.type == "cuda":
-        graphed = te_ops.graphs.make_graphed_callable(moe.block, (x,))
+        for name, layer in (("te_ops_graph", moe), ("te_ops_no_ep_graph", full)):
+            graphed = te_ops.graphs.make_graphed_callable(layer.block, (x,))
 
-        def graph_step() -> None:
-            y, *_ = graphed(x)
-            y.backward(dy)
+            def graph_step(graphed=graphed) -> None:
+                y, *_ = graphed(x)
+                y.backward(dy)
 
-        steps["te_ops_graph"] = graph_step
+            steps[name] = graph_step
     return steps
 
 
@@ -231,6 +240,12 @@ def comm_steps(moe: te_ops.MoE, peer: TorchMoE, x: torch.Tensor, mode: str
     return {"te_ops": te_step, "torch_a2a": peer_step}
 
 
+def no_ep_of(peer: str) -> str:
+    """The no-EP twin of a te_ops peer name (``te_ops_graph`` -> ``te_ops_no_ep_graph``)."""
+    return peer.replace("te_ops", "te_ops_no_ep", 1) if peer.startswith("te_ops") and \
+        "no_ep" not in peer else ""
+
+
 def slowest_rank(ms: float, device: torch.device) -> float:
     t = torch.tensor([ms], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -249,7 +264,7 @@ def run(args: argparse.Namespace, group: Any, device: torch.device, out: JsonLin
 
 def run_mode(args: argparse.Namespace, group: Any, device: torch.device, mode: str
              ) -> list[dict]:
-    moe = build_layer(args, group, device, mode)
+    moe, full = build_layer(args, group, device, mode)
     peer = TorchMoE(moe, group)
     x, dy = tokens(args, device)
     diff = None
@@ -260,12 +275,12 @@ def run_mode(args: argparse.Namespace, group: Any, device: torch.device, mode: s
 
     def clear_grads() -> None:
         x.grad = None
-        for p in (*moe.parameters(), *peer.parameters()):
+        for p in (*moe.parameters(), *full.parameters(), *peer.parameters()):
             p.grad = None
 
     records = []
     for part in args.parts:
-        steps = (layer_steps(moe, peer, x, dy, mode, device) if part == "layer" else
+        steps = (layer_steps(moe, full, peer, x, dy, mode, device) if part == "layer" else
                  comm_steps(moe, peer, x, mode))
         medians = {}
         for name, fn in steps.items():
@@ -279,16 +294,22 @@ def run_mode(args: argparse.Namespace, group: Any, device: torch.device, mode: s
                 "tokens_per_rank": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
                 "top_k": args.top_k, "dtype": args.dtype, "ms_median_slowest_rank": ms,
                 "ratio_vs_torch_a2a": medians["torch_a2a"] / ms,
+                # > 1: faster than the same layer without EP (graphed vs graphed)
+                "ratio_vs_no_ep": (medians[no_ep_of(name)] / ms
+                                   if no_ep_of(name) in medians else None),
                 "max_abs_diff": diff if part == "layer" else None,
                 "backend": te_ops.comm.backend(group), **machine_info(device)})
     return records
 
 
 def table(records: list[dict]) -> str:
-    lines = [f"{'part':17} {'mode':9} {'peer':10} {'ep':>3} {'ms':>9} {'vs torch':>8}"]
+    lines = [f"{'part':17} {'mode':9} {'peer':18} {'ep':>3} {'ms':>9} {'vs torch':>8} "
+             f"{'vs no-EP':>8}"]
     for r in records:
-        lines.append(f"{r['part']:17} {r['mode']:9} {r['peer']:10} {r['ep']:>3} "
-                     f"{r['ms_median_slowest_rank']:>9.3f} {r['ratio_vs_torch_a2a']:>8.2f}")
+        no_ep = "" if r["ratio_vs_no_ep"] is None else f"{r['ratio_vs_no_ep']:.3f}"
+        lines.append(f"{r['part']:17} {r['mode']:9} {r['peer']:18} {r['ep']:>3} "
+                     f"{r['ms_median_slowest_rank']:>9.3f} {r['ratio_vs_torch_a2a']:>8.2f} "
+                     f"{no_ep:>8}")
     return "\n".join(lines)
 
 

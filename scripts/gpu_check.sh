@@ -7,7 +7,7 @@
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)
-#     STEPS="env moe_ep" bash scripts/gpu_check.sh             # expert parallelism (limits 2.5 min)
+#     STEPS="env moe_ep" bash scripts/gpu_check.sh             # expert parallelism (limits 3.5 min)
 #
 # On one GPU with a 10-minute limit per command: one call per line above (the limits are upper
 # bounds per step; a step that hits its limit is reported as TIMEOUT and the next one runs).
@@ -149,7 +149,7 @@ bench_lane() {
         --layers 4 --out "$OUT/recompute"
     step moe_layer 540 "$PY" benchmarks/moe_layer.py --rounds 3 --iters 10 --warmup 3 \
         --out "$OUT/moe_layer"
-    step moe_ep 120 "$PY" benchmarks/moe_ep.py --iters 20 --warmup 5 --out "$OUT/moe_ep"
+    step moe_ep 180 "$PY" benchmarks/moe_ep.py --iters 20 --warmup 5 --out "$OUT/moe_ep"
     step main_job 90 "$PY" scripts/compare_main_job.py --out "$OUT/main_job"
     step main_job_seeds 160 "$PY" scripts/main_job_seeds.py --device cuda \
         --recipes none,fp8,fp8fast --parallel 9 --seeds 0,1,2 --out "$OUT/main_job_seeds"

@@ -5,7 +5,9 @@ these, never ``torch.distributed`` directly. Each is a functional collective
 (``torch.ops._c10d_functional``: the op, then ``wait_tensor``): the same call runs eagerly on
 gloo (CPU) and NCCL (CUDA), is recorded by ``torch.compile`` as a graph node, runs on ``meta``
 tensors through its meta kernel (a shape-only run: no process group is touched) and, on NCCL,
-is captured by CUDA graphs. Their autograd is the ops' own (the backward of an all-to-all is
+is captured by CUDA graphs. On a one-rank group each returns its input unchanged and launches
+nothing (a one-rank collective is the identity; Megatron-Core's ``all_to_all`` and
+``gather_from_sequence_parallel_region`` mappings skip it likewise). Their autograd is the ops' own (the backward of an all-to-all is
 the all-to-all with the split lists swapped), so nothing here is differentiable.
 
 :func:`device_splits_unavailable_reason` is the gate of the other dropless transport, torch's
@@ -86,22 +88,33 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 
     Shapes
     ------
-    x (sum(input_splits), ...) -> (sum(output_splits), ...), x's dtype and device.
+    x (sum(input_splits), ...) -> (sum(output_splits), ...), x's dtype and device (``x``
+    itself on a one-rank group).
     """
+    if group.size() == 1:
+        if list(output_splits) != list(input_splits):
+            raise ValueError(f"output_splits must equal input_splits on a one-rank group, got "
+                             f"{list(output_splits)} and {list(input_splits)}")
+        return x
     out = torch.ops._c10d_functional.all_to_all_single(
         x.contiguous(), output_splits, input_splits, group_name(group))
     return _wait(out)
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """Every rank's ``x`` stacked in rank order: (size, *x.shape). ``size`` is the group's."""
+    """Every rank's ``x`` stacked in rank order: (size, *x.shape). ``size`` is the group's
+    (one rank: a view of ``x``)."""
+    if size == 1:
+        return x.unsqueeze(0)
     out = torch.ops._c10d_functional.all_gather_into_tensor(
         x.contiguous(), size, group_name(group))
     return _wait(out).view(size, *x.shape)
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum of every rank's ``x`` (a new tensor)."""
+    """The sum of every rank's ``x`` (a new tensor; ``x`` itself on a one-rank group)."""
+    if group.size() == 1:
+        return x
     out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name(group))
     return _wait(out)
 

@@ -224,6 +224,45 @@ def compile_capacity_fullgraph_bit_exact(group: str) -> None:
     torch._dynamo.reset()
 
 
+def one_rank_launches_no_collective(group: str) -> None:
+    """A one-rank group: both modes equal the non-EP layer bit for bit (forward, every
+    gradient) without launching a collective or reading a device value on the host; the
+    gates accept dropless mode too and explain() says why."""
+    from unittest import mock
+
+    from te_ops.graphs import graph_safe_unsupported_reason
+
+    g, size, _ = _group(group)
+    assert size == 1
+
+    def refuse(*args: Any, **kw: Any) -> None:
+        raise AssertionError("a one-rank group launched a collective or read the host")
+
+    for kw in ({}, {"capacity_factor": 2.0}):
+        moe, ref = build(g, aux_loss_coeff=0.05, **kw)
+        x = torch.randn(7, H, dtype=torch.float64)
+        dy = torch.randn(7, H, dtype=torch.float64)
+        results = []
+        for layer, patched in ((ref, False), (moe, True)):
+            xi = x.clone().requires_grad_()
+            # every collective of te_ops.comm names its group through group_name
+            with mock.patch.object(te_ops.comm, "group_name", refuse), \
+                    mock.patch("te_ops.basic.ep.host_values", refuse) if patched else \
+                    mock.patch.object(te_ops.comm, "backend", te_ops.comm.backend):
+                y, aux = layer(xi)
+                ((y * dy).sum() + aux).backward()
+            results.append([y, aux, xi.grad] + [p.grad for p in layer.parameters()
+                                                 if p.requires_grad])
+        for got, want in zip(results[1], results[0]):
+            assert torch.equal(got, want), (kw, got, want)
+        # the gates may refuse CPU float64 for other reasons, never for the all-to-alls
+        for why in (graph_safe_unsupported_reason(moe.block, x),
+                    te_ops.compile_unsupported_reason(moe.block, x)):
+            assert why is None or "AllToAll" not in why, why
+        text = moe.block.explain(x)
+        assert "group has one rank, so the all-to-all is the identity" in text, text
+
+
 def gates_explain_and_fusion(group: str) -> None:
     """The graph-safety and compile gates name the dropless host read and accept the
     capacity mode; explain() names the transport; the grouped-MLP fusion still applies
@@ -425,8 +464,11 @@ def benchmark_runs(out: str) -> int:
                            "--iters", "2", "--warmup", "1", "--out", out])
     kinds = {(r["part"], r["mode"], r["peer"]) for r in records}
     assert kinds == {(p, m, n) for p in moe_ep.PARTS for m in moe_ep.MODES
-                     for n in ("te_ops", "torch_a2a")}, kinds
+                     for n in ("te_ops", "torch_a2a")} | {
+        ("layer", m, "te_ops_no_ep") for m in moe_ep.MODES}, kinds
     assert all(r["ep"] == 4 and r["ms_median_slowest_rank"] > 0 for r in records)
+    assert all((r["ratio_vs_no_ep"] is not None) == ((r["part"], r["peer"]) == ("layer", "te_ops"))
+               for r in records), records
     diffs = [r["max_abs_diff"] for r in records if r["max_abs_diff"] is not None]
     assert diffs and max(diffs) < 1e-5, diffs
     return len(records)

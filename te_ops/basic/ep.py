@@ -25,6 +25,11 @@ Two modes, the same math:
   graph. Every rank of the group must route the same number of tokens (so the same ``C``);
   the dispatch checks it with an all-gather of ``C`` and a device-side assert.
 
+One rank (``ep`` = 1): both all-to-alls are the identity, so the ops launch no collective and
+move no row (Megatron-Core's ``all_to_all`` mapping returns its input for a one-rank group
+likewise); dropless mode then reads nothing on the host. One local expert (``El`` = 1): received
+order is local-expert order, so the reorders are skipped. ``explain()`` says which applies.
+
 The collectives are :mod:`te_ops.comm`'s functional collectives (gloo on CPU, NCCL on GPUs).
 Every rank of the group must run the forward and the backward of the layer (as with any
 collective); a ``None`` gradient is sent as zeros.
@@ -106,7 +111,20 @@ class _EPOp(BasicOperation):
         start = self.ep_rank * self.num_local_experts
         return range(start, start + self.num_local_experts)
 
+    @property
+    def one_rank(self) -> bool:
+        """A one-rank group: the all-to-all is the identity, no collective is launched."""
+        return self.ep_size == 1
+
+    @property
+    def reorders(self) -> bool:
+        """Whether received order differs from local-expert order (several ranks and several
+        local experts); otherwise the rows are not reordered."""
+        return self.ep_size > 1 and self.num_local_experts > 1
+
     def _mode(self) -> str:
+        if self.one_rank:
+            return "one rank: identity, no collective, no host read"
         if self.capacity:
             return "capacity: static splits, no host read"
         if isinstance(self, AllToAllCombine):
@@ -119,7 +137,9 @@ class _EPOp(BasicOperation):
                 f"{experts.start}..{experts.stop - 1} of {self.num_experts}, {self._mode()})")
 
     def host_sync_reason(self) -> str | None:
-        return None if self.capacity else _dropless_host_read_reason(type(self).__name__)
+        if self.capacity or self.one_rank:
+            return None
+        return _dropless_host_read_reason(type(self).__name__)
 
     def _splits(self, num_rows: int, a2a_splits: torch.Tensor | None
                 ) -> tuple[list[int], list[int]]:
@@ -206,6 +226,9 @@ class AllToAllDispatch(_EPOp):
 
     def _describe_transport(self, device: torch.device | None) -> str:
         backend = comm.backend(self.group)
+        if self.one_rank:
+            return (f"none: the {backend} group has one rank, so the all-to-all is the "
+                    "identity (no collective launched, no host read)")
         if self.capacity:
             return (f"all_to_all_single over {backend} with static splits "
                     "(El * C rows per rank), no host read")
@@ -251,6 +274,8 @@ class AllToAllDispatch(_EPOp):
         ctx = basic_op_ctxs[0]
         split_sizes, probs = basic_op_extra_inputs[0]
         self._check(input_, split_sizes, probs)
+        if self.one_rank:
+            return self._forward_one_rank(ctx, input_, split_sizes, probs)
         ep, el = self.ep_size, self.num_local_experts
         if self.capacity:
             recv_counts = self._capacity_counts(input_)
@@ -275,23 +300,60 @@ class AllToAllDispatch(_EPOp):
             ctx.output_shape, ctx.dtype = (num_rows, input_.shape[1]), input_.dtype
             ctx.probs_dtype = probs.dtype
         self.record_dispatch("all-to-all", self._transport(input_.device))
-        return rows[recv_index], [(local_splits, row_probs[recv_index], a2a_splits,
-                                   recv_index, local_index)]
+        if self.reorders:
+            rows, row_probs = rows[recv_index], row_probs[recv_index]
+        return rows, [(local_splits, row_probs, a2a_splits, recv_index, local_index)]
+
+    def _forward_one_rank(self, ctx: Any, input_: torch.Tensor, split_sizes: torch.Tensor,
+                          probs: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """``ep`` = 1: every row stays, in order; the extra outputs as a one-rank all-to-all
+        would give them, computed on the device (dropless split sizes are checked to sum to
+        the rows by a device-side assert: no host read)."""
+        rows = input_.shape[0]
+        if self.capacity:
+            local_splits = split_sizes.new_full((self.num_experts,), rows // self.num_experts,
+                                                dtype=torch.int64)
+        else:
+            local_splits = split_sizes.long()
+            torch._assert_async(
+                local_splits.sum() == rows,
+                "te_ops AllToAllDispatch: split_sizes must sum to the input's rows (the "
+                "expert-parallel dispatch sends every row)")
+        index = torch.arange(rows, device=input_.device)
+        if ctx.requires_grad:
+            ctx.output_shape, ctx.dtype, ctx.device = tuple(input_.shape), input_.dtype, \
+                input_.device
+            ctx.probs_shape, ctx.probs_dtype = tuple(probs.shape), probs.dtype
+        self.record_dispatch("all-to-all", self._transport(input_.device))
+        return input_, [(local_splits, probs, local_splits.new_full((2,), rows), index, index)]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
+        grad_probs_out = basic_op_grad_extra_outputs[0][1]
+        if self.one_rank:
+            grad_input = grad_probs = None
+            if ctx.input_requires_grad:
+                grad_input = grad_output if grad_output is not None else torch.zeros(
+                    ctx.output_shape, dtype=ctx.dtype, device=ctx.device)
+            if ctx.extra_input_requires_grad(1):
+                grad_probs = (grad_probs_out.reshape(ctx.probs_shape)
+                              if grad_probs_out is not None else None)
+            return grad_input, [[]], [[None, grad_probs]]
         (local_index,) = ctx.saved_tensors
         send, recv = ctx.splits
         grad_input = grad_probs = None
         if ctx.input_requires_grad:
             g = grad_output if grad_output is not None else local_index.new_zeros(
                 ctx.output_shape, dtype=ctx.dtype)  # None: a zero gradient (still sent)
-            grad_input = comm.all_to_all(g[local_index], send, recv, self.group)
+            grad_input = comm.all_to_all(g[local_index] if self.reorders else g, send, recv,
+                                         self.group)
         if ctx.extra_input_requires_grad(1):
-            g = basic_op_grad_extra_outputs[0][1]
+            g = grad_probs_out
             if g is None:
                 g = local_index.new_zeros(local_index.shape, dtype=ctx.probs_dtype)
-            grad_probs = comm.all_to_all(g.reshape(-1)[local_index], send, recv, self.group)
+            g = g.reshape(-1)
+            grad_probs = comm.all_to_all(g[local_index] if self.reorders else g, send, recv,
+                                         self.group)
         return grad_input, [[]], [[None, grad_probs]]
 
 
@@ -344,8 +406,14 @@ class AllToAllCombine(_EPOp):
                 raise ValueError(f"{name} must be a ({n},) int64 tensor (one entry per input "
                                  f"row), got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
+        if self.one_rank:
+            if ctx.requires_grad:
+                ctx.output_shape, ctx.dtype, ctx.device = tuple(input_.shape), input_.dtype, \
+                    input_.device
+            return input_, [()]
         send, recv = self._splits(n, a2a_splits)  # the dispatch's send / receive lists
-        out = comm.all_to_all(input_[local_index], send, recv, self.group)
+        out = comm.all_to_all(input_[local_index] if self.reorders else input_, send, recv,
+                              self.group)
         if ctx.requires_grad:
             ctx.save_for_backward(recv_index)
             ctx.splits = (send, recv)
@@ -354,9 +422,13 @@ class AllToAllCombine(_EPOp):
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
+        if self.one_rank:
+            if grad_output is None:
+                grad_output = torch.zeros(ctx.output_shape, dtype=ctx.dtype, device=ctx.device)
+            return grad_output, [[]], [[None, None, None]]
         (recv_index,) = ctx.saved_tensors
         send, recv = ctx.splits
         if grad_output is None:  # a zero gradient, still sent: the other ranks wait for it
             grad_output = recv_index.new_zeros(ctx.output_shape, dtype=ctx.dtype)
         grad = comm.all_to_all(grad_output, recv, send, self.group)
-        return grad[recv_index], [[]], [[None, None, None]]
+        return (grad[recv_index] if self.reorders else grad), [[]], [[None, None, None]]
