@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from .. import comm
 from ..gemm import RowGather
 from ..op import BasicOperation
-from ..routing import DROP_POLICIES, capacity_per_expert, pick, sort_by_expert, tokens_per_expert
+from ..routing import (
+    DROP_POLICIES,
+    capacity_per_expert,
+    pick,
+    pick_sum,
+    sort_by_expert,
+    tokens_per_expert,
+)
 from .grouped_linear import check_param_dtype
 
 __all__ = ["Router", "Permute", "Combine", "SCORE_FUNCTIONS"]
@@ -567,7 +574,7 @@ class Permute(BasicOperation):
         grad_row_probs = basic_op_grad_extra_outputs[0][1]
         grad_input = None
         if ctx.input_requires_grad and grad_output is not None:
-            grad_input = pick(grad_output, row_index, masked=ctx.masked).sum(1)
+            grad_input = pick_sum(grad_output, row_index, masked=ctx.masked)
         grad_probs = None
         if grad_row_probs is not None and ctx.extra_input_requires_grad(1):
             grad_probs = pick(grad_row_probs, row_index, masked=ctx.masked)
@@ -617,7 +624,7 @@ class Combine(BasicOperation):
         if ctx.requires_grad:
             ctx.save_for_backward(pair_index)
             ctx.top_k = row_index.shape[1]
-        return pick(input_, row_index).sum(1), [()]
+        return pick_sum(input_, row_index), [()]
 
     def grad_rows(self, ctx: Any, grad_output: torch.Tensor) -> RowGather:
         """The input gradient as a :class:`~te_ops.gemm.RowGather` of ``grad_output`` (row

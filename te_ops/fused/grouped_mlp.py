@@ -43,7 +43,7 @@ from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_prob
 from ..basic.moe import Permute
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window, register_backward_fusion, register_forward_fusion
-from ..gemm import RowGather
+from ..gemm import RowGather, rows_for
 from ..op import FusedOperation, FusibleOperation, fed_from
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
@@ -283,7 +283,8 @@ class BackwardGroupedMLP(FusedOperation):
         if combine is None:
             dy2d = rows_2d(grad_output, fc2.out_features)
         else:  # no fc2 bias, no recipe (the fusion's gate): the GEMMs take the gather
-            dy2d = combine.grad_rows(basic_op_ctxs[3], grad_output)
+            dy2d = rows_for(combine.grad_rows(basic_op_ctxs[3], grad_output), s2.backend,
+                            ("dgrad", "wgrad"))
             fc2.record_row_gather(s2.backend, ("dgrad", "wgrad"))
         # Order: fc2 dgrad, then ONE activation-backward pass that also yields the activation
         # output when the forward did not save fc2's input, then fc2's weight grads with it.

@@ -22,7 +22,8 @@
     The combine's backward is a gather of the output gradient over the same kind of index
     (row ``r`` gets token ``pair_index[r] // k``'s gradient): fc2's dgrad and wgrad read ``dy``
     through it (:meth:`te_ops.basic.moe.Combine.grad_rows`), so the (rows, H) gradient copy is
-    not written where they run in the few-rows Triton kernels. With the grouped-MLP backward
+    not written where they run in the few-rows Triton kernels; elsewhere it is gathered once,
+    for both (:func:`te_ops.gemm.rows_for`). With the grouped-MLP backward
     fusion it extends :class:`~te_ops.fused.grouped_mlp.BackwardGroupedMLP` to
     ``[fc1, act, fc2, combine]``. The forward is not fused: the unfused combine keeps only
     ``pair_index`` (fc2's output is never saved), and a combine in fc2's epilogue would be a
@@ -50,6 +51,7 @@ from ..fuser import (
     register_backward_fusion,
     register_forward_fusion,
 )
+from ..gemm import rows_for
 from ..op import BasicOperation, FusedOperation, FusibleOperation, fed_from
 from ..shapes import as_shape
 from ..signature import FedOutput
@@ -135,7 +137,7 @@ class BackwardFC2Combine(FusedOperation):
         fc2, combine = self.basic_ops
         ctx2, ctx_c = basic_op_ctxs
         saved = GroupedLinearSaved.load(ctx2)
-        dy = combine.grad_rows(ctx_c, grad_output)
+        dy = rows_for(combine.grad_rows(ctx_c, grad_output), saved.backend, ("dgrad", "wgrad"))
         fc2.record_row_gather(saved.backend, ("dgrad", "wgrad"))
         dgrad, grads, _ = GroupedLinear.backward_math(saved, dy, ctx2.input_requires_grad)
         if dgrad is not None:

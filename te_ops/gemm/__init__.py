@@ -21,6 +21,7 @@ from .dispatch import (
     grouped_mm_unsupported_reason,
     grouped_wgrad,
     row_gather_reason,
+    rows_for,
     select_backend,
     stack_weights,
     storage_spans,
@@ -30,7 +31,7 @@ from .registry import register_kernel, registered_kernels, unregister_kernel
 from .wgrad_into import grouped_wgrad_into
 from . import backends  # noqa: E402,F401  (registers the kernels of te_ops/gemm/backends/)
 
-__all__ = ["BackendChoice", "RowGather", "as_rows", "row_gather_reason", "fc1_swiglu_launch",
+__all__ = ["BackendChoice", "RowGather", "as_rows", "row_gather_reason", "rows_for", "fc1_swiglu_launch",
            "fc1_swiglu_reason", "grouped_dgrad",
            "grouped_fprop", "grouped_mm_host_sync_reason", "grouped_mm_operand_reason",
            "grouped_mm_operands", "grouped_mm_unsupported_reason",

@@ -84,6 +84,7 @@ __all__ = [
     "RowGather",
     "as_rows",
     "row_gather_reason",
+    "rows_for",
     "grouped_mm_unsupported_reason",
     "grouped_mm_operand_reason",
     "grouped_mm_operands",
@@ -179,6 +180,18 @@ class RowGather:
 def as_rows(t: torch.Tensor | RowGather) -> torch.Tensor:
     """``t``'s rows as a tensor: a :class:`RowGather` gathered (a copy), a tensor itself."""
     return t.rows() if isinstance(t, RowGather) else t
+
+
+def rows_for(t: torch.Tensor | RowGather, backend: BackendChoice, kinds: tuple[str, ...]
+             ) -> torch.Tensor | RowGather:
+    """The operand that the GEMMs ``kinds`` (e.g. ``("dgrad", "wgrad")``, both reading ``t``)
+    get: ``t`` itself where each of them takes a row index (:func:`row_gather_reason` is
+    ``None``) or ``t`` is a tensor; otherwise ``t`` gathered once into the copy that all of them
+    read (instead of one transient copy per GEMM)."""
+    if isinstance(t, RowGather) and any(row_gather_reason(backend, k) is not None
+                                        for k in kinds):
+        return t.rows()
+    return t
 
 
 def row_gather_reason(backend: BackendChoice, kind: str) -> str | None:
