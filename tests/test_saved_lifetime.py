@@ -8,6 +8,9 @@ stack of blocks that adds every block's input to the end of backward (rc8 measur
 peak on four E8 blocks on the H200). Checked for every fused / unfused forward x backward
 pairing, with and without a bias, probs, a recipe (FP8 current scaling and MXFP8, emulated on
 the CPU: quantized copies of the input and the weights are saved) and the fc1 recompute.
+
+A training step also leaves no reference cycle (block and MoE layer): its buffers are freed
+by reference counting when the step drops them, not at Python's next cycle collection.
 """
 
 from __future__ import annotations
@@ -111,3 +114,51 @@ def test_node_holds_no_saved_tensor_after_backward(monkeypatch, fwd, bwd, recipe
     held = [t for t in _tensors_held(y.grad_fn.op_ctxs)
             if t.untyped_storage().data_ptr() not in params and t.numel() > 0]
     assert held == [], [(tuple(t.shape), t.dtype) for t in held]
+
+
+def _cyclic_garbage_of_one_step(step) -> list[str]:
+    """The types of the objects that only the cycle collector could free after ``step``
+    (a reference cycle keeps a step's buffers alive until the next collection)."""
+    step()
+    step()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step()
+        gc.collect()
+        return sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_a_block_step_leaves_no_reference_cycles(monkeypatch, fuse):
+    for name in ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "TE_OPS_FUSE_GROUPED_MLP_BACKWARD"):
+        monkeypatch.setenv(name, "1" if fuse else "0")
+    torch.manual_seed(0)
+    block = _block(bias=False, recompute=False)
+    x = torch.randn(40, 32, requires_grad=True)
+    splits = torch.tensor([10, 0, 25, 5])
+    probs = torch.rand(40, requires_grad=True)
+
+    def step():
+        block(x, splits, probs, splits).sum().backward()
+
+    assert _cyclic_garbage_of_one_step(step) == []
+
+
+@pytest.mark.parametrize("kw", [{}, {"capacity_factor": 1.0, "shared_ffn_hidden_size": 8}],
+                         ids=["dropless", "capacity_shared"])
+def test_a_moe_layer_step_leaves_no_reference_cycles(kw):
+    torch.manual_seed(0)
+    moe = te_ops.MoE(32, 16, 8, 2, aux_loss_coeff=0.01, **kw)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def step():
+        y, aux = moe(x)
+        (y.sum() + aux).backward()
+
+    assert _cyclic_garbage_of_one_step(step) == []

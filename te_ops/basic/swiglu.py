@@ -109,21 +109,20 @@ class _Scratch:
     """Buffers of one row block in the compute dtype, ``(rows, width)`` each, allocated on
     first use once per call and reused by every block (no allocator traffic inside the loop).
     :meth:`of_rows` gives a block's views (the buffers themselves for a full block, their
-    first ``n`` rows for the ragged last one), made once per row count."""
+    first ``n`` rows for the ragged last one), made once per row count. The block views hold
+    the buffers, not this object, so no reference cycle keeps the buffers alive past the call
+    (they are freed when the call drops its last reference, not at the next garbage
+    collection)."""
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.rows, self.width, self.dtype, self.device = rows, width, dtype, device
-        self._full: dict[str, torch.Tensor] = {}
-        self._whole = _BlockScratch(self, rows)
+        self.rows, self.dtype = rows, dtype
+        self._buffers = _Buffers(rows, width, dtype, device)
+        self._whole = _BlockScratch(self._buffers, rows)
         self._tail: _BlockScratch | None = None
 
     def full(self, name: str) -> torch.Tensor:
-        buf = self._full.get(name)
-        if buf is None:
-            buf = torch.empty(self.rows, self.width, dtype=self.dtype, device=self.device)
-            self._full[name] = buf
-        return buf
+        return self._buffers.get(name)
 
     def of_rows(self, n: int) -> _BlockScratch:
         """The views for an ``n``-row block: every block has ``rows`` rows but the last.
@@ -131,8 +130,24 @@ class _Scratch:
         if n == self.rows:
             return self._whole
         if self._tail is None or self._tail.rows != n:
-            self._tail = _BlockScratch(self, n)
+            self._tail = _BlockScratch(self._buffers, n)
         return self._tail
+
+
+class _Buffers:
+    """The full-size scratch buffers of a :class:`_Scratch`, by name, made on first use."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.rows, self.width, self.dtype, self.device = rows, width, dtype, device
+        self._by_name: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        buf = self._by_name.get(name)
+        if buf is None:
+            buf = torch.empty(self.rows, self.width, dtype=self.dtype, device=self.device)
+            self._by_name[name] = buf
+        return buf
 
 
 class _BlockScratch:
@@ -140,14 +155,14 @@ class _BlockScratch:
     made on first use: after that a plain attribute read, which the block loop does ~8 times
     a block. ``rows`` and ``dtype`` are the block's row count and the compute dtype."""
 
-    def __init__(self, owner: _Scratch, n: int) -> None:
-        self._owner, self.rows, self.dtype = owner, n, owner.dtype
+    def __init__(self, buffers: _Buffers, n: int) -> None:
+        self._buffers, self.rows, self.dtype = buffers, n, buffers.dtype
 
     def __getattr__(self, name: str) -> torch.Tensor:  # only for names not made yet
         if name.startswith("_"):
             raise AttributeError(name)
-        buf = self._owner.full(name)
-        view = buf if self is self._owner._whole else buf[:self.rows]
+        buf = self._buffers.get(name)
+        view = buf if self.rows == self._buffers.rows else buf[:self.rows]
         setattr(self, name, view)
         return view
 

@@ -79,7 +79,7 @@ if triton is not None:
 
 def _run(src: torch.Tensor, index: torch.Tensor, kernel) -> torch.Tensor:
     src = src.contiguous()
-    idx = index.reshape(index.shape[0], -1).contiguous()
+    idx = (index if index.dim() == 2 else index.unsqueeze(1)).contiguous()
     rows, k = idx.shape
     hidden = src.shape[1]
     out = torch.empty(rows, hidden, device=src.device, dtype=src.dtype)
