@@ -130,7 +130,7 @@ class MoE(torch.nn.Module):
             rows_from, local = self.ep_dispatch, self.ep_dispatch.num_local_experts
         self.experts = _swiglu_mlp(local, hidden_size, ffn_hidden_size, ScaledSwiGLU(),
                                    device, dtype)
-        self.combine = Combine()
+        self.combine = Combine(masked=capacity_factor is not None)  # dropless drops nothing
         self.shared_experts = None if shared_ffn_hidden_size is None else _swiglu_mlp(
             1, hidden_size, shared_ffn_hidden_size, SwiGLU(), device, dtype)
         fc1, act, fc2 = self.experts

@@ -24,8 +24,6 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import gather_triton
-
 __all__ = ["DROP_POLICIES", "ExpertOrder", "PermutedTokens", "capacity_per_expert", "permute",
            "pick", "pick_sum", "sort_by_expert", "tokens_per_expert", "unpermute"]
 
@@ -221,16 +219,12 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *,
 def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torch.Tensor:
     """``src[index]`` where ``index`` lies in ``[0, len(src)]``; ``index == len(src)`` (an
     empty row, a dropped pair) gives zeros when ``masked`` (without it every index must be
-    below ``len(src)``). A gather: deterministic, unlike a scatter-add.
+    below ``len(src)`` and the plain gather runs: one pass instead of a gather and a
+    ``where``). A gather: deterministic, unlike a scatter-add.
 
-    Shapes: src (S, ...), index any shape -> (*index.shape, *src.shape[1:]). A masked gather of
-    a 2-D ``src`` by a 1-D ``index`` runs in one Triton pass on CUDA
-    (:mod:`te_ops.kernels.gather_triton`, the same values), elsewhere as torch's gather and
-    ``where``."""
+    Shapes: src (S, ...), index any shape -> (*index.shape, *src.shape[1:])."""
     if not masked:
         return src[index]
-    if index.dim() == 1 and _gather_kernel_reason(src, index) is None:
-        return gather_triton.gather_rows_sum(src, index)
     n = src.shape[0]
     valid = index < n
     taken = src[index.clamp(max=max(n - 1, 0))]
@@ -240,21 +234,10 @@ def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torc
 
 def pick_sum(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torch.Tensor:
     """``pick(src, index, masked=masked).sum(1)``: each output row the sum of the ``K`` rows
-    its index row names (the combine of a token's top-k expert rows), in a fixed order.
+    its index row names (the combine of a token's top-k expert rows).
 
-    Shapes: src (S, H), index (M, K) int64 in ``[0, S]`` -> (M, H) in ``src``'s dtype. On CUDA
-    (float32 / bfloat16 / float16) one Triton pass (:mod:`te_ops.kernels.gather_triton`: fp32
-    sum in ``j`` order, one rounding); elsewhere torch's gather, ``where`` and ``sum``
-    (bf16 / fp16 summed in fp32 as well, so the two agree to the last bit or within it)."""
-    if _gather_kernel_reason(src, index) is None:
-        return gather_triton.gather_rows_sum(src, index)
+    Shapes: src (S, H), index (M, K) int64 in ``[0, S]`` -> (M, H) in ``src``'s dtype."""
     return pick(src, index, masked=masked).sum(1)
-
-
-def _gather_kernel_reason(src: torch.Tensor, index: torch.Tensor) -> str | None:
-    """Why :func:`pick` / :func:`pick_sum` run the torch ops instead of the Triton gather
-    (``None``: the kernel runs)."""
-    return gather_triton.unsupported_reason(src, index)
 
 
 def permute(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,

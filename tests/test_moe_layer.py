@@ -735,3 +735,25 @@ def test_return_dropped_must_be_a_bool():
     moe = te_ops.MoE(16, 8, 4, 2)
     with pytest.raises(TypeError, match="return_dropped must be a bool, got str"):
         moe(torch.randn(3, 16), return_dropped="yes")
+
+
+def test_dropless_combine_runs_unmasked_and_equals_the_masked_combine():
+    """te_ops.MoE's dropless Combine skips the empty-slot mask (nothing can be dropped); the
+    layer's output and gradients equal a masked Combine's bit for bit; capacity keeps it."""
+    assert te_ops.MoE(16, 8, 4, 2).combine.masked is False
+    assert te_ops.MoE(16, 8, 4, 2, capacity_factor=1.0).combine.masked is True
+    torch.manual_seed(0)
+    x = torch.randn(9, 16, dtype=torch.float64)
+    results = []
+    for masked in (False, True):
+        torch.manual_seed(1)
+        moe = te_ops.MoE(16, 8, 4, 2, dtype=torch.float64, aux_loss_coeff=0.01)
+        moe.combine.masked = masked
+        xi = x.clone().requires_grad_()
+        y, aux = moe(xi)
+        (y.square().sum() + aux).backward()
+        results.append([y, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="masked must be a bool, got int"):
+        Combine(masked=1)

@@ -590,6 +590,14 @@ class Combine(BasicOperation):
     :class:`te_ops.routing.ExpertOrder`'s two maps, so the sums run in a fixed order
     (deterministic, unlike a scatter-add with ``index_add_``).
 
+    Parameters
+    ----------
+    masked : bool
+        Whether index maps may hold the "empty" value (``row_index == R``: a dropped pair;
+        ``pair_index == T * k``: an empty capacity slot). ``False`` (dropless routing, where
+        no pair is dropped; ``te_ops.MoE`` sets it so) runs each direction as one plain gather
+        instead of a gather and a ``where``, with the same values.
+
     Extra inputs
     ------------
     pair_index : (R,) int64.
@@ -602,10 +610,19 @@ class Combine(BasicOperation):
     Raises
     ------
     ValueError / TypeError
-        Index maps of the wrong shape or dtype.
+        Index maps of the wrong shape or dtype; ``masked`` not a bool.
     """
 
     num_extra_inputs = 2
+
+    def __init__(self, *, masked: bool = True) -> None:
+        super().__init__()
+        if not isinstance(masked, bool):
+            raise TypeError(f"masked must be a bool, got {type(masked).__name__}")
+        self.masked = masked
+
+    def describe(self) -> str:
+        return f"Combine(masked={self.masked})"
 
     def extra_input_names(self) -> list[str | None]:
         return ["pair_index", "row_index"]
@@ -624,7 +641,7 @@ class Combine(BasicOperation):
         if ctx.requires_grad:
             ctx.save_for_backward(pair_index)
             ctx.top_k = row_index.shape[1]
-        return pick_sum(input_, row_index), [()]
+        return pick_sum(input_, row_index, masked=self.masked), [()]
 
     def grad_rows(self, ctx: Any, grad_output: torch.Tensor) -> RowGather:
         """The input gradient as a :class:`~te_ops.gemm.RowGather` of ``grad_output`` (row
@@ -633,7 +650,7 @@ class Combine(BasicOperation):
         (``te_ops/fused/moe_routing.py``) hands it to fc2's GEMMs. Shapes: grad_output
         (T, hidden) -> rows (R, hidden)."""
         (pair_index,) = ctx.saved_tensors
-        return RowGather(grad_output, pair_index // ctx.top_k)
+        return RowGather(grad_output, pair_index // ctx.top_k, self.masked)
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         return self.grad_rows(basic_op_ctxs[0], grad_output).rows(), [[]], [[None, None]]

@@ -15,18 +15,17 @@ summed in fp32 in ``j`` order, starting from the first term, and rounded once to
 dtype (torch's ``sum`` over the k axis also accumulates bf16 / fp16 in fp32 and rounds once;
 its order within the axis may differ, so the two may differ in the last bit).
 
-Dispatch: :func:`unsupported_reason` (not CUDA, no Triton, dtype, shape); callers go through
-:func:`te_ops.routing.pick` / :func:`te_ops.routing.pick_sum`, which take this kernel where it
-can run and the torch ops elsewhere. Under ``torch.compile`` the call is the ``triton_op``
-``te_ops::gather_rows_sum`` (same kernel, whose fake is the same body on FakeTensors).
+Not in te_ops' dispatch (see README.md): :func:`unsupported_reason` says where it can run. Under ``torch.compile`` the call is the opaque custom op
+``te_ops::gather_rows_sum`` (same kernel, launched on the real tensors, so a buffer that
+inductor lays out with padded row strides is still read as it is).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..tracing import tracing
-from .triton_launch import cdiv, launch, next_power_of_2
+from te_ops.kernels.triton_launch import cdiv, launch, next_power_of_2
+from te_ops.tracing import tracing
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton
@@ -85,7 +84,7 @@ def _run(src: torch.Tensor, index: torch.Tensor, kernel) -> torch.Tensor:
     out = torch.empty(rows, hidden, device=src.device, dtype=src.dtype)
     if rows == 0 or hidden == 0:
         return out
-    if k == 0:
+    if k == 0 or src.shape[0] == 0:  # nothing to gather: every row empty
         return out.zero_()
     block = min(1024, next_power_of_2(max(hidden, 16)))
     launch(kernel, (rows, cdiv(hidden, block)), src, idx, out, src.shape[0], hidden, K=k,
@@ -106,9 +105,13 @@ def gather_rows_sum(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _run(src, index, _gather_sum_kernel)
 
 
-if triton is not None:
+@torch.library.custom_op("te_ops::gather_rows_sum", mutates_args=())
+def _gather_rows_sum_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_rows_sum` as an opaque op: the kernel reads the real tensors' layout at
+    run time (inductor may lay buffers out with padded row strides)."""
+    return _run(src, index, _gather_sum_kernel)
 
-    @torch.library.triton_op("te_ops::gather_rows_sum", mutates_args={})
-    def _gather_rows_sum_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """:func:`gather_rows_sum` as an op; the body (run on FakeTensors) is also the fake."""
-        return _run(src, index, torch.library.wrap_triton(_gather_sum_kernel))
+
+@_gather_rows_sum_op.register_fake
+def _gather_rows_sum_fake(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return src.new_empty(index.shape[0], src.shape[1])

@@ -1,17 +1,16 @@
 """The Triton row gather of the routing (``te_ops/kernels/gather_triton.py``) on CUDA, against
 references written here: one index per row equals torch's masked gather bit for bit; K indices
 per row equal an fp32 sum in index order rounded once; a float64 per-row loop bounds both.
-Also: empty rows, hidden not a multiple of the block, every entry empty, the dispatch of
-``te_ops.routing.pick`` / ``pick_sum``, ``torch.compile(fullgraph=True)`` and CUDA graph
-replay."""
+Also: empty rows, hidden not a multiple of the block, every entry empty,
+``torch.compile(fullgraph=True)`` and CUDA graph replay. Run from this folder:
+``python -m pytest -q test_gather_triton_cuda.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from te_ops.kernels import gather_triton
-from te_ops.routing import pick, pick_sum
+import gather_triton
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,22 +76,10 @@ def test_gather_rows_sum_edge_shapes():
                        _fp32_in_order(wide[:, ::2].contiguous(), idx))
 
 
-def test_pick_and_pick_sum_take_the_kernel_where_it_runs():
-    src, index = _problem(40, 30, 4, 96, torch.bfloat16)
-    assert gather_triton.unsupported_reason(src, index) is None
-    assert torch.equal(pick_sum(src, index), _fp32_in_order(src, index))
-    assert torch.equal(pick(src, index[:, 0]), _fp32_in_order(src, index[:, :1]))
-    why = gather_triton.unsupported_reason(src.double(), index)
-    assert why is not None and "float64" in why
-    # float64 takes the torch ops: the same sums
-    torch.testing.assert_close(pick_sum(src.double(), index),
-                               _float64_loop(src, index).cuda(), rtol=0, atol=1e-12)
-
-
 def test_gather_rows_sum_compiles_fullgraph_and_replays_in_a_cuda_graph():
     src, index = _problem(64, 48, 8, 256, torch.bfloat16)
     want = gather_triton.gather_rows_sum(src, index)
-    compiled = torch.compile(pick_sum, fullgraph=True)
+    compiled = torch.compile(gather_triton.gather_rows_sum, fullgraph=True)
     assert torch.equal(compiled(src, index), want)
     static_src, static_idx = src.clone(), index.clone()
     gather_triton.gather_rows_sum(static_src, static_idx)  # warm the launch cache
