@@ -20,6 +20,7 @@ import copy
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from block_replay import assert_layer_compiles_bit_exact, assert_meta_layer_step
@@ -261,6 +262,11 @@ def one_rank_launches_no_collective(group: str) -> None:
             assert why is None or "AllToAll" not in why, why
         text = moe.block.explain(x)
         assert "group has one rank, so the all-to-all is the identity" in text, text
+    # bad split sizes: the device-side assert (raised at once on the CPU) names them
+    dispatch = te_ops.AllToAllDispatch(4, g)
+    rows, probs = torch.randn(6, H), torch.rand(6)
+    with pytest.raises(RuntimeError, match="split_sizes must sum to the input's rows"):
+        te_ops.Sequential(dispatch)(rows, torch.tensor([1, 2, 0, 1]), probs)
 
 
 def gates_explain_and_fusion(group: str) -> None:

@@ -196,7 +196,9 @@ class AllToAllDispatch(_EPOp):
         multiple of ``E``.
     RuntimeError
         Capacity mode where the ranks' capacities differ (a device-side assert: the ranks
-        routed different token counts); dropless mode under ``TE_OPS_GRAPH_SAFE=1``.
+        routed different token counts); dropless mode under ``TE_OPS_GRAPH_SAFE=1`` (several
+        ranks); on one rank, dropless split sizes that do not sum to the rows (a device-side
+        assert: one rank reads no host value).
     """
 
     num_extra_inputs = 2
