@@ -7,8 +7,9 @@ gloo (CPU) and NCCL (CUDA), is recorded by ``torch.compile`` as a graph node, ru
 tensors through its meta kernel (a shape-only run: no process group is touched) and, on NCCL,
 is captured by CUDA graphs. On a one-rank group each returns its input unchanged and launches
 nothing (a one-rank collective is the identity; Megatron-Core's ``all_to_all`` and
-``gather_from_sequence_parallel_region`` mappings skip it likewise). Their autograd is the ops' own (the backward of an all-to-all is
-the all-to-all with the split lists swapped), so nothing here is differentiable.
+``gather_from_sequence_parallel_region`` mappings skip it likewise). Their autograd is the
+ops' own (the backward of an all-to-all is the all-to-all with the split lists swapped), so
+nothing here is differentiable.
 
 :func:`device_splits_unavailable_reason` is the gate of the other dropless transport, torch's
 symmetric-memory ``all_to_all_vdev_2d`` (split sizes read on the device, no host read): it
