@@ -3,8 +3,9 @@ expert outputs back in token order.
 
 This module owns the routing math: :func:`sort_by_expert` (the row order, dropless or with a
 per-expert capacity), :func:`pick` / :func:`pick_sum` (the masked gathers every routing
-direction uses) and :func:`tokens_per_expert`; the functional :func:`permute` / :func:`unpermute` and the MoE
-layer's ``Permute`` / ``Combine`` ops (``te_ops/basic/moe.py``) are built on them.
+direction uses) and :func:`tokens_per_expert`; the functional :func:`permute` /
+:func:`unpermute` and the MoE layer's ``Permute`` / ``Combine`` ops (``te_ops/basic/moe.py``)
+are built on them.
 
 Everything uses only fixed-shape device ops (stable ``argsort``, ``scatter`` / ``scatter_add_``,
 gathers, ``index_add_``): no host sync, no data-dependent shape. They run with every tensor
