@@ -16,6 +16,7 @@ Groups (made by :func:`setup` on a 4-process pool, in the same order on every ra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any
@@ -249,7 +250,7 @@ def one_rank_launches_no_collective(group: str) -> None:
             # every collective of te_ops.comm names its group through group_name
             with mock.patch.object(te_ops.comm, "group_name", refuse), \
                     mock.patch("te_ops.basic.ep.host_values", refuse) if patched else \
-                    mock.patch.object(te_ops.comm, "backend", te_ops.comm.backend):
+                    contextlib.nullcontext():
                 y, aux = layer(xi)
                 ((y * dy).sum() + aux).backward()
             results.append([y, aux, xi.grad] + [p.grad for p in layer.parameters()
