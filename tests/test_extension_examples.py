@@ -18,9 +18,10 @@ from gemm_force import with_rows
 from te_ops.fuser import register_forward_fusion, registered_fusions, unregister_fusion
 from te_ops.gemm import register_kernel, registered_kernels, rules, select_backend, unregister_kernel
 
-LOOP_MM_ROWS = tuple(
-    rules.Rule(kind, "loop_mm", (0.0, math.inf), "loop_mm: a test's row", arch=None,
-               device=None, dtypes=(torch.float32,)) for kind in ("fprop", "dgrad", "wgrad"))
+#: The backend's one rules row: all three GEMM kinds, any device, float32.
+LOOP_MM_ROWS = (rules.Rule(("fprop", "dgrad", "wgrad"), "loop_mm", (0.0, math.inf),
+                           "loop_mm: a test's row", arch=None, device=None,
+                           dtypes=(torch.float32,)),)
 
 
 @pytest.fixture

@@ -226,7 +226,7 @@ def test_device_field_limits_rows_to_their_device_type():
     assert sm9_any_device.holds("auto", 9, BF16, "fprop", 8.0, 1, 1, "cuda")
     assert not sm9_any_device.holds("auto", 8, BF16, "fprop", 8.0, 1, 1, "cuda")
     # no measured row holds off CUDA
-    assert all(not r.holds(r.mode, None, r.dtypes[0], r.kind, r.rows[0], r.in_features[0],
+    assert all(not r.holds(r.mode, None, r.dtypes[0], r.kinds[0], r.rows[0], r.in_features[0],
                            r.out_features[0], "cpu") for r in rules.RULES)
 
 
@@ -248,3 +248,19 @@ def test_rules_text_lists_every_row():
     text = rules.rules_text()
     assert len(text.splitlines()) == len(rules.RULES)
     assert "rows (128, 1024)" in text and "rows [0, 8]" in text
+
+
+def test_a_row_may_cover_several_kinds():
+    row = Rule(("fprop", "wgrad"), "triton_rows", (0.0, 8.0), "x")
+    assert row.kinds == ("fprop", "wgrad")
+    assert row.holds("auto", 9, BF16, "fprop", 4.0, 1, 1, "cuda")
+    assert row.holds("auto", 9, BF16, "wgrad", 4.0, 1, 1, "cuda")
+    assert not row.holds("auto", 9, BF16, "dgrad", 4.0, 1, 1, "cuda")
+    assert choose("wgrad", 4.0, 1, 1, arch=9, dtype=BF16, table=(row,)) is row
+    assert choose("dgrad", 4.0, 1, 1, arch=9, dtype=BF16, table=(row,)) is None
+
+
+@pytest.mark.parametrize("kind", [(), ("fprop", "fprop"), ("fprop", "fc3"), ["fprop"], 3])
+def test_a_row_rejects_bad_kinds(kind):
+    with pytest.raises(ValueError, match="Rule kind must be one of"):
+        Rule(kind, "triton_rows", (0.0, 8.0), "x")

@@ -78,6 +78,7 @@ from .grouped_gemm_triton import unsupported_reason as triton_unsupported_reason
 from .grouped_wgrad_gluon import gluon_unavailable_reason, gluon_unsupported_reason, gluon_wgrad
 from .grouped_wgrad_large_triton import large_wgrad
 from ..kernels.padding import zero_padding_rows_
+from ..kernels.triton_launch import capability
 
 __all__ = [
     "BackendChoice",
@@ -328,7 +329,7 @@ def grouped_mm_host_sync_reason(device: torch.device, dtype: torch.dtype) -> str
     if torch.version.hip:
         return ("torch._grouped_mm on ROCm may take a fallback that copies the offsets to the "
                 "host; not treated as graph-safe")
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major not in (9, 10):
         return (f"torch._grouped_mm has a native kernel for SM90 and SM100 only, not "
                 f"SM{major}{minor}; its fallback copies the offsets to the host")
@@ -340,7 +341,7 @@ def device_arch(device: torch.device) -> int | None:
     off CUDA."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)[0]
+    return capability(device)[0]
 
 
 def _available(out_features: int):
@@ -350,7 +351,7 @@ def _available(out_features: int):
     def available(rule: rules.Rule) -> bool:
         if rule.kernel != "gluon":
             return True
-        if rule.kind == "wgrad":
+        if "wgrad" in rule.kinds:
             return gluon_unavailable_reason(out_features) is None
         return gluon_gemm_module.gluon is not None
     return available
@@ -462,7 +463,8 @@ def _with_registered(choice: BackendChoice, device: torch.device, dtype: torch.d
         kernel = registry.get(rule.kernel)
         if kernel is None:
             return builtin_ok and builtin_available(rule)
-        if kernel.runs(rule.kind) is None or (graph_safe_only and not kernel.graph_safe):
+        if (any(kernel.runs(k) is None for k in rule.kinds)
+                or (graph_safe_only and not kernel.graph_safe)):
             return False
         return (kernel.unavailable_reason is None
                 or kernel.unavailable_reason(device, dtype, in_features, out_features) is None)
@@ -631,11 +633,11 @@ def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if why is not None:
         return why
     arch = device_arch(device)
-    auto_rows = [r for r in rules.RULES if r.mode == "auto" and r.kind in _KINDS]
+    auto_rows = [r for r in rules.RULES if r.mode == "auto" and set(r.kinds) & set(_KINDS)]
     if not any(dtype in r.dtypes for r in auto_rows):
         return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
     if not any(r.arch is None or r.arch == arch for r in auto_rows):
-        minor = torch.cuda.get_device_capability(device)[1]
+        minor = capability(device)[1]
         return f"measured faster on SM90 only, not SM{arch}{minor}"
     return None
 

@@ -80,7 +80,7 @@ from .grouped_gemm_large_triton import (
     large_fprop,
     tma_unsupported_reason,
 )
-from ..kernels.triton_launch import launch, next_power_of_2
+from ..kernels.triton_launch import capability, launch, next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.5 (experimental); optional like Triton itself
     import triton
@@ -183,7 +183,7 @@ def gluon_unsupported_reason(x: torch.Tensor, weights: torch.Tensor) -> str | No
         return "the installed Triton has no triton.experimental.gluon"
     if x.device.type != "cuda":
         return f"needs a CUDA device, got {x.device.type}"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if capability(x.device) != (9, 0):
         return "needs SM90 (Hopper wgmma and warp specialization)"
     if weights.shape[0] > GLUON_MAX_GROUPS:
         return f"more than {GLUON_MAX_GROUPS} groups ({weights.shape[0]})"

@@ -103,7 +103,8 @@ _ALL = (0, INF)
 @dataclass(frozen=True)
 class Rule:
     """One row of the rules table: where ``kernel`` (with launch config ``config``) runs
-    ``kind``, and the measurement (``why``: the docs/performance.md section) that says so.
+    ``kind`` (one GEMM kind, or a tuple of kinds sharing the box), and the measurement
+    (``why``: the docs/performance.md section) that says so.
 
     ``rows``, ``in_features``, ``out_features``: half-open ranges ``(lo, hi)``; ``device``:
     the torch device type the row holds on (``"cuda"``, the default; ``None``: any device
@@ -114,7 +115,7 @@ class Rule:
     the row is consulted (the kernel's module may register after the table is built).
     """
 
-    kind: str
+    kind: str | tuple[str, ...]
     kernel: str
     rows: tuple[float, float]
     why: str
@@ -127,8 +128,11 @@ class Rule:
     device: str | None = "cuda"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"Rule kind must be one of {KINDS}, got {self.kind!r}")
+        kinds = (self.kind,) if isinstance(self.kind, str) else self.kind
+        if (not isinstance(kinds, tuple) or not kinds
+                or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds)):
+            raise ValueError(f"Rule kind must be one of {KINDS} or a tuple of distinct ones, "
+                             f"got {self.kind!r}")
         if not isinstance(self.kernel, str) or not self.kernel:
             raise ValueError(f"Rule kernel must be a kernel's name, got {self.kernel!r}")
         if self.mode not in ("auto", "forced"):
@@ -139,13 +143,18 @@ class Rule:
                 raise ValueError(f"Rule {name} must be a range (lo, hi) with lo < hi, got "
                                  f"{(lo, hi)}")
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The GEMM kinds this row covers (``kind`` as a tuple)."""
+        return (self.kind,) if isinstance(self.kind, str) else self.kind
+
     def holds(self, mode: str, arch: int | None, dtype: torch.dtype | None, kind: str,
               rows: float, in_features: int, out_features: int,
               device: str | None = None) -> bool:
         """Whether this row's box holds the call (``arch`` / ``dtype`` / ``device`` (a device
         type) ``None``: not known, any row's). On a known non-CUDA device only rows with
         ``arch=None`` and that device (or ``device=None``) hold."""
-        return (self.kind == kind and self.mode == mode
+        return (kind in self.kinds and self.mode == mode
                 and (device is None or self.device is None or self.device == device)
                 and (device in (None, "cuda") or self.arch is None)
                 and (arch is None or self.arch is None or self.arch == arch)
@@ -228,13 +237,13 @@ RULES: tuple[Rule, ...] = (
          "Gluon wgrad: the default config 1.04-1.13x torch._grouped_mm at 1024 and 2048 rows "
          "per group (E32, E8), where mid_rows measured 0.97x it"),
     # -- TE_OPS_GROUPED_GEMM_BACKEND=triton: every kind in Triton, any CUDA GPU -----------
-    *(Rule(kind, "triton_persistent", (512.0, INF),
-           "Persistent Triton GEMMs: forced, the persistent kernels from 512 rows per group "
-           "(the few-rows kernels measured slower than them there)",
-           arch=None, dtypes=_HALF, mode="forced") for kind in ("fprop", "dgrad", "wgrad")),
-    *(Rule(kind, "triton_rows", (0.0, 512.0),
-           "Few-rows Triton GEMMs: forced, below 512 rows per group",
-           arch=None, dtypes=_HALF, mode="forced") for kind in ("fprop", "dgrad", "wgrad")),
+    Rule(("fprop", "dgrad", "wgrad"), "triton_persistent", (512.0, INF),
+         "Persistent Triton GEMMs: forced, the persistent kernels from 512 rows per group "
+         "(the few-rows kernels measured slower than them there)",
+         arch=None, dtypes=_HALF, mode="forced"),
+    Rule(("fprop", "dgrad", "wgrad"), "triton_rows", (0.0, 512.0),
+         "Few-rows Triton GEMMs: forced, below 512 rows per group",
+         arch=None, dtypes=_HALF, mode="forced"),
 )
 
 
@@ -313,7 +322,7 @@ def rules_text(table: tuple[Rule, ...] | None = None) -> str:
         arch = ("any" if r.arch is None else f"sm{r.arch}x") if r.device == "cuda" else (
             r.device or "*")
         dtypes = "/".join(str(d).removeprefix("torch.") for d in r.dtypes)
-        lines.append(f"{r.mode:6} {arch:5} {dtypes:16} {r.kind:10} rows {_range_text(r.rows):16}"
+        lines.append(f"{r.mode:6} {arch:5} {dtypes:16} {'/'.join(r.kinds):10} rows {_range_text(r.rows):16}"
                      f" in {_range_text(r.in_features):14} out {_range_text(r.out_features):14}"
                      f" -> {r.kernel}" + (f" ({r.config})" if r.config != "default" else ""))
     return "\n".join(lines)

@@ -88,7 +88,8 @@ def next_power_of_2(n: int) -> int:
 
 
 _SM_COUNTS: dict[int, int] = {}
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
+#: Per CUDA device index: (the capability function that read it, (major, minor)).
+_CAPABILITIES: dict[int, tuple[Any, tuple[int, int]]] = {}
 
 
 def _cuda_index_of(device: torch.device) -> int:
@@ -106,9 +107,7 @@ def _cuda_index_of(device: torch.device) -> int:
 
 
 def _read_properties(index: int) -> None:
-    props = torch.cuda.get_device_properties(index)
-    _SM_COUNTS[index] = props.multi_processor_count
-    _CAPABILITIES[index] = (props.major, props.minor)
+    _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
@@ -126,14 +125,27 @@ def sm_count(device: torch.device) -> int:
 
 def capability(device: torch.device) -> tuple[int, int]:
     """``torch.cuda.get_device_capability(device)`` of CUDA ``device``, read once per device
-    and process (see :func:`sm_count`).
+    and process (see :func:`sm_count`; the dispatch asks on every call). Read again when
+    ``torch.cuda.get_device_capability`` is replaced (a test simulating another GPU).
 
     Raises
     ------
     ValueError
         ``device`` is not a CUDA device.
     """
-    return _cached_property(device, _CAPABILITIES)
+    read = torch.cuda.get_device_capability
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    index = device.index
+    if index is None:
+        try:
+            index = torch.cuda.current_device()
+        except (AssertionError, RuntimeError):  # no CUDA runtime (fake CUDA tensors)
+            return tuple(read(device))
+    cached = _CAPABILITIES.get(index)
+    if cached is None or cached[0] is not read:
+        cached = _CAPABILITIES[index] = (read, tuple(read(index)))
+    return cached[1]
 
 
 def _cached_property(device: torch.device, table: dict) -> Any:

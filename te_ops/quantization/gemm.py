@@ -39,6 +39,7 @@ import torch
 
 from .. import env
 from ..kernels.padding import padding_backend, zero_padding_rows_
+from ..kernels.triton_launch import capability
 from . import fp8_block_triton
 from .layout import splits_layout
 from .numerics import FP8_BLOCK
@@ -71,7 +72,7 @@ def native_unsupported_reason(fmt: str, device: torch.device, dtype: torch.dtype
         return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     if torch.version.hip:
         return "FP8 grouped GEMM on ROCm is not wired up in te_ops"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major not in (9, 10):
         return f"torch._scaled_grouped_mm runs on SM90 / SM100, not SM{major}{minor}"
     if dtype != torch.bfloat16:
