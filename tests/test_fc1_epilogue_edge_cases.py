@@ -11,17 +11,21 @@ import torch
 import te_ops
 
 
-def _fake_epilogue(fc1, act, x2d, weights, splits, backend1, probs, recipe):
-    """``fc1_swiglu_forward`` as the CUDA gate answers it, on the CPU: not used under a
-    recipe, else fc1's GEMM and the activation from torch ops (the fused launch's values)."""
+def _fake_choice(fc1, act, x2d, splits, backend1, recipe):
+    """``fc1_swiglu_choice`` as the CUDA gate answers it, on the CPU: not used under a
+    recipe, else the activation's backend."""
+    if recipe is not None:
+        return None
+    return act.select_backend(x2d.new_empty(0, fc1.out_features))
+
+
+def _fake_launch(act, x2d, weights, splits, backend1, probs):
+    """The fused launch's values from torch ops: fc1's GEMM, then the activation."""
     from te_ops.basic.swiglu import swiglu_forward
     from te_ops.gemm.dispatch import grouped_fprop
 
-    if recipe is not None:
-        return None
-    backend_act = act.select_backend(x2d.new_empty(0, fc1.out_features))
     h = grouped_fprop(x2d, weights, splits, backend1)
-    return h, swiglu_forward(h, None, probs, backend_act), backend_act
+    return h, swiglu_forward(h, None, probs, act.select_backend(h))
 
 
 def test_epilogue_call_drops_an_earlier_calls_recipe_record(monkeypatch):
@@ -31,7 +35,8 @@ def test_epilogue_call_drops_an_earlier_calls_recipe_record(monkeypatch):
     from te_ops.fused import grouped_mlp
     from te_ops.quantization import Float8CurrentScaling
 
-    monkeypatch.setattr(grouped_mlp, "fc1_swiglu_forward", _fake_epilogue)
+    monkeypatch.setattr(grouped_mlp, "fc1_swiglu_choice", _fake_choice)
+    monkeypatch.setattr(grouped_mlp, "fc1_swiglu_forward", _fake_launch)
     torch.manual_seed(0)
     block = te_ops.Sequential(te_ops.GroupedLinear(4, 32, 64, bias=False),
                               te_ops.ScaledSwiGLU(),

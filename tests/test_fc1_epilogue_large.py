@@ -15,12 +15,11 @@ import pytest
 import torch
 from gemm_force import FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 from block_replay import assert_graph_and_compile_match_eager, run_block
-from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import ACT, LARGE, fused_fc1
 from fc1_dispatch_stubs import RecordingAct as _Act
 from grouped_cuda_helpers import fc1_block, fc1_block_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from te_ops.fused import fc1_epilogue
 from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
 from te_ops.gemm import fc1_swiglu_reason
 from te_ops.kernels.swiglu_triton import ActivationChoice
@@ -56,7 +55,7 @@ def test_zero_turns_it_off(monkeypatch):
 
 
 def test_general_path_launches_the_persistent_kernel(monkeypatch):
-    """``fc1_swiglu_forward`` with fc1's fprop in the persistent kernel and ``1``: one call of
+    """the fused fc1 launch with fc1's fprop in the persistent kernel and ``1``: one call of
     ``large_fc1_swiglu`` (not the few-rows kernel), recorded for ``explain()``; under auto
     none, and the reason recorded."""
     calls = []
@@ -73,12 +72,12 @@ def test_general_path_launches_the_persistent_kernel(monkeypatch):
         x, w = torch.zeros(128, 4, device=cuda), torch.zeros(2, 8, 4, device=cuda)
         p = torch.ones(128, device=cuda)
         with_rows(monkeypatch, last=FC1_FUSED_ANY)
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
+        assert fused_fc1(fc1, act, x, w, splits, LARGE, p, None) == \
             ("h", "a", ACT)
         assert calls[0][0] is x and calls[0][1] is w and calls[0][3] is p
         assert "persistent many-rows kernel, large_fc1_swiglu" in act.records[-1][1]
         with_rows(monkeypatch)
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
+        assert fused_fc1(fc1, act, x, w, splits, LARGE, p, None) is None
     assert act.records[-1][1].startswith("not used: fc1's fprop runs in the persistent")
     assert len(calls) == 1
 

@@ -25,7 +25,7 @@ import torch
 from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
 import torch.nn.functional as F
 from block_replay import assert_graph_and_compile_match_eager, count_launches, run_block
-from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import ACT, LARGE, fused_fc1
 from fc1_dispatch_stubs import RecordingAct as _Act
 from grouped_cuda_helpers import (
     assert_replay_with_new_offsets_equal_to_eager,
@@ -36,7 +36,6 @@ from grouped_cuda_helpers import (
 from sm90_compile import compile_gluon_for_sm90, skip_without_gluon
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from te_ops.fused import fc1_epilogue
 from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
 from te_ops.gemm import fc1_swiglu_reason
 from te_ops.gemm import fc1_swiglu_gluon as FG
@@ -142,15 +141,15 @@ def test_reason_and_general_path_route_the_rule_shapes(monkeypatch):
         act = _Act()
         x, w = torch.zeros(128, 4, device=CUDA), torch.zeros(2, 8, 4, device=CUDA)
         p = torch.ones(128, device=CUDA)
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) == \
+        assert fused_fc1(fc1, act, x, w, splits, LARGE, p, None) == \
             ("gh", "ga", ACT)
         assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in act.records[-1][1]
         with_rows(monkeypatch, first=NO_FC1_FUSED)
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, p, None) is None
+        assert fused_fc1(fc1, act, x, w, splits, LARGE, p, None) is None
         with_rows(monkeypatch, last=FC1_FUSED_ANY)
         x96 = torch.zeros(96, 4, device=CUDA)  # 48 rows per group: off the rule
         splits.num_rows = 96
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x96, w, splits, LARGE, p, None) == \
+        assert fused_fc1(fc1, act, x96, w, splits, LARGE, p, None) == \
             ("h", "a", ACT)
         assert "large_fc1_swiglu; the fc1_swiglu row" in act.records[-1][1]
     assert gluon == [x] and large == [x96]

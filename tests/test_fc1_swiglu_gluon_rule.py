@@ -17,11 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gemm_force import FC1_GLUON_ROW, FC1_FUSED_ANY, NO_FC1_FUSED, with_rows
-from fc1_dispatch_stubs import ACT, LARGE
+from fc1_dispatch_stubs import ACT, LARGE, fused_fc1
 from fc1_dispatch_stubs import RecordingAct as _Act
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from te_ops.fused import fc1_epilogue
 from te_ops.gemm import fc1_swiglu as fc1_swiglu_mod
 from te_ops.gemm import fc1_swiglu_reason
 from te_ops.gemm import fc1_swiglu_gluon as FG
@@ -81,7 +80,7 @@ def test_forced_triton_off_the_measured_device_keeps_two_launches_under_auto(
         w = torch.empty(8, RULE[1], RULE[0], device=CUDA, dtype=dtype)
         splits = type("S", (), {"num_rows": 8 * 512, "num_groups": 8,
                                 "offsets": torch.empty(8, device=CUDA, dtype=torch.int32)})()
-        out = fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, None, None)
+        out = fused_fc1(fc1, act, x, w, splits, LARGE, None, None)
     assert out == ("h", "a", ACT) and len(large) == 1 and not gluon
     assert "large_fc1_swiglu; the fc1_swiglu row" in act.records[-1][1]
     assert "Gluon kernel, gluon_fc1_swiglu" not in act.records[-1][1]
@@ -111,7 +110,7 @@ def test_explain_names_the_run_time_fallback(monkeypatch):
         w = torch.empty(2, 8, 4, device=CUDA, dtype=torch.bfloat16)
         splits = type("S", (), {"num_rows": 128, "num_groups": 2,
                                 "offsets": torch.empty(2, device=CUDA, dtype=torch.int32)})()
-        assert fc1_epilogue.fc1_swiglu_forward(fc1, act, x, w, splits, LARGE, None, None) == \
+        assert fused_fc1(fc1, act, x, w, splits, LARGE, None, None) == \
             ("h", "a", ACT)
     text = act.records[-1][1]
     assert ("large_fc1_swiglu; the Gluon kernel cannot take the operands: x or weights do not "

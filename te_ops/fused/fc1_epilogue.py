@@ -18,21 +18,17 @@ import torch
 from ..basic.swiglu import FC1_EPILOGUE
 from ..gemm import fc1_swiglu_launch, fc1_swiglu_reason
 
-__all__ = ["fc1_swiglu_forward"]
+__all__ = ["fc1_swiglu_choice", "fc1_swiglu_forward"]
 
 _KIND = FC1_EPILOGUE
 
 
-def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Tensor,
-                       splits: Any, backend1: Any, probs: torch.Tensor | None, recipe: Any
-                       ) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-    """``(h, a, activation backend)`` from the fused launch, or ``None`` when it does not
-    apply (the reason is recorded for ``explain()`` on the activation op; the caller then
-    runs the two launches).
-
-    Shapes: x2d (rows, in) (or a :class:`~te_ops.gemm.RowGather` of those rows), weights
-    (G, 2F, in), probs (rows,) or ``None`` -> h (rows, 2F), a (rows, F).
-    """
+def fc1_swiglu_choice(fc1: Any, act: Any, x2d: torch.Tensor, splits: Any, backend1: Any,
+                      recipe: Any) -> Any:
+    """The activation's backend when fc1's fprop and the activation run as one launch, or
+    ``None`` when they do not (the reason is then recorded for ``explain()`` on the activation
+    op; the caller runs the two launches). Reads only the call's device, dtype, rows per group
+    and fc1's features, so a plan may keep the answer for calls that share them."""
     rows_per_group = splits.num_rows / max(splits.num_groups, 1)
     triton_fprop = "fprop" in backend1.triton_kinds or "fprop" in backend1.large_kinds
     if (recipe is not None or fc1.has_bias or not triton_fprop
@@ -46,10 +42,22 @@ def fc1_swiglu_forward(fc1: Any, act: Any, x2d: torch.Tensor, weights: torch.Ten
                                                  dtype=x2d.dtype))
     why = fc1_swiglu_reason(backend1, backend_act, recipe, fc1.has_bias,
                             act.glu_interleave_size, rows_per_group, x2d.device,
-                            features=(weights.shape[2], weights.shape[1]), dtype=x2d.dtype)
+                            features=(fc1.in_features, fc1.out_features), dtype=x2d.dtype)
     if why is not None:
         act.record_dispatch(_KIND, f"not used: {why}")
         return None
+    return backend_act
+
+
+def fc1_swiglu_forward(act: Any, x2d: torch.Tensor, weights: torch.Tensor, splits: Any,
+                       backend1: Any, probs: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, a)`` from the fused launch that :func:`fc1_swiglu_choice` chose (the launch's
+    note is recorded for ``explain()`` on the activation op).
+
+    Shapes: x2d (rows, in) (or a :class:`~te_ops.gemm.RowGather` of those rows), weights
+    (G, 2F, in), probs (rows,) or ``None`` -> h (rows, 2F), a (rows, F).
+    """
     h, a, note = fc1_swiglu_launch(backend1, x2d, weights, splits.offsets, probs)
     act.record_dispatch(_KIND, note)
-    return h, a, backend_act
+    return h, a

@@ -43,11 +43,14 @@ from ..basic.grouped_linear import GroupedLinear, GroupedLinearSaved, check_prob
 from ..basic.moe import Permute
 from ..basic.swiglu import ScaledSwiGLU, SwiGLU, SwiGLUSaved, swiglu_backward, swiglu_forward
 from ..fuser import PlanInfo, match_window, register_backward_fusion, register_forward_fusion
-from ..gemm import RowGather, rows_for
+from ..gemm import RowGather, rows_for, rules
+from ..gemm.dispatch import probe_settled
+from ..gemm import registry as gemm_registry
 from ..op import FusedOperation, FusibleOperation, fed_from
 from ..quantization.autocast import check_operand_dtype, swiglu_output_operand
 from ..shapes import as_shape, rows_2d
-from .fc1_epilogue import fc1_swiglu_forward
+from ..tracing import tracing
+from .fc1_epilogue import fc1_swiglu_choice, fc1_swiglu_forward
 from .fc1_recompute import fused_forward_recompute, note_plan
 
 __all__ = [
@@ -57,6 +60,9 @@ __all__ = [
     "fuse_grouped_mlp_forward",
     "fuse_grouped_mlp_backward",
 ]
+
+#: Most call kinds (device, dtype, rows, ...) one fused forward keeps its choices for.
+MAX_CHOICES = 64
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_DEVICES = ("cpu", "cuda", "meta")
@@ -167,6 +173,46 @@ class ForwardGroupedMLP(FusedOperation):
         y, outputs = self._forward(basic_op_ctxs, input_, basic_op_extra_inputs, recipe)
         return y, outputs if permute_outputs is None else [permute_outputs, *outputs]
 
+    def _choices(self, x2d: Any, splits: Any, recipe: Any) -> tuple[Any, Any, Any]:
+        """fc1's GEMM backend, the activation's backend where fc1's fprop and the activation
+        run as one launch (else ``None``), and fc2's GEMM backend, with their ``explain()``
+        records. They depend on the call's device, dtype, split-size kind, rows and groups,
+        the rules table and the kernel registry, and on what the plan is keyed on (recipe,
+        ``TE_OPS_*`` values, which ops need grad): so this op, which belongs to one plan,
+        keeps them per such call kind (at most :data:`MAX_CHOICES`) and a repeated call
+        replays the records instead of asking the dispatch again (not while tracing: a
+        traced row count is symbolic)."""
+        fc1, act, fc2 = self.basic_ops[-3:]
+        ops = (fc1, act, fc2)
+        key = memo = None
+        if not tracing():
+            key = (x2d.device, x2d.dtype, splits.on_device, splits.num_rows,
+                   splits.num_groups, isinstance(x2d, RowGather), rules.VERSION[0],
+                   gemm_registry.VERSION[0], act.glu_interleave_size)
+            memo = self.__dict__.setdefault("_choice_memo", {})
+            hit = memo.get(key)
+            if hit is not None:
+                for op, records in zip(ops, hit[1]):
+                    op.__dict__.setdefault("_dispatch_records", {}).update(records)
+                return hit[0]
+        # The choices record into fresh dicts, merged below: the records this call kind makes.
+        kept = [op.__dict__.pop("_dispatch_records", {}) for op in ops]
+        try:
+            backend1 = fc1.select_backend(x2d, splits)
+            fused_act = fc1_swiglu_choice(fc1, act, x2d, splits, backend1, recipe)
+            backend2 = fc2.select_backend(x2d, splits)  # fc2's input: x's dtype and device
+        finally:
+            made = [op.__dict__.pop("_dispatch_records", {}) for op in ops]
+            for op, old, new in zip(ops, kept, made):
+                old.update(new)
+                op.__dict__["_dispatch_records"] = old
+        choices = (backend1, fused_act, backend2)
+        if memo is not None and probe_settled(x2d.device, x2d.dtype):
+            if len(memo) >= MAX_CHOICES:
+                memo.clear()
+            memo[key] = (choices, made)
+        return choices
+
     def _forward(self, basic_op_ctxs, input_, basic_op_extra_inputs, recipe):
         """fc1 -> act -> fc2 on ``input_``, a tensor or a ``RowGather`` of fc1's input rows."""
         fc1, act, fc2 = self.basic_ops[-3:]
@@ -199,24 +245,24 @@ class ForwardGroupedMLP(FusedOperation):
                                        ("fc2 probs", ex2, 1, fc2.scale_bias)))
 
         x2d = input_ if gathered else rows_2d(input_, fc1.in_features)
-        backend1 = fc1.select_backend(x2d, splits)
+        backend1, fused_act, backend2 = self._choices(x2d, splits, recipe)
         ops1 = fc1.forward_operands(ctx1, x2d, splits, recipe, weight_operand=w_ops1)
         # At decode sizes fc1's fprop and the activation run as one Triton launch (same bits
         # and saved layout; fused/fc1_epilogue.py says where); else two.
-        epilogue = fc1_swiglu_forward(fc1, act, x2d, ops1[1], splits, backend1,
-                                      None if probs_act is None else as_shape(probs_act,
-                                                                              (rows,)), recipe)
-        if epilogue is None:
+        if fused_act is None:
             h = fc1.forward_math(x2d, splits, backend1, probs1, recipe, ops1)
         else:
-            h, a_epilogue, backend_act = epilogue
+            h, a_epilogue = fc1_swiglu_forward(
+                act, x2d, ops1[1], splits, backend1,
+                None if probs_act is None else as_shape(probs_act, (rows,)))
+            backend_act = fused_act
             fc1._record_recipe(recipe, x2d, backend1)  # as forward_math: drop a stale note
             fc1.record_row_gather(backend1, ("fprop", "wgrad") if gathered else ())
         h = as_shape(h, (*lead, fc1.out_features))
         act.check_input(h)
         if probs_act is not None:
             probs_act = as_shape(probs_act, lead)
-        if epilogue is None:
+        if fused_act is None:
             backend_act = act.select_backend(h)
         # fc2's input is recomputed in backward when the activation saves its input: no
         # column-wise copy of it here then, and under a recipe with a kernel for it
@@ -228,14 +274,13 @@ class ForwardGroupedMLP(FusedOperation):
                                         None if probs_act is None else as_shape(probs_act,
                                                                                 (rows,)))
         a2d = None
-        if epilogue is not None:
+        if fused_act is not None:
             a2d = a_epilogue
         elif a_q is None:
             a = swiglu_forward(h, act.glu_interleave_size, probs_act, backend_act)
             a2d = as_shape(a, (rows, fc2.in_features))
         a_shape = (*lead, fc2.in_features)
         like_a = h if a2d is None else a2d  # the activation output's dtype and device
-        backend2 = fc2.select_backend(like_a, splits)
         ops2 = fc2.forward_operands(ctx2, a2d, splits, recipe,
                                     save_input=not ctx_act.requires_grad, weight_operand=w_ops2,
                                     input_operand=a_q)

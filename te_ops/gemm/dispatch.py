@@ -212,6 +212,13 @@ def row_gather_reason(backend: BackendChoice, kind: str) -> str | None:
             f"transient copy first")
 
 
+def probe_settled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the ``torch._grouped_mm`` probe for ``device`` and ``dtype`` ran (before it
+    has, e.g. inside a CUDA graph capture, a choice may differ from the settled one, so
+    callers keep only choices made after it)."""
+    return (device.type, device.index, dtype) in _PROBE_CACHE
+
+
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
     key = (device.type, device.index, dtype)
     if key in _PROBE_CACHE:
@@ -432,7 +439,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, in_features: int,
     if choice is None:
         choice = _select_backend(device, dtype, in_features, out_features, device_split_sizes,
                                  forced, graph_safe, kinds, large, gluon, picks)
-        if (device.type, device.index, dtype) in _PROBE_CACHE:  # only settled probes
+        if probe_settled(device, dtype):
             if len(_CHOICES) >= 256:
                 _CHOICES.clear()
             _CHOICES[key] = choice
