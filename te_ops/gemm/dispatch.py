@@ -640,7 +640,8 @@ def _measured_on_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if why is not None:
         return why
     arch = device_arch(device)
-    auto_rows = [r for r in rules.RULES if r.mode == "auto" and set(r.kinds) & set(_KINDS)]
+    auto_rows = [r for r in rules.RULES if r.mode == "auto"
+                 and any(k in _KINDS for k in r.kinds)]
     if not any(dtype in r.dtypes for r in auto_rows):
         return f"auto takes the Triton GEMMs for bfloat16 only (measured), not {dtype}"
     if not any(r.arch is None or r.arch == arch for r in auto_rows):

@@ -128,7 +128,7 @@ class Rule:
     device: str | None = "cuda"
 
     def __post_init__(self) -> None:
-        kinds = (self.kind,) if isinstance(self.kind, str) else self.kind
+        kinds = self.kinds
         if (not isinstance(kinds, tuple) or not kinds
                 or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds)):
             raise ValueError(f"Rule kind must be one of {KINDS} or a tuple of distinct ones, "
@@ -322,7 +322,8 @@ def rules_text(table: tuple[Rule, ...] | None = None) -> str:
         arch = ("any" if r.arch is None else f"sm{r.arch}x") if r.device == "cuda" else (
             r.device or "*")
         dtypes = "/".join(str(d).removeprefix("torch.") for d in r.dtypes)
-        lines.append(f"{r.mode:6} {arch:5} {dtypes:16} {'/'.join(r.kinds):10} rows {_range_text(r.rows):16}"
+        kinds = "/".join(r.kinds)
+        lines.append(f"{r.mode:6} {arch:5} {dtypes:16} {kinds:10} rows {_range_text(r.rows):16}"
                      f" in {_range_text(r.in_features):14} out {_range_text(r.out_features):14}"
                      f" -> {r.kernel}" + (f" ({r.config})" if r.config != "default" else ""))
     return "\n".join(lines)

@@ -136,12 +136,10 @@ def capability(device: torch.device) -> tuple[int, int]:
     read = torch.cuda.get_device_capability
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
-    index = device.index
-    if index is None:
-        try:
-            index = torch.cuda.current_device()
-        except (AssertionError, RuntimeError):  # no CUDA runtime (fake CUDA tensors)
-            return tuple(read(device))
+    try:
+        index = _cuda_index_of(device)
+    except (AssertionError, RuntimeError):  # no CUDA runtime (fake CUDA tensors)
+        return tuple(read(device))
     cached = _CAPABILITIES.get(index)
     if cached is None or cached[0] is not read:
         cached = _CAPABILITIES[index] = (read, tuple(read(index)))
