@@ -131,7 +131,7 @@ class GroupedSplits:
     def group_ids(self) -> torch.Tensor:
         """Shape (num_rows,), int64: the group of each row (padding rows: ``num_groups``)."""
         if self._group_ids is None:
-            self._group_ids = _row_groups(self.base_offsets[1:], self.num_rows)
+            self._group_ids = _row_groups(self.base_offsets, self.num_rows)
         return self._group_ids
 
     @property
@@ -404,14 +404,21 @@ def _check_whole(sizes: list[float], name: str) -> None:
             raise ValueError(f"{name}[{i}] must be within int64's range, got {v}")
 
 
-def _row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Shape (num_rows,) int64: the number of group ends <= each row index (= its group)."""
-    rows = torch.arange(num_rows, device=ends.device, dtype=torch.int64)
-    if ends.device.type == "cpu":
+def _row_groups(base_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Shape (num_rows,) int64: the number of group ends <= each row index (= its group;
+    padding rows: G), from ``base_offsets`` (G + 1,): the group starts, then the total.
+
+    The search runs over ``base_offsets`` itself, not its ends view ``base_offsets[1:]``, and
+    takes one off for the leading 0 (the same values for every row index >= 0): inductor's
+    ``searchsorted`` lowering in torch 2.11 ignores the storage offset of a sliced boundaries
+    tensor and searched from the table's first entry (pytorch/pytorch#182343), which gave
+    compiled CUDA blocks the wrong bias rows and blockwise-FP8 tiles."""
+    rows = torch.arange(num_rows, device=base_offsets.device, dtype=torch.int64)
+    if base_offsets.device.type == "cpu":
         # Same values as searchsorted(right=True); on a loaded 2-core host torch's CPU
         # searchsorted spent milliseconds in its thread pool for a few hundred rows.
-        return (rows.unsqueeze(1) >= ends.unsqueeze(0)).sum(1)
-    return torch.searchsorted(ends, rows, right=True)
+        return (rows.unsqueeze(1) >= base_offsets[1:].unsqueeze(0)).sum(1)
+    return torch.searchsorted(base_offsets, rows, right=True) - 1
 
 
 def _check_host(sizes: list[int], num_rows: int, name: str) -> None:

@@ -116,6 +116,37 @@ def test_make_splits_bad_device_sizes_still_raise():
         make_splits(torch.tensor([1.5, 3.0]), 2, 6, torch.device("cpu"))
 
 
+def test_group_id_searches_take_boundaries_at_storage_offset_zero(monkeypatch):
+    """Every ``torch.searchsorted`` of a block step (bias rows; the blockwise-FP8 column layout)
+    gets boundaries at storage offset 0: inductor's lowering in torch 2.11 ignores a sliced
+    view's offset (pytorch/pytorch#182343) and gave compiled CUDA blocks the wrong groups.
+    Meta tensors take the device branch (the CPU one counts ends without a search)."""
+    import te_ops
+    from te_ops.recipe import Float8BlockScaling
+    from test_graph_safety import inputs, make_block
+
+    offsets: list[int] = []
+    real = torch.searchsorted
+
+    def recording(boundaries, values, **kw):
+        offsets.append(boundaries.storage_offset())
+        return real(boundaries, values, **kw)
+
+    monkeypatch.setattr(torch, "searchsorted", recording)
+    block = make_block(device="meta", bias=True, hidden=160, ffn=136)
+    x, sizes, probs = inputs("meta", hidden=160)
+    with te_ops.autocast(recipe=Float8BlockScaling()):
+        y = block(x, sizes, probs, sizes)
+    y.backward(torch.empty_like(y))
+    assert len(offsets) >= 2 and set(offsets) == {0}, offsets
+
+
+def test_group_ids_of_padding_and_empty_groups():
+    sizes = [3, 0, 2, 0]
+    splits = make_splits(torch.tensor(sizes), 4, 7, torch.device("cpu"))
+    assert splits.group_ids.tolist() == [0, 0, 0, 2, 2, 4, 4]
+
+
 # ------------------------------------------------------------------------------ CUDA
 def _random_sizes(groups: int, rows: int, dtype: torch.dtype, gen: torch.Generator):
     # int8 / uint8 hold up to 127, bfloat16 whole numbers exactly up to 256
@@ -167,9 +198,11 @@ def test_make_splits_cuda_equals_cpu(dtype):
     dev = sizes.to(CUDA)
     gpu = make_splits(dev, 8, 70, dev.device)
     cpu = make_splits(sizes, 8, 70, torch.device("cpu"))
-    for name in ("split_sizes", "offsets", "base_offsets"):
+    for name in ("split_sizes", "offsets", "base_offsets", "group_ids"):
         a, b = getattr(gpu, name), getattr(cpu, name)
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+    want = [g for g, n in enumerate([0, 1, 3, 0, 17, 2, 0, 40]) for _ in range(n)]
+    assert cpu.group_ids.tolist() == want + [8] * (70 - len(want))  # padding rows: G
     torch.cuda.synchronize()  # the device-side assert passed
 
 

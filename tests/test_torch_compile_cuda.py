@@ -3,7 +3,8 @@
 ``mode="default"``, ``"max-autotune-no-cudagraphs"`` and ``"reduce-overhead"`` (CUDA graph
 trees) compile the bf16 block ``GroupedLinear -> ScaledSwiGLU -> GroupedLinear`` (no bias, so
 every op of the graph is a te_ops kernel: ``te_ops::grouped_mm``, the Triton SwiGLU and
-padding ``triton_op``s, integer split metadata) with ``fullgraph=True``. Five routings the
+padding ``triton_op``s, integer split metadata) with ``fullgraph=True``; the default mode also
+with biases (their rows gathered by group id). Five routings the
 trace never saw (padding rows, empty experts, all in one expert) replay the same graph: one
 frame, no recompile, no cudagraph skip, and the output and every gradient bitwise equal to
 an eager run. Inductor runs with ``emulate_precision_casts`` (it rounds intermediates as eager
@@ -32,10 +33,10 @@ ROUTINGS = ([64, 0, 100, 60], [0, 0, 256, 0], [64, 64, 64, 64], [10, 20, 30, 40]
             [200, 0, 0, 1])
 
 
-def _block(fusion: str, monkeypatch) -> te_ops.Sequential:
+def _block(fusion: str, monkeypatch, bias: bool = False) -> te_ops.Sequential:
     monkeypatch.setenv("TE_OPS_FUSION", fusion)
     torch.manual_seed(0)
-    kw = {"bias": False, "device": DEVICE, "dtype": torch.bfloat16}
+    kw = {"bias": bias, "device": DEVICE, "dtype": torch.bfloat16}
     return te_ops.Sequential(te_ops.GroupedLinear(E, H, 2 * FF, **kw), te_ops.ScaledSwiGLU(),
                              te_ops.GroupedLinear(E, FF, H, **kw))
 
@@ -57,6 +58,14 @@ def _step(fn, block, x, splits, probs, mark_step=False):
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs", "reduce-overhead"])
 def test_compiled_modes_match_eager_bitwise(mode: str, fusion: str, monkeypatch) -> None:
     _check_compiled_bitwise(_block(fusion, monkeypatch), mode)
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
+def test_biased_block_compiles_bitwise(fusion: str, monkeypatch) -> None:
+    """With biases (rows gathered by group id: a ``searchsorted`` over the split table, which
+    inductor mis-lowers for a sliced boundaries view, pytorch/pytorch#182343) the compiled
+    block equals eager bitwise over every routing, padding rows and empty experts included."""
+    _check_compiled_bitwise(_block(fusion, monkeypatch, bias=True), "default")
 
 
 def _check_compiled_bitwise(block: te_ops.Sequential, mode: str,

@@ -76,7 +76,9 @@ def column_layout(split_sizes: torch.Tensor, base_offsets: torch.Tensor, num_row
     within = pos - starts_x[gid]
     src = torch.where(within < sizes_x[gid], base_x[gid] + within, torch.full_like(pos, num_rows))
     rows = torch.arange(num_rows, device=dev)
-    row_gid = torch.searchsorted(base_offsets[1:].to(torch.int64), rows, right=True)
+    # over base_offsets itself, one off for its leading 0: not the slice base_offsets[1:],
+    # whose storage offset inductor's searchsorted ignores (te_ops.splits._row_groups)
+    row_gid = torch.searchsorted(base_offsets.to(torch.int64), rows, right=True) - 1
     row_gid = torch.where(rows < base_offsets[-1], row_gid, torch.full_like(rows, g))
     dest = torch.where(row_gid < g, rows - base_x[row_gid] + starts_x[row_gid],
                        torch.full_like(rows, capacity))
