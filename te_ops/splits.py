@@ -385,7 +385,7 @@ def _cpu_has_padding(ends: torch.Tensor, num_rows: int) -> bool | None:
 
     if ends.device.type != "cpu" or tracing():
         return None
-    return int(ends[-1]) < num_rows
+    return (int(ends[-1]) if ends.numel() else 0) < num_rows  # no groups: every row pads
 
 
 def _host_tensor(host_sizes: list, device: torch.device) -> torch.Tensor:
@@ -408,8 +408,9 @@ def _row_groups(base_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Shape (num_rows,) int64: the number of group ends <= each row index (= its group;
     padding rows: G), from ``base_offsets`` (G + 1,): the group starts, then the total.
 
-    The search runs over ``base_offsets`` itself, not its ends view ``base_offsets[1:]``, and
-    takes one off for the leading 0 (the same values for every row index >= 0): inductor's
+    The search runs over ``base_offsets`` itself (storage offset 0, first entry 0 in every
+    ``GroupedSplits``), not its ends view ``base_offsets[1:]``, and takes one off for the
+    leading 0 (the same values for every row index >= 0): inductor's
     ``searchsorted`` lowering in torch 2.11 ignores the storage offset of a sliced boundaries
     tensor and searched from the table's first entry (pytorch/pytorch#182343), which gave
     compiled CUDA blocks the wrong bias rows and blockwise-FP8 tiles."""

@@ -145,6 +145,9 @@ def test_group_ids_of_padding_and_empty_groups():
     sizes = [3, 0, 2, 0]
     splits = make_splits(torch.tensor(sizes), 4, 7, torch.device("cpu"))
     assert splits.group_ids.tolist() == [0, 0, 0, 2, 2, 4, 4]
+    for sizes in (torch.zeros(0, dtype=torch.int64), []):  # no groups: every row is padding
+        none = make_splits(sizes, 0, 3, torch.device("cpu"))
+        assert none.group_ids.tolist() == [0, 0, 0] and none.has_padding is True
 
 
 # ------------------------------------------------------------------------------ CUDA
