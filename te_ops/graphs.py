@@ -20,6 +20,7 @@ while the routing (split sizes, probs) and the token values change.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -406,7 +407,9 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
        exist before capture), then once more under
        ``torch.cuda.set_sync_debug_mode("error")`` (``check_sync=True``), which turns any host
        sync, also in modules te_ops cannot inspect, into a clear error instead of a failed
-       capture. Both runs use ``torch.autograd.grad``, so no ``.grad`` is touched.
+       capture. Both runs use ``torch.autograd.grad``, so no ``.grad`` is touched;
+    3. collects cyclic garbage and keeps Python's collector off during warm-up and capture: a
+       collection inside a capture that frees an earlier capture's graph invalidates it.
 
     Parameters
     ----------
@@ -522,13 +525,36 @@ def make_graphed_callable(module: torch.nn.Module, sample_inputs: Sequence[torch
             _sync_check(eager_step)
         torch.cuda.synchronize()
 
-        graphed = torch.cuda.make_graphed_callables(
-            call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
-            allow_unused_input=True,
-        )
+        with _gc_paused():
+            graphed = torch.cuda.make_graphed_callables(
+                call, (*unique, *params), num_warmup_iters=num_warmup_iters, pool=pool,
+                allow_unused_input=True,
+            )
         torch.cuda.synchronize()
     return GraphedCallable(module, tuple(static_inputs), arg_map, params, graphed,
                            clone_param_grads)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Collect cyclic garbage now, then keep Python's collector off until the block ends (its
+    previous state restored, also on an error).
+
+    A collection during a capture may free an unreachable CUDA graph of an earlier capture:
+    ``torch.cuda.make_graphed_callables`` keeps its graphs in an autograd Function class it
+    defines per call, and a class is always in a reference cycle, so only the collector frees
+    them. Destroying a graph while a stream captures invalidates that capture (the next launch
+    raises "operation failed due to a previous error during capture"), and
+    ``torch.cuda.graph`` no longer collects before capturing unless
+    ``torch.compiler.config.force_cudagraph_gc`` is set."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -194,6 +194,23 @@ def test_replay_matches_eager_bitwise(monkeypatch, fusion, dtype):
     assert any(op.is_fused_op for op, _ in plan.forward_ops) == (fusion == "1")
 
 
+def test_capture_runs_with_the_cyclic_collector_off(monkeypatch):
+    """Warm-up and capture run with Python's collector off (a collection that frees an
+    earlier capture's graph mid-capture invalidates the capture); it is on again after."""
+    import gc
+
+    seen: list[bool] = []
+    real = torch.cuda.make_graphed_callables
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", recording)
+    _graphed_pair(torch.bfloat16)
+    assert seen == [False] and gc.isenabled()
+
+
 def test_replay_gradients_accumulate_like_eager():
     block, graphed, twin = _graphed_pair(torch.bfloat16)
     batches = [Batch(kind, seed, torch.bfloat16) for seed, kind in enumerate(ROUTINGS[:3])]

@@ -295,6 +295,39 @@ def test_make_graphed_callable_argument_errors():
         make_graphed_callable(block, (x, sizes, 0.5, sizes))
 
 
+def test_capture_pauses_the_cyclic_collector_after_collecting():
+    """``_gc_paused`` (around ``torch.cuda.make_graphed_callables``): cyclic garbage made
+    before it is collected on entry, the collector is off inside and back on after, also when
+    the block raises; a collector the caller had turned off stays off."""
+    import gc
+    import weakref
+
+    from te_ops.graphs import _gc_paused
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the collector frees it
+    alive = weakref.ref(a)
+    del a, b
+    with _gc_paused():
+        assert alive() is None and not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with _gc_paused():
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_make_graphed_callable_needs_cuda():
     block = make_block()
     x, sizes, probs = inputs()
