@@ -165,12 +165,6 @@ def swiglu_forward(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     return _forward(x, probs, _fwd_kernel)
 
 
-def backward_eager(x: torch.Tensor, grad_output: torch.Tensor, probs: torch.Tensor | None,
-                   write_output: bool, grad_into_input: bool):
-    """:func:`swiglu_backward` for a caller that knows it runs eagerly."""
-    return _backward(x, grad_output, probs, write_output, grad_into_input, _bwd_kernel)
-
-
 def _forward(x: torch.Tensor, probs: torch.Tensor | None, kernel) -> torch.Tensor:
     F = x.shape[-1] // 2
     rows = x.numel() // max(x.shape[-1], 1)
