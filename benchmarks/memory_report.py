@@ -80,8 +80,9 @@ def measure(args: argparse.Namespace, fwd_fused: bool, bwd_fused: bool,
             recompute: bool = False) -> dict:
     """One forward+backward with the given fusion toggles (and ``recompute_input``); returns
     the counts."""
-    with env_override(TE_OPS_FUSE_GROUPED_MLP_FORWARD="1" if fwd_fused else "0",
-                      TE_OPS_FUSE_GROUPED_MLP_BACKWARD="1" if bwd_fused else "0"):
+    off = [name for name, fused in (("grouped_mlp_forward", fwd_fused),
+                                    ("grouped_mlp_backward", bwd_fused)) if not fused]
+    with env_override(TE_OPS_FUSION_OFF=",".join(off)):
         return _measure(args, recompute)
 
 

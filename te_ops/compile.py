@@ -181,7 +181,7 @@ def check_env_eagerly(env_values: tuple) -> None:
     accepted: inside the traced call it would surface deep in a fake-tensor error."""
     for (name, var), value in zip(env.ENV_VARS.items(), env_values):
         text = var.default if value is None or not value.strip() else value.strip().lower()
-        if text not in var.choices:
+        if var.choices and text not in var.choices:  # lists (no choices): their reader checks
             torch._dynamo.graph_break(msg=f"te_ops: environment variable {name} must be one of "
                                           f"{list(var.choices)}, got {text!r}")
             _read_env(name)

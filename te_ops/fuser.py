@@ -71,6 +71,7 @@ __all__ = [
     "register_forward_fusion",
     "register_backward_fusion",
     "registered_fusions",
+    "fusions_off",
     "unregister_fusion",
     "fusible_as",
     "match_window",
@@ -82,12 +83,12 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 @dataclass
 class Fusion:
-    """A registered fusion: its pass, its name, the function and the env toggle that gates it."""
+    """A registered fusion: its pass, its name (what ``TE_OPS_FUSION_OFF`` lists to turn it
+    off) and the function."""
 
     kind: str  # "joint" | "forward" | "backward"
     name: str
     func: FusionFunc
-    env_var: str | None = None
 
 
 _FUSIONS: list[Fusion] = []
@@ -98,11 +99,8 @@ _REGISTRY_VERSION = [0]
 MAX_CACHED_PLANS = 16
 
 
-def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None, env_var: str | None):
-    if env_var is not None and env_var not in env.ENV_VARS:
-        raise ValueError(f"env_var must be a variable declared in te_ops.env, got {env_var!r}")
-    fusion = Fusion(kind=kind, name=name or getattr(func, "__name__", repr(func)), func=func,
-                    env_var=env_var)
+def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None) -> Fusion:
+    fusion = Fusion(kind=kind, name=name or getattr(func, "__name__", repr(func)), func=func)
     if prepend:
         _FUSIONS.insert(0, fusion)
     else:
@@ -111,22 +109,23 @@ def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None, env_
     return fusion
 
 
-def register_joint_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
-                          env_var: str | None = None) -> Fusion:
-    """Register a fusion whose result is used for both forward and backward."""
-    return _register("joint", func, prepend, name, env_var)
+def register_joint_fusion(func: FusionFunc, prepend: bool = False, *,
+                          name: str | None = None) -> Fusion:
+    """Register a fusion whose result is used for both forward and backward (``name``, default
+    the function's name, is what ``TE_OPS_FUSION_OFF`` lists to turn it off)."""
+    return _register("joint", func, prepend, name)
 
 
-def register_forward_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
-                            env_var: str | None = None) -> Fusion:
-    """Register a forward-only fusion (``env_var``, if given, must be '1' for it to run)."""
-    return _register("forward", func, prepend, name, env_var)
+def register_forward_fusion(func: FusionFunc, prepend: bool = False, *,
+                            name: str | None = None) -> Fusion:
+    """Register a forward-only fusion (``name`` as :func:`register_joint_fusion`)."""
+    return _register("forward", func, prepend, name)
 
 
-def register_backward_fusion(func: FusionFunc, prepend: bool = False, *, name: str | None = None,
-                             env_var: str | None = None) -> Fusion:
-    """Register a backward-only fusion (``env_var``, if given, must be '1' for it to run)."""
-    return _register("backward", func, prepend, name, env_var)
+def register_backward_fusion(func: FusionFunc, prepend: bool = False, *,
+                             name: str | None = None) -> Fusion:
+    """Register a backward-only fusion (``name`` as :func:`register_joint_fusion`)."""
+    return _register("backward", func, prepend, name)
 
 
 def unregister_fusion(fusion: Fusion) -> None:
@@ -268,15 +267,48 @@ class _Plan:
     info: PlanInfo
 
 
+def fusions_off() -> frozenset[str]:
+    """The fusion names ``TE_OPS_FUSION_OFF`` lists (comma-separated; blanks ignored).
+
+    Raises
+    ------
+    ValueError
+        A listed name is not a registered fusion's; the message names the variable, the name
+        and the registered ones.
+    """
+    names = _fusion_names(env.read("TE_OPS_FUSION_OFF"))
+    message = _unknown_fusions_message(names)
+    if message is not None:
+        raise ValueError(message)
+    return names
+
+
+def _fusion_names(text: str | None) -> frozenset[str]:
+    return frozenset(n.strip() for n in (text or "").lower().split(",") if n.strip())
+
+
+def _unknown_fusions_message(names: frozenset[str]) -> str | None:
+    unknown = names - {f.name for f in _FUSIONS}
+    if not unknown:
+        return None
+    return (f"environment variable TE_OPS_FUSION_OFF names {sorted(unknown)}, which are not "
+            f"registered fusions (registered: {[f.name for f in _FUSIONS]})")
+
+
+@torch._dynamo.disable
+def _fusions_off_eagerly() -> None:
+    fusions_off()
+
+
 def _run_pass(kind: str, ops: list[FusibleOperation], recipe: Any, info: PlanInfo,
-              enabled: bool) -> list[FusibleOperation]:
+              enabled: bool, off_names: frozenset[str]) -> list[FusibleOperation]:
     for fusion in _FUSIONS:
         if fusion.kind != kind:
             continue
         info._current = fusion.name
         off = ("TE_OPS_FUSION=0 turns every fusion off" if not enabled
-               else f"{fusion.env_var}=0" if fusion.env_var is not None
-               and not env.read_bool(fusion.env_var) else None)
+               else f"TE_OPS_FUSION_OFF lists {fusion.name}" if fusion.name in off_names
+               else None)
         if off is None:
             ops = fusion.func(ops, recipe=recipe, info=info)
         elif _would_fuse(fusion, ops, recipe, info):  # noted only where its pattern is
@@ -380,9 +412,10 @@ class OperationFuser:
             recipe=recipe,
         )
         enabled = env.read_bool("TE_OPS_FUSION")
-        joint = _run_pass("joint", list(self.basic_ops), recipe, info, enabled)
-        forward = _run_pass("forward", list(joint), recipe, info, enabled)
-        backward = _run_pass("backward", list(joint), recipe, info, enabled)
+        off = fusions_off()
+        joint = _run_pass("joint", list(self.basic_ops), recipe, info, enabled, off)
+        forward = _run_pass("forward", list(joint), recipe, info, enabled, off)
+        backward = _run_pass("backward", list(joint), recipe, info, enabled, off)
         # The plan must not keep the call's tensors alive.
         info.extra_inputs = [tuple(_extra_input_signature(v) for v in g) for g in extra_inputs]
         return _Plan(self._with_indices(forward), self._with_indices(backward), info)
@@ -533,10 +566,19 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
     params = [p for op in fuser.basic_ops for _, p in _traced_params(op)]
     env_values = tuple(env_value(name) for name in env.ENV_VARS)
     check_env_eagerly(env_values)  # a bad TE_OPS_* value: te_ops' own error, raised eagerly
+    off = _unknown_fusions_message(_fusion_names(env_values[_FUSION_OFF_INDEX]))
+    if off is not None:  # likewise for a name TE_OPS_FUSION_OFF lists that is no fusion's
+        torch._dynamo.graph_break(msg=f"te_ops: {off}")
+        _fusions_off_eagerly()
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_constants = recipe_key(recipe if recipe is not None else active_recipe())
     return _run_block(input_, key, recipe_constants, len(params), env_values, *params,
                       *extra_inputs)
+
+
+#: Where ``TE_OPS_FUSION_OFF`` sits among the values of ``env.ENV_VARS`` (the traced call's
+#: ``env_values``).
+_FUSION_OFF_INDEX = list(env.ENV_VARS).index("TE_OPS_FUSION_OFF")
 
 
 def _fuser_for(key: tuple[int, ...]) -> Any:
@@ -699,7 +741,7 @@ def unpack_saved(ctx: Any, overwrote_input: bool) -> tuple:
             "te_ops: second backward through a retained graph (retain_graph=True) of a block "
             "whose fused grouped-MLP backward already ran: it writes the activation's gradient "
             "over the saved activation to save memory, so the graph cannot be backpropagated "
-            "again. Set TE_OPS_FUSE_GROUPED_MLP_BACKWARD=0 (unfused backward, keeps it) or run "
+            "again. Set TE_OPS_FUSION_OFF=grouped_mlp_backward (unfused backward, keeps it) or run "
             f"the forward again (torch: {exc})") from exc
 
 

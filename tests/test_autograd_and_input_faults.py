@@ -370,7 +370,7 @@ def test_example_progress_variable_is_checked_by_the_example(monkeypatch):
 
 
 @pytest.mark.parametrize("name,closest", [
-    ("TE_OPS_FUSE_GROUPED_MLP_FORWRD", "TE_OPS_FUSE_GROUPED_MLP_FORWARD"),
+    ("TE_OPS_FUSION_OF", "TE_OPS_FUSION_OFF"),
     ("TE_OPS_FUSIONS", "TE_OPS_FUSION"),
     # any case or spacing of "TE_OPS" counts, matched to the
     # closest name ignoring case (before: no warning, or one naming no variable)
@@ -620,7 +620,7 @@ def test_fusions_are_one_ordered_list():
     from te_ops.fused import FUSIONS
     from te_ops.fuser import registered_fusions
 
-    names = [name for _, _, name, _ in FUSIONS]
+    names = [name for _, _, name in FUSIONS]
     assert [f.name for f in registered_fusions() if f.name in names] == names
 
 

@@ -99,8 +99,8 @@ def test_bad_env_value_under_compile_is_te_ops_error(fullgraph, monkeypatch):
     torch._dynamo.reset()
     blk, sizes = _compile_block(), [2, 4]
     x, p = torch.randn(6, 8), torch.rand(6)
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "maybe")
-    want = (r"environment variable TE_OPS_FUSE_GROUPED_MLP_BACKWARD must be one of "
+    monkeypatch.setenv("TE_OPS_FUSION", "maybe")
+    want = (r"environment variable TE_OPS_FUSION must be one of "
             r"\['0', '1'\], got 'maybe'")
     compiled = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
                              fullgraph=fullgraph)
@@ -111,9 +111,46 @@ def test_bad_env_value_under_compile_is_te_ops_error(fullgraph, monkeypatch):
     else:  # te_ops' own exception
         with pytest.raises(ValueError, match=want):
             compiled(x)
-    monkeypatch.delenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD")
+    monkeypatch.delenv("TE_OPS_FUSION")
     torch._dynamo.reset()
     torch.testing.assert_close(compiled(x), blk(x, sizes, p, sizes), rtol=0, atol=0)
+
+
+def test_fusion_off_with_an_unknown_name_names_the_variable_and_the_fusions(monkeypatch):
+    blk, sizes = _compile_block(), [2, 4]
+    x, p = torch.randn(6, 8), torch.rand(6)
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_forward,grouped_mlp_fwd")
+    with pytest.raises(ValueError, match=r"environment variable TE_OPS_FUSION_OFF names "
+                                         r"\['grouped_mlp_fwd'\], which are not registered "
+                                         r"fusions \(registered: .*'grouped_mlp_forward'"):
+        blk(x, sizes, p, sizes)
+    for fullgraph in (False, True):  # compiled: the same message, raised before the trace
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
+                                 fullgraph=fullgraph)
+        with pytest.raises(torch._dynamo.exc.Unsupported if fullgraph else ValueError,
+                           match=r"TE_OPS_FUSION_OFF names \['grouped_mlp_fwd'\]"):
+            compiled(x)
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_forward")
+    blk(x, sizes, p, sizes)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name,instead", [
+    ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "TE_OPS_FUSION_OFF=grouped_mlp_forward"),
+    ("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "TE_OPS_FUSION_OFF=grouped_mlp_backward"),
+    ("TE_OPS_FUSE_PERMUTE_FC1", "TE_OPS_FUSION_OFF=permute_fc1_forward"),
+    ("TE_OPS_FUSE_FC2_COMBINE", "TE_OPS_FUSION_OFF=fc2_combine_backward"),
+])
+def test_a_replaced_fusion_variable_raises_naming_its_replacement(monkeypatch, name, instead):
+    blk, sizes = _compile_block(), [2, 4]
+    x, p = torch.randn(6, 8), torch.rand(6)
+    monkeypatch.setenv(name, "0")
+    with pytest.raises(ValueError, match=rf"environment variable {name} \(set to '0'\) is no "
+                                         rf"longer read: use {instead}"):
+        blk(x, sizes, p, sizes)
+    monkeypatch.delenv(name)
+    blk(x, sizes, p, sizes)
 
 
 def test_autocast_inside_fullgraph_compile_names_te_ops_autocast():
@@ -152,12 +189,12 @@ def test_second_backward_after_fused_backward_names_the_switch(warm_calls):
     y = blk(x, sizes, p, sizes)
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"te_ops: second backward through a retained graph"
-                                           r".*TE_OPS_FUSE_GROUPED_MLP_BACKWARD=0"):
+                                           r".*TE_OPS_FUSION_OFF=grouped_mlp_backward"):
         y.sum().backward()
 
 
 def test_second_backward_with_unfused_backward_works(monkeypatch):
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_backward")
     blk, sizes = _compile_block(), [2, 4]
     x = torch.randn(6, 8, requires_grad=True)
     p = torch.rand(6)

@@ -260,7 +260,7 @@ def test_fuser_rejects_non_op():
     ("TE_OPS_GROUPED_GEMM_BACKEND", "cublas"),
     ("TE_OPS_GRAPH_SAFE", "maybe"),
     ("TE_OPS_CHECK_SPLIT_SIZES", "true"),
-    ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "on"),
+    ("TE_OPS_QUANTIZED_GEMM", "cublas"),
 ])
 def test_malformed_env_value(lin, x, monkeypatch, name, value):
     monkeypatch.setenv(name, value)

@@ -70,10 +70,10 @@ def test_bias_pair_fusion_is_gone_after_unregistering():
 
 
 def test_an_off_fusion_toggle_is_noted_only_where_its_pattern_is(monkeypatch):
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_forward")
     bias = te_ops.Sequential(te_ops.Bias(3), te_ops.Bias(3))
     bias(torch.randn(2, 3))
-    off = ("grouped_mlp_forward", "TE_OPS_FUSE_GROUPED_MLP_FORWARD=0")
+    off = ("grouped_mlp_forward", "TE_OPS_FUSION_OFF lists grouped_mlp_forward")
     assert off not in _notes(bias)
     mlp = _mlp()
     split = torch.tensor([2, 2, 0])

@@ -187,7 +187,7 @@ def test_block_with_epilogue_bitwise_equal_to_two_launches(monkeypatch, scaled):
     assert "fc1 SwiGLU epilogue: one Triton launch" in block.explain()
     with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = _run(_block(scaled=scaled), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_backward")
     with_rows(monkeypatch, last=FC1_FUSED_ANY)
     fwd_only = _run(_block(scaled=scaled), x, split, probs, dy)[0]  # fused fwd, unfused bwd
     monkeypatch.setenv("TE_OPS_FUSION", "0")

@@ -113,7 +113,7 @@ def test_block_with_the_persistent_epilogue_bitwise_equal_to_two_launches(monkey
     assert "persistent many-rows kernel, large_fc1_swiglu" in block.explain()
     with_rows(monkeypatch, first=NO_FC1_FUSED)
     off = _run(fc1_block(), x, split, probs, dy)[0]
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_backward")
     with_rows(monkeypatch, last=FC1_FUSED_ANY)
     fwd_only = _run(fc1_block(), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")

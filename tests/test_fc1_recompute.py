@@ -155,10 +155,11 @@ def _explain(blk) -> str:
     return blk.explain()
 
 
-@pytest.mark.parametrize("toggle", ["TE_OPS_FUSION", base.FWD_VAR])
-def test_unfused_forward_saves_h_warns_once_and_explains(monkeypatch, toggle):
+@pytest.mark.parametrize("name,value", [("TE_OPS_FUSION", "0"),
+                                        ("TE_OPS_FUSION_OFF", "grouped_mlp_forward")])
+def test_unfused_forward_saves_h_warns_once_and_explains(monkeypatch, name, value):
     case = base.BASE
-    monkeypatch.setenv(toggle, "0")
+    monkeypatch.setenv(name, value)
     torch.manual_seed(0)
     blk = base.make_block(case, torch.float32, True)
     inp = base.make_inputs(case, torch.float32, "tensor")

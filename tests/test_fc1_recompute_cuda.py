@@ -15,6 +15,7 @@ import itertools
 import pytest
 import reference as ref
 import torch
+from fusion_env import set_grouped_mlp
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA tests need a GPU (torch.cuda.is_available() is False)",
@@ -25,8 +26,6 @@ from te_ops.graphs import graph_safe_unsupported_reason, make_graphed_callable  
 
 pytestmark = pytest.mark.cuda
 
-FWD_VAR = "TE_OPS_FUSE_GROUPED_MLP_FORWARD"
-BWD_VAR = "TE_OPS_FUSE_GROUPED_MLP_BACKWARD"
 #: (experts, rows, hidden, ffn, split sizes): a CUTLASS shape with padding rows and an empty
 #: expert, and a decode-like shape whose few rows per expert take the Triton GEMMs.
 SHAPES = {
@@ -81,13 +80,11 @@ def test_four_combinations_bitwise_vs_option_off_and_fp64(monkeypatch, shape_nam
     shape, dtype = SHAPES[shape_name], torch.bfloat16
     master = _block(shape, dtype, False, bias)
     x, probs, dy, split = _inputs(shape, dtype)
-    monkeypatch.setenv(FWD_VAR, "0")
-    monkeypatch.setenv(BWD_VAR, "0")
+    set_grouped_mlp(monkeypatch, False, False)
     off = _run(master, master, x, probs, dy, split)
     y_ref, g_ref = _reference(master, shape, x, probs, dy)
     for fwd, bwd in itertools.product((True, False), repeat=2):
-        monkeypatch.setenv(FWD_VAR, "1" if fwd else "0")
-        monkeypatch.setenv(BWD_VAR, "1" if bwd else "0")
+        set_grouped_mlp(monkeypatch, fwd, bwd)
         blk = _block(shape, dtype, True, bias, seed=1)
         blk.load_state_dict(master.state_dict())
         torch.cuda.empty_cache()

@@ -318,7 +318,7 @@ def test_block_interchange_bitwise_equal(monkeypatch, scaled):
     assert runs[-1][1] == "_FuserFunctionBackward"
     assert "warp-specialized Gluon kernel, gluon_fc1_swiglu" in block.explain()
     assert len(launches) == 3
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_backward")
     fwd_only = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]
     monkeypatch.setenv("TE_OPS_FUSION", "0")
     unfused = run_block(fc1_block(scaled=scaled), x, split, probs, dy)[0]

@@ -14,6 +14,7 @@ import itertools
 import pytest
 import reference as ref
 import torch
+from fusion_env import set_grouped_mlp
 
 import te_ops
 
@@ -22,8 +23,6 @@ pytestmark = pytest.mark.cuda
 E, H, FF = 4, 256, 128
 SIZES = [70, 0, 130, 61]  # 261 real rows of 300: 39 padding rows
 ROWS = 300
-FWD_VAR = "TE_OPS_FUSE_GROUPED_MLP_FORWARD"
-BWD_VAR = "TE_OPS_FUSE_GROUPED_MLP_BACKWARD"
 
 
 def _block(dtype: torch.dtype, bias: bool) -> te_ops.Sequential:
@@ -63,8 +62,7 @@ def test_four_combinations_bitwise_and_vs_fp64(monkeypatch, dtype, bias):
     x, probs, dy, split = _inputs(dtype)
     results = {}
     for fwd, bwd in itertools.product((True, False), repeat=2):
-        monkeypatch.setenv(FWD_VAR, "1" if fwd else "0")
-        monkeypatch.setenv(BWD_VAR, "1" if bwd else "0")
+        set_grouped_mlp(monkeypatch, fwd, bwd)
         blk = _block(dtype, bias)
         blk.load_state_dict(master.state_dict())
         torch.cuda.empty_cache()  # fresh allocations: padding rows start as whatever is there
@@ -95,7 +93,7 @@ def test_second_backward_through_retained_graph_raises(monkeypatch):
 
 
 def test_second_backward_unfused_still_works(monkeypatch):
-    monkeypatch.setenv(BWD_VAR, "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_backward")
     blk = _block(torch.bfloat16, False)
     x, probs, dy, split = _inputs(torch.bfloat16)
     x.requires_grad_()

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import te_ops
-from te_ops import env, fuser
+from te_ops import fuser
 from te_ops.basic import Bias, Identity
 from te_ops.op import FusedOperation
 
 SIZE = 8
-TOY_ENV = "TE_OPS_TEST_TOY_FUSION"
 
 
 class ToyBiasBias(FusedOperation):
@@ -96,14 +95,6 @@ def register():
             if fusion in fuser.registered_fusions():
                 fuser.unregister_fusion(fusion)
         assert fuser.registered_fusions() == before
-
-
-@pytest.fixture
-def toy_env(monkeypatch):
-    """Declare a test-only env toggle for the toy fusion (undone after the test)."""
-    monkeypatch.setitem(env.ENV_VARS, TOY_ENV,
-                        env.EnvVar(TOY_ENV, "1", ("0", "1"), "test-only toy fusion toggle"))
-    return TOY_ENV
 
 
 def _bias_block(device, n=2, dtype=torch.float32):
@@ -194,30 +185,37 @@ def test_bias_identity_fusion(device, register):
     _assert_same(fused, unfused)
 
 
-def test_fusion_env_toggle(device, register, toy_env, monkeypatch):
+def test_fusion_off_by_name_for_a_registered_fusion(device, register, monkeypatch):
+    """``TE_OPS_FUSION_OFF`` takes any registered fusion's name, one of te_ops' or a user's;
+    the plan follows the variable, the note names it and the math is the same."""
     calls: list = []
-    register("joint", _pairwise(Bias, Bias, ToyBiasBias, calls), env_var=toy_env)
+    register("joint", _pairwise(Bias, Bias, ToyBiasBias, calls), name="toy_bias_bias")
     block = _bias_block(device)
     x = torch.randn(3, SIZE, device=device)
     dy = torch.randn(3, SIZE, device=device)
 
     fused = _run(block, x, dy)
     assert _names(block.fusers()[0]._plan.forward_ops) == ["ToyBiasBias"]
-    monkeypatch.setenv(toy_env, "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_forward,toy_bias_bias")
     off = _run(block, x, dy)
     plan = block.fusers()[0]._plan
     assert _names(plan.forward_ops) == ["Bias", "Bias"]
-    assert (any(f"{toy_env}=0" in why for _, why in plan.info.notes))
+    assert ("toy_bias_bias", "TE_OPS_FUSION_OFF lists toy_bias_bias") in plan.info.notes
     _assert_same(fused, off)
-    monkeypatch.setenv(toy_env, "1")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "")
     _run(block, x, dy)
     assert _names(block.fusers()[0]._plan.forward_ops) == ["ToyBiasBias"]
 
 
-def test_register_with_undeclared_env_var(register):
-    with pytest.raises(ValueError, match=r"env_var must be a variable declared in te_ops.env, "
-                                         r"got 'TE_OPS_UNDECLARED'"):
-        register("joint", lambda ops, **kw: ops, env_var="TE_OPS_UNDECLARED")
+def test_fusion_off_names_only_registered_fusions(device, register, monkeypatch):
+    fusion = register("joint", _pairwise(Bias, Bias, ToyBiasBias, []), name="toy_bias_bias")
+    block = _bias_block(device)
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "toy_bias_bias")
+    block(torch.randn(2, SIZE, device=device))
+    fuser.unregister_fusion(fusion)  # the name is unknown from now on
+    with pytest.raises(ValueError, match=r"TE_OPS_FUSION_OFF names \['toy_bias_bias'\], "
+                                         r"which are not registered fusions"):
+        block(torch.randn(2, SIZE, device=device))
 
 
 def test_unregister_restores_unfused_plan(device):

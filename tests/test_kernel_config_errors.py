@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusion_env import set_grouped_mlp
 
 import te_ops
 from te_ops.gemm import grouped_gemm_large_triton as L
@@ -70,7 +71,6 @@ def test_explain_drops_an_earlier_calls_epilogue_decision_when_the_activation_ra
 
     text = call()
     assert "fc1 SwiGLU epilogue" in text
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", forward)
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", backward)
+    set_grouped_mlp(monkeypatch, forward, backward)
     text = call()
     assert ("fc1 SwiGLU epilogue" in text) == (forward == "1"), text

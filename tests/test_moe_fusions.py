@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from fusion_env import fusions_off, set_grouped_mlp
 from test_moe_layer import MODES, H, _steer, check, make
 
 import te_ops
@@ -32,7 +33,7 @@ from te_ops.gemm.grouped_gemm_triton import check_row_index
 from te_ops.routing import pick
 from te_ops.splits import make_splits
 
-ROUTING_OFF = {"TE_OPS_FUSE_PERMUTE_FC1": "0", "TE_OPS_FUSE_FC2_COMBINE": "0"}
+ROUTING_OFF = {"TE_OPS_FUSION_OFF": "permute_fc1_forward,fc2_combine_backward"}
 
 
 def _env(monkeypatch, **values: str) -> None:
@@ -74,9 +75,9 @@ def test_every_forward_backward_pairing_is_bitwise_the_unfused_layer(
     monkeypatch.setenv("TE_OPS_FUSION", "0")
     want = _step(moe, x)
     monkeypatch.setenv("TE_OPS_FUSION", "1")
-    _env(monkeypatch, TE_OPS_FUSE_PERMUTE_FC1=permute_fc1, TE_OPS_FUSE_FC2_COMBINE=fc2_combine,
-         TE_OPS_FUSE_GROUPED_MLP_FORWARD=grouped_mlp,
-         TE_OPS_FUSE_GROUPED_MLP_BACKWARD=grouped_mlp)
+    _env(monkeypatch, TE_OPS_FUSION_OFF=fusions_off(
+        permute_fc1_forward=permute_fc1, fc2_combine_backward=fc2_combine,
+        grouped_mlp_forward=grouped_mlp, grouped_mlp_backward=grouped_mlp))
     _same(_step(moe, x), want)
     forward, backward = _plan_names(moe)
     mlp = grouped_mlp == "1"
@@ -108,8 +109,7 @@ def test_default_plan_covers_the_routing():
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("grouped_mlp", ["1", "0"], ids=["with_grouped_mlp", "alone"])
 def test_fused_layer_matches_float64_reference(monkeypatch, mode, grouped_mlp):
-    _env(monkeypatch, TE_OPS_FUSE_GROUPED_MLP_FORWARD=grouped_mlp,
-         TE_OPS_FUSE_GROUPED_MLP_BACKWARD=grouped_mlp)
+    set_grouped_mlp(monkeypatch, grouped_mlp, grouped_mlp)
     moe = make(aux_loss_coeff=0.02, z_loss_coeff=0.01, **MODES[mode])
     check(moe, torch.randn(2, 5, H))
     forward, backward = _plan_names(moe)
@@ -138,8 +138,7 @@ def test_float64_layer_is_tight_with_the_routing_fusions():
 @pytest.mark.parametrize("mode", ["dropless", "capacity_probs"])
 @pytest.mark.parametrize("grouped_mlp", ["1", "0"], ids=["with_grouped_mlp", "alone"])
 def test_compile_fullgraph_is_bitwise_eager(monkeypatch, mode, grouped_mlp):
-    _env(monkeypatch, TE_OPS_FUSE_GROUPED_MLP_FORWARD=grouped_mlp,
-         TE_OPS_FUSE_GROUPED_MLP_BACKWARD=grouped_mlp)
+    set_grouped_mlp(monkeypatch, grouped_mlp, grouped_mlp)
     moe = make(aux_loss_coeff=0.01, **MODES[mode])
     x = torch.randn(2, 6, H)
     eager = _step(moe, x)
@@ -199,7 +198,8 @@ def test_toggles_are_noted_where_the_pattern_is(monkeypatch):
     moe = make()
     moe(torch.randn(4, H))
     text = moe.block.explain()
-    assert "TE_OPS_FUSE_PERMUTE_FC1=0" in text and "TE_OPS_FUSE_FC2_COMBINE=0" in text
+    assert "TE_OPS_FUSION_OFF lists permute_fc1_forward" in text
+    assert "TE_OPS_FUSION_OFF lists fc2_combine_backward" in text
 
 
 def test_fc2_with_bias_and_unfed_split_sizes_are_refused_with_the_reason():

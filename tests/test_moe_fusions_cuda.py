@@ -29,7 +29,7 @@ from te_ops.routing import pick  # noqa: E402
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-ROUTING_OFF = {"TE_OPS_FUSE_PERMUTE_FC1": "0", "TE_OPS_FUSE_FC2_COMBINE": "0"}
+ROUTING_OFF = {"TE_OPS_FUSION_OFF": "permute_fc1_forward,fc2_combine_backward"}
 
 
 @pytest.mark.parametrize("rows, src_rows, groups", [(32, 16, 8), (1000, 520, 8), (0, 4, 2)])

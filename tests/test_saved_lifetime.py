@@ -20,6 +20,7 @@ import weakref
 
 import pytest
 import torch
+from fusion_env import set_grouped_mlp
 
 import te_ops
 from te_ops.quantization import Float8CurrentScaling, MXFP8BlockScaling
@@ -46,8 +47,7 @@ def _intermediate_alive(monkeypatch: pytest.MonkeyPatch, fwd: bool, bwd: bool, b
     probs = torch.rand(32, requires_grad=True)
     x = torch.randn(32, 32, requires_grad=True)
     rec = RECIPES[recipe]
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", str(int(fwd)))
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", str(int(bwd)))
+    set_grouped_mlp(monkeypatch, fwd, bwd)
     with te_ops.autocast(enabled=rec is not None, recipe=rec() if rec else None):
         mid = blocks[0](x, splits, probs, splits)
         ref = weakref.ref(mid)
@@ -99,8 +99,7 @@ def _tensors_held(root: object) -> list[torch.Tensor]:
 def test_node_holds_no_saved_tensor_after_backward(monkeypatch, fwd, bwd, recipe):
     """The op contexts of a backward-run node reference no activation or quantized copy (the
     weights' own storage, e.g. a stacked view of them, may stay)."""
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", str(int(fwd)))
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", str(int(bwd)))
+    set_grouped_mlp(monkeypatch, fwd, bwd)
     torch.manual_seed(0)
     block = _block(True, False)
     splits = torch.tensor([10, 0, 14, 8])
@@ -136,8 +135,7 @@ def _cyclic_garbage_of_one_step(step) -> list[str]:
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 def test_a_block_step_leaves_no_reference_cycles(monkeypatch, fuse):
-    for name in ("TE_OPS_FUSE_GROUPED_MLP_FORWARD", "TE_OPS_FUSE_GROUPED_MLP_BACKWARD"):
-        monkeypatch.setenv(name, "1" if fuse else "0")
+    set_grouped_mlp(monkeypatch, fuse, fuse)
     torch.manual_seed(0)
     block = _block(bias=False, recompute=False)
     x = torch.randn(40, 32, requires_grad=True)

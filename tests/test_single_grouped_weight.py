@@ -9,6 +9,7 @@ import copy
 import pytest
 import reference as ref
 import torch
+from fusion_env import set_grouped_mlp
 
 import te_ops
 from te_ops.gemm.dispatch import stack_weights
@@ -98,8 +99,7 @@ def test_fused_and_unfused_halves_interchange(monkeypatch):
     probs, grad = torch.rand(20), torch.randn(20, H, dtype=torch.bfloat16)
     results = []
     for fwd, bwd in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
-        monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", fwd)
-        monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", bwd)
+        set_grouped_mlp(monkeypatch, fwd, bwd)
         for p in single.parameters():
             p.grad = None
         out = _run(single, x, probs, torch.tensor(SIZES), grad)

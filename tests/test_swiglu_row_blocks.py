@@ -161,7 +161,7 @@ def test_scratch_views_per_row_count():
 def test_second_backward_through_retained_graph(monkeypatch, fused):
     # The fused backward writes dh over the activation's saved input (CPU too): a second
     # backward raises torch's in-place error instead of reading dh; unfused it still works.
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", "1" if fused else "0")
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "" if fused else "grouped_mlp_backward")
     torch.manual_seed(0)
     blk = te_ops.Sequential(te_ops.GroupedLinear(2, 8, 16), te_ops.ScaledSwiGLU(),
                             te_ops.GroupedLinear(2, 8, 8))

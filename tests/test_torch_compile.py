@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from fusion_env import set_grouped_mlp
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -111,8 +112,7 @@ def test_fullgraph_bit_exact_one_graph_device_splits(dtype, fusion, backend, mon
                          ids=["fused_fwd_unfused_bwd", "unfused_fwd_fused_bwd"])
 def test_fullgraph_mixed_fused_unfused_halves(fwd, bwd, monkeypatch):
     """The other two of the four fused x unfused forward/backward combinations."""
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_FORWARD", fwd)
-    monkeypatch.setenv("TE_OPS_FUSE_GROUPED_MLP_BACKWARD", bwd)
+    set_grouped_mlp(monkeypatch, fwd, bwd)
     assert _compare_routings("mlp", torch.bfloat16) == [1] * len(ROUTINGS)
 
 

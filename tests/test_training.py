@@ -24,8 +24,8 @@ ROWS = 20
 FUSION_COMBOS = {  # (forward fused, backward fused) -> env
     "fwd1_bwd1": {},
     "fwd0_bwd0": {"TE_OPS_FUSION": "0"},
-    "fwd1_bwd0": {"TE_OPS_FUSE_GROUPED_MLP_BACKWARD": "0"},
-    "fwd0_bwd1": {"TE_OPS_FUSE_GROUPED_MLP_FORWARD": "0"},
+    "fwd1_bwd0": {"TE_OPS_FUSION_OFF": "grouped_mlp_backward"},
+    "fwd0_bwd1": {"TE_OPS_FUSION_OFF": "grouped_mlp_forward"},
 }
 
 

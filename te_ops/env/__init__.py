@@ -17,7 +17,8 @@ __all__ = ["EnvVar", "ENV_VARS", "read", "read_bool", "snapshot", "warn_unknown"
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One environment variable: name, default, accepted values and meaning."""
+    """One environment variable: name, default, accepted values (empty: a comma-separated
+    list its reader checks, e.g. fusion names) and meaning."""
 
     name: str
     default: str
@@ -37,30 +38,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "0 turns every registered fusion off (each op runs its unfused forward and backward).",
         ),
         EnvVar(
-            "TE_OPS_FUSE_GROUPED_MLP_FORWARD",
-            "1",
-            _BOOL,
-            "0 turns off the fused forward of GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.",
-        ),
-        EnvVar(
-            "TE_OPS_FUSE_GROUPED_MLP_BACKWARD",
-            "1",
-            _BOOL,
-            "0 turns off the fused backward of GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.",
-        ),
-        EnvVar(
-            "TE_OPS_FUSE_PERMUTE_FC1",
-            "1",
-            _BOOL,
-            "0 turns off the fused forward of Permute -> GroupedLinear (fc1 reads the tokens "
-            "through the row index; the permuted copy is not saved).",
-        ),
-        EnvVar(
-            "TE_OPS_FUSE_FC2_COMBINE",
-            "1",
-            _BOOL,
-            "0 turns off the fused backward of GroupedLinear -> Combine (fc2's dgrad and wgrad "
-            "read the output gradient through the row index).",
+            "TE_OPS_FUSION_OFF",
+            "",
+            (),
+            "Registered fusions to turn off (each op of such a window runs unfused): "
+            "grouped_mlp_forward, grouped_mlp_backward (GroupedLinear -> "
+            "(Scaled)SwiGLU -> GroupedLinear), permute_fc1_forward (fc1 reads the tokens "
+            "through the row index), fc2_combine_backward (fc2's GEMMs read the output "
+            "gradient through it), or a fusion you registered; an unknown name raises.",
         ),
         EnvVar(
             "TE_OPS_GROUPED_GEMM_BACKEND",
@@ -136,7 +121,7 @@ def read(name: str) -> str:
     value = var.default if text is None else text.strip().lower()
     if value == "":
         value = var.default
-    if value not in var.choices:
+    if var.choices and value not in var.choices:
         raise ValueError(
             f"environment variable {name} must be one of {list(var.choices)}, got {value!r}"
         )
@@ -206,9 +191,20 @@ _ENCODED: dict[tuple, tuple] = {}
 _SEEN: dict[str, object] = {"names": None, "warned": None, "raw": None, "snapshot": None}
 
 
+#: Variables te_ops no longer reads, with what replaced them; setting one raises (it would
+#: otherwise have no effect).
+REPLACED: dict[str, str] = {
+    "TE_OPS_FUSE_GROUPED_MLP_FORWARD": "TE_OPS_FUSION_OFF=grouped_mlp_forward",
+    "TE_OPS_FUSE_GROUPED_MLP_BACKWARD": "TE_OPS_FUSION_OFF=grouped_mlp_backward",
+    "TE_OPS_FUSE_PERMUTE_FC1": "TE_OPS_FUSION_OFF=permute_fc1_forward",
+    "TE_OPS_FUSE_FC2_COMBINE": "TE_OPS_FUSION_OFF=fc2_combine_backward",
+}
+
+
 def warn_unknown() -> None:
     """Warn once per name about each set variable that looks like a te_ops one but that te_ops
-    does not declare (a misspelling has no effect otherwise), naming the closest declared one.
+    does not declare (a misspelling has no effect otherwise), naming the closest declared one;
+    raise ``ValueError`` for a set variable of :data:`REPLACED`, naming what replaced it.
     "Looks like": the name starts with ``TE_OPS`` in any case, with or without separators
     (``TE_OPS_FUSON``, ``te_ops_fusion``, ``TE_OPSFUSION``).
 
@@ -218,6 +214,10 @@ def warn_unknown() -> None:
     if names == _SEEN["names"] and _SEEN["warned"] is _WARNED:
         return
     for name in os.environ:
+        if name in REPLACED:
+            raise ValueError(f"environment variable {name} (set to {os.environ[name]!r}) is no "
+                             f"longer read: use {REPLACED[name]} to turn that fusion off "
+                             f"(several fusions: their names comma-separated)")
         if name in ENV_VARS or name in _WARNED or not _normalized(name).startswith("TEOPS"):
             continue
         _WARNED.add(name)
@@ -261,5 +261,7 @@ def markdown_table() -> str:
     """The README's environment-variable table."""
     rows = ["| variable | default | values | meaning |", "| --- | --- | --- | --- |"]
     for v in ENV_VARS.values():
-        rows.append(f"| `{v.name}` | `{v.default}` | {', '.join(v.choices)} | {v.meaning} |")
+        values = ", ".join(v.choices) if v.choices else "comma-separated names"
+        default = f"`{v.default}`" if v.default else "empty"
+        rows.append(f"| `{v.name}` | {default} | {values} | {v.meaning} |")
     return "\n".join(rows)

@@ -5,7 +5,7 @@ Each fused module registers its own fusion functions at its end
 ``register_joint_fusion(...)`` of :mod:`te_ops.fuser`); the import lines below, one per
 module, are the registration order, and so the order in which the fuser applies them within
 each pass (docs/architecture.md, "Adding a fusion"). :data:`FUSIONS` lists what they
-registered: (pass, fusion function, name, env toggle or ``None``).
+registered: (pass, fusion function, name; ``TE_OPS_FUSION_OFF`` takes the names).
 """
 
 from __future__ import annotations
@@ -21,5 +21,5 @@ from .moe_routing import BackwardFC2Combine, ForwardPermuteFC1  # after grouped_
 __all__ = ["FUSIONS", "BackwardFC2Combine", "BackwardGroupedMLP", "ForwardGroupedMLP",
            "ForwardPermuteFC1", "grouped_mlp_unsupported_reason"]
 
-#: (pass, fusion function, name, env toggle), in application order within each pass.
-FUSIONS = tuple((f.kind, f.func, f.name, f.env_var) for f in registered_fusions())
+#: (pass, fusion function, name), in application order within each pass.
+FUSIONS = tuple((f.kind, f.func, f.name) for f in registered_fusions())

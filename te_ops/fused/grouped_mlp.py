@@ -373,7 +373,5 @@ class BackwardGroupedMLP(FusedOperation):
         return dgrad1, [grads1, [], grads2], [extra1, extra_act, extra2]
 
 
-register_forward_fusion(fuse_grouped_mlp_forward, name="grouped_mlp_forward",
-                        env_var="TE_OPS_FUSE_GROUPED_MLP_FORWARD")
-register_backward_fusion(fuse_grouped_mlp_backward, name="grouped_mlp_backward",
-                         env_var="TE_OPS_FUSE_GROUPED_MLP_BACKWARD")
+register_forward_fusion(fuse_grouped_mlp_forward, name="grouped_mlp_forward")
+register_backward_fusion(fuse_grouped_mlp_backward, name="grouped_mlp_backward")

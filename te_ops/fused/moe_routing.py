@@ -221,7 +221,5 @@ def fuse_fc2_combine_backward(ops: list[FusibleOperation], *, recipe: Any = None
     return out
 
 
-register_forward_fusion(fuse_permute_fc1_forward, name="permute_fc1_forward",
-                        env_var="TE_OPS_FUSE_PERMUTE_FC1")
-register_backward_fusion(fuse_fc2_combine_backward, name="fc2_combine_backward",
-                         env_var="TE_OPS_FUSE_FC2_COMBINE")
+register_forward_fusion(fuse_permute_fc1_forward, name="permute_fc1_forward")
+register_backward_fusion(fuse_fc2_combine_backward, name="fc2_combine_backward")
