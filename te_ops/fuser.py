@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -100,7 +101,11 @@ MAX_CACHED_PLANS = 16
 
 
 def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None) -> Fusion:
-    fusion = Fusion(kind=kind, name=name or getattr(func, "__name__", repr(func)), func=func)
+    name = name if name is not None else getattr(func, "__name__", repr(func))
+    if not isinstance(name, str) or not name.strip() or "," in name:
+        raise ValueError(f"name must be a non-empty str without commas (TE_OPS_FUSION_OFF "
+                         f"lists names separated by commas), got {name!r}")
+    fusion = Fusion(kind=kind, name=name.strip().lower(), func=func)
     if prepend:
         _FUSIONS.insert(0, fusion)
     else:
@@ -111,8 +116,17 @@ def _register(kind: str, func: FusionFunc, prepend: bool, name: str | None) -> F
 
 def register_joint_fusion(func: FusionFunc, prepend: bool = False, *,
                           name: str | None = None) -> Fusion:
-    """Register a fusion whose result is used for both forward and backward (``name``, default
-    the function's name, is what ``TE_OPS_FUSION_OFF`` lists to turn it off)."""
+    """Register a fusion whose result is used for both forward and backward.
+
+    ``name`` (default: the function's name) is what ``TE_OPS_FUSION_OFF`` lists to turn it
+    off; it is kept stripped and lower-cased (the variable's names are read so), and fusions
+    that share a name are switched off together.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is empty or holds a comma.
+    """
     return _register("joint", func, prepend, name)
 
 
@@ -287,17 +301,29 @@ def _fusion_names(text: str | None) -> frozenset[str]:
     return frozenset(n.strip() for n in (text or "").lower().split(",") if n.strip())
 
 
-def _unknown_fusions_message(names: frozenset[str]) -> str | None:
-    unknown = names - {f.name for f in _FUSIONS}
+def _unknown_fusions_message(names: frozenset[str], closest: bool = True) -> str | None:
+    """The error for names that no registered fusion has (``None``: all known); ``closest``
+    adds the nearest registered names (not while Dynamo traces: difflib does not trace)."""
+    registered = [f.name for f in _FUSIONS]
+    unknown = sorted(names - set(registered))
     if not unknown:
         return None
-    return (f"environment variable TE_OPS_FUSION_OFF names {sorted(unknown)}, which are not "
-            f"registered fusions (registered: {[f.name for f in _FUSIONS]})")
+    close = ([m for n in unknown for m in difflib.get_close_matches(n, registered, n=1)]
+             if closest else [])
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return (f"environment variable TE_OPS_FUSION_OFF names {unknown}, which are not "
+            f"registered fusions (registered: {registered}; names are comma-separated, and a "
+            f"fusion of your own must be registered before the call){hint}")
 
 
 @torch._dynamo.disable
 def _fusions_off_eagerly() -> None:
     fusions_off()
+
+
+@torch._dynamo.disable
+def _warn_unknown_eagerly() -> None:
+    env.warn_unknown()
 
 
 def _run_pass(kind: str, ops: list[FusibleOperation], recipe: Any, info: PlanInfo,
@@ -566,10 +592,14 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
     params = [p for op in fuser.basic_ops for _, p in _traced_params(op)]
     env_values = tuple(env_value(name) for name in env.ENV_VARS)
     check_env_eagerly(env_values)  # a bad TE_OPS_* value: te_ops' own error, raised eagerly
-    off = _unknown_fusions_message(_fusion_names(env_values[_FUSION_OFF_INDEX]))
+    off = _unknown_fusions_message(_fusion_names(env_values[_FUSION_OFF_INDEX]), closest=False)
     if off is not None:  # likewise for a name TE_OPS_FUSION_OFF lists that is no fusion's
         torch._dynamo.graph_break(msg=f"te_ops: {off}")
         _fusions_off_eagerly()
+    replaced = [n for n in env.REPLACED if (env_value(n) or "").strip()]
+    if replaced:  # and for a variable TE_OPS_FUSION_OFF replaced
+        torch._dynamo.graph_break(msg=f"te_ops: {env.replaced_message(replaced[0])}")
+        _warn_unknown_eagerly()
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_constants = recipe_key(recipe if recipe is not None else active_recipe())
     return _run_block(input_, key, recipe_constants, len(params), env_values, *params,

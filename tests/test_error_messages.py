@@ -122,7 +122,8 @@ def test_fusion_off_with_an_unknown_name_names_the_variable_and_the_fusions(monk
     monkeypatch.setenv("TE_OPS_FUSION_OFF", "grouped_mlp_forward,grouped_mlp_fwd")
     with pytest.raises(ValueError, match=r"environment variable TE_OPS_FUSION_OFF names "
                                          r"\['grouped_mlp_fwd'\], which are not registered "
-                                         r"fusions \(registered: .*'grouped_mlp_forward'"):
+                                         r"fusions \(registered: .*'grouped_mlp_forward'.*"
+                                         r"comma-separated.*did you mean grouped_mlp_forward\?"):
         blk(x, sizes, p, sizes)
     for fullgraph in (False, True):  # compiled: the same message, raised before the trace
         torch._dynamo.reset()
@@ -146,9 +147,20 @@ def test_a_replaced_fusion_variable_raises_naming_its_replacement(monkeypatch, n
     blk, sizes = _compile_block(), [2, 4]
     x, p = torch.randn(6, 8), torch.rand(6)
     monkeypatch.setenv(name, "0")
-    with pytest.raises(ValueError, match=rf"environment variable {name} \(set to '0'\) is no "
-                                         rf"longer read: use {instead}"):
+    want = (rf"environment variable {name} \(set to '0'\) is no longer read: fusions are on "
+            rf"by default \(unset it\), and {instead} turns that fusion off")
+    with pytest.raises(ValueError, match=want):
         blk(x, sizes, p, sizes)
+    for fullgraph in (False, True):  # compiled: raised before the trace, not inside it
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: blk(x, sizes, p, sizes), backend="eager",
+                                 fullgraph=fullgraph)
+        with pytest.raises(torch._dynamo.exc.Unsupported if fullgraph else ValueError,
+                           match=want):
+            compiled(x)
+    torch._dynamo.reset()
+    monkeypatch.setenv(name, " ")  # empty: the default, as for every variable
+    blk(x, sizes, p, sizes)
     monkeypatch.delenv(name)
     blk(x, sizes, p, sizes)
 

@@ -207,6 +207,18 @@ def test_fusion_off_by_name_for_a_registered_fusion(device, register, monkeypatc
     assert _names(block.fusers()[0]._plan.forward_ops) == ["ToyBiasBias"]
 
 
+def test_fusion_names_are_read_without_case_and_may_hold_no_comma(device, register, monkeypatch):
+    register("joint", _pairwise(Bias, Bias, ToyBiasBias, []), name=" Toy_BiasBias ")
+    block = _bias_block(device)
+    monkeypatch.setenv("TE_OPS_FUSION_OFF", "TOY_BIASBIAS")
+    block(torch.randn(2, SIZE, device=device))
+    assert _names(block.fusers()[0]._plan.forward_ops) == ["Bias", "Bias"]
+    for bad in ("a,b", " ", ""):
+        with pytest.raises(ValueError, match=r"name must be a non-empty str without commas "
+                                             rf"\(TE_OPS_FUSION_OFF .*\), got {bad!r}"):
+            register("joint", _pairwise(Bias, Bias, ToyBiasBias, []), name=bad)
+
+
 def test_fusion_off_names_only_registered_fusions(device, register, monkeypatch):
     fusion = register("joint", _pairwise(Bias, Bias, ToyBiasBias, []), name="toy_bias_bias")
     block = _bias_block(device)

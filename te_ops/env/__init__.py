@@ -201,6 +201,13 @@ REPLACED: dict[str, str] = {
 }
 
 
+def replaced_message(name: str) -> str:
+    """The error for a set variable of :data:`REPLACED`: its value and what to use instead."""
+    return (f"environment variable {name} (set to {os.environ.get(name, '')!r}) is no longer "
+            f"read: fusions are on by default (unset it), and {REPLACED[name]} turns that "
+            f"fusion off (several fusions: their names comma-separated)")
+
+
 def warn_unknown() -> None:
     """Warn once per name about each set variable that looks like a te_ops one but that te_ops
     does not declare (a misspelling has no effect otherwise), naming the closest declared one;
@@ -215,9 +222,9 @@ def warn_unknown() -> None:
         return
     for name in os.environ:
         if name in REPLACED:
-            raise ValueError(f"environment variable {name} (set to {os.environ[name]!r}) is no "
-                             f"longer read: use {REPLACED[name]} to turn that fusion off "
-                             f"(several fusions: their names comma-separated)")
+            if os.environ[name].strip():  # an empty value means the default, as everywhere
+                raise ValueError(replaced_message(name))
+            continue
         if name in ENV_VARS or name in _WARNED or not _normalized(name).startswith("TEOPS"):
             continue
         _WARNED.add(name)
