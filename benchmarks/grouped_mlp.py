@@ -24,6 +24,14 @@ Peers (``--peers``), each run on the same problem (same weights, inputs, skewed 
     te_ops' default with ``ScaledSwiGLU(recompute_input=True)`` (h not saved; fc1 re-run).
 ``torch_loop``
     plain PyTorch: one ``F.linear`` per expert with host split sizes.
+``torchao_fp8``
+    torchao's FP8 row-wise grouped GEMM (``torchao.prototype.moe_training.
+    _to_fp8_rowwise_then_scaled_grouped_mm``: dynamic row-wise E4M3 quantization with
+    power-of-two scales, ``torch._scaled_grouped_mm`` with fast accumulation in all three GEMMs)
+    on the eager peer's weights, SwiGLU * probs in torch ops: the FP8 peer a user would pick
+    instead of te_ops' FP8 recipes. An optional dependency of this benchmark alone: without
+    torchao (or without CUDA, bf16, SM89+, or tokens per expert in multiples of 16: ``--align
+    16``) the peer is skipped and its record says why.
 
 Default peers: the eager peer, the compiled peer and ``te_ops``. ``--recipe none,fp8,...`` runs
 every ``te_ops*`` peer once per recipe (``+fp8`` etc. appended to its name; such records also
@@ -41,7 +49,9 @@ the median over rounds. ``--interleaved`` instead times one step of each peer in
 (A, B, C, A, ...; host clock, no memory figures): for a shared, noisy host.
 
 Routing: each token goes to one expert drawn from a Zipf(1.2)-skewed popularity over a random
-permutation of the experts (fixed seed); tokens sorted by expert, probs ~ U(0, 1).
+permutation of the experts (fixed seed); tokens sorted by expert, probs ~ U(0, 1). ``--align
+N`` rounds each expert's tokens up to a multiple of N (the routed rows grow to their sum;
+records hold ``rows`` and ``align``).
 
 Usage::
 
@@ -54,6 +64,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -184,9 +195,12 @@ def skewed_sizes(experts: int, tokens: int, seed: int, alpha: float = 1.2) -> li
 
 
 def make_problem(name: str, shape: tuple[int, int, int, int], device: torch.device,
-                 dtype: torch.dtype, seed: int) -> Problem:
+                 dtype: torch.dtype, seed: int, align: int = 1) -> Problem:
+    """The shape's problem; ``align`` > 1 rounds each expert's tokens up to a multiple of it
+    (the rows are then their sum, more than the shape's)."""
     experts, tokens, hidden, ffn = shape
-    sizes = skewed_sizes(experts, tokens, seed)
+    sizes = [-(-s // align) * align for s in skewed_sizes(experts, tokens, seed)]
+    tokens = sum(sizes) if align > 1 else tokens
     split = torch.tensor(sizes, dtype=torch.int64, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype).requires_grad_()
@@ -369,11 +383,47 @@ class TeOpsCompiled(TeOps):
             return self.compiled(x, split, probs, split)
 
 
+class TorchaoFP8(TorchGroupedMM):
+    """torchao's FP8 row-wise grouped GEMM in fc1 and fc2 (see the module docstring)."""
+
+    name = "torchao_fp8"
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        self.mm = _to_fp8_rowwise_then_scaled_grouped_mm
+
+    def forward(self, x, probs):
+        offs = self.problem.offsets
+        # B_t (E, in, out) column-major per group: the (E, out, in) weights transposed
+        kw = {"out_dtype": torch.bfloat16, "pad_token_groups_for_grouped_mm": False}
+        h = self.mm(x, self.w1.transpose(-2, -1), offs, **kw)
+        return self.mm(torch_swiglu(h, probs), self.w2.transpose(-2, -1), offs, **kw)
+
+
 PEER_CLASSES: dict[str, type[Peer]] = {
     cls.name: cls for cls in (TorchGroupedMM, TorchGroupedMMCompiled, TeOps, TeOpsPacked,
                               TeOpsPerExpert, TeOpsUnfused, TeOpsRecompute, TeOpsGraph,
-                              TeOpsCompiled, TorchLoop)
+                              TeOpsCompiled, TorchLoop, TorchaoFP8)
 }
+
+
+def torchao_skip_reason(problem: Problem) -> str | None:
+    """Why the ``torchao_fp8`` peer cannot run on ``problem`` (``None`` when it can)."""
+    if importlib.util.find_spec("torchao") is None:
+        return ("torchao is not installed (an optional dependency of this benchmark alone: "
+                "pip install torchao)")
+    if problem.device.type != "cuda":
+        return "torchao's FP8 grouped GEMM needs CUDA (torch._scaled_grouped_mm)"
+    if problem.dtype != torch.bfloat16:
+        return f"torchao's FP8 grouped GEMM takes bfloat16 here, got {problem.dtype}"
+    if torch.cuda.get_device_capability(problem.device) < (8, 9):
+        return "torchao's FP8 grouped GEMM needs SM89 or newer (FP8 tensor cores)"
+    if any(s % 16 for s in problem.sizes):
+        return ("torchao's FP8 grouped GEMM needs tokens per expert in multiples of 16 (its "
+                "padding option is not supported in torchao 0.18): run with --align 16")
+    return None
 
 
 def skip_reason(peer: str, problem: Problem) -> str | None:
@@ -386,6 +436,8 @@ def skip_reason(peer: str, problem: Problem) -> str | None:
                 "fails to compile)")
     if peer.startswith("torch_grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
+    if peer == TorchaoFP8.name:
+        return torchao_skip_reason(problem)
     return None
 
 
@@ -489,9 +541,10 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, out: JsonLines,
     """Every (peer, recipe) of ``args`` on one shape: built once, measured ``args.rounds``
     times in turn (or interleaved step by step); one record per round and peer."""
     dtype = getattr(torch, args.dtype)
-    problem = make_problem(name, shape, device, dtype, args.seed)
+    problem = make_problem(name, shape, device, dtype, args.seed, args.align)
     base = {"bench": "grouped_mlp", "shape": name,
             "E": shape[0], "T": shape[1], "H": shape[2], "FF": shape[3],
+            "rows": problem.tokens, "align": args.align,
             "dtype": {"bfloat16": "bf16", "float32": "fp32"}[args.dtype], "device": device.type,
             "routing": "zipf1.2", "max_expert_tokens": max(problem.sizes),
             "empty_experts": sum(1 for s in problem.sizes if s == 0),
@@ -602,6 +655,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (CPU intra-op threads; default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--align", type=int, default=1,
+                        help="round each expert's tokens up to a multiple of this (default 1; "
+                             "torchao_fp8 needs 16)")
     parser.add_argument("--recipe", default="none",
                         help="comma-separated recipes for the te_ops peers: " + ", ".join(RECIPES))
     add_out_argument(parser, "grouped_mlp")
@@ -617,7 +673,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[
     if args.interleaved and args.recipes != ["none"]:
         parser.error(f"--interleaved measures without a recipe, got --recipe {args.recipe}")
     for flag, value, minimum in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
-                                 ("--rounds", args.rounds, 1)):
+                                 ("--rounds", args.rounds, 1), ("--align", args.align, 1)):
         if value < minimum:
             parser.error(f"{flag} must be >= {minimum}, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -29,8 +29,9 @@
 #     bench         benchmarks/grouped_mlp.py: te_ops' default block vs the eager torch._grouped_mm
 #                   peer and its torch.compile(fullgraph=True) twin, bf16, the four GPU shapes,
 #                   3 rounds (the table of docs/performance.md)
-#     bench_fp8     benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast: te_ops under the FP8
-#                   recipes vs bf16 and the eager peer, the four GPU shapes, 3 rounds
+#     bench_fp8     benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast --align 16: te_ops under
+#                   the FP8 recipes vs bf16, the eager peer and torchao's FP8 grouped GEMM
+#                   (skipped, saying so, without torchao), the four GPU shapes, 3 rounds
 #     bench_variants  benchmarks/grouped_mlp.py: te_ops' default vs packed / per-expert weights,
 #                   unfused, CUDA-graphed and compiled, E64 decode and E128, 3 rounds
 #     profile       benchmarks/profile_grouped_mlp.py: top kernels / aten ops / host ops per step,
@@ -129,8 +130,8 @@ bench_lane() {
         --iters 20 --warmup 3 --out "$OUT/bench" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
     step bench_fp8 120 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" \
-        --peers torch_grouped_mm,te_ops --recipe none,fp8,fp8fast --rounds 3 --iters 10 \
-        --warmup 3 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
+        --peers torch_grouped_mm,te_ops,torchao_fp8 --recipe none,fp8,fp8fast --align 16 \
+        --rounds 3 --iters 10 --warmup 3 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
     step bench_variants 180 "$PY" benchmarks/grouped_mlp.py \
         --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 \

@@ -37,6 +37,7 @@ def _records(folder) -> list[dict]:
     (["--interleaved", "--recipe", "fp8"], ["--interleaved", "--recipe fp8"]),
     (["--summarize", "/no/such/file.jsonl"], ["--summarize", "'/no/such/file.jsonl'"]),
     (["--device", "tpu"], ["--device", "'tpu'"]),
+    (["--align", "0"], ["--align must be >= 1, got 0"]),
 ])
 def test_bad_arguments_are_usage_errors_naming_the_flag(capsys, argv, words):
     err = usage_error(capsys, bench.main, ["--device", "cpu", *argv] if argv[0] != "--device"
@@ -108,6 +109,51 @@ def test_ratios_are_against_the_same_rounds_eager_and_compiled_peers():
     assert records[2]["ratio_vs_eager"] == 4.0 and records[2]["ratio_vs_compiled"] == 2.0
     assert records[3]["ratio_vs_bf16"] == 2.0 and records[3]["ratio_vs_eager"] == 8.0
     assert "ratio_vs_bf16" not in records[2] and "ratio_vs_eager" not in records[4]
+
+
+def test_align_rounds_each_experts_tokens_up_and_records_the_rows(tmp_path):
+    shape = (4, 250, 64, 64)
+    plain = bench.make_problem("s", shape, torch.device("cpu"), torch.float32, 0)
+    aligned = bench.make_problem("s", shape, torch.device("cpu"), torch.float32, 0, align=16)
+    assert sum(plain.sizes) == plain.tokens == 250 and plain.x.shape == (250, 64)
+    assert aligned.sizes == [-(-s // 16) * 16 for s in plain.sizes]
+    assert aligned.tokens == sum(aligned.sizes) == aligned.x.shape[0] > 250
+    assert aligned.offsets.tolist() == torch.tensor(aligned.sizes).cumsum(0).tolist()
+    assert bench.main([*TINY, "--rounds", "1", "--peers", "torch_grouped_mm,te_ops",
+                       "--align", "16", "--out", str(tmp_path)]) == 0
+    rows = [r for r in _records(tmp_path)[1:]]
+    assert {r["align"] for r in rows} == {16} and all(r["rows"] % 16 == 0 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows if r["peer"] == "te_ops")
+
+
+def test_torchao_peer_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    """Without torchao the peer is skipped and says so; with it (faked here) each other
+    condition gives its own reason (CUDA, bf16, multiples of 16)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert bench.main([*TINY, "--rounds", "1", "--peers", "torch_grouped_mm,torchao_fp8",
+                       "--out", str(tmp_path)]) == 0
+    by_peer = {r["peer"]: r for r in _records(tmp_path)[1:]}
+    assert "torchao is not installed" in by_peer["torchao_fp8"]["skipped"]
+    assert by_peer["torch_grouped_mm"]["ms_median"] > 0
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torchao" else real(name, *a))
+    problem = bench.make_problem("s", (4, 64, 32, 32), torch.device("cpu"), torch.bfloat16, 0)
+    assert "needs CUDA" in bench.torchao_skip_reason(problem)
+    problem.device = torch.device("cuda")
+    problem.dtype = torch.float32
+    assert "takes bfloat16" in bench.torchao_skip_reason(problem)
+    problem.dtype = torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "SM89" in bench.torchao_skip_reason(problem)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    problem.sizes = [16, 5, 43, 0]
+    assert "--align 16" in bench.torchao_skip_reason(problem)
+    problem.sizes = [16, 0, 48, 0]
+    assert bench.torchao_skip_reason(problem) is None
 
 
 def test_te_ops_peer_builds_the_library_default_layout():
