@@ -200,7 +200,7 @@ def make_problem(name: str, shape: tuple[int, int, int, int], device: torch.devi
     (the rows are then their sum, more than the shape's)."""
     experts, tokens, hidden, ffn = shape
     sizes = [-(-s // align) * align for s in skewed_sizes(experts, tokens, seed)]
-    tokens = sum(sizes) if align > 1 else tokens
+    tokens = sum(sizes)  # the shape's rows when align is 1
     split = torch.tensor(sizes, dtype=torch.int64, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype).requires_grad_()

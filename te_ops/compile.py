@@ -178,15 +178,25 @@ def warn_eager_once(where: str, reason: str) -> None:
 def check_env_eagerly(env_values: tuple) -> None:
     """Raise ``env.read``'s ValueError (naming the variable) outside the trace where a
     ``TE_OPS_*`` value in ``env_values`` (one per ``env.ENV_VARS`` entry, in order) is not
-    accepted: inside the traced call it would surface deep in a fake-tensor error."""
+    accepted, and ``env.warn_unknown``'s where a variable of ``env.REPLACED`` is set: inside
+    the traced call either would surface deep in a fake-tensor error."""
     for (name, var), value in zip(env.ENV_VARS.items(), env_values):
         text = var.default if value is None or not value.strip() else value.strip().lower()
         if var.choices and text not in var.choices:  # lists (no choices): their reader checks
             torch._dynamo.graph_break(msg=f"te_ops: environment variable {name} must be one of "
                                           f"{list(var.choices)}, got {text!r}")
             _read_env(name)
+    for name in env.REPLACED:
+        if (env_value(name) or "").strip():
+            torch._dynamo.graph_break(msg=f"te_ops: {env.replaced_message(name)}")
+            _warn_unknown_eagerly()
 
 
 @torch._dynamo.disable
 def _read_env(name: str) -> None:
     env.read(name)
+
+
+@torch._dynamo.disable
+def _warn_unknown_eagerly() -> None:
+    env.warn_unknown()

@@ -321,11 +321,6 @@ def _fusions_off_eagerly() -> None:
     fusions_off()
 
 
-@torch._dynamo.disable
-def _warn_unknown_eagerly() -> None:
-    env.warn_unknown()
-
-
 def _run_pass(kind: str, ops: list[FusibleOperation], recipe: Any, info: PlanInfo,
               enabled: bool, off_names: frozenset[str]) -> list[FusibleOperation]:
     for fusion in _FUSIONS:
@@ -596,10 +591,6 @@ def compiled_call(fuser: OperationFuser, input_: Any, extra_inputs: tuple, recip
     if off is not None:  # likewise for a name TE_OPS_FUSION_OFF lists that is no fusion's
         torch._dynamo.graph_break(msg=f"te_ops: {off}")
         _fusions_off_eagerly()
-    replaced = [n for n in env.REPLACED if (env_value(n) or "").strip()]
-    if replaced:  # and for a variable TE_OPS_FUSION_OFF replaced
-        torch._dynamo.graph_break(msg=f"te_ops: {env.replaced_message(replaced[0])}")
-        _warn_unknown_eagerly()
     key = tuple(id(op) for op in fuser.basic_ops)
     recipe_constants = recipe_key(recipe if recipe is not None else active_recipe())
     return _run_block(input_, key, recipe_constants, len(params), env_values, *params,
