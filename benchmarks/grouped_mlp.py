@@ -116,6 +116,16 @@ MID_SHAPES: dict[str, Shape] = {
     "E128_T16384_H2048_FF768": (128, 16384, 2048, 768),    # 128
     "E64_T16384_H7168_FF2048": (64, 16384, 7168, 2048),    # 256
 }
+#: The FP8 shapes: coarse (E8, E16) to fine-grained (E64-E128, FF 768-2048) experts, tokens per
+#: expert rounded to 16 with ``--align 16`` (torchao's FP8 grouped GEMM needs it).
+FP8_SHAPES: dict[str, Shape] = {
+    "E8_T16384_H4096_FF14336": (8, 16384, 4096, 14336),
+    "E16_T16384_H5120_FF8192": (16, 16384, 5120, 8192),
+    "E32_T32768_H7168_FF2048": (32, 32768, 7168, 2048),
+    "E64_T65536_H7168_FF2048": (64, 65536, 7168, 2048),
+    "E128_T32768_H4096_FF1536": (128, 32768, 4096, 1536),
+    "E128_T65536_H2048_FF768": (128, 65536, 2048, 768),
+}
 #: Tiny shapes: seconds on a CPU (argument handling and output format).
 TINY_SHAPES: dict[str, Shape] = {
     "E4_T256_H64_FF64": (4, 256, 64, 64),
@@ -123,7 +133,8 @@ TINY_SHAPES: dict[str, Shape] = {
 }
 #: Names ``--shapes`` takes for a whole set.
 SHAPE_SETS: dict[str, dict[str, Shape]] = {
-    "gpu": SHAPES, "cpu": CPU_SHAPES, "host": HOST_SHAPES, "mid": MID_SHAPES, "tiny": TINY_SHAPES,
+    "gpu": SHAPES, "cpu": CPU_SHAPES, "host": HOST_SHAPES, "mid": MID_SHAPES, "fp8": FP8_SHAPES,
+    "tiny": TINY_SHAPES,
 }
 KNOWN_SHAPES: dict[str, Shape] = {k: v for d in SHAPE_SETS.values() for k, v in d.items()}
 

@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_out_argument, fwd_bwd_step, out_path  # noqa: E402
-from grouped_mlp import RECIPES, SHAPES, TeOps, make_problem  # noqa: E402
+from grouped_mlp import KNOWN_SHAPES, RECIPES, TeOps, make_problem  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="E8_T16384_H4096_FF14336", choices=list(SHAPES))
+    parser.add_argument("--shape", default="E8_T16384_H4096_FF14336", choices=list(KNOWN_SHAPES))
     parser.add_argument("--recipe", default="fp8", choices=list(RECIPES))
     parser.add_argument("--rows", type=int, default=25, help="kernels to print")
     parser.add_argument("--calls", action="store_true",
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    problem = make_problem(args.shape, SHAPES[args.shape], torch.device("cuda"), torch.bfloat16,
-                           0)
+    problem = make_problem(args.shape, KNOWN_SHAPES[args.shape], torch.device("cuda"),
+                           torch.bfloat16, 0)
     peer_cls = type("Profiled", (TeOps,), {"recipe": RECIPES[args.recipe]})
     # Gradients are cleared before every step, as in the timed benchmark (otherwise each
     # step after the first adds its weight gradients into .grad: 17 extra add kernels).
