@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from .kernels import gather_triton
+
 __all__ = ["DROP_POLICIES", "ExpertOrder", "PermutedTokens", "capacity_per_expert", "permute",
            "pick", "pick_sum", "sort_by_expert", "tokens_per_expert", "unpermute"]
 
@@ -223,9 +225,14 @@ def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torc
     below ``len(src)`` and the plain gather runs: one pass instead of a gather and a
     ``where``). A gather: deterministic, unlike a scatter-add.
 
-    Shapes: src (S, ...), index any shape -> (*index.shape, *src.shape[1:])."""
+    Shapes: src (S, ...), index any shape -> (*index.shape, *src.shape[1:]). A masked gather of
+    a 2-D ``src`` by a 1-D ``index`` runs in one Triton pass on CUDA
+    (:mod:`te_ops.kernels.gather_triton`, the same values); elsewhere torch's gather and
+    ``where``."""
     if not masked:
         return src[index]
+    if index.dim() == 1 and gather_triton.unsupported_reason(src, index) is None:
+        return gather_triton.gather_rows_sum(src, index)
     n = src.shape[0]
     valid = index < n
     taken = src[index.clamp(max=max(n - 1, 0))]
@@ -235,9 +242,15 @@ def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torc
 
 def pick_sum(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torch.Tensor:
     """``pick(src, index, masked=masked).sum(1)``: each output row the sum of the ``K`` rows
-    its index row names (the combine of a token's top-k expert rows).
+    its index row names (the combine of a token's top-k expert rows), in a fixed order.
 
-    Shapes: src (S, H), index (M, K) int64 in ``[0, S]`` -> (M, H) in ``src``'s dtype."""
+    Shapes: src (S, H), index (M, K) int64 in ``[0, S]`` -> (M, H) in ``src``'s dtype. On CUDA
+    (float32 / bfloat16 / float16) one Triton pass (:mod:`te_ops.kernels.gather_triton`: fp32
+    sum in ``j`` order, one rounding; an entry ``S`` adds nothing, so ``masked`` needs no
+    extra pass); elsewhere torch's gather, ``where`` and ``sum`` (bf16 / fp16 summed in fp32
+    as well, so the two agree to the last bit or within it)."""
+    if gather_triton.unsupported_reason(src, index) is None:
+        return gather_triton.gather_rows_sum(src, index)
     return pick(src, index, masked=masked).sum(1)
 
 

@@ -5,8 +5,8 @@ The routing's masked gathers (:func:`te_ops.routing.pick`) in plain torch are th
 over the (rows, hidden) data: a gather of clamped indices, a ``torch.where`` that zeroes the
 empty rows and, for the combine, a sum over the top-k axis. On an H200 at 65,536 routed rows
 of hidden 2048 (bf16) the three cost about 0.6 ms of a 5.9 ms layer step (profile of
-``benchmarks/moe_layer.py``'s te_ops layer). This kernel reads each taken row once and writes
-each output row once.
+``benchmarks/moe_layer.py``'s te_ops layer); this kernel reads each taken row once and writes
+each output row once (docs/performance.md, "MoE layer", for the layer with it).
 
 Math: ``index`` entries in ``[0, S)`` name rows of ``src`` (S rows); an entry ``>= S`` (the
 routing's "empty slot / dropped pair" value ``S``) adds nothing. With one index per output row
@@ -15,7 +15,9 @@ summed in fp32 in ``j`` order, starting from the first term, and rounded once to
 dtype (torch's ``sum`` over the k axis also accumulates bf16 / fp16 in fp32 and rounds once;
 its order within the axis may differ, so the two may differ in the last bit).
 
-Not in te_ops' dispatch (see README.md): :func:`unsupported_reason` says where it can run. Under ``torch.compile`` the call is the opaque custom op
+The routing's :func:`te_ops.routing.pick` / :func:`~te_ops.routing.pick_sum` run it on CUDA
+wherever :func:`unsupported_reason` is ``None``; elsewhere torch's gather, ``where`` and ``sum``.
+Under ``torch.compile`` the call is the opaque custom op
 ``te_ops::gather_rows_sum`` (same kernel, launched on the real tensors, so a buffer that
 inductor lays out with padded row strides is still read as it is).
 """
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from te_ops.kernels.triton_launch import cdiv, launch, next_power_of_2
-from te_ops.tracing import tracing
+from ..tracing import tracing
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:  # Triton is optional: CPU-only installs have no use for it
     import triton

@@ -2,15 +2,14 @@
 references written here: one index per row equals torch's masked gather bit for bit; K indices
 per row equal an fp32 sum in index order rounded once; a float64 per-row loop bounds both.
 Also: empty rows, hidden not a multiple of the block, every entry empty,
-``torch.compile(fullgraph=True)`` and CUDA graph replay. Run from this folder:
-``python -m pytest -q test_gather_triton_cuda.py``."""
+``torch.compile(fullgraph=True)`` and CUDA graph replay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import gather_triton
+from te_ops.kernels import gather_triton
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
