@@ -16,6 +16,9 @@ Peers (``--peers``), each run on the same problem (same weights, inputs, skewed 
     (``weight0..weight{E-1}``).
 ``te_ops_unfused``
     te_ops' default with ``TE_OPS_FUSION=0``.
+``te_ops_microbatch``
+    te_ops' default as a later micro-batch of a gradient-accumulation step
+    (``is_first_microbatch=False`` after one ``True`` call: under a recipe no weight quantize).
 ``te_ops_graph``
     te_ops' default captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
 ``te_ops_compiled``
@@ -358,6 +361,21 @@ class TeOpsRecompute(TeOps):
     recompute = True
 
 
+class TeOpsMicrobatch(TeOps):
+    """te_ops' default as the later micro-batches of a gradient-accumulation step: the first
+    call passes ``is_first_microbatch=True``, every later one ``False`` (under a recipe the
+    weights' quantized copies are reused; the weights never change here)."""
+
+    name = "te_ops_microbatch"
+
+    def forward(self, x, probs):
+        split = self.problem.split
+        first = not self.__dict__.get("_cached", False)
+        self._cached = True
+        with self.autocast():
+            return self.block(x, split, probs, split, is_first_microbatch=first)
+
+
 class TeOpsGraph(TeOps):
     """te_ops' default block captured by ``te_ops.graphs.make_graphed_callable``
     (``.grad`` is reset to ``None`` before every step here, so no gradient clone is needed)."""
@@ -415,8 +433,8 @@ class TorchaoFP8(TorchGroupedMM):
 
 PEER_CLASSES: dict[str, type[Peer]] = {
     cls.name: cls for cls in (TorchGroupedMM, TorchGroupedMMCompiled, TeOps, TeOpsPacked,
-                              TeOpsPerExpert, TeOpsUnfused, TeOpsRecompute, TeOpsGraph,
-                              TeOpsCompiled, TorchLoop, TorchaoFP8)
+                              TeOpsPerExpert, TeOpsUnfused, TeOpsRecompute, TeOpsMicrobatch,
+                              TeOpsGraph, TeOpsCompiled, TorchLoop, TorchaoFP8)
 }
 
 

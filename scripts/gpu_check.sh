@@ -3,7 +3,8 @@
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
 #     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limits 9.5 min)
-#     STEPS="env bench bench_fp8" bash scripts/gpu_check.sh    # headline numbers (limits 8.5 min)
+#     STEPS="env bench" bash scripts/gpu_check.sh              # headline numbers (limits 4.5 min)
+#     STEPS="env bench_fp8" bash scripts/gpu_check.sh          # the FP8 table (limits 9.5 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)
@@ -31,7 +32,9 @@
 #                   3 rounds (the table of docs/performance.md)
 #     bench_fp8     benchmarks/grouped_mlp.py --recipe none,fp8,fp8fast --align 16: te_ops under
 #                   the FP8 recipes vs bf16, the eager peer and torchao's FP8 grouped GEMM
-#                   (skipped, saying so, without torchao), the six FP8 shapes, 3 rounds
+#                   (skipped, saying so, without torchao), and te_ops as the later
+#                   micro-batches of an accumulation step (te_ops_microbatch), the six FP8
+#                   shapes, 3 rounds
 #     bench_variants  benchmarks/grouped_mlp.py: te_ops' default vs packed / per-expert weights,
 #                   unfused, CUDA-graphed and compiled, E64 decode and E128, 3 rounds
 #     profile       benchmarks/profile_grouped_mlp.py: top kernels / aten ops / host ops per step,
@@ -129,9 +132,10 @@ bench_lane() {
     step bench 240 "$PY" benchmarks/grouped_mlp.py --shapes "$GPU_SHAPES" --rounds 3 \
         --iters 20 --warmup 3 --out "$OUT/bench" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
-    step bench_fp8 240 "$PY" benchmarks/grouped_mlp.py --shapes fp8 \
-        --peers torch_grouped_mm,te_ops,torchao_fp8 --recipe none,fp8,fp8fast --align 16 \
-        --rounds 3 --iters 10 --warmup 3 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
+    step bench_fp8 540 "$PY" benchmarks/grouped_mlp.py --shapes fp8 \
+        --peers torch_grouped_mm,te_ops,te_ops_microbatch,torchao_fp8 \
+        --recipe none,fp8,fp8fast --align 16 \
+        --rounds 3 --iters 6 --warmup 2 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
     step bench_variants 180 "$PY" benchmarks/grouped_mlp.py \
         --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 \

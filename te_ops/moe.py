@@ -18,6 +18,7 @@ from . import comm
 from .basic import GroupedLinear, ScaledSwiGLU, SwiGLU
 from .basic.ep import AllToAllCombine, AllToAllDispatch
 from .basic.moe import Combine, Permute, Router, _positive_int
+from .quantization.weight_cache import first_microbatch_scope
 from .sequential import Sequential
 
 __all__ = ["MoE"]
@@ -182,9 +183,18 @@ class MoE(torch.nn.Module):
         block = self.__dict__["block"]
         return block.explain() if x is None else block.explain(x)
 
-    def forward(self, x: torch.Tensor, *, return_dropped: bool = False) -> Any:
+    def forward(self, x: torch.Tensor, *, return_dropped: bool = False,
+                is_first_microbatch: bool | None = None) -> Any:
         """``y, aux_loss = moe(x)`` (``y, aux_loss, dropped`` with ``return_dropped=True``);
-        shapes, dtypes and errors in the class docstring."""
+        shapes, dtypes and errors in the class docstring. ``is_first_microbatch``: the
+        quantized weight cache of the routed and shared experts under a recipe, as
+        :meth:`te_ops.Sequential.forward` takes it."""
+        if is_first_microbatch is None:
+            return self._forward(x, return_dropped)
+        with first_microbatch_scope(is_first_microbatch):
+            return self._forward(x, return_dropped)
+
+    def _forward(self, x: torch.Tensor, return_dropped: bool) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not isinstance(return_dropped, bool):

@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .quantization.weight_cache import first_microbatch_scope
+
 __all__ = ["OperationContext", "FusibleOperation", "BasicOperation", "FusedOperation",
            "HOOKS_NOTE", "has_hooks", "set_fuser_class"]
 
@@ -281,12 +283,18 @@ class BasicOperation(FusibleOperation):
         """The decisions of the last call, as ``"kind: decision"`` lines (``[]`` before)."""
         return [f"{k}: {v}" for k, v in self.__dict__.get("_dispatch_records", {}).items()]
 
-    def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
+    def forward(self, input_: torch.Tensor, *extra_inputs: Any,
+                is_first_microbatch: bool | None = None) -> Any:
+        """This op alone on ``input_`` and its extra inputs; ``is_first_microbatch`` as
+        :meth:`te_ops.Sequential.forward` takes it."""
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
             fuser = _FUSER_CLASS[0]([self])
             self.__dict__["_standalone_fuser"] = fuser
-        return fuser(input_, *extra_inputs)
+        if is_first_microbatch is None:
+            return fuser(input_, *extra_inputs)
+        with first_microbatch_scope(is_first_microbatch):
+            return fuser(input_, *extra_inputs)
 
 
 def _resolve(which: str | int, names: list[str | None], count: int, arg: str,

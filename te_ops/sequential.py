@@ -29,6 +29,7 @@ import torch
 from .fuser import OperationFuser
 from .ir import explain, to_dot
 from .op import BasicOperation, FusibleOperation, has_hooks
+from .quantization.weight_cache import first_microbatch_scope
 from .signature import CallSignature, FedOutput
 from .training import backward_dw_all
 
@@ -250,7 +251,21 @@ class Sequential(torch.nn.Module):
         """How many extra inputs follow the main input when calling."""
         return self.signature().total
 
-    def forward(self, input_: torch.Tensor, *extra_inputs: Any) -> Any:
+    def forward(self, input_: torch.Tensor, *extra_inputs: Any,
+                is_first_microbatch: bool | None = None) -> Any:
+        """Run the ops on ``input_`` and the extra inputs (:meth:`num_extra_inputs`, in op
+        order). ``is_first_microbatch`` (TransformerEngine's): under a recipe, ``True``
+        quantizes the weights and keeps the copies for the optimizer step's later
+        micro-batches, ``False`` reuses them, ``None`` keeps nothing (see
+        :mod:`te_ops.quantization.weight_cache`; ``TypeError`` for another value,
+        ``NotImplementedError`` for a bool under ``torch.compile``, ``RuntimeError`` when
+        ``False`` finds no matching cache)."""
+        if is_first_microbatch is None:
+            return self._forward(input_, extra_inputs)
+        with first_microbatch_scope(is_first_microbatch):
+            return self._forward(input_, extra_inputs)
+
+    def _forward(self, input_: torch.Tensor, extra_inputs: tuple) -> Any:
         groups = self._groups()
         only = self.__dict__.get("_only_fuser")  # built by _groups()
         if only is not None and len(extra_inputs) == only[1]:

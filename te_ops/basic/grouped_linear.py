@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from ..call_scope import current_call
-from ..grouped_tensor import GroupedTensorStorage
 from ..gemm import (
     BackendChoice,
     RowGather,
@@ -31,10 +30,12 @@ from ..gemm import (
     select_backend,
     stack_weights,
 )
+from ..grouped_tensor import GroupedTensorStorage
 from ..op import BasicOperation, OperationContext
 from ..quantization import quantize_operand
 from ..quantization.autocast import check_operand_dtype
 from ..quantization.gemm import is_quantized, quantized_gemm_note
+from ..quantization.weight_cache import WeightCacheEntry, first_microbatch, weight_cache_key
 from ..shapes import as_shape, rows_2d
 from ..splits import GroupedSplits, make_splits
 from ..tracing import tracing
@@ -226,6 +227,10 @@ class GroupedLinearSaved:
         (``te_ops/fused/moe_routing.py``): the source is the tensor the router saves anyway,
         so only the (rows,) index is added. :meth:`input_2d` gathers the rows; the wgrad GEMM
         takes the gather itself (:func:`te_ops.gemm.row_gather_reason`). High precision only.
+    weight_cache : WeightCacheEntry | None
+        The op's quantized weights of this optimizer step, when the forward ran with
+        ``is_first_microbatch`` (:mod:`te_ops.quantization.weight_cache`): dgrad reads its
+        column-wise copy, or makes it and keeps it there. ``None`` otherwise.
     """
 
     splits: GroupedSplits
@@ -243,6 +248,7 @@ class GroupedLinearSaved:
     weight_amax: torch.Tensor | None = None
     weights_view: torch.Tensor | None = None
     x_gather: RowGather | None = None
+    weight_cache: WeightCacheEntry | None = None
 
     def save(self, ctx: OperationContext) -> None:
         """Write this layout into ``ctx`` (tensors via ``save_for_backward``)."""
@@ -275,6 +281,7 @@ class GroupedLinearSaved:
             "training": self.training,
             "weights_view": self.weights_view,
             "gather_masked": gather.masked if gather else None,
+            "weight_cache": self.weight_cache,
         }
 
     @classmethod
@@ -303,7 +310,7 @@ class GroupedLinearSaved:
         return cls(splits, x, weights, biases, probs, meta["backend"], meta["in_shape"],
                    meta["recompute_x"], meta["single"], meta["probs_requires_grad"],
                    meta["recipe"], meta["training"], weight_amax,
-                   meta["weights_view"], gather)
+                   meta["weights_view"], gather, meta["weight_cache"])
 
     def has_input(self) -> bool:
         """Whether the layout keeps the input (stored, or as a row gather)."""
@@ -764,9 +771,31 @@ class GroupedLinear(BasicOperation):
         # within noise on the H200 and costs its memory): their column amax from this read
         # (GroupedLinearSaved.weight_amax), so that copy is one pass there.
         dgrad = ctx.requires_grad and ctx.input_requires_grad
-        return quantize_operand(
-            recipe, "weight", w, rowwise=True,
-            record_columnwise_amax=dgrad and "dgrad" not in recipe.high_precision_gemms())
+        amax = dgrad and "dgrad" not in recipe.high_precision_gemms()
+        flag = first_microbatch()  # is_first_microbatch (te_ops/quantization/weight_cache.py)
+        if flag is None:
+            return quantize_operand(recipe, "weight", w, rowwise=True,
+                                    record_columnwise_amax=amax)
+        key = weight_cache_key(recipe, weights)
+        entry = self.__dict__.get("_weight_cache")
+        if flag:
+            w_op = quantize_operand(recipe, "weight", w, rowwise=True,
+                                    record_columnwise_amax=amax)
+            entry = WeightCacheEntry(key, WeightCacheEntry.versions_of(weights),
+                                     w_op if is_quantized(w_op) else None)
+            self.__dict__["_weight_cache"] = entry
+        else:
+            if entry is None:
+                raise RuntimeError(
+                    f"{self.describe()}: is_first_microbatch=False, but no quantized weights "
+                    "are cached: pass is_first_microbatch=True on the first micro-batch of "
+                    "each optimizer step")
+            entry.check(self.describe(), key, weights)
+            w_op = entry.rowwise
+            if w_op is None:  # the recipe keeps fprop in high precision: nothing was kept
+                w_op = quantize_operand(recipe, "weight", w, rowwise=True)
+        ctx.weight_cache = entry  # make_saved keeps it for dgrad's column-wise copy
+        return w_op
 
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,
                      probs: torch.Tensor | None, recipe: Any = None,
@@ -883,6 +912,7 @@ class GroupedLinear(BasicOperation):
             weight_amax=weight_amax,
             weights_view=weights_view,
             x_gather=gather,
+            weight_cache=getattr(ctx, "weight_cache", None) if recipe is not None else None,
         )
 
     def _call_policy(self, weights: list[torch.Tensor], biases: list[torch.Tensor]
@@ -959,8 +989,13 @@ class GroupedLinear(BasicOperation):
                    else stacked(saved.weights, saved.single))
         dy_in = dy_q if dy_q is not None else quantize_operand(saved.recipe, "grad_output",
                                                                dy2d, rowwise=True)
-        w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True,
-                                columnwise_amax=saved.weight_amax)
+        cache = saved.weight_cache  # is_first_microbatch: this step's copy, once made
+        w_in = None if cache is None else cache.columnwise
+        if w_in is None:
+            w_in = quantize_operand(saved.recipe, "weight", weights, columnwise=True,
+                                    columnwise_amax=saved.weight_amax)
+            if cache is not None and is_quantized(w_in):
+                cache.columnwise = w_in
         return grouped_dgrad(dy_in, w_in, saved.splits, saved.backend)
 
     @staticmethod
