@@ -146,7 +146,8 @@ COMPILED_BASELINE = "torch_grouped_mm_compiled"
 DEFAULT_PEERS = [BASELINE, COMPILED_BASELINE, "te_ops"]
 RECIPES = {"none": None, "fp8": te_ops.recipe.Float8CurrentScaling(),
            "fp8fast": te_ops.recipe.Float8CurrentScaling(fast_accumulate_backward=True),
-           "mxfp8": te_ops.recipe.MXFP8BlockScaling()}
+           "mxfp8": te_ops.recipe.MXFP8BlockScaling(),
+           "fp8block": te_ops.recipe.Float8BlockScaling()}
 
 
 def resolve_shapes(parser: argparse.ArgumentParser, text: str | None,

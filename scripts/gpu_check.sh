@@ -4,7 +4,8 @@
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
 #     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limits 9.5 min)
 #     STEPS="env bench" bash scripts/gpu_check.sh              # headline numbers (limits 4.5 min)
-#     STEPS="env bench_fp8" bash scripts/gpu_check.sh          # the FP8 table (limits 9.5 min)
+#     STEPS="env bench_fp8" bash scripts/gpu_check.sh          # the FP8 table (limits 9.2 min)
+#     STEPS="env bench_fp8block" bash scripts/gpu_check.sh     # blockwise FP8 (limits 7.2 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)
@@ -35,6 +36,8 @@
 #                   (skipped, saying so, without torchao), and te_ops as the later
 #                   micro-batches of an accumulation step (te_ops_microbatch), the six FP8
 #                   shapes, 3 rounds
+#     bench_fp8block  benchmarks/grouped_mlp.py --recipe none,fp8block --align 16: te_ops under
+#                   Float8BlockScaling vs bf16 (and as later micro-batches), the six FP8 shapes
 #     bench_variants  benchmarks/grouped_mlp.py: te_ops' default vs packed / per-expert weights,
 #                   unfused, CUDA-graphed and compiled, E64 decode and E128, 3 rounds
 #     profile       benchmarks/profile_grouped_mlp.py: top kernels / aten ops / host ops per step,
@@ -73,7 +76,7 @@ OUT="${OUT:-$PWD/runs}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 : > "$OUT/steps.txt"
-WANT=" ${STEPS:-env dist_nccl cuda_tests main_job_mxfp8 bench bench_fp8 bench_variants profile profile_recipe memory peak recompute moe_layer moe_ep main_job main_job_seeds} "
+WANT=" ${STEPS:-env dist_nccl cuda_tests main_job_mxfp8 bench bench_fp8 bench_fp8block bench_variants profile profile_recipe memory peak recompute moe_layer moe_ep main_job main_job_seeds} "
 GPU_SHAPES=E8_T16384_H4096_FF14336,E128_T65536_H2048_FF768,E32_T32768_H7168_FF2048,E64_T256_H2048_FF768
 
 # step NAME SECONDS COMMAND...: run COMMAND under a timeout, tee its output to $OUT/NAME.log.
@@ -137,6 +140,10 @@ bench_lane() {
         --recipe none,fp8,fp8fast --align 16 \
         --rounds 3 --iters 6 --warmup 2 --out "$OUT/bench_fp8" ${BENCH_ARGS:-}
     # shellcheck disable=SC2086
+    step bench_fp8block 420 "$PY" benchmarks/grouped_mlp.py --shapes fp8 \
+        --peers te_ops,te_ops_microbatch --recipe none,fp8block --align 16 \
+        --rounds 3 --iters 6 --warmup 2 --out "$OUT/bench_fp8block" ${BENCH_ARGS:-}
+    # shellcheck disable=SC2086
     step bench_variants 180 "$PY" benchmarks/grouped_mlp.py \
         --shapes E64_T256_H2048_FF768,E128_T65536_H2048_FF768 \
         --peers torch_grouped_mm,te_ops,te_ops_packed,te_ops_per_expert,te_ops_unfused,te_ops_graph,te_ops_compiled \
@@ -179,7 +186,7 @@ fi
             grep -E '^(FAILED|ERROR) ' "$OUT/$t.log" | head -n 20
         fi
     done
-    for b in bench bench_fp8 bench_variants moe_layer; do
+    for b in bench bench_fp8 bench_fp8block bench_variants moe_layer; do
         if [ -s "$OUT/$b/summary.txt" ]; then
             echo
             echo "## $b"

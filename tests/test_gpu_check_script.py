@@ -76,7 +76,7 @@ def test_named_recipes_peers_and_shapes_exist():
     recipes = set(re.findall(r"--recipes? ([\w,]+)", code))
     assert recipes
     for value in recipes:
-        assert set(value.split(",")) <= {"none", "fp8", "fp8fast", "mxfp8"}, value
+        assert set(value.split(",")) <= {"none", "fp8", "fp8fast", "mxfp8", "fp8block"}, value
     for value in re.findall(r"--peers ([\w,]+)", code):
         assert set(value.split(",")) <= set(grouped_mlp.PEER_CLASSES), value
     for shape in set(re.findall(r"E\d+_T\d+_H\d+_FF\d+", code)):
