@@ -137,14 +137,18 @@ class BasicOperation(FusibleOperation):
         super().__init__(*args, **kwargs)
         LIVE_BASIC_OPS[id(self)] = self  # torch.compile finds the op by id (te_ops/compile.py)
 
+    #: Host state a copy (deepcopy, pickle) does not take: torch.compile's per-op fusers hold
+    #: the trace's stand-ins of the parameters (they neither pickle nor deep-copy; a copy
+    #: traces again), and the quantized weights of ``is_first_microbatch`` belong to this
+    #: op's parameters (a copy's own first micro-batch makes its own).
+    _NOT_COPIED = ("_compile_fusers", "_weight_cache")
+
     def __getstate__(self) -> dict:
-        # torch.compile's per-op fusers hold the trace's stand-ins of the parameters (they
-        # neither pickle nor deep-copy); a copy traces again, as after __setstate__ below.
         state = super().__getstate__()
-        return {k: v for k, v in state.items() if k != "_compile_fusers"}
+        return {k: v for k, v in state.items() if k not in self._NOT_COPIED}
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / pickle do not call __init__
-        state = {k: v for k, v in state.items() if k != "_compile_fusers"}
+        state = {k: v for k, v in state.items() if k not in self._NOT_COPIED}
         super().__setstate__(state)
         LIVE_BASIC_OPS[id(self)] = self
 

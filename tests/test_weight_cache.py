@@ -109,6 +109,59 @@ def test_false_after_an_in_place_update_raises_and_names_the_fix():
         step(block, RECIPES["fp8"], False)
 
 
+def _new_parameter(block):
+    fc1 = block[0]
+    fc1.weight = torch.nn.Parameter(fc1.weight.detach().clone())
+
+
+def _assign_load(block):
+    block.load_state_dict({k: v.clone() for k, v in block.state_dict().items()}, assign=True)
+
+
+def _data_assigned(block):
+    block[0].weight.data = block[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize("change, why", [
+    (_new_parameter, "is another tensor object"),
+    (_assign_load, "is another tensor object"),
+    (_data_assigned, "moved to other memory"),
+    (lambda b: b.load_state_dict(b.state_dict()), "was written in place"),
+], ids=["new_parameter", "load_assign", "data_assigned", "load_copy"])
+def test_false_after_the_weights_were_replaced_raises_naming_the_weight(change, why):
+    block = make_block()
+    step(block, RECIPES["fp8"], True)
+    change(block)
+    with pytest.raises(RuntimeError, match=r"GroupedLinear.*its weight " + why):
+        step(block, RECIPES["fp8"], False)
+
+
+def test_false_with_computed_weights_raises():
+    class Scaled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    block = make_block()
+    torch.nn.utils.parametrize.register_parametrization(block[0], "weight", Scaled())
+    step(block, RECIPES["fp8"], True)
+    with pytest.raises(RuntimeError, match="its weight is another tensor object"):
+        step(block, RECIPES["fp8"], False)
+
+
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copy_does_not_take_the_cache(copy_kind):
+    import copy
+    import pickle
+
+    block = make_block()
+    step(block, RECIPES["fp8"], True)
+    clone = (copy.deepcopy(block) if copy_kind == "deepcopy"
+             else pickle.loads(pickle.dumps(block)))
+    with pytest.raises(RuntimeError, match="no quantized weights are cached"):
+        step(clone, RECIPES["fp8"], False)
+    assert_bitwise(step(clone, RECIPES["fp8"], True), step(block, RECIPES["fp8"], False))
+
+
 def test_false_without_a_cache_raises():
     with pytest.raises(RuntimeError, match="no quantized weights are cached"):
         step(make_block(), RECIPES["fp8"], False)
@@ -178,7 +231,27 @@ def test_moe_layer_takes_the_flag_for_routed_and_shared_experts(weight_quantizes
     assert n_first == 4 and weight_quantizes == []  # fc1 and fc2, routed and shared
 
 
-def test_flag_under_torch_compile_raises():
+def test_flag_under_torch_compile_without_fullgraph_runs_the_call_eagerly(weight_quantizes):
+    recipe = RECIPES["fp8"]
+    plain, block = make_block(), make_block()
+    x = torch.randn(16, H)
+    probs = torch.rand(16)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def run(x, flag):
+        return block(x, SIZES, probs, SIZES, is_first_microbatch=flag)
+
+    with te_ops.autocast(recipe=recipe):
+        want = plain(x, SIZES, probs, SIZES)
+        run(x, True)
+        weight_quantizes.clear()
+        got = run(x, False)
+    assert torch.equal(got, want)
+    assert weight_quantizes == []
+
+
+def test_flag_under_torch_compile_fullgraph_raises():
     block = make_block()
     x = torch.randn(16, H)
     probs = torch.rand(16)
@@ -187,7 +260,7 @@ def test_flag_under_torch_compile_raises():
     def run(x):
         return block(x, SIZES, probs, SIZES, is_first_microbatch=True)
 
-    # Dynamo reports the op's NotImplementedError as an unsupported observed exception
-    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported),
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported,
                        match="is_first_microbatch is an eager feature"):
         run(x)

@@ -790,7 +790,7 @@ class GroupedLinear(BasicOperation):
                     f"{self.describe()}: is_first_microbatch=False, but no quantized weights "
                     "are cached: pass is_first_microbatch=True on the first micro-batch of "
                     "each optimizer step")
-            entry.check(self.describe(), key, weights)
+            entry.check(self.describe(), key, weights, self._param_names()[0])
             w_op = entry.rowwise
             if w_op is None:  # the recipe keeps fprop in high precision: nothing was kept
                 w_op = quantize_operand(recipe, "weight", w, rowwise=True)

@@ -16,22 +16,32 @@ per micro-batch): ``te_ops.Sequential(...)(x, *extra, is_first_microbatch=...)``
 * ``True``: the call quantizes the weights and keeps the copies in the op (fprop's row-wise copy
   now, dgrad's column-wise copy when this micro-batch's backward makes it).
 * ``False``: the call reads the copies the last ``True`` call made. The caller promises the
-  weights are the ones of that call. What can be checked is: the cache exists, the recipe
-  and the weights' shapes, dtypes and devices are the same, and a weight whose memory is the
-  same was not written in place since (its ``_version``: an optimizer step or ``copy_``
-  writes it). A failed check raises ``RuntimeError`` saying which; a write through ``.data``
-  cannot be seen (TransformerEngine checks nothing). Where a framework writes the weights into
-  the same memory every micro-batch (a re-gather), the check raises: leave the flag ``None``.
+  weights are the ones of that call. What is checked: the cache exists; the recipe and the
+  weights' shapes, dtypes and devices are the same; each weight is the same tensor object, in
+  the same memory, not written in place since (its ``_version``: ``copy_``, a foreach or
+  for-loop optimizer step, ``load_state_dict``). A failed check raises ``RuntimeError`` naming
+  the weight and the fix. Writes that leave all of that as it was cannot be seen (TE checks
+  nothing): writes through ``.data`` (and a ``.data`` assignment that lands in the memory the
+  weight had, as a ``module.to(dtype)`` round trip can), torch's ``fused=True`` optimizers
+  (they do not bump ``_version``), and writes into a flat buffer that the parameters view
+  through ``.data`` (Megatron-Core's parameter buffers). Computed weights
+  (``torch.nn.utils.parametrize``) are a new tensor every call, so ``False`` raises for them,
+  as where a framework re-gathers the weights every micro-batch: leave the flag ``None`` there.
 
 Without a recipe the flag changes nothing (there is nothing to quantize). It is an eager
-feature: under ``torch.compile`` or while tracing a non-``None`` flag raises (the cache is host
-state the compiled graph cannot hold). The copies live until the op's next ``True`` call or
-until the op is freed: about the weights' own bytes (FP8 row-wise + column-wise, with scales).
+feature: under ``torch.compile`` a bool breaks the graph with the reason (``fullgraph=True``
+raises it; otherwise that call runs eagerly, as Dynamo runs what it cannot trace), since the
+cache is host state a compiled graph cannot hold. The copies live until the op's next ``True``
+call or until the op is freed: about the weights' own bytes (FP8 row-wise + column-wise, with
+scales); deepcopy and pickle leave them out. Under activation checkpointing the recompute of a
+``True`` micro-batch quantizes again (it is a ``True`` call), and the next micro-batch then
+makes dgrad's copy once more.
 """
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,16 +59,16 @@ _FLAG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_ops_firs
 
 
 def check_first_microbatch(value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is ``None`` or a bool, and ``NotImplementedError``
-    for a bool under ``torch.compile`` (see the module docstring)."""
+    """Raise ``TypeError`` unless ``value`` is ``None`` or a bool; break the graph (with the
+    reason) for a bool under ``torch.compile`` (see the module docstring)."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"is_first_microbatch must be None, True or False, got "
                         f"{type(value).__name__} ({value!r})")
     if value is not None and torch.compiler.is_compiling():
-        raise NotImplementedError(
+        torch._dynamo.graph_break(msg=(
             "is_first_microbatch is an eager feature: the quantized weight cache is host state "
             "a compiled graph cannot keep; under torch.compile leave it None (each call "
-            "quantizes the weights)")
+            "quantizes the weights)"))
 
 
 @contextmanager
@@ -93,8 +103,8 @@ class WeightCacheEntry:
 
     key : tuple
         :func:`weight_cache_key` of the ``True`` call.
-    versions : tuple[tuple[int, int], ...]
-        Each weight's ``(data_ptr(), _version)`` at that call.
+    versions : tuple[tuple[weakref.ref, int, int], ...]
+        Each weight's (weak reference, ``data_ptr()``, ``_version``) at that call.
     rowwise : Any
         fprop's row-wise operand (a ``QuantizedTensorStorage``; ``None`` when the recipe keeps
         fprop in high precision: then nothing is kept for it).
@@ -104,26 +114,38 @@ class WeightCacheEntry:
     """
 
     key: tuple
-    versions: tuple[tuple[int, int], ...]
+    versions: tuple[tuple[weakref.ref, int, int], ...]
     rowwise: Any = None
     columnwise: Any = None
 
     @staticmethod
-    def versions_of(weights: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-        return tuple((w.data_ptr(), w._version) for w in weights)
+    def versions_of(weights: Sequence[torch.Tensor]) -> tuple[tuple[weakref.ref, int, int], ...]:
+        """Each weight's identity at a ``True`` call: (weak reference, ``data_ptr()``,
+        ``_version``)."""
+        return tuple((weakref.ref(w), w.data_ptr(), w._version) for w in weights)
 
-    def check(self, owner: str, key: tuple, weights: Sequence[torch.Tensor]) -> None:
+    def check(self, owner: str, key: tuple, weights: Sequence[torch.Tensor],
+              names: Sequence[str]) -> None:
         """Raise ``RuntimeError`` when this entry cannot stand for ``weights`` (see the module
-        docstring); ``owner`` names the op in the message."""
+        docstring); ``owner`` and ``names`` (the weights' attribute names) go in the message."""
+        fix = ("pass is_first_microbatch=True on the first micro-batch after each weight "
+               "update")
         if key != self.key:
             raise RuntimeError(
                 f"{owner}: is_first_microbatch=False, but the recipe or the weights' shapes, "
                 f"dtypes or devices differ from the is_first_microbatch=True call (cached "
-                f"{self.key}, now {key}): pass is_first_microbatch=True")
-        for i, ((ptr, version), w) in enumerate(zip(self.versions, weights)):
-            if w.data_ptr() == ptr and w._version != version:
-                raise RuntimeError(
-                    f"{owner}: is_first_microbatch=False, but weight {i} was written in place "
-                    f"since the is_first_microbatch=True call (version {version} -> "
-                    f"{w._version}, e.g. an optimizer step): pass is_first_microbatch=True on "
-                    "the first micro-batch after each weight update")
+                f"{self.key}, now {key}): {fix}")
+        for name, (ref, ptr, version), w in zip(names, self.versions, weights):
+            if ref() is not w:
+                why = ("is another tensor object (a new Parameter, load_state_dict(assign="
+                       "True), a computed or functional_call weight)")
+            elif w.data_ptr() != ptr:
+                why = "moved to other memory (.data assigned, .to(...))"
+            elif w._version != version:
+                why = (f"was written in place (version {version} -> {w._version}: an optimizer "
+                       "step, copy_, load_state_dict)")
+            else:
+                continue
+            raise RuntimeError(
+                f"{owner}: is_first_microbatch=False, but its {name} {why} since the "
+                f"is_first_microbatch=True call: {fix}")
