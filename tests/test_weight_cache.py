@@ -264,3 +264,11 @@ def test_flag_under_torch_compile_fullgraph_raises():
     with pytest.raises(torch._dynamo.exc.Unsupported,
                        match="is_first_microbatch is an eager feature"):
         run(x)
+
+
+def test_flag_during_cuda_graph_capture_raises(monkeypatch):
+    # No GPU here: the capture state is what the check reads.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="during CUDA graph capture.*is_first_microbatch=None"):
+        step(make_block(), RECIPES["fp8"], False)

@@ -31,7 +31,8 @@ per micro-batch): ``te_ops.Sequential(...)(x, *extra, is_first_microbatch=...)``
 Without a recipe the flag changes nothing (there is nothing to quantize). It is an eager
 feature: under ``torch.compile`` a bool breaks the graph with the reason (``fullgraph=True``
 raises it; otherwise that call runs eagerly, as Dynamo runs what it cannot trace), since the
-cache is host state a compiled graph cannot hold. The copies live until the op's next ``True``
+cache is host state a compiled graph cannot hold; during CUDA graph capture a bool raises (a
+replay would read one step's copies for ever). The copies live until the op's next ``True``
 call or until the op is freed: about the weights' own bytes (FP8 row-wise + column-wise, with
 scales); deepcopy and pickle leave them out. Under activation checkpointing the recompute of a
 ``True`` micro-batch quantizes again (it is a ``True`` call), and the next micro-batch then
@@ -59,11 +60,18 @@ _FLAG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_ops_firs
 
 
 def check_first_microbatch(value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is ``None`` or a bool; break the graph (with the
-    reason) for a bool under ``torch.compile`` (see the module docstring)."""
+    """Raise ``TypeError`` unless ``value`` is ``None`` or a bool and ``RuntimeError`` for a
+    bool during CUDA graph capture; break the graph (with the reason) for a bool under
+    ``torch.compile`` (see the module docstring)."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"is_first_microbatch must be None, True or False, got "
                         f"{type(value).__name__} ({value!r})")
+    if (value is not None and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()):
+        raise RuntimeError(
+            "is_first_microbatch during CUDA graph capture: a replay would keep reading the "
+            "copies of the captured call's step (a later True call makes new ones); capture "
+            "with is_first_microbatch=None (each replay quantizes the weights)")
     if value is not None and torch.compiler.is_compiling():
         torch._dynamo.graph_break(msg=(
             "is_first_microbatch is an eager feature: the quantized weight cache is host state "
