@@ -200,6 +200,27 @@ def test_unflagged_call_neither_uses_nor_drops_the_cache(weight_quantizes):
     assert weight_quantizes == []
 
 
+def test_under_activation_checkpointing_dgrads_copy_is_made_once(weight_quantizes):
+    recipe = RECIPES["fp8"]
+    plain, block = make_block(), make_block()
+    counts = []
+    for seed, flag in enumerate([True, False, False]):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, H, generator=gen, requires_grad=True)
+        probs = torch.rand(16, generator=gen)
+        weight_quantizes.clear()
+        with te_ops.autocast(recipe=recipe):
+            y = te_ops.checkpoint(block, x, SIZES, probs, SIZES, is_first_microbatch=flag)
+        y.square().sum().backward()
+        counts.append(sorted(weight_quantizes))
+        got = [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+        for p in block.parameters():
+            p.grad = None
+        assert_bitwise(got, step(plain, recipe, seed=seed))
+    # the first: fprop's copies in the forward and again in the recompute, dgrad's once
+    assert counts == [[(False, True)] * 2 + [(True, False)] * 4, [], []]
+
+
 def test_standalone_op_takes_the_flag(weight_quantizes):
     torch.manual_seed(2)
     op = te_ops.GroupedLinear(E, H, F, bias=False)

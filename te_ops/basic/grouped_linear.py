@@ -781,9 +781,12 @@ class GroupedLinear(BasicOperation):
         if flag:
             w_op = quantize_operand(recipe, "weight", w, rowwise=True,
                                     record_columnwise_amax=amax)
-            entry = WeightCacheEntry(key, WeightCacheEntry.versions_of(weights),
-                                     w_op if is_quantized(w_op) else None)
-            self.__dict__["_weight_cache"] = entry
+            made = (key, WeightCacheEntry.versions_of(weights),
+                    w_op if is_quantized(w_op) else None)
+            if entry is None:
+                entry = self.__dict__["_weight_cache"] = WeightCacheEntry(*made)
+            else:  # one entry per op: a backward whose context holds it fills the current one
+                entry.reset(*made)
         else:
             if entry is None:
                 raise RuntimeError(

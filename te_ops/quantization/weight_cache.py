@@ -35,8 +35,8 @@ cache is host state a compiled graph cannot hold; during CUDA graph capture a bo
 replay would read one step's copies for ever). The copies live until the op's next ``True``
 call or until the op is freed: about the weights' own bytes (FP8 row-wise + column-wise, with
 scales); deepcopy and pickle leave them out. Under activation checkpointing the recompute of a
-``True`` micro-batch quantizes again (it is a ``True`` call), and the next micro-batch then
-makes dgrad's copy once more.
+``True`` micro-batch quantizes fprop's copy again (it is a ``True`` call); dgrad's copy is made
+once, in that backward.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ class WeightCacheEntry:
     versions: tuple[tuple[weakref.ref, int, int], ...]
     rowwise: Any = None
     columnwise: Any = None
+
+    def reset(self, key: tuple, versions: tuple, rowwise: Any) -> None:
+        """Make this entry a ``True`` call's (dgrad's copy to be made again). An op keeps one
+        entry object: a context saved before (activation checkpointing's recompute of the
+        ``True`` micro-batch is such a later ``True`` call) fills the same one."""
+        self.key, self.versions, self.rowwise, self.columnwise = key, versions, rowwise, None
 
     @staticmethod
     def versions_of(weights: Sequence[torch.Tensor]) -> tuple[tuple[weakref.ref, int, int], ...]:
