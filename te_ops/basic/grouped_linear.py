@@ -395,7 +395,8 @@ class GroupedLinear(BasicOperation):
     ``bias`` / ``bias{g}`` attributes are ``None`` (as ``torch.nn.Linear.bias``). Weights
     parametrized with ``torch.nn.utils.parametrize`` (either layout) are computed once per
     call and differentiated through (not with ``accumulate_into_main_grad`` /
-    ``delay_wgrad_compute``, which raise ``NotImplementedError``). Initialization follows ``torch.nn.Linear`` (Kaiming-uniform
+    ``delay_wgrad_compute``, which raise ``NotImplementedError``). Initialization follows
+    ``torch.nn.Linear`` (Kaiming-uniform
     weights, uniform biases; TransformerEngine zeros biases, see :meth:`reset_parameters`
     for why te_ops does not). ``load_state_dict`` also
     accepts a checkpoint of the other weight layout (per-group ``weight{g}`` vs
@@ -737,8 +738,10 @@ class GroupedLinear(BasicOperation):
         """fprop's operands (x, stacked weights): as they are, or under ``recipe`` quantized
         row-wise, each with its column-wise copy too where this call's context will keep it
         (x: wgrad input, when ``save_input`` and a weight needs a gradient; weights: dgrad,
-        never: backward quantizes them for dgrad), both copies from one quantize call (one pair of passes on CUDA). ``weight_operand``: the weights'
-        operand made earlier by :meth:`forward_weight_operand` (same context and recipe).
+        never: backward quantizes them for dgrad, or reads ``is_first_microbatch``'s copy),
+        both copies from one quantize call (one pair of passes on CUDA). ``weight_operand``:
+        the weights' operand made earlier by :meth:`forward_weight_operand` (same context and
+        recipe).
         ``input_operand``: x's row-wise operand made earlier (the fused forward's SwiGLU + FP8
         kernel), for a call that keeps no column-wise copy of x; ``x2d`` is then unused.
         :meth:`make_saved` takes the result."""
