@@ -4,8 +4,8 @@
 #     OUT=/some/dir bash scripts/gpu_check.sh                  # every step (default OUT: ./runs)
 #     STEPS="env cuda_tests" bash scripts/gpu_check.sh         # the tests (limits 9.5 min)
 #     STEPS="env bench" bash scripts/gpu_check.sh              # headline numbers (limits 4.5 min)
-#     STEPS="env bench_fp8" bash scripts/gpu_check.sh          # the FP8 table (limits 9.2 min)
-#     STEPS="env bench_fp8block" bash scripts/gpu_check.sh     # blockwise FP8 (limits 7.2 min)
+#     STEPS="env bench_fp8" bash scripts/gpu_check.sh          # the FP8 table (limits 9.5 min)
+#     STEPS="env bench_fp8block" bash scripts/gpu_check.sh     # blockwise FP8 (limits 7.5 min)
 #     STEPS="env bench_variants profile profile_recipe memory peak recompute" \
 #         bash scripts/gpu_check.sh                            # the rest (limits 7.7 min)
 #     STEPS="env moe_layer" bash scripts/gpu_check.sh          # the whole layer (limits 9.5 min)

@@ -18,7 +18,7 @@ from . import comm
 from .basic import GroupedLinear, ScaledSwiGLU, SwiGLU
 from .basic.ep import AllToAllCombine, AllToAllDispatch
 from .basic.moe import Combine, Permute, Router, _positive_int
-from .quantization.weight_cache import first_microbatch_scope
+from .quantization.weight_cache import call_flagged
 from .sequential import Sequential
 
 __all__ = ["MoE"]
@@ -191,8 +191,7 @@ class MoE(torch.nn.Module):
         :meth:`te_ops.Sequential.forward` takes it."""
         if is_first_microbatch is None:
             return self._forward(x, return_dropped)
-        with first_microbatch_scope(is_first_microbatch):
-            return self._forward(x, return_dropped)
+        return call_flagged(is_first_microbatch, self._forward, x, return_dropped)
 
     def _forward(self, x: torch.Tensor, return_dropped: bool) -> Any:
         if not isinstance(x, torch.Tensor):

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .quantization.weight_cache import first_microbatch_scope
+from .quantization.weight_cache import call_flagged
 
 __all__ = ["OperationContext", "FusibleOperation", "BasicOperation", "FusedOperation",
            "HOOKS_NOTE", "has_hooks", "set_fuser_class"]
@@ -297,8 +297,7 @@ class BasicOperation(FusibleOperation):
             self.__dict__["_standalone_fuser"] = fuser
         if is_first_microbatch is None:
             return fuser(input_, *extra_inputs)
-        with first_microbatch_scope(is_first_microbatch):
-            return fuser(input_, *extra_inputs)
+        return call_flagged(is_first_microbatch, fuser, input_, *extra_inputs)
 
 
 def _resolve(which: str | int, names: list[str | None], count: int, arg: str,

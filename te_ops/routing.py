@@ -226,9 +226,9 @@ def pick(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> torc
     ``where``). A gather: deterministic, unlike a scatter-add.
 
     Shapes: src (S, ...), index any shape -> (*index.shape, *src.shape[1:]). A masked gather of
-    a 2-D ``src`` by a 1-D ``index`` runs in one Triton pass on CUDA
-    (:mod:`te_ops.kernels.gather_triton`, the same values); elsewhere torch's gather and
-    ``where``."""
+    a 2-D ``src`` by a 1-D ``index`` on its device runs in one Triton pass on CUDA
+    (:mod:`te_ops.kernels.gather_triton`, the same values; not where ``src`` needs a graph:
+    the kernel has no autograd); elsewhere torch's gather and ``where``."""
     if not masked:
         return src[index]
     if index.dim() == 1 and gather_triton.unsupported_reason(src, index) is None:
@@ -245,11 +245,12 @@ def pick_sum(src: torch.Tensor, index: torch.Tensor, *, masked: bool = True) -> 
     its index row names (the combine of a token's top-k expert rows), in a fixed order.
 
     Shapes: src (S, H), index (M, K) int64 in ``[0, S]`` -> (M, H) in ``src``'s dtype. On CUDA
-    (float32 / bfloat16 / float16) one Triton pass (:mod:`te_ops.kernels.gather_triton`: fp32
+    (float32 / bfloat16 / float16, ``index`` on ``src``'s device, no graph through ``src``) one
+    Triton pass (:mod:`te_ops.kernels.gather_triton`: fp32
     sum in ``j`` order, one rounding; an entry ``S`` adds nothing, so ``masked`` needs no
     extra pass); elsewhere torch's gather, ``where`` and ``sum`` (bf16 / fp16 summed in fp32
     as well, so the two agree to the last bit or within it)."""
-    if gather_triton.unsupported_reason(src, index) is None:
+    if index.dim() == 2 and gather_triton.unsupported_reason(src, index) is None:
         return gather_triton.gather_rows_sum(src, index)
     return pick(src, index, masked=masked).sum(1)
 

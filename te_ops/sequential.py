@@ -29,7 +29,7 @@ import torch
 from .fuser import OperationFuser
 from .ir import explain, to_dot
 from .op import BasicOperation, FusibleOperation, has_hooks
-from .quantization.weight_cache import first_microbatch_scope
+from .quantization.weight_cache import call_flagged
 from .signature import CallSignature, FedOutput
 from .training import backward_dw_all
 
@@ -262,8 +262,7 @@ class Sequential(torch.nn.Module):
         ``False`` finds no matching cache)."""
         if is_first_microbatch is None:
             return self._forward(input_, extra_inputs)
-        with first_microbatch_scope(is_first_microbatch):
-            return self._forward(input_, extra_inputs)
+        return call_flagged(is_first_microbatch, self._forward, input_, extra_inputs)
 
     def _forward(self, input_: torch.Tensor, extra_inputs: tuple) -> Any:
         groups = self._groups()

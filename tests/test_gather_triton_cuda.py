@@ -90,3 +90,27 @@ def test_gather_rows_sum_compiles_fullgraph_and_replays_in_a_cuda_graph():
     static_idx.copy_(index2)
     graph.replay()
     assert torch.equal(out, _fp32_in_order(src2, index2))
+
+
+def test_unsupported_reason_names_an_index_on_another_device_and_a_src_needing_a_graph():
+    src, index = _problem(8, 5, 2, 64, torch.float32)
+    assert gather_triton.unsupported_reason(src, index) is None
+    assert "index is on cpu" in gather_triton.unsupported_reason(src, index.cpu())
+    needs_graph = src.clone().requires_grad_()
+    assert "requires grad" in gather_triton.unsupported_reason(needs_graph, index)
+    with torch.no_grad():
+        assert gather_triton.unsupported_reason(needs_graph, index) is None
+
+
+def test_routing_picks_fall_back_where_the_kernel_does_not_apply():
+    from te_ops.routing import pick_sum
+
+    src, index = _problem(8, 5, 2, 64, torch.float32)
+    # a 1-D index: pick_sum sums over the rows' hidden dim, as torch's gather then sum(1)
+    flat = index[:, 0]
+    want = torch.where((flat < 8)[:, None], src[flat.clamp(max=7)], 0).sum(1)
+    assert torch.equal(pick_sum(src, flat), want)
+    # a src that requires grad keeps its graph
+    leaf = src.clone().requires_grad_()
+    pick_sum(leaf, index).sum().backward()
+    assert leaf.grad is not None and leaf.grad.shape == src.shape

@@ -252,20 +252,31 @@ def test_moe_layer_takes_the_flag_for_routed_and_shared_experts(weight_quantizes
     assert n_first == 4 and weight_quantizes == []  # fc1 and fc2, routed and shared
 
 
-def test_flag_under_torch_compile_without_fullgraph_runs_the_call_eagerly(weight_quantizes):
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_flag_under_torch_compile_without_fullgraph_runs_the_call_eagerly(backend,
+                                                                          weight_quantizes):
     recipe = RECIPES["fp8"]
     plain, block = make_block(), make_block()
+    moe = te_ops.MoE(H, F, E, 2)
     x = torch.randn(16, H)
     probs = torch.rand(16)
     torch._dynamo.reset()
 
-    @torch.compile(backend="eager")
+    @torch.compile(backend=backend)
     def run(x, flag):
-        return block(x, SIZES, probs, SIZES, is_first_microbatch=flag)
+        return block(x, SIZES, probs, SIZES, is_first_microbatch=flag) * 2
+
+    @torch.compile(backend=backend)
+    def run_moe(x, flag):
+        return moe(x, is_first_microbatch=flag)[0] * 2
 
     with te_ops.autocast(recipe=recipe):
-        want = plain(x, SIZES, probs, SIZES)
+        with pytest.raises(RuntimeError, match="no quantized weights are cached"):
+            run_moe(x, False)  # the check runs: the flag is not dropped by the trace
+        want = plain(x, SIZES, probs, SIZES) * 2
+        weight_quantizes.clear()
         run(x, True)
+        assert len(weight_quantizes) == 2  # fprop's copies, made eagerly
         weight_quantizes.clear()
         got = run(x, False)
     assert torch.equal(got, want)

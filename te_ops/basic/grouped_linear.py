@@ -782,6 +782,8 @@ class GroupedLinear(BasicOperation):
         key = weight_cache_key(recipe, weights)
         entry = self.__dict__.get("_weight_cache")
         if flag:
+            if entry is not None:  # the last step's copies go before the new ones are made
+                entry.rowwise = entry.columnwise = None
             w_op = quantize_operand(recipe, "weight", w, rowwise=True,
                                     record_columnwise_amax=amax)
             made = (key, WeightCacheEntry.versions_of(weights),

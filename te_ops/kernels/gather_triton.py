@@ -53,6 +53,10 @@ def unsupported_reason(src: torch.Tensor, index: torch.Tensor) -> str | None:
         return f"dtype {src.dtype} is not one of {list(_DTYPES)}"
     if index.dim() not in (1, 2) or index.dtype != torch.int64:
         return f"index is {index.dim()}-D {index.dtype} (the kernel takes 1-D or 2-D int64)"
+    if index.device != src.device:
+        return f"index is on {index.device}, src on {src.device}"
+    if src.requires_grad and torch.is_grad_enabled():
+        return "src requires grad (the kernel's output has no autograd graph)"
     return None
 
 

@@ -2,9 +2,10 @@
 
 With gradient accumulation the weights do not change between the micro-batches of a step, yet
 every forward quantizes them again for fprop (row-wise) and every backward for dgrad
-(column-wise). On fine-grained experts the weights outweigh the tokens (E128 H2048 FF768: 402M
-weight elements against 134M input elements at 65,536 routed rows), and those passes are about
-a quarter of an FP8 step's GPU time (docs/performance.md, "FP8 recipes").
+(column-wise). On fine-grained experts the weights outweigh the tokens (E128 H2048 FF768: 604M
+weight elements in fc1 and fc2 against fc1's 134M input elements at 65,536 routed rows); there
+the quantize kernels are 2.50 ms of an FP8 step's 5.65 ms of GPU time (docs/performance.md,
+"FP8 recipes"), the weights' passes about 1.5 ms of it by their sizes.
 
 The caller says when the weights are fresh, as TransformerEngine's modules take it
 (``is_first_microbatch`` of ``te.pytorch.Linear`` / ``GroupedLinear``; Megatron-Core passes it
@@ -29,9 +30,9 @@ per micro-batch): ``te_ops.Sequential(...)(x, *extra, is_first_microbatch=...)``
   as where a framework re-gathers the weights every micro-batch: leave the flag ``None`` there.
 
 Without a recipe the flag changes nothing (there is nothing to quantize). It is an eager
-feature: under ``torch.compile`` a bool breaks the graph with the reason (``fullgraph=True``
-raises it; otherwise that call runs eagerly, as Dynamo runs what it cannot trace), since the
-cache is host state a compiled graph cannot hold; during CUDA graph capture a bool raises (a
+feature: a flagged call is never traced (``torch.compile(fullgraph=True)`` raises with the
+reason; without ``fullgraph`` that call runs eagerly between graphs), since the cache is host
+state a compiled graph cannot hold; during CUDA graph capture a bool raises (a
 replay would read one step's copies for ever). The copies live until the op's next ``True``
 call or until the op is freed: about the weights' own bytes (FP8 row-wise + column-wise, with
 scales); deepcopy and pickle leave them out. Under activation checkpointing the recompute of a
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ import torch
 
 from ..tracing import tracing
 
-__all__ = ["WeightCacheEntry", "check_first_microbatch", "first_microbatch",
+__all__ = ["WeightCacheEntry", "call_flagged", "check_first_microbatch", "first_microbatch",
            "first_microbatch_scope", "weight_cache_key"]
 
 _FLAG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_ops_first_microbatch",
@@ -61,8 +62,7 @@ _FLAG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_ops_firs
 
 def check_first_microbatch(value: Any) -> None:
     """Raise ``TypeError`` unless ``value`` is ``None`` or a bool and ``RuntimeError`` for a
-    bool during CUDA graph capture; break the graph (with the reason) for a bool under
-    ``torch.compile`` (see the module docstring)."""
+    bool during CUDA graph capture (see the module docstring)."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"is_first_microbatch must be None, True or False, got "
                         f"{type(value).__name__} ({value!r})")
@@ -72,11 +72,6 @@ def check_first_microbatch(value: Any) -> None:
             "is_first_microbatch during CUDA graph capture: a replay would keep reading the "
             "copies of the captured call's step (a later True call makes new ones); capture "
             "with is_first_microbatch=None (each replay quantizes the weights)")
-    if value is not None and torch.compiler.is_compiling():
-        torch._dynamo.graph_break(msg=(
-            "is_first_microbatch is an eager feature: the quantized weight cache is host state "
-            "a compiled graph cannot keep; under torch.compile leave it None (each call "
-            "quantizes the weights)"))
 
 
 @contextmanager
@@ -92,6 +87,20 @@ def first_microbatch_scope(value: bool | None) -> Iterator[None]:
         yield
     finally:
         _FLAG.reset(token)
+
+
+def _call_flagged(value: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    with first_microbatch_scope(value):
+        return fn(*args)
+
+
+#: ``call_flagged(value, fn, *args)``: ``fn(*args)`` with ``value`` as the flag, always eager:
+#: torch.compile does not trace it (``fullgraph=True`` raises with the reason; otherwise the
+#: call runs eagerly between graphs), since the cache is host state a graph cannot keep.
+call_flagged = torch._dynamo.disable(_call_flagged, reason=(
+    "is_first_microbatch is an eager feature: the quantized weight cache is host state a "
+    "compiled graph cannot keep; under torch.compile(fullgraph=True) leave it None (each call "
+    "quantizes the weights)"))
 
 
 def first_microbatch() -> bool | None:
