@@ -257,9 +257,10 @@ class Sequential(torch.nn.Module):
         order). ``is_first_microbatch`` (TransformerEngine's): under a recipe, ``True``
         quantizes the weights and keeps the copies for the optimizer step's later
         micro-batches, ``False`` reuses them, ``None`` keeps nothing (see
-        :mod:`te_ops.quantization.weight_cache`; ``TypeError`` for another value,
-        ``NotImplementedError`` for a bool under ``torch.compile``, ``RuntimeError`` when
-        ``False`` finds no matching cache)."""
+        :mod:`te_ops.quantization.weight_cache`: ``TypeError`` for another value; a flagged
+        call is not traced by ``torch.compile``, whose ``fullgraph=True`` raises;
+        ``RuntimeError`` during CUDA graph capture and when ``False`` finds no matching
+        cache)."""
         if is_first_microbatch is None:
             return self._forward(input_, extra_inputs)
         return call_flagged(is_first_microbatch, self._forward, input_, extra_inputs)
