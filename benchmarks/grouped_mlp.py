@@ -18,7 +18,8 @@ Peers (``--peers``), each run on the same problem (same weights, inputs, skewed 
     te_ops' default with ``TE_OPS_FUSION=0``.
 ``te_ops_microbatch``
     te_ops' default as a later micro-batch of a gradient-accumulation step
-    (``is_first_microbatch=False`` after one ``True`` call: under a recipe no weight quantize).
+    (``is_first_microbatch=False`` after one ``True`` call: under a recipe no weight quantize;
+    the kept FP8 weight copies, about the weights' bytes, live outside the step's peak).
 ``te_ops_graph``
     te_ops' default captured by ``te_ops.graphs.make_graphed_callable`` (CUDA only).
 ``te_ops_compiled``
