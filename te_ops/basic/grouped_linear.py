@@ -776,33 +776,30 @@ class GroupedLinear(BasicOperation):
         dgrad = ctx.requires_grad and ctx.input_requires_grad
         amax = dgrad and "dgrad" not in recipe.high_precision_gemms()
         flag = first_microbatch()  # is_first_microbatch (te_ops/quantization/weight_cache.py)
-        if flag is None:
-            return quantize_operand(recipe, "weight", w, rowwise=True,
-                                    record_columnwise_amax=amax)
-        key = weight_cache_key(recipe, weights)
         entry = self.__dict__.get("_weight_cache")
-        if flag:
-            if entry is not None:  # the last step's copies go before the new ones are made
-                entry.rowwise = entry.columnwise = None
-            w_op = quantize_operand(recipe, "weight", w, rowwise=True,
-                                    record_columnwise_amax=amax)
-            made = (key, WeightCacheEntry.versions_of(weights),
-                    w_op if is_quantized(w_op) else None)
-            if entry is None:
-                entry = self.__dict__["_weight_cache"] = WeightCacheEntry(*made)
-            else:  # one entry per op: a backward whose context holds it fills the current one
-                entry.reset(*made)
-        else:
+        if flag is False:
             if entry is None:
                 raise RuntimeError(
                     f"{self.describe()}: is_first_microbatch=False, but no quantized weights "
                     "are cached: pass is_first_microbatch=True on the first micro-batch of "
                     "each optimizer step")
-            entry.check(self.describe(), key, weights, self._param_names()[0])
-            w_op = entry.rowwise
-            if w_op is None:  # the recipe keeps fprop in high precision: nothing was kept
-                w_op = quantize_operand(recipe, "weight", w, rowwise=True)
-        ctx.weight_cache = entry  # make_saved keeps it for dgrad's column-wise copy
+            entry.check(self.describe(), weight_cache_key(recipe, weights), weights,
+                        self._param_names()[0])
+            ctx.weight_cache = entry  # make_saved keeps it for dgrad's column-wise copy
+            if entry.rowwise is not None:
+                return entry.rowwise
+            # else the recipe keeps fprop in high precision: nothing was kept
+        elif flag and entry is not None:  # the last step's copies go before new ones are made
+            entry.rowwise = entry.columnwise = None
+        w_op = quantize_operand(recipe, "weight", w, rowwise=True, record_columnwise_amax=amax)
+        if flag:
+            made = (weight_cache_key(recipe, weights), WeightCacheEntry.versions_of(weights),
+                    w_op if is_quantized(w_op) else None)
+            if entry is None:
+                entry = self.__dict__["_weight_cache"] = WeightCacheEntry(*made)
+            else:  # one entry per op: a backward whose context holds it fills the current one
+                entry.reset(*made)
+            ctx.weight_cache = entry
         return w_op
 
     def forward_math(self, x2d: torch.Tensor, splits: GroupedSplits, backend: BackendChoice,

@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,45 +52,30 @@ import torch
 
 from ..tracing import tracing
 
-__all__ = ["WeightCacheEntry", "call_flagged", "check_first_microbatch", "first_microbatch",
-           "first_microbatch_scope", "weight_cache_key"]
+__all__ = ["WeightCacheEntry", "call_flagged", "first_microbatch", "weight_cache_key"]
 
 _FLAG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_ops_first_microbatch",
                                                                    default=None)
 
 
-def check_first_microbatch(value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is ``None`` or a bool and ``RuntimeError`` for a
-    bool during CUDA graph capture (see the module docstring)."""
-    if value is not None and not isinstance(value, bool):
+def _call_flagged(value: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``value`` as the running call's flag. Raises ``TypeError`` unless
+    ``value`` is a bool, and ``RuntimeError`` during CUDA graph capture (see the module
+    docstring). A nested call passing ``None`` does not come here, so it keeps this flag (an
+    op with hooks runs through its own module inside a container's call)."""
+    if not isinstance(value, bool):
         raise TypeError(f"is_first_microbatch must be None, True or False, got "
                         f"{type(value).__name__} ({value!r})")
-    if (value is not None and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing()):
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "is_first_microbatch during CUDA graph capture: a replay would keep reading the "
             "copies of the captured call's step (a later True call makes new ones); capture "
             "with is_first_microbatch=None (each replay quantizes the weights)")
-
-
-@contextmanager
-def first_microbatch_scope(value: bool | None) -> Iterator[None]:
-    """Make ``value`` the flag of the te_ops ops run inside (``None`` keeps an enclosing
-    call's flag: a fuser's op called through its own module inside a container's call)."""
-    check_first_microbatch(value)
-    if value is None:
-        yield
-        return
     token = _FLAG.set(value)
     try:
-        yield
+        return fn(*args)
     finally:
         _FLAG.reset(token)
-
-
-def _call_flagged(value: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    with first_microbatch_scope(value):
-        return fn(*args)
 
 
 #: ``call_flagged(value, fn, *args)``: ``fn(*args)`` with ``value`` as the flag, always eager:
